@@ -1,0 +1,28 @@
+"""ledgerkv: an embedded key-value store on a Raft replicated log.
+
+Layering, bottom up (each layer imports only the ones below it):
+
+- ``kv.raft``         the pure Raft core (no I/O), the LMDB ledger, the TCP transport and
+                      the asyncio driver that ties them together.
+- ``kv.statemachine`` KV commands, the LevelDB state machine and the FSM caller.
+- ``kv.snapshot``     snapshot files, the snapshot directory, install-snapshot, restore.
+- ``kv``              the public face: ``kv.open``, ``kv.Node``, ``kv.Client``, the CLI.
+- ``kv.http``         the aiohttp application; it uses the public ``kv`` API only.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+# In a source checkout the sub-packages live in folders beside this one (raft/, http/, ...),
+# without __init__.py files so that a top-level `http` never shadows the standard library.
+# Appending the repository root to our own __path__ makes `kv.raft` find `raft/`. An
+# installed wheel has them copied under kv/ already, so this only runs from a checkout.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(
+    _os.path.join(_root, "raft")
+):
+    if _root not in __path__:
+        __path__.append(_root)
+
+__version__ = "0.1.0"

@@ -1,0 +1,100 @@
+"""Node configuration: one dataclass read by kv.Node, `kv serve` and the tests.
+
+`kv serve` fills it from flags, a TOML file (`--config`) and `KV_*` environment variables,
+in that precedence (see kv/cli.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from .errors import BadRequest
+
+
+def parse_peers(spec: str | dict) -> dict[str, str]:
+    """`n1=127.0.0.1:7001,n2=...` -> {"n1": "127.0.0.1:7001", ...}."""
+    if isinstance(spec, dict):
+        return {str(k): str(v) for k, v in spec.items()}
+    peers: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        nid, sep, addr = item.partition("=")
+        if not sep or not nid or not addr:
+            raise BadRequest(f"bad peer {item!r}: expected ID=HOST:PORT, e.g. n1=127.0.0.1:7001")
+        check_hostport(addr, f"peer {nid}")
+        if nid in peers:
+            raise BadRequest(f"peer {nid!r} is listed twice in --peers")
+        peers[nid] = addr
+    return peers
+
+
+def check_hostport(addr: str, what: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadRequest(f"bad address {addr!r} for {what}: expected HOST:PORT, e.g. 127.0.0.1:7001")
+    return host or "127.0.0.1", int(port)
+
+
+@dataclass
+class NodeConfig:
+    id: str
+    data_dir: str
+    peers: dict[str, str] = field(default_factory=dict)  # id -> HOST:PORT peers dial
+    http: str | None = None  # HOST:PORT of the client API (None: no HTTP server)
+    group: str = "default"
+    heartbeat_ms: float = 100.0
+    election_timeout_ms: float = 1000.0
+    snapshot_threshold: int = 100_000  # take a snapshot after this many applied entries
+    snapshot_trailing: int = 5_000  # entries kept in the ledger behind a snapshot
+    snapshot_keep: int = 3  # snapshot files kept
+    max_value_bytes: int = 1 << 20
+    token: str | None = None
+    cluster_secret: str | None = None
+    join: str | None = None
+    advertise_http: str | None = None
+    write_timeout_s: float = 5.0
+    read_timeout_s: float = 5.0
+    fsync: bool = True
+    ledger_map_size: int = 32 << 30
+
+    def __post_init__(self) -> None:
+        self.peers = parse_peers(self.peers)
+        if not self.id:
+            raise BadRequest("a node needs an id (--id)")
+        if self.peers and self.id not in self.peers and not self.join:
+            raise BadRequest(f"--peers must list this node ({self.id}) with the address it listens on for peers")
+        if self.http:
+            check_hostport(self.http, "--http")
+        if self.heartbeat_ms <= 0 or self.election_timeout_ms < 2 * self.heartbeat_ms:
+            raise BadRequest("--election-timeout-ms must be at least twice --heartbeat-ms, and both positive")
+        if self.max_value_bytes <= 0:
+            raise BadRequest("--max-value-bytes must be positive")
+        if self.snapshot_threshold <= 0 or self.snapshot_trailing < 0 or self.snapshot_keep < 1:
+            raise BadRequest("snapshot settings: --snapshot-threshold > 0, trailing >= 0, keep >= 1")
+
+    @property
+    def advertise_url(self) -> str:
+        if self.advertise_http:
+            return self.advertise_http.rstrip("/")
+        if not self.http:
+            return ""
+        host, port = check_hostport(self.http, "--http")
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"http://{host}:{port}"
+
+    @property
+    def ledger_path(self) -> str:
+        return os.path.join(self.data_dir, "ledger")
+
+    @property
+    def state_path(self) -> str:
+        return os.path.join(self.data_dir, "state")
+
+    @property
+    def snapshot_path(self) -> str:
+        return os.path.join(self.data_dir, "snapshots")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

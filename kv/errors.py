@@ -1,0 +1,78 @@
+"""The errors of the store API. Every message says what happened and what to do."""
+
+from __future__ import annotations
+
+
+class KVError(Exception):
+    """Base class of all ledgerkv errors. `code` is the HTTP error code name."""
+
+    code = "INTERNAL"
+    http_status = 500
+
+
+class BadRequest(KVError, ValueError):
+    """The request is malformed (bad key, bad body); nothing was changed."""
+
+    code, http_status = "BAD_REQUEST", 400
+
+
+class ValueTooLarge(BadRequest):
+    code, http_status = "VALUE_TOO_LARGE", 413
+
+
+class NotFound(KVError, KeyError):
+    code, http_status = "NOT_FOUND", 404
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "not found"
+
+
+class PreconditionFailed(KVError):
+    """A condition (If-Match, If-None-Match, a txn compare) did not hold; nothing changed."""
+
+    code, http_status = "PRECONDITION_FAILED", 412
+
+    def __init__(self, key: str, mod_index: int) -> None:
+        self.key, self.mod_index = key, mod_index
+        now = f"its mod_index is now {mod_index}" if mod_index else "it does not exist"
+        super().__init__(f"the condition on key {key!r} did not hold ({now}); read it again and retry")
+
+
+class NotLeader(KVError):
+    """No leader could take the request right now (none known, or unreachable). Nothing
+    was written; retrying later is safe."""
+
+    code, http_status = "NO_LEADER", 503
+
+    def __init__(self, message: str, leader: str | None = None) -> None:
+        self.leader = leader
+        super().__init__(message)
+
+
+class NoQuorum(NotLeader):
+    """The node cannot reach a majority, so it cannot confirm a read or commit a write."""
+
+    code = "NO_QUORUM"
+
+
+class Timeout(KVError, TimeoutError):
+    """The write was not confirmed in time: it may or may not have been committed. Read the
+    key to find out before retrying a non-idempotent write."""
+
+    code, http_status = "TIMEOUT", 504
+
+
+class Unavailable(KVError):
+    """The node is stopping, stopped, or overloaded; retry against it later or use another."""
+
+    code, http_status = "UNAVAILABLE", 503
+
+
+class Unauthorized(KVError):
+    code, http_status = "UNAUTHORIZED", 401
+
+
+class SnapshotError(KVError):
+    """A snapshot file is missing, corrupt or of an unknown format."""
+
+    code, http_status = "SNAPSHOT_ERROR", 500

@@ -1,0 +1,459 @@
+"""kv.Node: a cluster member in-process — the replicated log, the state machine, snapshots
+and the store API, wired together. `kv serve` runs one of these behind the HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from .config import NodeConfig
+from .errors import (
+    BadRequest,
+    KVError,
+    NoQuorum,
+    NotLeader,
+    PreconditionFailed,
+    Timeout,
+    Unavailable,
+    ValueTooLarge,
+)
+from .raft import errors as raft_errors
+from .raft.core import CoreConfig
+from .raft.ledger import Ledger, LedgerWrite
+from .raft.membership import Member, Membership
+from .raft.messages import EntryKind, ForwardCode, Role
+from .raft.node import Applied, NodeStopped, Overloaded, RaftNode
+from .statemachine import commands as cmds
+from .statemachine.caller import FSMCaller
+from .statemachine.leveldb import LevelDBStateMachine
+
+log = logging.getLogger("kv.node")
+
+CONSISTENCY = ("linearizable", "lease", "stale")
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    key: str
+    value: bytes
+    mod_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    index: int
+    term: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResult:
+    index: int
+    term: int
+    deleted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    index: int
+    term: int
+    succeeded: bool
+    results: tuple  # per op: WriteResult, DeleteResult or Item|None for a get
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One change seen by a watch: value None means the key was deleted."""
+
+    index: int
+    key: str
+    value: bytes | None
+
+    @property
+    def type(self) -> str:
+        return "delete" if self.value is None else "put"
+
+
+class WatchCompacted(KVError):
+    code, http_status = "COMPACTED", 410
+
+
+class Watch:
+    """An async iterator of Events under a prefix, in commit order. Close it when done."""
+
+    def __init__(self, node: Node, prefix: str) -> None:
+        self.node, self.prefix = node, prefix
+        self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
+
+    def _offer(self, ev: Event) -> None:
+        if ev.key.startswith(self.prefix):
+            self._queue.put_nowait(ev)
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> Event:
+        ev = await self._queue.get()
+        if ev is None:
+            raise StopAsyncIteration
+        return ev
+
+    def close(self) -> None:
+        self.node._watches.discard(self)
+        self._queue.put_nowait(None)
+
+    async def __aenter__(self) -> Watch:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+
+class Node:
+    """A member of a ledgerkv cluster, in-process.
+
+        async with kv.Node(id="n1", data_dir="/tmp/n1",
+                           peers={"n1": "127.0.0.1:7001", "n2": ..., "n3": ...}) as node:
+            await node.put("config/db", b"postgres://...")
+            item = await node.get("config/db")          # linearizable by default
+
+    Any member takes writes (a follower forwards them to the leader over the peer link) and
+    linearizable reads (it asks the leader for a read index, then reads locally).
+    """
+
+    def __init__(self, config: NodeConfig | None = None, **options) -> None:
+        self.config = config if config is not None else NodeConfig(**options)
+        self.raft: RaftNode | None = None
+        self.sm: LevelDBStateMachine | None = None
+        self.ledger: Ledger | None = None
+        self.caller: FSMCaller | None = None
+        self.snapshots = None  # snapshot.manager.SnapshotManager, set in start()
+        self._watches: set[Watch] = set()
+        self._history: collections.deque[Event] = collections.deque(maxlen=10_000)
+        self.started_at = 0.0
+        self.counters = collections.Counter()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> Node:
+        from .snapshot.manager import SnapshotManager  # the snapshot layer sits above raft
+
+        c = self.config
+        os.makedirs(c.data_dir, exist_ok=True)
+        self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync)
+        self.sm = LevelDBStateMachine(c.state_path)
+        self.snapshots = SnapshotManager(self, c.snapshot_path, keep=c.snapshot_keep)
+        await asyncio.get_running_loop().run_in_executor(None, self._reconcile)
+        membership = self._membership()
+        core_cfg = CoreConfig(
+            node_id=c.id,
+            heartbeat_ms=c.heartbeat_ms,
+            election_timeout_ms=c.election_timeout_ms,
+            push_timeout_ms=max(1000.0, c.election_timeout_ms),
+        )
+        self.raft = RaftNode(
+            core_cfg,
+            self.ledger,
+            membership,
+            group=c.group,
+            listen=c.peers.get(c.id),
+            secret=c.cluster_secret,
+            advertise_url=c.advertise_url,
+            applied_index=self.sm.applied()[0],
+        )
+        self.raft.result_encoder = cmds.encode_result
+        self.sm.on_changes = self._on_changes
+        self.caller = FSMCaller(self.raft, self.sm, load_snapshot=self.snapshots.load_into_state_machine)
+        self.snapshots.attach(self.raft, self.caller)
+        await self.raft.start()
+        self.caller.start()
+        self.started_at = time.time()
+        return self
+
+    def _reconcile(self) -> None:
+        """Bring ledger and state machine into agreement after a crash at any point."""
+        sm, ledger = self.sm, self.ledger
+        applied = sm.applied()[0]
+        if sm.incomplete or applied < ledger.before_begin_index:
+            # A snapshot load was cut short, or the ledger was reset to a snapshot the state
+            # machine never loaded: load the newest snapshot that covers the ledger's start.
+            meta = self.snapshots.newest_covering(ledger.before_begin_index)
+            self.snapshots.load_into_state_machine(meta)
+            applied = meta.index
+        if applied > ledger.last_index():
+            # Only an unclean reset can leave the log behind what was applied; everything
+            # applied was committed, so the log can start over after it.
+            idx, term = sm.applied()
+            log.warning("node %s: ledger ends at %d, state at %d: resetting the ledger", self.config.id, ledger.last_index(), idx)
+            ledger.write([LedgerWrite(reset_to=(idx, term))])
+
+    def _membership(self) -> Membership:
+        stored = self.sm.membership()
+        if stored:
+            return Membership.decode(stored)
+        c = self.config
+        me_url = c.advertise_url
+        return Membership.of(Member(i, addr, me_url if i == c.id else "") for i, addr in (c.peers or {c.id: ""}).items())
+
+    async def stop(self) -> None:
+        if self.raft is not None:
+            await self.raft.stop()
+        if self.caller is not None:
+            await self.caller.stop()
+        if self.snapshots is not None:
+            await self.snapshots.stop()
+        for w in list(self._watches):
+            w.close()
+        if self.sm is not None:
+            self.sm.close()
+        if self.ledger is not None:
+            self.ledger.close()
+
+    async def __aenter__(self) -> Node:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    # -- writes ----------------------------------------------------------------------------
+
+    async def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, timeout: float | None = None) -> WriteResult:
+        """Write a value. `if_mod_index=N` writes only if the key's mod_index is N (CAS);
+        `if_absent` only if the key does not exist. Raises PreconditionFailed otherwise."""
+        cond = _cond(key, if_mod_index, if_absent)
+        applied = await self._write(cmds.Put(key, self._value(value), cond), timeout)
+        r = self._raise_failed(applied.result)
+        return WriteResult(r.index, applied.term)
+
+    async def cas(self, key: str, expected_mod_index: int, value: bytes, *, timeout: float | None = None) -> WriteResult:
+        """Compare-and-set on the key's mod_index (0: the key must not exist)."""
+        return await self.put(key, value, if_mod_index=expected_mod_index, timeout=timeout)
+
+    async def delete(self, key: str, *, if_mod_index: int | None = None, timeout: float | None = None) -> DeleteResult:
+        applied = await self._write(cmds.Delete(key, _cond(key, if_mod_index, False)), timeout)
+        r = self._raise_failed(applied.result)
+        return DeleteResult(r.index, applied.term, r.deleted)
+
+    async def txn(self, conds: Sequence[cmds.Cond] = (), ops: Sequence = (), else_ops: Sequence = (), *, timeout: float | None = None) -> TxnResult:
+        """Atomically: if every condition holds run `ops`, else `else_ops`. Ops are
+        kv.statemachine.commands.Put / Delete / Get; conditions are Cond(key, kind, arg)."""
+        for op in (*ops, *else_ops):
+            if isinstance(op, cmds.Put):
+                self._value(op.value)
+        applied = await self._write(cmds.Txn(tuple(conds), tuple(ops), tuple(else_ops)), timeout)
+        r = applied.result
+        if isinstance(r, cmds.CommandError):
+            raise BadRequest(str(r))
+        out = []
+        for x in r.results:
+            if isinstance(x, cmds.PutResult):
+                out.append(WriteResult(x.index, applied.term))
+            elif isinstance(x, cmds.DeleteResult):
+                out.append(DeleteResult(x.index, applied.term, x.deleted))
+            else:
+                out.append(Item(x.key, x.value, x.mod_index) if x.value is not None else None)
+        return TxnResult(r.index, applied.term, r.succeeded, tuple(out))
+
+    def _value(self, value: bytes) -> bytes:
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise BadRequest(f"values are bytes, not {type(value).__name__}: encode it first")
+        if len(value) > self.config.max_value_bytes:
+            raise ValueTooLarge(f"value is {len(value)} bytes; the limit is {self.config.max_value_bytes} (--max-value-bytes)")
+        return bytes(value)
+
+    @staticmethod
+    def _raise_failed(result):
+        if isinstance(result, cmds.PreconditionFailed):
+            raise PreconditionFailed(result.key, result.mod_index)
+        if isinstance(result, cmds.CommandError):
+            raise BadRequest(str(result))
+        return result
+
+    async def _write(self, cmd: cmds.Command, timeout: float | None) -> Applied:
+        try:
+            payload = cmds.encode(cmd)
+        except cmds.CommandError as e:
+            raise BadRequest(str(e)) from e
+        raft = self._running()
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.write_timeout_s)
+        self.counters["writes"] += 1
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                if raft.role == Role.LEADER:
+                    (fut,) = raft.propose_many([(EntryKind.NORMAL, payload)])
+                    return await asyncio.wait_for(asyncio.shield(fut), max(left, 0.001))
+                resp = await asyncio.wait_for(raft.forward(payload), max(left, 0.001))
+            except (asyncio.TimeoutError, TimeoutError):
+                raise Timeout(
+                    f"the write was not confirmed within {timeout or self.config.write_timeout_s:.1f}s; it may or may not "
+                    "have been committed: read the key before retrying"
+                ) from None
+            except raft_errors.NotLeader as e:
+                # Nothing was appended (or what was appended was replaced): safe to retry
+                # once a leader is known.
+                await self._await_leader(deadline, e)
+                continue
+            except raft_errors.TransferInProgress as e:
+                await self._await_leader(deadline, e, force_wait=True)
+                continue
+            except Overloaded as e:
+                raise Unavailable(str(e)) from e
+            except NodeStopped as e:
+                raise Unavailable(str(e)) from e
+            if resp.code == ForwardCode.OK:
+                return Applied(resp.index, resp.term, cmds.decode_result(resp.payload))
+            if resp.code in (ForwardCode.NOT_LEADER, ForwardCode.TRANSFERRING):
+                await self._await_leader(deadline, NotLeader(resp.payload.decode()), force_wait=True)
+                continue
+            if resp.code == ForwardCode.STOPPED:
+                raise Timeout(f"the leader stopped before confirming the write: {resp.payload.decode()}")
+            raise Unavailable(resp.payload.decode())
+
+    async def _await_leader(self, deadline: float, cause: Exception, force_wait: bool = False) -> None:
+        """Wait for a (new) leader, or raise NotLeader when the deadline passes."""
+        raft = self.raft
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise NotLeader(f"no leader could take the request in time ({cause}); retry shortly", raft.leader_id)
+        if raft.leader_id is None or force_wait:
+            changed = raft.leader_changed
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(left, 0.05 if not force_wait else left))
+        else:
+            await asyncio.sleep(min(left, 0.01))
+
+    def _running(self) -> RaftNode:
+        if self.raft is None:
+            raise Unavailable("the node is not started: call await node.start() first")
+        if self.raft.failure is not None:
+            raise Unavailable(f"the node stopped after an error: {self.raft.failure}")
+        return self.raft
+
+    # -- reads -----------------------------------------------------------------------------
+
+    async def read_barrier(self, consistency: str = "linearizable", timeout: float | None = None) -> int:
+        """Wait until a local read is as fresh as `consistency` asks; returns the index
+        this node has applied. stale: at once; lease: the leader's lease; linearizable: a
+        read index confirmed by a majority (Raft thesis §6.4)."""
+        if consistency not in CONSISTENCY:
+            raise BadRequest(f"consistency must be one of {', '.join(CONSISTENCY)}, not {consistency!r}")
+        raft = self._running()
+        if consistency == "stale":
+            return raft.applied_index
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.read_timeout_s)
+        self.counters["read_barriers"] += 1
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(raft.read_index(lease=consistency == "lease"), max(left, 0.001))
+                return raft.applied_index
+            except (asyncio.TimeoutError, TimeoutError):
+                raise NoQuorum(
+                    "could not confirm a read with a majority in time (no leader, or it cannot reach a quorum); "
+                    "retry, or read with consistency=stale", raft.leader_id
+                ) from None
+            except raft_errors.NotLeader as e:
+                try:
+                    await self._await_leader(deadline, e, force_wait=raft.leader_id is not None)
+                except NotLeader as nl:
+                    raise NoQuorum(str(nl), raft.leader_id) from None
+            except NodeStopped as e:
+                raise Unavailable(str(e)) from e
+
+    async def get(self, key: str, *, consistency: str = "linearizable", timeout: float | None = None) -> Item | None:
+        cmds.check_key(key) if key else None
+        if not key:
+            raise BadRequest("a key is a non-empty string")
+        await self.read_barrier(consistency, timeout)
+        got = self.sm.get(key)
+        return Item(key, got[1], got[0]) if got else None
+
+    async def scan(self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", timeout: float | None = None) -> list[Item]:
+        """Keys under a prefix in key order, strictly after `after`, at most `limit`."""
+        if limit <= 0:
+            raise BadRequest("limit must be positive")
+        await self.read_barrier(consistency, timeout)
+        return [Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit)]
+
+    # -- watch -----------------------------------------------------------------------------
+
+    def watch(self, prefix: str = "", *, start_index: int | None = None) -> Watch:
+        """Every change under prefix in commit order, from start_index (default: the next
+        one applied). Changes are kept in memory for a while; asking for older ones raises
+        WatchCompacted: scan, then watch from the index the scan saw."""
+        w = Watch(self, prefix)
+        if start_index is not None:
+            applied = self._running().applied_index
+            if start_index <= applied:
+                oldest = self._history[0].index if self._history else applied + 1
+                if start_index < oldest:
+                    raise WatchCompacted(
+                        f"changes before index {oldest} are no longer kept; scan the prefix and watch from "
+                        f"{applied + 1}"
+                    )
+                for ev in self._history:
+                    if ev.index >= start_index:
+                        w._offer(ev)
+        self._watches.add(w)
+        return w
+
+    def _on_changes(self, changes) -> None:
+        hist = self._history
+        watches = self._watches
+        for index, key, value in changes:
+            ev = Event(index, key, value)
+            hist.append(ev)
+            for w in watches:
+                w._offer(ev)
+
+    # -- status ----------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        """This node's own view (never forwarded): the fields of GET /v1/status."""
+        raft = self._running() if self.raft is not None else None
+        if raft is None:
+            return {"id": self.config.id, "role": "stopped"}
+        core = raft.core
+        snap = self.snapshots.newest_meta() if self.snapshots else None
+        return {
+            "id": self.config.id,
+            "role": core.role.label,
+            "term": core.term,
+            "leader": core.leader_id,
+            "commit_index": core.commit_index,
+            "applied_index": raft.applied_index,
+            "ledger_begin_index": core.log.before_index,
+            "ledger_end_index": core.log.last_index(),
+            "snapshot_index": snap.index if snap else 0,
+            "peers": {
+                m.id: {
+                    "address": m.peer_addr,
+                    "voter": m.voter,
+                    **(
+                        {"match_index": core.progress[m.id].match, "state": core.progress[m.id].state.value}
+                        if m.id in core.progress
+                        else {}
+                    ),
+                }
+                for m in core.membership.members.values()
+                if m.id != self.config.id
+            },
+        }
+
+
+def _cond(key: str, if_mod_index: int | None, if_absent: bool) -> cmds.Cond | None:
+    if if_absent and if_mod_index is not None:
+        raise BadRequest("give either if_mod_index or if_absent, not both")
+    if if_absent:
+        return cmds.Cond(key, "mod", 0)
+    if if_mod_index is not None:
+        if if_mod_index < 0:
+            raise BadRequest("if_mod_index must be >= 0")
+        return cmds.Cond(key, "mod", int(if_mod_index))
+    return None

@@ -1,0 +1,540 @@
+"""The driver: runs a RaftCore with asyncio, the LMDB ledger and the TCP transport.
+
+One task (`_run`) owns the core. It wakes when something arrives (a message, a proposal, a
+read, a finished write, a timer) — never by polling — steps the core with everything that
+queued up, and handles the Ready in the order core.py documents:
+
+- `messages` go to the transport at once;
+- hard state, snapshot reset and entries go to the ledger writer: one thread, one LMDB
+  transaction and one fsync for everything queued while the previous write ran (group
+  commit); `persisted_messages` leave only when their write is done;
+- `applicable_index` wakes the FSM caller (statemachine/caller.py), which reads committed
+  entries back through `entries()` and reports each batch with `applied()`.
+
+A proposal's future resolves when the state machine has applied its index: with the result
+if the entry there still has the proposal's term, with NotLeader if another leader's entry
+took its place (the write did not happen; retry is safe). A deposed leader therefore never
+acknowledges a write it cannot prove committed; a caller that gives up waiting knows only
+that the outcome is unknown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .core import CoreConfig, RaftCore, Ready
+from .errors import NotLeader, RaftError, TransferInProgress
+from .ledger import Ledger, LedgerWrite
+from .membership import Membership
+from .messages import (
+    Entry,
+    EntryKind,
+    ForwardCode,
+    ForwardRequest,
+    ForwardResponse,
+    Message,
+    Role,
+    SnapshotChunk,
+    SnapshotChunkAck,
+    SnapshotMeta,
+)
+from .transport import Transport
+
+log = logging.getLogger("kv.raft.node")
+
+
+class NodeStopped(RaftError):
+    """The node stopped (or failed) before the request finished; its outcome is unknown."""
+
+
+class Overloaded(RaftError):
+    """Too many writes are waiting to commit on this node; retry after a moment."""
+
+
+class SnapshotHooks(Protocol):
+    """What the driver needs from the snapshot layer (snapshot/transfer.py)."""
+
+    def start_send(self, peer: str, seq: int, term: int) -> None:
+        """Stream the newest snapshot to peer; then call node.report_snapshot()."""
+
+    def on_message(self, msg: SnapshotChunk | SnapshotChunkAck) -> None: ...
+
+    def install(self, meta: SnapshotMeta) -> None:
+        """In the ledger writer thread, before the ledger is reset to the snapshot: make the
+        received snapshot file the node's newest one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """What a proposal's future resolves to."""
+
+    index: int
+    term: int
+    result: Any
+
+
+class RaftNode:
+    def __init__(
+        self,
+        config: CoreConfig,
+        ledger: Ledger,
+        membership: Membership,
+        *,
+        group: str = "default",
+        listen: str | None = None,
+        secret: str | None = None,
+        advertise_url: str = "",
+        applied_index: int = 0,
+        max_pending: int = 1 << 16,
+    ) -> None:
+        self.id = config.node_id
+        self.cfg = config
+        self.ledger = ledger
+        self.group = group
+        self._membership0 = membership
+        me = membership.get(self.id)
+        self.listen = listen or (me.peer_addr if me else None)
+        self.core = RaftCore(config, ledger, ledger.hard_state(), membership, applied_index, self._clock(), seed=None)
+        self.transport: Transport | None = None
+        self._secret, self._advertise_url = secret, advertise_url
+        self.snapshots: SnapshotHooks | None = None
+        self.on_applicable: Callable[[int], None] | None = None
+        self.on_snapshot: Callable[[SnapshotMeta], None] | None = None  # a snapshot replaced the log
+        self.on_role_change: Callable[[RaftNode], None] | None = None
+        # Encodes an apply result for a follower that forwarded the command (kv sets it).
+        self.result_encoder: Callable[[Any], bytes] = lambda r: b""
+        self._forwards: dict[int, asyncio.Future] = {}
+        self.applied_index = applied_index
+        self._inbox: list[Message] = []
+        self._proposals: list[tuple[int, bytes, asyncio.Future]] = []
+        self._reads: list[tuple[int, bool]] = []
+        self._read_futs: dict[int, asyncio.Future] = {}
+        self._ctx = itertools.count(1)
+        self._pending: dict[int, tuple[int, asyncio.Future]] = {}  # index -> (term, future)
+        self._apply_waiters: list[tuple[int, asyncio.Future]] = []
+        self.max_pending = max_pending
+        self._persist_queue: list[Ready] = []
+        self._writing = False
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"ledger-{self.id}")
+        self._wake = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._task: asyncio.Task | None = None
+        self._stopped = False
+        self.failure: BaseException | None = None
+        self.leader_changed = asyncio.Event()
+        self.stats = {"proposals": 0, "writes": 0, "fsynced_entries": 0, "ready": 0}
+
+    @staticmethod
+    def _clock() -> float:
+        return time.monotonic() * 1000.0
+
+    # ======================================================================================
+    # Lifecycle
+
+    async def start(self) -> None:
+        if self.listen is not None and len(self._membership0.members) > 1:
+            self.transport = Transport(
+                self.id,
+                self.group,
+                self.listen,
+                self._on_message,
+                is_member=lambda pid: pid in self.core.membership,
+                secret=self._secret,
+                advertise_url=self._advertise_url,
+                on_connected=self._on_connected,
+            )
+            await self.transport.start()
+            self._update_peers()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"raft-{self.id}")
+        if self.core.membership.voters == {self.id}:
+            self.core.campaign(self._clock())  # alone: no reason to wait for a timeout
+        self._wake.set()
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._wake.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._timer is not None:
+            self._timer.cancel()
+        if self.transport is not None:
+            await self.transport.stop()
+        # Let an fsync in progress finish: its entries were handed to the ledger.
+        await asyncio.get_running_loop().run_in_executor(None, self._writer.shutdown, True)
+        self._fail_all(NodeStopped("the node stopped; the outcome of this request is unknown"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        futs = [f for _, f in self._pending.values()] + [f for *_, f in self._proposals]
+        futs += list(self._read_futs.values()) + [f for _, f in self._apply_waiters]
+        futs += list(self._forwards.values())
+        self._forwards.clear()
+        self._pending.clear()
+        self._proposals.clear()
+        self._read_futs.clear()
+        self._apply_waiters.clear()
+        for f in futs:
+            if not f.done():
+                f.set_exception(exc)
+
+    def _update_peers(self) -> None:
+        if self.transport is not None:
+            self.transport.set_peers({m.id: m.peer_addr for m in self.core.membership.members.values()})
+
+    # ======================================================================================
+    # Requests
+
+    def _check_running(self) -> None:
+        if self._stopped or self.failure is not None:
+            raise NodeStopped(f"node {self.id} is not running" + (f": {self.failure}" if self.failure else ""))
+
+    async def propose(self, data: bytes, kind: int = EntryKind.NORMAL) -> Applied:
+        """Replicate one command; resolves once it is committed and applied here."""
+        (fut,) = self.propose_many([(kind, data)])
+        return await fut
+
+    def propose_many(self, items: Sequence[tuple[int, bytes]]) -> list[asyncio.Future]:
+        """Queue several commands at once; each future resolves like propose()'s."""
+        self._check_running()
+        core = self.core
+        if core.role != Role.LEADER:
+            raise NotLeader(core.leader_id)
+        if core.transferee is not None:
+            raise TransferInProgress(core.transferee)
+        if len(self._pending) + len(self._proposals) >= self.max_pending:
+            raise Overloaded(f"{self.max_pending} writes are already waiting to commit on {self.id}; retry shortly")
+        loop = asyncio.get_running_loop()
+        futs = []
+        for kind, data in items:
+            f = loop.create_future()
+            self._proposals.append((kind, data, f))
+            futs.append(f)
+        self._wake.set()
+        return futs
+
+    async def forward(self, payload: bytes) -> ForwardResponse:
+        """Hand a command to the leader over the peer link and wait for its answer (the
+        caller bounds the wait; giving up means the outcome is unknown)."""
+        self._check_running()
+        leader = self.core.leader_id
+        if leader is None or leader == self.id or self.transport is None:
+            raise NotLeader(leader)
+        req_id = next(self._ctx)
+        fut = asyncio.get_running_loop().create_future()
+        self._forwards[req_id] = fut
+        try:
+            if not self.transport.send(ForwardRequest(self.id, leader, req_id, payload)):
+                raise NotLeader(None, f"the leader {leader} cannot be reached from {self.id} right now; retry shortly")
+            return await fut
+        finally:
+            self._forwards.pop(req_id, None)
+
+    async def _serve_forward(self, m: ForwardRequest) -> None:
+        code, index, term, payload = ForwardCode.OK, 0, 0, b""
+        try:
+            applied = await self.propose(m.payload)
+            index, term, payload = applied.index, applied.term, self.result_encoder(applied.result)
+        except NotLeader as e:
+            code, payload = ForwardCode.NOT_LEADER, str(e).encode()
+        except TransferInProgress as e:
+            code, payload = ForwardCode.TRANSFERRING, str(e).encode()
+        except Overloaded as e:
+            code, payload = ForwardCode.OVERLOADED, str(e).encode()
+        except NodeStopped as e:
+            code, payload = ForwardCode.STOPPED, str(e).encode()
+        if self.transport is not None and not self._stopped:
+            leader = self.core.leader_id or ""
+            self.transport.send(ForwardResponse(self.id, m.src, m.req_id, code, index, term, leader, payload))
+
+    async def read_index(self, lease: bool = False) -> int:
+        """Linearizable read barrier: returns an index such that once this node has applied
+        it (it has, when this returns), a local read sees every write acknowledged before
+        the call. On a follower the leader is asked for it."""
+        self._check_running()
+        ctx = next(self._ctx)
+        fut = asyncio.get_running_loop().create_future()
+        self._read_futs[ctx] = fut
+        self._reads.append((ctx, lease))
+        self._wake.set()
+        index = await fut
+        await self.wait_applied(index)
+        return index
+
+    async def wait_applied(self, index: int) -> None:
+        if self.applied_index >= index:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._apply_waiters.append((index, fut))
+        await fut
+
+    async def transfer_leadership(self, to: str) -> None:
+        self._check_running()
+        self.core.transfer_leadership(to, self._clock())
+        self._wake.set()
+
+    async def run_in_writer(self, fn: Callable[[], Any]) -> Any:
+        """Run fn in the ledger writer thread, between group commits (ledger compaction)."""
+        return await asyncio.get_running_loop().run_in_executor(self._writer, fn)
+
+    def report_snapshot(self, peer: str, seq: int, ok: bool) -> None:
+        self.core.report_snapshot(peer, seq, ok, self._clock())
+        self._wake.set()
+
+    def step_local(self, msg: Message) -> None:
+        """Feed a message produced on this node (the snapshot receiver's install request)."""
+        self._inbox.append(msg)
+        self._wake.set()
+
+    # ======================================================================================
+    # The FSM caller's side
+
+    def entries(self, lo: int, hi: int, max_bytes: int = 8 << 20) -> list[Entry]:
+        return self.core.log.entries(lo, hi, max_bytes, 1 << 30)
+
+    def applied(self, entries: Sequence[Entry], results: Sequence[Any]) -> None:
+        """The state machine applied these entries (in order) with these results."""
+        pending = self._pending
+        for e, r in zip(entries, results):
+            p = pending.pop(e.index, None) if pending else None
+            if p is not None:
+                term, fut = p
+                if fut.done():
+                    continue
+                if term == e.term:
+                    fut.set_result(Applied(e.index, e.term, r))
+                else:
+                    fut.set_exception(NotLeader(self.core.leader_id, "the write was replaced by a new leader's entry and did not happen; retry it"))
+        if entries:
+            self.applied_index = entries[-1].index
+        self._release_apply_waiters()
+
+    def reset_applied(self, index: int) -> None:
+        """The state machine was replaced by a snapshot up to index (the FSM caller calls
+        this once it has loaded a snapshot the leader installed)."""
+        self.applied_index = index
+        for i in [i for i in self._pending if i <= index]:
+            term, fut = self._pending.pop(i)
+            if not fut.done():
+                fut.set_exception(NotLeader(self.core.leader_id, "the node installed a snapshot; the outcome is unknown"))
+        self._release_apply_waiters()
+
+    def _release_apply_waiters(self) -> None:
+        if not self._apply_waiters:
+            return
+        keep = []
+        for idx, fut in self._apply_waiters:
+            if idx <= self.applied_index:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((idx, fut))
+        self._apply_waiters = keep
+
+    # ======================================================================================
+    # Inputs from the network
+
+    def _on_message(self, msg: Message) -> None:
+        t = type(msg)
+        if t is ForwardRequest:
+            asyncio.get_running_loop().create_task(self._serve_forward(msg))
+            return
+        if t is ForwardResponse:
+            fut = self._forwards.get(msg.req_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            return
+        if t is SnapshotChunk or t is SnapshotChunkAck:
+            if self.snapshots is not None:
+                self.snapshots.on_message(msg)
+            return
+        self._inbox.append(msg)
+        self._wake.set()
+
+    def _on_connected(self, peer: str) -> None:
+        self.core.peer_connected(peer, self._clock())
+        self._wake.set()
+
+    # ======================================================================================
+    # The loop
+
+    async def _run(self) -> None:
+        try:
+            while not self._stopped:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._stopped:
+                    break
+                self._step()
+        except Exception as e:  # a bug or a failed fsync: stop rather than go on wrong
+            log.exception("node %s failed", self.id)
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> None:
+        """Stop serving after an error that leaves this node unable to go on safely."""
+        self.failure = e
+        self._stopped = True
+        self._fail_all(NodeStopped(f"node {self.id} failed: {e}"))
+        self.leader_changed.set()
+
+    def _step(self) -> None:
+        core = self.core
+        now = self._clock()
+        if self._inbox:
+            inbox, self._inbox = self._inbox, []
+            for m in inbox:
+                core.step(m, now)
+        if self._proposals:
+            self._propose_queued(now)
+        if self._reads:
+            reads, self._reads = self._reads, []
+            for ctx, lease in reads:
+                core.read_index(ctx, now, lease)
+        if now >= core.next_deadline():
+            core.tick(now)
+        while core.has_ready():
+            self._handle(core.ready())
+        self._arm_timer()
+
+    def _propose_queued(self, now: float) -> None:
+        props, self._proposals = self._proposals, []
+        try:
+            term, first = self.core.propose([(k, d) for k, d, _ in props], now)
+        except (NotLeader, TransferInProgress) as e:
+            for *_, f in props:
+                if not f.done():
+                    f.set_exception(e)
+            return
+        self.stats["proposals"] += len(props)
+        for i, (_, _, f) in enumerate(props, first):
+            self._pending[i] = (term, f)
+
+    def _handle(self, rd: Ready) -> None:
+        self.stats["ready"] += 1
+        if rd.role_changed:
+            self._role_changed()
+        t = self.transport
+        if t is not None:
+            for m in rd.messages:
+                t.send(m)
+        if rd.must_persist or rd.persisted_messages:
+            self._persist_queue.append(rd)
+            self._kick_writer()
+        if rd.applicable_index is not None and self.on_applicable is not None:
+            self.on_applicable(rd.applicable_index)
+        for rs in rd.read_states:
+            fut = self._read_futs.pop(rs.ctx, None)
+            if fut is not None and not fut.done():
+                fut.set_result(rs.index)
+        for rf in rd.read_failures:
+            fut = self._read_futs.pop(rf.ctx, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(NotLeader(rf.leader))
+        if rd.snapshot_sends:
+            for s in rd.snapshot_sends:
+                if self.snapshots is not None:
+                    self.snapshots.start_send(s.peer, s.seq, self.core.term)
+                else:
+                    self.core.report_snapshot(s.peer, s.seq, False, self._clock())
+
+    def _role_changed(self) -> None:
+        c = self.core
+        log.info("node %s: %s in term %d, leader %s", self.id, c.role.label, c.term, c.leader_id)
+        self.leader_changed.set()
+        self.leader_changed = asyncio.Event()
+        if self.on_role_change is not None:
+            self.on_role_change(self)
+
+    def _arm_timer(self) -> None:
+        at = self.core.next_deadline()
+        if self._timer is not None:
+            if self._timer_at <= at:
+                return  # an earlier wake-up is set already; the step then re-arms
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, (at - self._clock()) / 1000.0)
+        self._timer_at = at
+        self._timer = loop.call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._wake.set()
+
+    # ======================================================================================
+    # The ledger writer (group commit)
+
+    def _kick_writer(self) -> None:
+        if self._writing or not self._persist_queue:
+            return
+        batch, self._persist_queue = self._persist_queue, []
+        self._writing = True
+        fut = asyncio.get_running_loop().run_in_executor(self._writer, self._write, batch)
+        fut.add_done_callback(lambda f: self._written(batch, f))
+
+    def _write(self, batch: list[Ready]) -> None:
+        writes = []
+        for rd in batch:
+            if rd.snapshot is not None and self.snapshots is not None:
+                self.snapshots.install(rd.snapshot)
+            if rd.must_persist:
+                reset = (rd.snapshot.index, rd.snapshot.term) if rd.snapshot is not None else None
+                writes.append(LedgerWrite(rd.hard_state, reset, rd.entries_from, rd.entries))
+        if writes:
+            self.ledger.write(writes)
+
+    def _written(self, batch: list[Ready], fut: asyncio.Future) -> None:
+        self._writing = False
+        exc = fut.exception()
+        if exc is not None:
+            log.error("node %s: ledger write failed, stopping: %s", self.id, exc)
+            self.fail(exc)
+            return
+        self.stats["writes"] += 1
+        t = self.transport
+        for rd in batch:
+            self.stats["fsynced_entries"] += len(rd.entries)
+            if t is not None:
+                for m in rd.persisted_messages:
+                    t.send(m)
+            self.core.on_persisted(rd)
+            if rd.snapshot is not None and self.on_snapshot is not None:
+                self.on_snapshot(rd.snapshot)
+        self._kick_writer()
+        self._wake.set()
+
+    # ======================================================================================
+    # Status
+
+    def status(self) -> dict:
+        s = self.core.status()
+        s["applied_index"] = self.applied_index
+        s["membership"] = self.core.membership.to_dict()
+        return s
+
+    @property
+    def role(self) -> Role:
+        return self.core.role
+
+    @property
+    def leader_id(self) -> str | None:
+        return self.core.leader_id
+
+    def leader_url(self) -> str | None:
+        """The client URL of the leader, if known (announced in its transport handshake)."""
+        lid = self.core.leader_id
+        if lid is None:
+            return None
+        if lid == self.id:
+            return self._advertise_url or None
+        m = self.core.membership.get(lid)
+        if m is not None and m.http_url:
+            return m.http_url
+        return self.transport.peer_urls.get(lid) if self.transport else None

@@ -1,0 +1,328 @@
+"""Peer transport: persistent TCP connections carrying length-prefixed binary frames.
+
+Each node dials every other member once and only *sends* on that connection; it receives
+on the connections others dialed to it. So a link i→j carries i's messages to j, and a test
+proxy on that link can cut one direction only.
+
+A connection starts with a handshake (frames of their own, before any message):
+
+    dialer   → HELLO      magic, group, from id, to id, from's client URL, nonce_c
+    acceptor → WELCOME    nonce_s, proof_s = HMAC(secret, "accept"|group|from|to|nonce_c)
+    dialer   → AUTH       proof_c = HMAC(secret, "dial"|group|from|to|nonce_c|nonce_s)
+
+The acceptor refuses (and closes) unless the group is its own, `to` is itself, `from` is a
+member and, with a cluster secret, proof_c is right (constant-time compare); the dialer
+checks proof_s, so entries never leak to a process that does not know the secret either.
+After that every frame must carry `src` = the authenticated id and `dst` = the acceptor.
+Peers are known by id, never by address: the address dialled may be a proxy or a NAT.
+A frame that does not parse, is too large or breaks these rules closes that connection and
+nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import os
+import struct
+from collections.abc import Callable
+
+from . import codec
+from .messages import Message
+
+log = logging.getLogger("kv.raft.transport")
+
+MAGIC = b"LKV1"
+_HELLO, _WELCOME, _AUTH = 100, 101, 102
+HANDSHAKE_TIMEOUT = 5.0
+WRITE_BUFFER_LIMIT = 64 << 20  # beyond this a peer is too slow: drop messages to it
+
+
+def _pack_strs(*items: bytes) -> bytes:
+    return b"".join(struct.pack(">H", len(x)) + x for x in items)
+
+
+def _unpack_strs(body: bytes | memoryview, count: int) -> list[bytes]:
+    out, o = [], 0
+    for _ in range(count):
+        (n,) = struct.unpack_from(">H", body, o)
+        o += 2
+        item = bytes(body[o : o + n])
+        if len(item) != n:
+            raise codec.CodecError("handshake frame is truncated")
+        out.append(item)
+        o += n
+    if o != len(body):
+        raise codec.CodecError("stray bytes in handshake frame")
+    return out
+
+
+def _mac(secret: bytes | None, *parts: bytes) -> bytes:
+    if not secret:
+        return b""
+    return hmac.new(secret, b"|".join(parts), hashlib.sha256).digest()
+
+
+class _FrameReader:
+    """Splits a byte stream into (type, body) frames."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[int, memoryview]]:
+        buf = self._buf
+        buf += data
+        frames = []
+        o = 0
+        hdr = codec.FRAME_HEADER
+        while len(buf) - o >= hdr.size:
+            length, ftype = hdr.unpack_from(buf, o)
+            if length < 1 or length > codec.MAX_FRAME:
+                raise codec.CodecError(f"frame length {length} out of bounds")
+            end = o + 4 + length
+            if end > len(buf):
+                break
+            frames.append((ftype, memoryview(bytes(buf[o + hdr.size : end]))))
+            o = end
+        if o:
+            del buf[:o]
+        return frames
+
+
+class _Inbound(asyncio.Protocol):
+    """A connection another node dialed to us: handshake, then receive messages."""
+
+    def __init__(self, t: Transport) -> None:
+        self.t = t
+        self.reader = _FrameReader()
+        self.peer: str | None = None
+        self.nonce_c = b""
+        self.nonce_s = b""
+        self.authed = False
+        self.transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.t._inbound.add(self)
+        self._timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
+
+    def _handshake_timeout(self) -> None:
+        if not self.authed:
+            self.close("no handshake in time")
+
+    def connection_lost(self, exc) -> None:
+        self.t._inbound.discard(self)
+        if self._timer:
+            self._timer.cancel()
+
+    def close(self, why: str) -> None:
+        if self.transport and not self.transport.is_closing():
+            log.warning("closing peer connection from %s: %s", self.peer or "unknown", why)
+            self.t.rejected_connections += 1
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.reader.feed(data)
+            for ftype, body in frames:
+                if self.authed:
+                    msg = codec.decode(ftype, body)
+                    if msg.src != self.peer or msg.dst != self.t.node_id:
+                        raise codec.CodecError(f"message {msg.src}->{msg.dst} on the link from {self.peer}")
+                    self.t._deliver(msg)
+                else:
+                    self._handshake(ftype, body)
+        except codec.CodecError as e:
+            self.close(str(e))
+
+    def _handshake(self, ftype: int, body: memoryview) -> None:
+        t = self.t
+        if ftype == _HELLO and self.peer is None:
+            magic, group, src, dst, url, nonce_c = _unpack_strs(body, 6)
+            if magic != MAGIC:
+                raise codec.CodecError("not a ledgerkv peer")
+            src_s = src.decode()
+            if group.decode() != t.group:
+                raise codec.CodecError(f"peer {src_s!r} is in group {group.decode()!r}, we are in {t.group!r}")
+            if dst.decode() != t.node_id:
+                raise codec.CodecError(f"peer {src_s!r} dialled node {dst.decode()!r} but reached {t.node_id!r}")
+            if not t.is_member(src_s):
+                raise codec.CodecError(f"{src_s!r} is not a member of this cluster")
+            self.peer, self.nonce_c, self.nonce_s = src_s, nonce_c, os.urandom(16)
+            self._url = url.decode()
+            proof = _mac(t.secret, b"accept", group, src, dst, nonce_c)
+            self.transport.write(codec._frame(_WELCOME, _pack_strs(self.nonce_s, proof)))
+        elif ftype == _AUTH and self.peer is not None:
+            (proof,) = _unpack_strs(body, 1)
+            expect = _mac(t.secret, b"dial", t.group.encode(), self.peer.encode(), t.node_id.encode(), self.nonce_c, self.nonce_s)
+            if not hmac.compare_digest(proof, expect):
+                raise codec.CodecError(f"peer {self.peer!r} failed cluster-secret authentication")
+            self.authed = True
+            self._timer.cancel()
+            if self._url:
+                t.peer_urls[self.peer] = self._url
+        else:
+            raise codec.CodecError("unexpected frame during handshake")
+
+
+class _Outbound(asyncio.Protocol):
+    """Our connection to one peer: handshake, then send only."""
+
+    def __init__(self, link: _Link) -> None:
+        self.link = link
+        self.reader = _FrameReader()
+        self.transport: asyncio.Transport | None = None
+        self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.nonce_c = os.urandom(16)
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        t = self.link.t
+        hello = _pack_strs(MAGIC, t.group.encode(), t.node_id.encode(), self.link.peer.encode(), t.advertise_url.encode(), self.nonce_c)
+        transport.write(codec._frame(_HELLO, hello))
+
+    def data_received(self, data: bytes) -> None:
+        t = self.link.t
+        try:
+            for ftype, body in self.reader.feed(data):
+                if ftype != _WELCOME or self.ready.done():
+                    raise codec.CodecError("peers send nothing back on this link but the handshake")
+                nonce_s, proof = _unpack_strs(body, 2)
+                g, me, peer = t.group.encode(), t.node_id.encode(), self.link.peer.encode()
+                if not hmac.compare_digest(proof, _mac(t.secret, b"accept", g, me, peer, self.nonce_c)):
+                    raise codec.CodecError(f"{self.link.peer} failed cluster-secret authentication")
+                self.transport.write(codec._frame(_AUTH, _pack_strs(_mac(t.secret, b"dial", g, me, peer, self.nonce_c, nonce_s))))
+                self.ready.set_result(True)
+        except codec.CodecError as e:
+            log.warning("dropping connection to %s: %s", self.link.peer, e)
+            self.transport.close()
+
+    def connection_lost(self, exc) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(f"{self.link.peer} closed the connection during the handshake"))
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+
+class _Link:
+    """Keeps one outbound connection alive, reconnecting with backoff."""
+
+    def __init__(self, t: Transport, peer: str, addr: str) -> None:
+        self.t, self.peer, self.addr = t, peer, addr
+        self.conn: _Outbound | None = None
+        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{t.node_id}-{peer}")
+
+    async def _run(self) -> None:
+        delay = 0.02
+        loop = asyncio.get_running_loop()
+        while True:
+            host, _, port = self.addr.rpartition(":")
+            proto: _Outbound | None = None
+            try:
+                _, proto = await loop.create_connection(lambda: _Outbound(self), host, int(port))
+                await asyncio.wait_for(proto.ready, HANDSHAKE_TIMEOUT)
+            except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
+                if proto is not None and proto.transport is not None:
+                    proto.transport.close()
+                log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            delay = 0.02
+            self.conn = proto
+            self.t._connected(self.peer)
+            await proto.lost
+            self.conn = None
+
+    def send(self, frame: bytes) -> bool:
+        c = self.conn
+        if c is None or c.transport.is_closing():
+            return False
+        if c.transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
+            return False
+        c.transport.write(frame)
+        return True
+
+    def close(self) -> None:
+        self.task.cancel()
+        if self.conn is not None:
+            self.conn.transport.close()
+
+
+class Transport:
+    def __init__(
+        self,
+        node_id: str,
+        group: str,
+        listen: str,
+        on_message: Callable[[Message], None],
+        *,
+        is_member: Callable[[str], bool],
+        secret: str | None = None,
+        advertise_url: str = "",
+        on_connected: Callable[[str], None] | None = None,
+    ) -> None:
+        self.node_id, self.group, self.listen = node_id, group, listen
+        self._on_message = on_message
+        self.is_member = is_member
+        self.secret = secret.encode() if secret else None
+        self.advertise_url = advertise_url
+        self._on_connected = on_connected
+        self._links: dict[str, _Link] = {}
+        self._inbound: set[_Inbound] = set()
+        self._server: asyncio.base_events.Server | None = None
+        self.peer_urls: dict[str, str] = {}  # client URLs peers announced in their HELLO
+        self.rejected_connections = 0
+        self.sent_frames = 0
+        self.dropped_frames = 0
+
+    async def start(self) -> None:
+        host, _, port = self.listen.rpartition(":")
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Inbound(self), host or "127.0.0.1", int(port), reuse_address=True)
+
+    def set_peers(self, peers: dict[str, str]) -> None:
+        """Dial these peers (id -> address); stop dialling those no longer listed."""
+        for pid in list(self._links):
+            if pid not in peers or peers[pid] != self._links[pid].addr:
+                self._links.pop(pid).close()
+        for pid, addr in peers.items():
+            if pid != self.node_id and pid not in self._links:
+                self._links[pid] = _Link(self, pid, addr)
+
+    def send(self, msg: Message) -> bool:
+        """Queue a message for its destination; False if it was dropped (no connection,
+        or the peer is too slow). Raft copes with lost messages: re-push and heartbeats."""
+        link = self._links.get(msg.dst)
+        if link is not None and link.send(codec.encode(msg)):
+            self.sent_frames += 1
+            return True
+        self.dropped_frames += 1
+        return False
+
+    def connected(self, peer: str) -> bool:
+        link = self._links.get(peer)
+        return link is not None and link.conn is not None
+
+    def _deliver(self, msg: Message) -> None:
+        self._on_message(msg)
+
+    def _connected(self, peer: str) -> None:
+        if self._on_connected is not None:
+            self._on_connected(peer)
+
+    async def stop(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._inbound):
+            if conn.transport is not None:
+                conn.transport.close()
+        if self._server is not None:
+            await self._server.wait_closed()

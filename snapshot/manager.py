@@ -1,0 +1,308 @@
+"""Snapshots of a running node: when to take them, compaction behind them, and streaming
+them to followers that fell behind ledgerBeforeBeginIndex (install-snapshot).
+
+Taking a snapshot pins a LevelDB snapshot in the event loop (cheap, consistent with the
+applied index) and writes the file in a worker thread, so applying and replication go on.
+Then LevelDB is synced and the ledger compacted up to the snapshot index minus a trailing
+window (etcd keeps 5,000 entries, hashicorp TrailingLogs; DLedger keeps none, so any slow
+follower needs a whole snapshot) — in the ledger writer thread, between group commits.
+
+Install-snapshot (Raft Figure 13, not DLedger's one JSON message): the leader streams the
+newest file in chunks with a window of unacknowledged bytes; the follower appends them to a
+partial file, acknowledging how much it holds, so a broken connection resumes where it
+stopped. The follower verifies the whole file before its core sees the install; a file that
+fails is discarded and the node keeps its state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from ..raft.messages import InstallSnapshotRequest, Role, SnapshotChunk, SnapshotChunkAck, SnapshotMeta
+from .format import SnapshotFormatError, iter_records, new_header, read_header, verify
+from .store import SnapshotFile, SnapshotStore
+
+log = logging.getLogger("kv.snapshot")
+
+CHUNK_BYTES = 1 << 20
+WINDOW_BYTES = 8 << 20
+ACK_TIMEOUT_S = 5.0
+MAX_STALLS = 5
+
+
+@dataclass
+class _Receiving:
+    leader: str
+    index: int
+    term: int
+    path: str
+    size: int = 0
+    total: int = 0
+    f: object = None
+    verifying: bool = False
+
+
+@dataclass
+class SnapshotStats:
+    taken: int = 0
+    take_seconds: float = 0.0
+    last_take_seconds: float = 0.0
+    sent: int = 0
+    send_failures: int = 0
+    installed: int = 0
+    install_rejected: int = 0
+    compactions: int = 0
+    by_peer_progress: dict = field(default_factory=dict)
+
+
+class SnapshotManager:
+    def __init__(self, node, path: str, keep: int = 3) -> None:
+        self.kv = node  # kv.Node: config, state machine, ledger
+        self.store = SnapshotStore(path, keep)
+        self.raft = None
+        self.stats = SnapshotStats()
+        self._taking: asyncio.Future | None = None
+        self._newest: SnapshotFile | None = self.store.newest()
+        self._senders: dict[str, asyncio.Task] = {}
+        self._acks: dict[str, asyncio.Queue] = {}
+        self._recv: _Receiving | None = None
+        self._verified: dict[tuple[int, int], str] = {}
+
+    def attach(self, raft, caller) -> None:
+        self.raft = raft
+        raft.snapshots = self
+        caller.after_apply.append(self._after_apply)
+        if not self.kv.sm.membership() and self.kv.ledger.last_index() == 0:
+            self.kv.sm.set_membership(raft.core.membership.encode())  # bootstrap
+
+    async def stop(self) -> None:
+        tasks = list(self._senders.values())
+        if self._taking is not None:
+            tasks.append(self._taking)
+        for t in self._senders.values():
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._recv is not None and self._recv.f is not None:
+            self._recv.f.close()
+
+    # -- taking snapshots ------------------------------------------------------------------
+
+    def newest_meta(self) -> SnapshotFile | None:
+        return self._newest
+
+    def _after_apply(self, applied: int) -> None:
+        base = self._newest.index if self._newest else 0
+        if applied - base >= self.kv.config.snapshot_threshold and self._taking is None:
+            self._taking = asyncio.ensure_future(self.take())
+
+    async def take(self) -> SnapshotFile:
+        """Snapshot the state machine now, then compact the ledger behind it."""
+        if self._taking is not None and not self._taking.done() and asyncio.current_task() is not self._taking:
+            return await asyncio.shield(self._taking)
+        try:
+            return await self._take()
+        finally:
+            self._taking = None
+
+    async def _take(self) -> SnapshotFile:
+        kv = self.kv
+        loop = asyncio.get_running_loop()
+        view = kv.sm.capture()
+        t0 = time.monotonic()
+        try:
+            if self._newest is not None and self._newest.index >= view.index:
+                return self._newest
+            membership = view.membership or self.raft.core.membership.encode()
+            header = new_header(view.index, view.term, membership, kv.config.group, kv.config.id)
+            snap = await loop.run_in_executor(None, self.store.write, header, view.items())
+        finally:
+            view.release()
+        took = time.monotonic() - t0
+        self._newest = snap
+        self.stats.taken += 1
+        self.stats.take_seconds += took
+        self.stats.last_take_seconds = took
+        log.info("node %s: snapshot at %d/%d written in %.2fs", kv.config.id, snap.index, snap.term, took)
+        await self._compact(snap.index - kv.config.snapshot_trailing)
+        return snap
+
+    async def _compact(self, upto: int) -> None:
+        ledger = self.kv.ledger
+        if upto <= ledger.before_begin_index:
+            return
+
+        def compact() -> tuple[int, int]:
+            self.kv.sm.sync()  # what the ledger drops must be durable in the state first
+            ledger.compact(upto)
+            return ledger.before_begin_index, ledger.before_begin_term
+
+        index, term = await self.raft.run_in_writer(compact)
+        self.raft.core.compacted(index, term)
+        self.stats.compactions += 1
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def newest_covering(self, min_index: int) -> SnapshotMeta:
+        found = self.store.newest_valid(min_index)
+        if found is None:
+            raise SnapshotFormatError(
+                f"the ledger starts after index {min_index} but no valid snapshot covers it: this data dir is "
+                "incomplete. Remove it and restart the node so it catches up from the cluster"
+            )
+        s, header = found
+        return SnapshotMeta(s.index, s.term, header.membership)
+
+    def load_into_state_machine(self, meta: SnapshotMeta) -> None:
+        """Replace the state machine's contents with the snapshot (worker thread)."""
+        path = self.store.file_name(meta.index, meta.term)
+        with open(path, "rb") as f:
+            header, offset = read_header(f)
+            n = self.kv.sm.restore(header.index, header.term, header.membership, iter_records(f, offset))
+        log.info("node %s: state machine loaded from snapshot %d/%d (%d keys)", self.kv.config.id, meta.index, meta.term, n)
+
+    # -- sending (leader) ------------------------------------------------------------------
+
+    def start_send(self, peer: str, seq: int, term: int) -> None:
+        task = self._senders.get(peer)
+        if task is not None and not task.done():
+            task.cancel()
+        self._acks[peer] = asyncio.Queue()
+        self._senders[peer] = asyncio.get_running_loop().create_task(self._send(peer, seq, term))
+
+    async def _send(self, peer: str, seq: int, term: int) -> None:
+        raft = self.raft
+        ok = False
+        try:
+            ok = await self._stream(peer, seq, term)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("node %s: sending a snapshot to %s failed", self.kv.config.id, peer)
+        finally:
+            if ok:
+                self.stats.sent += 1
+            else:
+                self.stats.send_failures += 1
+            if raft.core.role == Role.LEADER and raft.core.term == term:
+                raft.report_snapshot(peer, seq, ok)
+
+    async def _stream(self, peer: str, seq: int, term: int) -> bool:
+        snap = self._newest
+        if snap is None:
+            return False
+        raft, acks = self.raft, self._acks[peer]
+        size = os.path.getsize(snap.path)
+        acked = sent = stalls = 0  # acked: bytes the follower holds; sent: next byte to send
+        last_resend = time.monotonic()
+        log.info("node %s: sending snapshot %d/%d (%d bytes) to %s", self.kv.config.id, snap.index, snap.term, size, peer)
+        with open(snap.path, "rb") as f:
+            while raft.core.role == Role.LEADER and raft.core.term == term:
+                while sent < size and sent - acked < WINDOW_BYTES:
+                    f.seek(sent)
+                    data = f.read(CHUNK_BYTES)
+                    done = sent + len(data) >= size
+                    raft.transport.send(SnapshotChunk(raft.id, peer, term, seq, snap.index, snap.term, sent, size, data, done))
+                    sent += len(data)
+                try:
+                    ack = await asyncio.wait_for(acks.get(), ACK_TIMEOUT_S)
+                except (asyncio.TimeoutError, TimeoutError):
+                    stalls += 1
+                    if stalls > MAX_STALLS:
+                        return False
+                    sent = acked  # nothing came back: resend from what the follower holds
+                    continue
+                if ack.snapshot_index != snap.index:
+                    continue
+                if not ack.ok:
+                    return False
+                stalls = 0
+                self.stats.by_peer_progress[peer] = (ack.next_offset, size)
+                if ack.next_offset >= size:
+                    return True
+                if ack.next_offset > acked:
+                    acked = ack.next_offset
+                    sent = max(sent, acked)  # a follower resuming a partial file jumps ahead
+                elif acked < sent and time.monotonic() - last_resend > 1.0:
+                    # No progress although more is in flight: a chunk was lost on a broken
+                    # connection. Resend from the follower's end.
+                    sent, last_resend = acked, time.monotonic()
+        return False
+
+    # -- receiving (follower) --------------------------------------------------------------
+
+    def on_message(self, msg) -> None:
+        if isinstance(msg, SnapshotChunkAck):
+            q = self._acks.get(msg.src)
+            if q is not None:
+                q.put_nowait(msg)
+            return
+        self._on_chunk(msg)
+
+    def _ack(self, msg: SnapshotChunk, next_offset: int, ok: bool) -> None:
+        raft = self.raft
+        raft.transport.send(SnapshotChunkAck(raft.id, msg.src, raft.core.term, msg.snapshot_index, next_offset, ok))
+
+    def _on_chunk(self, msg: SnapshotChunk) -> None:
+        core = self.raft.core
+        if msg.term < core.term:
+            self._ack(msg, 0, False)  # a deposed leader: its snapshot is not for us
+            return
+        r = self._recv
+        if r is None or (r.index, r.term) != (msg.snapshot_index, msg.snapshot_term):
+            if r is not None and r.f is not None:
+                r.f.close()
+                if os.path.exists(r.path):
+                    os.unlink(r.path)
+            path = os.path.join(self.store.path, f"recv-{msg.snapshot_index:020d}-{msg.snapshot_term:020d}.part")
+            for name in os.listdir(self.store.path):  # partial files of other snapshots
+                if name.startswith("recv-") and os.path.join(self.store.path, name) != path:
+                    os.unlink(os.path.join(self.store.path, name))
+            r = self._recv = _Receiving(msg.src, msg.snapshot_index, msg.snapshot_term, path, total=msg.total_size)
+            # A partial file of the same snapshot from a broken transfer: resume after it.
+            r.size = os.path.getsize(path) if os.path.exists(path) else 0
+            r.f = open(path, "ab")
+        if r.verifying:
+            return
+        if msg.offset == r.size and r.size < msg.total_size:
+            r.f.write(msg.data)
+            r.size += len(msg.data)
+        if r.size >= msg.total_size and msg.total_size > 0:
+            r.f.flush()
+            os.fsync(r.f.fileno())
+            r.verifying = True
+            asyncio.get_running_loop().create_task(self._finish(msg, r))
+            return
+        self._ack(msg, r.size, True)
+
+    async def _finish(self, msg: SnapshotChunk, r: _Receiving) -> None:
+        r.f.close()
+        r.f = None
+        try:
+            header, _ = await asyncio.get_running_loop().run_in_executor(None, verify, r.path)
+            if (header.index, header.term) != (r.index, r.term):
+                raise SnapshotFormatError("the snapshot's header does not match what the leader announced")
+        except (SnapshotFormatError, OSError) as e:
+            log.error("node %s: snapshot %d/%d from %s rejected: %s", self.kv.config.id, r.index, r.term, r.leader, e)
+            self.stats.install_rejected += 1
+            os.unlink(r.path)
+            self._recv = None
+            self._ack(msg, 0, False)
+            return
+        self._recv = None
+        self._ack(msg, r.size, True)
+        meta = SnapshotMeta(r.index, r.term, header.membership)
+        for old in self._verified.values():  # verified but never installed (not needed)
+            if os.path.exists(old):
+                os.unlink(old)
+        self._verified = {(r.index, r.term): r.path}
+        self.raft.step_local(InstallSnapshotRequest(msg.src, self.raft.id, msg.term, msg.seq, meta))
+
+    def install(self, meta: SnapshotMeta) -> None:
+        """Ledger writer thread, before the ledger is reset to the snapshot."""
+        path = self._verified.pop((meta.index, meta.term))
+        self._newest = self.store.adopt(path, meta.index, meta.term)
+        self.stats.installed += 1

@@ -1,0 +1,260 @@
+"""The KV state machine on LevelDB (plyvel).
+
+Layout:
+
+    b"\\x00applied"     index + term of the last applied entry (2 x u64, big-endian)
+    b"\\x00membership"  the membership as of the applied index (from CONFIG entries)
+    b"\\x00restoring"   present while a snapshot is being loaded: the state is incomplete
+    b"k" + key         mod_index (u64) + value
+
+Every applied batch is one WriteBatch that also moves the applied index, so a crash never
+applies an entry twice or skips one: on restart the node replays the ledger from the
+applied index. Writes are not fsynced one by one (the ledger is the durable record and
+replays them); `sync()` makes everything durable before the ledger is compacted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import plyvel
+
+from ..raft.messages import Entry, EntryKind
+from .commands import (
+    CommandError,
+    Cond,
+    Delete,
+    DeleteResult,
+    Get,
+    GetResult,
+    PreconditionFailed,
+    Put,
+    PutResult,
+    Txn,
+    TxnResult,
+    decode,
+)
+
+_APPLIED = b"\x00applied"
+_MEMBERSHIP = b"\x00membership"
+_RESTORING = b"\x00restoring"
+_SYNC = b"\x00sync"
+_DATA = b"k"
+_TWO_U64 = struct.Struct(">QQ")
+_U64 = struct.Struct(">Q")
+_RESTORE_BATCH = 10_000
+
+# A change event for watchers: (index, key, value or None for a delete, mod_index).
+Change = tuple[int, str, bytes | None]
+
+
+class StateCorrupt(Exception):
+    """The state directory is incomplete or unreadable."""
+
+
+class LevelDBStateMachine:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._db = plyvel.DB(path, create_if_missing=True, paranoid_checks=True)
+        except plyvel.Error as e:
+            raise StateCorrupt(
+                f"the state machine in {path} cannot be opened ({e}); remove it and restart the node: it is rebuilt "
+                "from the newest snapshot and the ledger"
+            ) from e
+        raw = self._db.get(_APPLIED)
+        self._applied = _TWO_U64.unpack(raw) if raw else (0, 0)
+        self.incomplete = self._db.get(_RESTORING) is not None
+        # Called with the changes of each applied batch, when someone watches.
+        self.on_changes: Callable[[list[Change]], None] | None = None
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def applied(self) -> tuple[int, int]:
+        return self._applied
+
+    def membership(self) -> bytes:
+        return self._db.get(_MEMBERSHIP) or b""
+
+    def get(self, key: str) -> tuple[int, bytes] | None:
+        """(mod_index, value) of a key, or None."""
+        raw = self._db.get(_DATA + key.encode())
+        if raw is None:
+            return None
+        return _U64.unpack_from(raw)[0], raw[8:]
+
+    def scan(self, prefix: str = "", after: str | None = None, limit: int = 1000) -> list[tuple[str, bytes, int]]:
+        """Keys with the prefix, in key order, strictly after `after`: (key, value, mod_index)."""
+        pre = _DATA + prefix.encode()
+        start = _DATA + after.encode() + b"\x00" if after is not None else pre
+        out = []
+        it = self._db.iterator(start=max(start, pre), prefix=None)
+        try:
+            for k, v in it:
+                if not k.startswith(pre):
+                    break
+                out.append((k[1:].decode(), v[8:], _U64.unpack_from(v)[0]))
+                if len(out) >= limit:
+                    break
+        finally:
+            it.close()
+        return out
+
+    def count(self) -> int:
+        with self._db.iterator(prefix=_DATA, include_value=False) as it:
+            return sum(1 for _ in it)
+
+    # -- applying --------------------------------------------------------------------------
+
+    def apply(self, entries: Sequence[Entry]) -> list[Any]:
+        wb = self._db.write_batch()
+        overlay: dict[bytes, tuple[int, bytes] | None] = {}  # this batch's writes, by raw key
+        changes: list[Change] | None = [] if self.on_changes is not None else None
+        results: list[Any] = []
+        put_kind = EntryKind.NORMAL
+        for e in entries:
+            if e.kind == put_kind:
+                try:
+                    cmd = decode(e.data)
+                except CommandError as err:
+                    results.append(err)  # deterministic: every replica rejects it alike
+                    continue
+                if type(cmd) is Put and cmd.cond is None:  # the hot path
+                    k = _DATA + cmd.key.encode()
+                    overlay[k] = (e.index, cmd.value)
+                    wb.put(k, _U64.pack(e.index) + cmd.value)
+                    if changes is not None:
+                        changes.append((e.index, cmd.key, cmd.value))
+                    results.append(PutResult(e.index))
+                else:
+                    results.append(self._execute(cmd, e.index, wb, overlay, changes))
+            elif e.kind == EntryKind.CONFIG:
+                wb.put(_MEMBERSHIP, e.data)
+                results.append(None)
+            else:
+                results.append(None)
+        if entries:
+            last = entries[-1]
+            wb.put(_APPLIED, _TWO_U64.pack(last.index, last.term))
+            self._applied = (last.index, last.term)
+        wb.write()
+        if changes:
+            self.on_changes(changes)
+        return results
+
+    def _current(self, k: bytes, overlay: dict) -> tuple[int, bytes] | None:
+        if k in overlay:
+            return overlay[k]
+        raw = self._db.get(k)
+        return None if raw is None else (_U64.unpack_from(raw)[0], raw[8:])
+
+    def _check(self, cond: Cond | None, overlay: dict) -> PreconditionFailed | None:
+        if cond is None:
+            return None
+        cur = self._current(_DATA + cond.key.encode(), overlay)
+        if cond.holds(cur):
+            return None
+        return PreconditionFailed(cond.key, cur[0] if cur else 0)
+
+    def _execute(self, cmd, index: int, wb, overlay: dict, changes: list | None):
+        if isinstance(cmd, Put):
+            return self._check(cmd.cond, overlay) or self._put(cmd, index, wb, overlay, changes)
+        if isinstance(cmd, Delete):
+            return self._check(cmd.cond, overlay) or self._delete(cmd, index, wb, overlay, changes)
+        if isinstance(cmd, Txn):
+            ok = all(self._check(c, overlay) is None for c in cmd.conds)
+            out = []
+            for op in cmd.ops if ok else cmd.else_ops:
+                if isinstance(op, Get):
+                    cur = self._current(_DATA + op.key.encode(), overlay)
+                    out.append(GetResult(op.key, cur[1] if cur else None, cur[0] if cur else 0))
+                elif isinstance(op, Put):
+                    out.append(self._put(op, index, wb, overlay, changes))
+                else:
+                    out.append(self._delete(op, index, wb, overlay, changes))
+            return TxnResult(index, ok, tuple(out))
+        raise CommandError(f"unknown command {cmd!r}")
+
+    def _put(self, op: Put, index: int, wb, overlay: dict, changes: list | None) -> PutResult:
+        k = _DATA + op.key.encode()
+        overlay[k] = (index, op.value)
+        wb.put(k, _U64.pack(index) + op.value)
+        if changes is not None:
+            changes.append((index, op.key, op.value))
+        return PutResult(index)
+
+    def _delete(self, op: Delete, index: int, wb, overlay: dict, changes: list | None) -> DeleteResult:
+        k = _DATA + op.key.encode()
+        existed = self._current(k, overlay) is not None
+        overlay[k] = None
+        if existed:
+            wb.delete(k)
+        if changes is not None and existed:
+            changes.append((index, op.key, None))
+        return DeleteResult(index, existed)
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    def capture(self) -> LevelDBView:
+        return LevelDBView(self._db.snapshot(), *self._applied, self.membership())
+
+    def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]]) -> int:
+        """Replace everything with a snapshot's records; returns how many were loaded. A
+        marker makes a crash in the middle visible at the next start (`incomplete`)."""
+        self._db.put(_RESTORING, b"1", sync=True)
+        self._db.close()
+        shutil.rmtree(self.path)
+        os.makedirs(self.path)
+        self._db = plyvel.DB(self.path, create_if_missing=True, paranoid_checks=True)
+        self._db.put(_RESTORING, b"1", sync=True)
+        n = 0
+        wb = self._db.write_batch()
+        pack = _U64.pack
+        for key, value, mod in items:
+            wb.put(_DATA + key, pack(mod) + value)
+            n += 1
+            if n % _RESTORE_BATCH == 0:
+                wb.write()
+                wb = self._db.write_batch()
+        wb.put(_MEMBERSHIP, membership)
+        wb.put(_APPLIED, _TWO_U64.pack(index, term))
+        wb.delete(_RESTORING)
+        wb.write(sync=True)
+        self._applied = (index, term)
+        self.incomplete = False
+        return n
+
+    def sync(self) -> None:
+        """Make every applied batch durable (before the ledger drops the entries). A synced
+        write flushes LevelDB's log, and with it every write before it; it must not touch
+        the applied index, which a batch in another thread may be moving."""
+        self._db.put(_SYNC, b"", sync=True)
+
+    def set_membership(self, membership: bytes) -> None:
+        """Record the bootstrap membership of a brand-new node."""
+        self._db.put(_MEMBERSHIP, membership, sync=True)
+
+    def close(self) -> None:
+        if not self._db.closed:
+            self._db.close()
+
+
+class LevelDBView:
+    """A LevelDB snapshot: a consistent view while writes go on."""
+
+    def __init__(self, snap, index: int, term: int, membership: bytes) -> None:
+        self._snap = snap
+        self.index, self.term, self.membership = index, term, membership
+
+    def items(self) -> Iterator[tuple[bytes, bytes, int]]:
+        unpack = _U64.unpack_from
+        with self._snap.iterator(prefix=_DATA) as it:
+            for k, v in it:
+                yield k[1:], v[8:], unpack(v)[0]
+
+    def release(self) -> None:
+        self._snap.close()

@@ -1,0 +1,329 @@
+"""A deterministic simulator for the pure Raft core.
+
+Several `RaftCore`s talk through a simulated network driven by one seeded RNG and a virtual
+clock: messages are delayed, reordered, duplicated and dropped; links are cut (one way or
+both); nodes crash, losing whatever they had not fsynced, and restart from what they had.
+Persistence is asynchronous like the real driver's: a Ready's writes complete after a random
+delay, in order, and only then are its persisted_messages sent.
+
+Every event is followed by the safety checks of the Raft paper (Figure 3):
+election safety, log matching (via state machine safety), leader completeness, state
+machine safety, and commit indexes that never go back.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+
+from kv.raft.core import CoreConfig, RaftCore, Ready
+from kv.raft.errors import NotLeader, TransferInProgress
+from kv.raft.log import MemoryStorage
+from kv.raft.membership import Member, Membership
+from kv.raft.messages import (
+    EntryKind,
+    HardState,
+    InstallSnapshotRequest,
+    PushResponse,
+    Role,
+    SnapshotMeta,
+)
+
+
+class InvariantViolation(AssertionError):
+    pass
+
+
+@dataclass
+class Snapshot:
+    meta: SnapshotMeta
+    applied: list[tuple[int, int, bytes]]  # the state: every applied (index, term, data)
+
+
+@dataclass
+class SimNode:
+    id: str
+    storage: MemoryStorage = field(default_factory=MemoryStorage)
+    hard_state: HardState = HardState(0, None)
+    # The state machine: applied entries in order; it is durable (like LevelDB + applied
+    # index in one WriteBatch), so it survives crashes.
+    applied: list[tuple[int, int, bytes]] = field(default_factory=list)
+    applied_index: int = 0
+    snapshot: Snapshot | None = None
+    core: RaftCore | None = None
+    up: bool = True
+    incarnation: int = 0
+    persist_free_at: float = 0.0  # persistence completes in order
+    commit_seen: int = 0  # highest commit index of this incarnation
+    pending_snapshot: Snapshot | None = None
+
+
+class Sim:
+    def __init__(
+        self,
+        n: int = 3,
+        seed: int = 0,
+        *,
+        drop: float = 0.0,
+        dup: float = 0.0,
+        delay: tuple[float, float] = (0.5, 5.0),
+        persist_delay: tuple[float, float] = (0.1, 3.0),
+        config: dict | None = None,
+        snapshot_every: int = 0,
+        trailing: int = 5,
+    ) -> None:
+        self.rng = random.Random(seed)
+        self.ids = [f"n{i + 1}" for i in range(n)]
+        self.membership = Membership.of(Member(i, f"sim:{i}") for i in self.ids)
+        self.drop, self.dup, self.delay, self.persist_delay = drop, dup, delay, persist_delay
+        self.config = {"heartbeat_ms": 50.0, "election_timeout_ms": 500.0, **(config or {})}
+        self.snapshot_every, self.trailing = snapshot_every, trailing
+        self.now = 0.0
+        self._events: list = []
+        self._seq = itertools.count()
+        self.cut: set[tuple[str, str]] = set()
+        self.nodes = {i: SimNode(i) for i in self.ids}
+        self.leaders_by_term: dict[int, str] = {}
+        self.committed: dict[int, tuple[int, bytes]] = {}  # index -> (term, data), cluster-wide
+        self.acked: dict[bytes, int] = {}  # proposals whose leader applied them: data -> index
+        self.proposed = 0
+        self.messages_sent = 0
+        self.crashes = 0
+        self.snapshots_installed = 0
+        for i in self.ids:
+            self._boot(self.nodes[i])
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    def _boot(self, node: SimNode) -> None:
+        node.incarnation += 1
+        node.persist_free_at = self.now
+        node.commit_seen = 0
+        seed = self.rng.randrange(1 << 30)
+        cfg = CoreConfig(node_id=node.id, **self.config)
+        node.core = RaftCore(cfg, node.storage, node.hard_state, self.membership, node.applied_index, self.now, seed)
+        node.up = True
+        self._schedule(node.core.next_deadline(), ("tick", node.id, node.incarnation))
+
+    def crash(self, nid: str) -> None:
+        node = self.nodes[nid]
+        if node.up:
+            self.crashes += 1
+        node.up = False
+        node.core = None
+        node.incarnation += 1  # pending persistence and timers of the old life are lost
+
+    def restart(self, nid: str) -> None:
+        node = self.nodes[nid]
+        if not node.up:
+            self._boot(node)
+
+    def isolate(self, nid: str) -> None:
+        for other in self.ids:
+            if other != nid:
+                self.cut.add((nid, other))
+                self.cut.add((other, nid))
+
+    def heal(self) -> None:
+        self.cut.clear()
+
+    def leader(self) -> str | None:
+        """The leader with the highest term among live nodes, if any."""
+        best = None
+        for n in self.nodes.values():
+            if n.up and n.core.role == Role.LEADER and (best is None or n.core.term > best.core.term):
+                best = n
+        return best.id if best else None
+
+    # -- clock and events -----------------------------------------------------------------
+
+    def _schedule(self, at: float, event: tuple) -> None:
+        heapq.heappush(self._events, (at, next(self._seq), event))
+
+    def run(self, until: float) -> None:
+        while self._events and self._events[0][0] <= until:
+            at, _, event = heapq.heappop(self._events)
+            self.now = max(self.now, at)
+            self._handle(event)
+        self.now = max(self.now, until)
+
+    def run_for(self, ms: float) -> None:
+        self.run(self.now + ms)
+
+    def _handle(self, event: tuple) -> None:
+        kind = event[0]
+        if kind == "tick":
+            _, nid, inc = event
+            node = self.nodes[nid]
+            if not node.up or node.incarnation != inc:
+                return
+            node.core.tick(self.now)
+            self._process(node)
+            self._schedule(max(node.core.next_deadline(), self.now + 1.0), ("tick", nid, inc))
+        elif kind == "deliver":
+            _, msg = event
+            node = self.nodes[msg.dst]
+            if node.up:
+                node.core.step(msg, self.now)
+                self._process(node)
+        elif kind == "persisted":
+            _, nid, inc, rd = event
+            node = self.nodes[nid]
+            if node.up and node.incarnation == inc:
+                self._complete_persist(node, rd)
+        elif kind == "snapshot_arrives":
+            _, nid, req, snap = event
+            node = self.nodes[nid]
+            if node.up:
+                node.pending_snapshot = snap
+                node.core.step(req, self.now)
+                self._process(node)
+
+    def _send(self, msg) -> None:
+        self.messages_sent += 1
+        if (msg.src, msg.dst) in self.cut or self.rng.random() < self.drop:
+            return
+        copies = 2 if self.rng.random() < self.dup else 1
+        for _ in range(copies):
+            self._schedule(self.now + self.rng.uniform(*self.delay), ("deliver", msg))
+
+    # -- the driver's job, simulated -------------------------------------------------------
+
+    def _process(self, node: SimNode) -> None:
+        core = node.core
+        while core.has_ready():
+            rd = core.ready()
+            self._check_roles(node)
+            for m in rd.messages:
+                self._send(m)
+            if rd.must_persist or rd.persisted_messages:
+                done = max(node.persist_free_at, self.now) + self.rng.uniform(*self.persist_delay)
+                node.persist_free_at = done
+                self._schedule(done, ("persisted", node.id, node.incarnation, rd))
+            if rd.applicable_index is not None:
+                self._apply(node, rd.applicable_index)
+            for s in rd.snapshot_sends:
+                self._send_snapshot(node, s.peer, s.seq)
+            for rs in rd.read_states:
+                assert rs.index <= core.commit_index
+
+    def _complete_persist(self, node: SimNode, rd: Ready) -> None:
+        if rd.hard_state is not None:
+            node.hard_state = rd.hard_state
+        if rd.snapshot is not None:
+            snap = node.pending_snapshot
+            assert snap.meta == rd.snapshot
+            node.storage.reset(snap.meta.index, snap.meta.term)
+            node.applied = list(snap.applied)
+            node.applied_index = snap.meta.index
+            node.snapshot = snap
+            self.snapshots_installed += 1
+        if rd.entries_from:
+            node.storage.write(rd.entries_from, rd.entries)
+        for m in rd.persisted_messages:
+            self._send(m)
+        node.core.on_persisted(rd)
+        self._process(node)
+
+    def _apply(self, node: SimNode, upto: int) -> None:
+        core = node.core
+        while node.applied_index < upto:
+            batch = core.log.entries(node.applied_index + 1, upto + 1, 1 << 30, 1 << 30)
+            for e in batch:
+                prev = self.committed.get(e.index)
+                if prev is None:
+                    self.committed[e.index] = (e.term, e.data)
+                elif prev != (e.term, e.data):
+                    raise InvariantViolation(
+                        f"state machine safety: {node.id} applies {e.index}/{e.term} but {prev[0]} was committed there"
+                    )
+                if e.kind == EntryKind.NORMAL:
+                    node.applied.append((e.index, e.term, e.data))
+                    if core.role == Role.LEADER and e.term == core.term:
+                        self.acked[e.data] = e.index
+                node.applied_index = e.index
+        if self.snapshot_every and node.applied_index - (node.snapshot.meta.index if node.snapshot else 0) >= self.snapshot_every:
+            self._take_snapshot(node)
+
+    def _take_snapshot(self, node: SimNode) -> None:
+        core = node.core
+        idx = node.applied_index
+        meta = SnapshotMeta(idx, core.log.term(idx), self.membership.encode())
+        node.snapshot = Snapshot(meta, list(node.applied))
+        upto = idx - self.trailing
+        if upto > node.storage.before_begin_index and upto <= node.storage.last_index() and upto <= core.log.durable_index:
+            node.storage.compact(upto, node.storage.term(upto))
+            core.compacted(upto, node.storage.before_begin_term)
+
+    def _send_snapshot(self, node: SimNode, peer: str, seq: int) -> None:
+        snap = node.snapshot
+        core = node.core
+        if snap is None or (node.id, peer) in self.cut or self.rng.random() < self.drop:
+            core.report_snapshot(peer, seq, False, self.now)
+            return
+        req = InstallSnapshotRequest(node.id, peer, core.term, seq, snap.meta)
+        self._schedule(self.now + self.rng.uniform(*self.delay) * 3, ("snapshot_arrives", peer, req, snap))
+        core.report_snapshot(peer, seq, True, self.now)
+
+    # -- clients --------------------------------------------------------------------------
+
+    def propose(self, data: bytes | None = None) -> bool:
+        lid = self.leader()
+        if lid is None:
+            return False
+        node = self.nodes[lid]
+        data = data if data is not None else b"v%d" % self.proposed
+        try:
+            node.core.propose([(EntryKind.NORMAL, data)], self.now)
+        except (NotLeader, TransferInProgress):
+            return False
+        self.proposed += 1
+        self._process(node)
+        return True
+
+    def stats(self) -> dict:
+        return {
+            "terms_with_leader": len(self.leaders_by_term),
+            "committed": len(self.committed),
+            "acked": len(self.acked),
+            "crashes": self.crashes,
+            "snapshots_installed": self.snapshots_installed,
+            "messages": self.messages_sent,
+        }
+
+    # -- invariants -----------------------------------------------------------------------
+
+    def _check_roles(self, node: SimNode) -> None:
+        core = node.core
+        if core.role == Role.LEADER and self.leaders_by_term.get(core.term) != node.id:
+            other = self.leaders_by_term.setdefault(core.term, node.id)
+            if other != node.id:
+                raise InvariantViolation(f"two leaders in term {core.term}: {other} and {node.id}")
+            # Leader completeness: every entry committed before the election is in the new
+            # leader's log.
+            for idx, (term, _) in self.committed.items():
+                if idx > core.log.before_index and core.log.term(idx) != term:
+                    raise InvariantViolation(
+                        f"leader {node.id} (term {core.term}) lacks committed entry {idx}/{term}"
+                    )
+        if core.commit_index < node.commit_seen:
+            raise InvariantViolation(f"{node.id}: commit index went back from {node.commit_seen} to {core.commit_index}")
+        node.commit_seen = core.commit_index
+
+    def check_converged(self) -> None:
+        """All live nodes applied the same sequence of entries (state machine safety)."""
+        states = {n.id: n.applied for n in self.nodes.values() if n.up}
+        ref_id = max(states, key=lambda i: len(states[i]))
+        ref = states[ref_id]
+        for nid, st in states.items():
+            if st != ref[: len(st)]:
+                raise InvariantViolation(f"{nid} applied a different sequence than {ref_id}")
+
+    def check_acked_durable(self) -> None:
+        """Every write a leader acknowledged is committed at the index it was acked at."""
+        for data, idx in self.acked.items():
+            got = self.committed.get(idx)
+            if got is None or got[1] != data:
+                raise InvariantViolation(f"acknowledged write {data!r} at {idx} was lost")

@@ -1,0 +1,454 @@
+"""Scenario tests of the pure core: one claim of the Raft paper or one DLedger behaviour
+each. The simulator (tests/sim.py) runs the cores with a deterministic network and clock."""
+
+from __future__ import annotations
+
+import pytest
+from sim import Sim
+
+from kv.raft import quorum
+from kv.raft.core import CoreConfig, RaftCore
+from kv.raft.errors import NotLeader, TransferInProgress
+from kv.raft.log import MemoryStorage
+from kv.raft.membership import Member, Membership
+from kv.raft.messages import (
+    Entry,
+    EntryKind,
+    HardState,
+    HeartbeatCode,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    PushCode,
+    PushRequest,
+    PushResponse,
+    PushType,
+    Role,
+    TimeoutNow,
+    VoteRequest,
+    VoteResponse,
+    VoteResult,
+)
+
+MEMBERS = Membership.of(Member(i, f"sim:{i}") for i in ("n1", "n2", "n3"))
+
+
+def make_core(node="n1", term=0, vote=None, log_terms=(), now=0.0, **cfg) -> RaftCore:
+    """A core whose ledger holds entries with the given terms at indexes 1, 2, ..."""
+    storage = MemoryStorage()
+    storage.write(1, [Entry(i + 1, t, EntryKind.NORMAL, b"x") for i, t in enumerate(log_terms)])
+    return RaftCore(CoreConfig(node_id=node, **cfg), storage, HardState(term, vote), MEMBERS, 0, now, seed=1)
+
+
+def all_messages(core: RaftCore):
+    rd = core.ready()
+    return rd, rd.messages + rd.persisted_messages
+
+
+def vote(core: RaftCore, **kw) -> VoteResponse:
+    req = dict(src="n2", dst=core.id, term=1, ledger_end_index=0, ledger_end_term=0)
+    req.update(kw)
+    core.step(VoteRequest(**req), core._now)
+    _, msgs = all_messages(core)
+    (resp,) = [m for m in msgs if isinstance(m, VoteResponse)]
+    return resp
+
+
+def elected(sim: Sim, within: float = 5000) -> str:
+    sim.run_for(within)
+    lid = sim.leader()
+    assert lid is not None
+    return lid
+
+
+# --- quorum arithmetic -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "marks, voters, expected",
+    [
+        ({"a": 5}, "a", 5),
+        ({"a": 5, "b": 3, "c": 1}, "abc", 3),  # the median of the watermarks
+        ({"a": 5, "b": 5, "c": 1}, "abc", 5),
+        ({"a": 9, "b": 7, "c": 2, "d": 1}, "abcd", 2),  # 4 voters need 3
+        ({"a": 9, "b": 7, "c": 6, "d": 1, "e": 0}, "abcde", 6),
+        ({"a": 9}, "abc", 0),  # b and c never answered
+        ({"a": 9, "x": 8, "y": 7}, "abc", 0),  # x and y are learners: they do not count
+    ],
+)
+def test_committed_index_is_the_median_watermark(marks, voters, expected):
+    assert quorum.committed_index(marks, frozenset(voters)) == expected
+
+
+def test_vote_outcome():
+    v = frozenset({"a", "b", "c"})
+    assert quorum.vote_outcome({"a"}, set(), v) is quorum.VoteOutcome.PENDING
+    assert quorum.vote_outcome({"a", "b"}, set(), v) is quorum.VoteOutcome.WON
+    assert quorum.vote_outcome({"a"}, {"b", "c"}, v) is quorum.VoteOutcome.LOST
+    assert quorum.vote_outcome({"a", "x"}, set(), v) is quorum.VoteOutcome.PENDING  # non-voter
+
+
+# --- election --------------------------------------------------------------------------------
+
+
+def test_nodes_start_as_followers_and_elect_one_leader():
+    """Reference: section 5.2 — servers start as followers; one leader per term."""
+    sim = Sim(3, seed=3)
+    assert all(n.core.role == Role.FOLLOWER for n in sim.nodes.values())
+    lid = elected(sim)
+    others = [n for n in sim.nodes.values() if n.id != lid]
+    assert all(n.core.role == Role.FOLLOWER and n.core.leader_id == lid for n in others)
+
+
+def test_vote_grant_is_persisted_before_it_is_sent():
+    """Term and vote reach the disk before the grant leaves (Figure 2, 'Persistent state')."""
+    core = make_core()
+    core.step(VoteRequest("n2", "n1", 1, 0, 0), 0.0)
+    rd = core.ready()
+    assert rd.hard_state == HardState(1, "n2")
+    assert not rd.messages
+    (resp,) = rd.persisted_messages
+    assert resp.result == VoteResult.ACCEPT and resp.term == 1
+
+
+def test_vote_codes():
+    # not a member of the group
+    assert vote(make_core(), src="n9").result == VoteResult.REJECT_UNKNOWN_LEADER
+    # a request that claims to come from ourselves
+    assert vote(make_core(), src="n1").result == VoteResult.REJECT_UNEXPECTED_LEADER
+    # older term
+    assert vote(make_core(term=5), term=4).result == VoteResult.REJECT_EXPIRED_VOTE_TERM
+    # already voted for n3 in this term, no leader known
+    assert vote(make_core(term=2, vote="n3"), term=2).result == VoteResult.REJECT_ALREADY_VOTED
+    # candidate's last entry has an older term
+    assert (
+        vote(make_core(term=3, log_terms=(1, 3)), term=4, ledger_end_index=5, ledger_end_term=2).result
+        == VoteResult.REJECT_EXPIRED_LEDGER_TERM
+    )
+    # same last term, shorter log
+    assert (
+        vote(make_core(term=3, log_terms=(1, 3, 3)), term=4, ledger_end_index=2, ledger_end_term=3).result
+        == VoteResult.REJECT_SMALL_LEDGER_END_INDEX
+    )
+    # a term below our last entry's term: only reachable with a hard state that lags the log
+    assert (
+        vote(make_core(term=3, log_terms=(5,)), term=4, ledger_end_index=9, ledger_end_term=5).result
+        == VoteResult.REJECT_TERM_SMALL_THAN_LEDGER
+    )
+    assert vote(make_core(term=1), term=2, ledger_end_index=0).result == VoteResult.ACCEPT
+
+
+def test_vote_rejected_while_following_a_live_leader():
+    """Leader lease (etcd inLease, thesis §9.6): a follower that heard from its leader within
+    the election timeout does not vote for a disruptive candidate, nor adopt its term."""
+    core = make_core(term=2)
+    core.step(HeartbeatRequest("n2", "n1", 2, 0, 1), 10.0)
+    core.ready()
+    resp = vote(core, src="n3", term=3, ledger_end_index=0)
+    assert resp.result == VoteResult.REJECT_ALREADY_HAS_LEADER
+    assert core.term == 2 and core.leader_id == "n2"
+    # A vote in the same term from someone else while we follow a leader.
+    core2 = make_core(term=2, vote="n2")
+    core2.step(HeartbeatRequest("n2", "n1", 2, 0, 1), 10.0)
+    core2.ready()
+    assert vote(core2, src="n3", term=2).result == VoteResult.REJECT_ALREADY_HAS_LEADER
+
+
+def test_taking_leadership_rejects_other_candidates():
+    """DLedger's REJECT_TAKING_LEADERSHIP: the transferee campaigns and refuses others."""
+    core = make_core(term=2, log_terms=(2,))
+    core.step(HeartbeatRequest("n2", "n1", 2, 0, 1), 10.0)
+    core.ready()
+    core.step(TimeoutNow("n2", "n1", 2), 20.0)
+    assert core.role == Role.CANDIDATE and core.term == 3
+    core.ready()
+    # A competing candidate with a higher term but no better log cannot disrupt the transfer.
+    resp = vote(core, src="n3", term=4, ledger_end_index=1, ledger_end_term=2)
+    assert resp.result == VoteResult.REJECT_TAKING_LEADERSHIP
+    assert core.term == 3 and core.role == Role.CANDIDATE
+    # One with a longer log may still win: leader completeness comes first.
+    assert vote(core, src="n3", term=4, ledger_end_index=2, ledger_end_term=2).result == VoteResult.ACCEPT
+
+
+def test_heartbeat_codes():
+    def beat(core, **kw):
+        m = dict(src="n2", dst=core.id, term=2, commit_index=0, read_seq=7)
+        m.update(kw)
+        core.step(HeartbeatRequest(**m), 5.0)
+        _, msgs = all_messages(core)
+        (r,) = [x for x in msgs if isinstance(x, HeartbeatResponse)]
+        return r
+
+    assert beat(make_core(term=2), src="n9").code == HeartbeatCode.UNKNOWN_MEMBER
+    r = beat(make_core(term=3))
+    assert r.code == HeartbeatCode.EXPIRED_TERM and r.term == 3
+    core = make_core(term=2)
+    r = beat(core)
+    assert r.code == HeartbeatCode.SUCCESS and r.read_seq == 7 and core.leader_id == "n2"
+    # The same term but another leader: must not happen; reported, not followed.
+    assert beat(core, src="n3").code == HeartbeatCode.INCONSISTENT_LEADER
+    # A higher term is adopted at once (Raft), not answered with TERM_NOT_READY (DLedger).
+    core = make_core(term=1)
+    assert beat(core, term=4).code == HeartbeatCode.SUCCESS and core.term == 4
+
+
+def test_prevote_keeps_a_returning_node_from_deposing_the_leader():
+    """Thesis §9.6: a node cut off from the cluster times out again and again, but with
+    pre-vote its term does not grow, so when it returns the leader stays."""
+    sim = Sim(3, seed=5)
+    lid = elected(sim)
+    term = sim.nodes[lid].core.term
+    loner = next(i for i in sim.ids if i != lid)
+    sim.isolate(loner)
+    sim.run_for(5000)
+    assert sim.nodes[loner].core.term == term  # pre-votes failed, no term bump
+    sim.heal()
+    sim.run_for(2000)
+    assert sim.leader() == lid and sim.nodes[lid].core.term == term
+
+
+def test_check_quorum_makes_an_isolated_leader_step_down():
+    """etcd CheckQuorum / DLedger maxHeartBeatLeak: a leader that hears from no majority
+    within an election timeout steps down."""
+    sim = Sim(3, seed=6)
+    lid = elected(sim)
+    sim.isolate(lid)
+    sim.run_for(sim.config["election_timeout_ms"] * 2.5)
+    assert sim.nodes[lid].core.role != Role.LEADER
+    assert sim.leader() not in (None, lid)
+
+
+# --- replication -----------------------------------------------------------------------------
+
+
+def test_no_commit_without_a_majority():
+    """Section 5.3: an entry is committed once stored on a majority, not before."""
+    sim = Sim(3, seed=7)
+    lid = elected(sim)
+    leader = sim.nodes[lid].core
+    before = leader.commit_index
+    for other in sim.ids:
+        if other != lid:
+            sim.cut.add((lid, other))
+    sim.propose(b"lonely")
+    sim.run_for(400)  # less than the check-quorum period
+    assert leader.commit_index == before
+    assert b"lonely" not in sim.acked
+
+
+def test_only_current_term_entries_commit_by_counting():
+    """Section 5.4.2 / Figure 8: a replica count alone does not commit an earlier term's
+    entry; the leader's own no-op must reach a majority first."""
+    storage = MemoryStorage()
+    storage.write(1, [Entry(1, 1, EntryKind.NORMAL, b"a"), Entry(2, 1, EntryKind.NORMAL, b"b")])
+    core = RaftCore(CoreConfig("n1", pre_vote=False), storage, HardState(1, None), MEMBERS, 0, 0.0, seed=1)
+    core.campaign(0.0)
+    core.step(VoteResponse("n2", "n1", 2, VoteResult.ACCEPT), 1.0)
+    assert core.role == Role.LEADER
+    rd = core.ready()
+    core.on_persisted(rd)  # the no-op (index 3) is on the leader's disk
+    seq = core.progress["n2"].seq
+    core.step(PushResponse("n2", "n1", 2, PushType.COMPARE, seq, PushCode.SUCCESS, index=2, end_index=2), 2.0)
+    assert core.commit_index == 0  # index 2 (term 1) is on a majority, yet not committed
+    seq = core.progress["n2"].seq
+    core.step(PushResponse("n2", "n1", 2, PushType.APPEND, seq, PushCode.SUCCESS, index=3, end_index=3), 3.0)
+    assert core.commit_index == 3  # the no-op of term 2 commits, and 1..2 with it
+
+
+def test_follower_with_longer_uncommitted_log_is_truncated():
+    """Section 5.3 / Figure 7: the leader forces followers' logs to duplicate its own;
+    conflicting uncommitted entries are cut (DLedger: COMPARE, then TRUNCATE)."""
+    sim = Sim(3, seed=8)
+    lid = elected(sim)
+    follower = next(i for i in sim.ids if i != lid)
+    # The leader writes entries only one follower never sees.
+    for other in sim.ids:
+        if other not in (lid, follower):
+            sim.cut.add((lid, other))
+            sim.cut.add((other, lid))
+    sim.cut.add((lid, follower))
+    for k in range(5):
+        sim.propose(b"orphan%d" % k)
+    sim.run_for(50)
+    assert sim.nodes[lid].core.log.last_index() >= 6
+    sim.crash(lid)  # its extra entries were never committed
+    sim.heal()
+    sim.run_for(3000)
+    new = sim.leader()
+    assert new not in (None, lid)
+    sim.propose(b"after")
+    sim.run_for(500)
+    sim.restart(lid)
+    sim.run_for(3000)
+    old_log = sim.nodes[lid].core.log
+    new_log = sim.nodes[new].core.log
+    assert old_log.last_index() == new_log.last_index()
+    for i in range(1, new_log.last_index() + 1):
+        assert old_log.term(i) == new_log.term(i)
+    assert not any(d.startswith(b"orphan") for _, _, d in sim.nodes[lid].applied)
+    sim.check_converged()
+
+
+def test_lost_pushes_are_pushed_again():
+    """DLedger's pendingMap: a batch not acknowledged in time is pushed again."""
+    sim = Sim(3, seed=9)
+    lid = elected(sim)
+    follower = next(i for i in sim.ids if i != lid)
+    sim.cut.add((lid, follower))
+    for _ in range(20):
+        sim.propose()
+    sim.run_for(100)
+    sim.cut.discard((lid, follower))
+    sim.run_for(sim.config["push_timeout_ms"] if "push_timeout_ms" in sim.config else 1500)
+    assert sim.nodes[follower].applied_index == sim.nodes[lid].applied_index
+    sim.check_converged()
+
+
+def test_offline_follower_catches_up():
+    sim = Sim(3, seed=10)
+    lid = elected(sim)
+    follower = next(i for i in sim.ids if i != lid)
+    sim.crash(follower)
+    for _ in range(300):
+        sim.propose()
+        sim.run_for(2)
+    sim.restart(follower)
+    sim.run_for(3000)
+    assert sim.nodes[follower].applied_index == sim.nodes[lid].applied_index > 300
+    sim.check_converged()
+
+
+def test_fast_backup_skips_a_conflicting_term_in_one_step():
+    """xTerm/xIndex: the follower names its conflicting term and where it starts."""
+    storage = MemoryStorage()
+    storage.write(1, [Entry(i, 1 if i <= 2 else 2, EntryKind.NORMAL, b"") for i in range(1, 50)])
+    f = RaftCore(CoreConfig("n2"), storage, HardState(3, None), MEMBERS, 0, 0.0, seed=1)
+    f.step(PushRequest("n1", "n2", 4, PushType.COMPARE, 1, 40, 3), 1.0)
+    (resp,) = f.ready().persisted_messages
+    assert resp.code == PushCode.INCONSISTENT_STATE and resp.x_term == 2 and resp.x_index == 3
+
+
+def test_a_new_leader_commits_earlier_entries_without_new_writes():
+    """The no-op on election (Raft §8): entries of an earlier term commit although no
+    client writes after the leader change."""
+    sim = Sim(3, seed=11)
+    lid = elected(sim)
+    for _ in range(5):
+        sim.propose()
+    sim.run_for(3)  # replicated perhaps, not yet committed everywhere
+    sim.crash(lid)
+    sim.run_for(4000)
+    new = sim.leader()
+    assert new is not None and new != lid
+    core = sim.nodes[new].core
+    assert core.commit_index == core.log.last_index()
+    assert sim.nodes[new].applied_index == core.commit_index
+
+
+# --- leadership transfer and reads -----------------------------------------------------------
+
+
+def test_leadership_transfer_catches_up_then_hands_over():
+    sim = Sim(3, seed=12)
+    lid = elected(sim)
+    target = next(i for i in sim.ids if i != lid)
+    for _ in range(10):
+        sim.propose()
+    leader = sim.nodes[lid].core
+    leader.transfer_leadership(target, sim.now)
+    with pytest.raises(TransferInProgress):
+        leader.propose([(EntryKind.NORMAL, b"refused")], sim.now)
+    sim._process(sim.nodes[lid])
+    sim.run_for(500)
+    assert sim.leader() == target
+    assert sim.nodes[target].core.term == leader.term
+    with pytest.raises(NotLeader):
+        leader.propose([(EntryKind.NORMAL, b"x")], sim.now)
+
+
+def test_read_index_is_confirmed_by_a_heartbeat_round():
+    """Thesis §6.4: the leader records its commit index, confirms it still leads with a
+    round of heartbeats, then the read may proceed at that index."""
+    sim = Sim(3, seed=13)
+    lid = elected(sim)
+    sim.propose()
+    sim.run_for(200)
+    leader = sim.nodes[lid].core
+    leader.read_index(42, sim.now)
+    rd = leader.ready()
+    assert not rd.read_states
+    hb = [m for m in rd.messages if isinstance(m, HeartbeatRequest)]
+    assert len(hb) == 2
+    answers = 0
+    for m in hb:
+        follower = sim.nodes[m.dst].core
+        follower.step(m, sim.now)
+        for r in follower.ready().messages:
+            leader.step(r, sim.now)
+            answers += 1
+        if answers == 1:
+            (rs,) = leader.ready().read_states  # one follower plus us is a majority
+            assert rs.ctx == 42 and rs.index == leader.commit_index
+
+
+def test_an_isolated_leader_never_serves_a_linearizable_read():
+    sim = Sim(3, seed=14)
+    lid = elected(sim)
+    sim.isolate(lid)
+    leader = sim.nodes[lid].core
+    leader.read_index(7, sim.now)
+    sim._process(sim.nodes[lid])
+    served, failed = [], []
+    orig = sim._process
+
+    def watch(node):
+        while node.core.has_ready():
+            rd = node.core.ready()
+            served.extend(rd.read_states)
+            failed.extend(rd.read_failures)
+            for m in rd.messages:
+                sim._send(m)
+    sim._process = lambda node: watch(node) if node.id == lid else orig(node)
+    sim.run_for(3000)
+    assert not any(r.ctx == 7 for r in served)
+    assert any(f.ctx == 7 for f in failed)  # failed when it stepped down (check quorum)
+
+
+def test_follower_read_index_asks_the_leader():
+    sim = Sim(3, seed=15)
+    lid = elected(sim)
+    sim.propose()
+    sim.run_for(200)
+    fid = next(i for i in sim.ids if i != lid)
+    follower = sim.nodes[fid].core
+    follower.read_index(5, sim.now)
+    states = []
+    orig = sim._process
+
+    def watch(node):
+        if node.id == fid:
+            while node.core.has_ready():
+                rd = node.core.ready()
+                states.extend(rd.read_states)
+                for m in rd.messages + rd.persisted_messages:
+                    sim._send(m)
+        else:
+            orig(node)
+    sim._process = watch
+    watch(sim.nodes[fid])
+    sim.run_for(100)
+    assert [s.ctx for s in states] == [5]
+    assert states[0].index == sim.nodes[lid].core.commit_index
+
+
+def test_single_voter_commits_alone():
+    storage = MemoryStorage()
+    one = Membership.of([Member("n1", "x")])
+    core = RaftCore(CoreConfig("n1"), storage, HardState(0, None), one, 0, 0.0, seed=1)
+    core.campaign(0.0)
+    assert core.role == Role.LEADER
+    core.propose([(EntryKind.NORMAL, b"v")], 1.0)
+    rd = core.ready()
+    assert rd.applicable_index is None  # nothing is durable yet
+    storage.write(rd.entries_from, rd.entries)
+    core.on_persisted(rd)
+    assert core.ready().applicable_index == 2  # the no-op and the write
