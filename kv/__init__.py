@@ -26,3 +26,61 @@ if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(
         __path__.append(_root)
 
 __version__ = "0.1.0"
+
+from .config import NodeConfig  # noqa: E402
+from .errors import (  # noqa: E402
+    BadRequest,
+    KVError,
+    NoQuorum,
+    NotFound,
+    NotLeader,
+    PreconditionFailed,
+    SnapshotError,
+    Timeout,
+    Unauthorized,
+    Unavailable,
+    ValueTooLarge,
+)
+from .node import DeleteResult, Event, Item, Node, TxnResult, Watch, WatchCompacted, WriteResult  # noqa: E402
+from .statemachine.commands import Cond, Delete, Get, Put  # noqa: E402
+from .store import Store, open  # noqa: E402,A004
+
+__all__ = [
+    "AsyncClient",
+    "BadRequest",
+    "Client",
+    "Cond",
+    "Delete",
+    "DeleteResult",
+    "Event",
+    "Get",
+    "Item",
+    "KVError",
+    "Node",
+    "NodeConfig",
+    "NoQuorum",
+    "NotFound",
+    "NotLeader",
+    "PreconditionFailed",
+    "Put",
+    "SnapshotError",
+    "Store",
+    "Timeout",
+    "TxnResult",
+    "Unauthorized",
+    "Unavailable",
+    "ValueTooLarge",
+    "Watch",
+    "WatchCompacted",
+    "WriteResult",
+    "open",
+]
+
+
+def __getattr__(name: str):
+    # The HTTP clients pull in aiohttp; an embedded kv.open() user need not pay for that.
+    if name in ("Client", "AsyncClient"):
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'kv' has no attribute {name!r}")

@@ -32,10 +32,10 @@ class PreconditionFailed(KVError):
 
     code, http_status = "PRECONDITION_FAILED", 412
 
-    def __init__(self, key: str, mod_index: int) -> None:
+    def __init__(self, key: str, mod_index: int, message: str | None = None) -> None:
         self.key, self.mod_index = key, mod_index
         now = f"its mod_index is now {mod_index}" if mod_index else "it does not exist"
-        super().__init__(f"the condition on key {key!r} did not hold ({now}); read it again and retry")
+        super().__init__(message or f"the condition on key {key!r} did not hold ({now}); read it again and retry")
 
 
 class NotLeader(KVError):

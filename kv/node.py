@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from .config import NodeConfig
+from .metrics import Histogram
 from .errors import (
     BadRequest,
     KVError,
@@ -137,6 +138,7 @@ class Node:
         self._history: collections.deque[Event] = collections.deque(maxlen=10_000)
         self.started_at = 0.0
         self.counters = collections.Counter()
+        self.commit_latency = Histogram("kv_commit_latency_seconds", "Time from proposing a write to its apply on the leader.")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -287,13 +289,11 @@ class Node:
             try:
                 if raft.role == Role.LEADER:
                     (fut,) = raft.propose_many([(EntryKind.NORMAL, payload)])
-                    return await asyncio.wait_for(asyncio.shield(fut), max(left, 0.001))
-                resp = await asyncio.wait_for(raft.forward(payload), max(left, 0.001))
-            except (asyncio.TimeoutError, TimeoutError):
-                raise Timeout(
-                    f"the write was not confirmed within {timeout or self.config.write_timeout_s:.1f}s; it may or may not "
-                    "have been committed: read the key before retrying"
-                ) from None
+                    t0 = time.perf_counter()
+                    applied = await self._outcome(asyncio.shield(fut), left, timeout)
+                    self.commit_latency.observe(time.perf_counter() - t0)
+                    return applied
+                resp = await self._outcome(raft.forward(payload), left, timeout)
             except raft_errors.NotLeader as e:
                 # Nothing was appended (or what was appended was replaced): safe to retry
                 # once a leader is known.
@@ -302,9 +302,7 @@ class Node:
             except raft_errors.TransferInProgress as e:
                 await self._await_leader(deadline, e, force_wait=True)
                 continue
-            except Overloaded as e:
-                raise Unavailable(str(e)) from e
-            except NodeStopped as e:
+            except (Overloaded, NodeStopped) as e:  # refused before anything was appended
                 raise Unavailable(str(e)) from e
             if resp.code == ForwardCode.OK:
                 return Applied(resp.index, resp.term, cmds.decode_result(resp.payload))
@@ -314,6 +312,18 @@ class Node:
             if resp.code == ForwardCode.STOPPED:
                 raise Timeout(f"the leader stopped before confirming the write: {resp.payload.decode()}")
             raise Unavailable(resp.payload.decode())
+
+    async def _outcome(self, waiting, left: float, timeout: float | None):
+        """Wait for a proposed write's outcome; from here on a failure means "unknown"."""
+        try:
+            return await asyncio.wait_for(waiting, max(left, 0.001))
+        except (asyncio.TimeoutError, TimeoutError):
+            raise Timeout(
+                f"the write was not confirmed within {timeout or self.config.write_timeout_s:.1f}s; it may or may not "
+                "have been committed: read the key before retrying"
+            ) from None
+        except NodeStopped as e:
+            raise Timeout(f"the node stopped before the write was confirmed; it may or may not have been committed ({e})") from e
 
     async def _await_leader(self, deadline: float, cause: Exception, force_wait: bool = False) -> None:
         """Wait for a (new) leader, or raise NotLeader when the deadline passes."""
@@ -367,9 +377,7 @@ class Node:
                 raise Unavailable(str(e)) from e
 
     async def get(self, key: str, *, consistency: str = "linearizable", timeout: float | None = None) -> Item | None:
-        cmds.check_key(key) if key else None
-        if not key:
-            raise BadRequest("a key is a non-empty string")
+        validate_key(key)
         await self.read_barrier(consistency, timeout)
         got = self.sm.get(key)
         return Item(key, got[1], got[0]) if got else None
@@ -412,6 +420,44 @@ class Node:
             for w in watches:
                 w._offer(ev)
 
+    # -- administration --------------------------------------------------------------------
+
+    async def transfer_leadership(self, to: str, *, timeout: float | None = None) -> str:
+        """Hand leadership to member `to` (it is caught up first; writes are refused while
+        the transfer runs). Returns the leader afterwards. Raises NotLeader on a follower."""
+        raft = self._running()
+        if to not in raft.core.membership.voters:
+            raise BadRequest(f"{to!r} is not a voting member; voters: {sorted(raft.core.membership.voters)}")
+        if raft.role != Role.LEADER:
+            raise NotLeader("only the leader can hand leadership over", raft.leader_id)
+        if to == raft.id:
+            return to
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.election_timeout_ms * 3 / 1000)
+        await raft.transfer_leadership(to)
+        while raft.leader_id != to:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Timeout(f"leadership did not move to {to} in time; the leader is {raft.leader_id}")
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await asyncio.wait_for(raft.leader_changed.wait(), left)
+        return to
+
+    def members(self) -> list[dict]:
+        raft = self._running()
+        core = raft.core
+        out = []
+        for m in sorted(core.membership.members.values(), key=lambda m: m.id):
+            d = {"id": m.id, "peer": m.peer_addr, "http": m.http_url or (raft.transport.peer_urls.get(m.id, "") if raft.transport else ""), "voter": m.voter}
+            if m.id == raft.id:
+                d["http"] = self.config.advertise_url
+            d["leader"] = m.id == core.leader_id
+            out.append(d)
+        return out
+
+    def leader_url(self) -> str | None:
+        """The leader's client URL, if this node knows it."""
+        return self._running().leader_url()
+
     # -- status ----------------------------------------------------------------------------
 
     def status(self) -> dict:
@@ -445,6 +491,15 @@ class Node:
                 if m.id != self.config.id
             },
         }
+
+
+def validate_key(key: str) -> str:
+    """Raise BadRequest unless key is a non-empty UTF-8 string within the length limit."""
+    try:
+        cmds.check_key(key)
+    except cmds.CommandError as e:
+        raise BadRequest(str(e)) from None
+    return key
 
 
 def _cond(key: str, if_mod_index: int | None, if_absent: bool) -> cmds.Cond | None:

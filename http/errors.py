@@ -1,0 +1,54 @@
+"""The HTTP error model: {"error": {"code": "...", "message": "..."}} with a fitting status."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from aiohttp import web
+
+from kv import KVError
+
+log = logging.getLogger("kv.http")
+
+RETRY_AFTER_S = "1"
+
+
+def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(status: int, code: str, message: str, extra: dict | None = None) -> web.Response:
+    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
+    body = {"error": {"code": code, "message": message}}
+    if extra:
+        body.update(extra)
+    return json_response(body, status, headers)
+
+
+_HTTP_CODES = {400: "BAD_REQUEST", 401: "UNAUTHORIZED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "VALUE_TOO_LARGE"}
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except KVError as e:
+        extra = getattr(e, "extra", None)
+        return error_response(e.http_status, e.code, str(e), extra)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = _HTTP_CODES.get(e.status, "HTTP_ERROR")
+        message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
+        if e.status == 404:
+            message = f"no route {request.method} {request.path}; see /v1/openapi.json"
+        elif e.status == 405:
+            message = f"{request.method} is not allowed on {request.path}"
+        resp = error_response(e.status, code, message)
+        if e.status == 405 and "Allow" in e.headers:
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "INTERNAL", "internal error; see the node's log")

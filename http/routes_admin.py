@@ -1,0 +1,126 @@
+"""Status, health, metrics, snapshots, leadership transfer and the OpenAPI document."""
+
+from __future__ import annotations
+
+import os
+
+import orjson
+from aiohttp import web
+
+from kv import BadRequest, NotFound, NotLeader
+
+from .context import ctx
+from .errors import json_response
+
+OPENAPI_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
+FORWARDED = "X-Kv-Forwarded"
+
+
+async def status(request: web.Request) -> web.Response:
+    """This node's own view; never forwarded."""
+    return json_response(ctx(request).node.status())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    node = ctx(request).node
+    if node.raft is None or node.raft.failure is not None:
+        return json_response({"ok": False, "error": str(node.raft.failure) if node.raft else "not started"}, 503)
+    return json_response({"ok": True})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when a leader is known and this node has applied what it knows is committed."""
+    node = ctx(request).node
+    s = node.status()
+    lag = s.get("commit_index", 0) - s.get("applied_index", 0)
+    ready = s.get("leader") is not None and lag <= 1000
+    body = {"ready": ready, "leader": s.get("leader"), "apply_lag": lag}
+    return json_response(body, 200 if ready else 503, {"Retry-After": "1"} if not ready else None)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(text=ctx(request).registry.render(), content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def take_snapshot(request: web.Request) -> web.Response:
+    snap = await ctx(request).node.snapshots.take()
+    return json_response({"index": snap.index, "term": snap.term})
+
+
+async def get_snapshot(request: web.Request) -> web.StreamResponse:
+    snap = ctx(request).node.snapshots.newest_meta()
+    if snap is None or not os.path.exists(snap.path):
+        raise NotFound("this node has no snapshot yet: POST /v1/snapshot takes one")
+    return web.FileResponse(
+        snap.path,
+        headers={
+            "Content-Type": "application/octet-stream",
+            "Content-Disposition": f'attachment; filename="{os.path.basename(snap.path)}"',
+            "X-Snapshot-Index": str(snap.index),
+            "X-Snapshot-Term": str(snap.term),
+        },
+    )
+
+
+async def _json_body(request: web.Request) -> dict:
+    raw = await request.content.read(ctx(request).max_json_bytes + 1)
+    try:
+        doc = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("the body must be a JSON object")
+    return doc
+
+
+async def leader_transfer(request: web.Request) -> web.Response:
+    doc = await _json_body(request)
+    to = doc.get("to")
+    if not isinstance(to, str) or not to:
+        raise BadRequest('name the new leader: {"to": "n2"}')
+    node = ctx(request).node
+    try:
+        leader = await node.transfer_leadership(to)
+    except NotLeader:
+        return await forward_to_leader(request, orjson.dumps(doc))
+    return json_response({"leader": leader})
+
+
+async def members(request: web.Request) -> web.Response:
+    return json_response({"members": ctx(request).node.members()})
+
+
+async def forward_to_leader(request: web.Request, body: bytes) -> web.Response:
+    """Pass an admin request to the leader's HTTP API and return its answer."""
+    c = ctx(request)
+    url = c.node.leader_url()
+    if url is None or request.headers.get(FORWARDED):
+        raise NotLeader("this node is not the leader and cannot reach it over HTTP; send the request to the leader", c.node.raft.leader_id)
+    headers = {FORWARDED: c.node.config.id, "Content-Type": "application/json"}
+    if "Authorization" in request.headers:
+        headers["Authorization"] = request.headers["Authorization"]
+    try:
+        async with c.session.request(request.method, url + request.path_qs, data=body, headers=headers) as resp:
+            data = await resp.read()
+            return web.Response(body=data, status=resp.status, content_type=resp.content_type)
+    except Exception as e:
+        raise NotLeader(f"forwarding to the leader at {url} failed: {e}", c.node.raft.leader_id) from e
+
+
+async def openapi(request: web.Request) -> web.Response:
+    with open(OPENAPI_PATH, "rb") as f:
+        return web.Response(body=f.read(), content_type="application/json")
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/v1/status", status, name="status")
+    r.add_get("/healthz", healthz, name="healthz")
+    r.add_get("/readyz", readyz, name="readyz")
+    r.add_get("/metrics", metrics, name="metrics")
+    r.add_post("/v1/snapshot", take_snapshot, name="snapshot_take")
+    r.add_get("/v1/snapshot", get_snapshot, name="snapshot_get")
+    r.add_post("/v1/leader/transfer", leader_transfer, name="leader_transfer")
+    r.add_get("/v1/members", members, name="members_list")
+    r.add_get("/v1/openapi.json", openapi, name="openapi")
+

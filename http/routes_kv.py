@@ -1,0 +1,211 @@
+"""The key-value routes: /v1/kv/{key}, /v1/kv (listing) and /v1/txn."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+import orjson
+from aiohttp import web
+
+from kv import BadRequest, Cond, Delete, Get, NotFound, PreconditionFailed, Put, ValueTooLarge
+
+from .context import ctx
+from .errors import json_response
+from .keys import key_from_raw_path
+
+KV_PREFIX = "/v1/kv/"
+MAX_LIST = 10_000
+
+
+def _consistency(request: web.Request) -> str:
+    return request.query.get("consistency", "linearizable")
+
+
+def _etag_index(value: str, header: str) -> int:
+    v = value.strip()
+    if v.startswith("W/"):
+        v = v[2:]
+    v = v.strip('"')
+    if not v.isdigit():
+        raise BadRequest(f'{header} must be a quoted mod_index, e.g. {header}: "42"')
+    return int(v)
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The raw body, refusing (413) anything over `limit` before reading it whole."""
+    if request.content_length is not None and request.content_length > limit:
+        raise ValueTooLarge(f"the value is {request.content_length} bytes; the limit is {limit} (--max-value-bytes)")
+    body = await request.content.read(limit + 1)
+    if len(body) > limit or not request.content.at_eof():
+        raise ValueTooLarge(f"the value is larger than the limit of {limit} bytes (--max-value-bytes)")
+    return body
+
+
+async def put_key(request: web.Request) -> web.Response:
+    c = ctx(request)
+    key = key_from_raw_path(request.raw_path, KV_PREFIX)
+    value = await _read_body(request, c.node.config.max_value_bytes)
+    if_match = request.headers.get("If-Match")
+    if_none = request.headers.get("If-None-Match")
+    if if_none is not None and if_none.strip() != "*":
+        raise BadRequest('only If-None-Match: * is supported (write only if the key does not exist)')
+    r = await c.node.put(
+        key,
+        value,
+        if_mod_index=_etag_index(if_match, "If-Match") if if_match is not None else None,
+        if_absent=if_none is not None,
+    )
+    return json_response({"index": r.index, "term": r.term}, headers={"ETag": f'"{r.index}"'})
+
+
+async def get_key(request: web.Request) -> web.Response:
+    c = ctx(request)
+    key = key_from_raw_path(request.raw_path, KV_PREFIX)
+    item = await c.node.get(key, consistency=_consistency(request))
+    if item is None:
+        raise NotFound(f"key {key!r} does not exist")
+    return web.Response(body=item.value, content_type="application/octet-stream", headers={"ETag": f'"{item.mod_index}"'})
+
+
+async def delete_key(request: web.Request) -> web.Response:
+    c = ctx(request)
+    key = key_from_raw_path(request.raw_path, KV_PREFIX)
+    if_match = request.headers.get("If-Match")
+    r = await c.node.delete(key, if_mod_index=_etag_index(if_match, "If-Match") if if_match is not None else None)
+    return json_response({"index": r.index, "term": r.term, "deleted": r.deleted})
+
+
+def _encode_value(value: bytes, force_b64: bool) -> dict:
+    if not force_b64:
+        try:
+            return {"value": value.decode("utf-8")}
+        except UnicodeDecodeError:
+            pass
+    return {"value": base64.b64encode(value).decode(), "encoding": "base64"}
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    c = ctx(request)
+    q = request.query
+    try:
+        limit = int(q.get("limit", "1000"))
+    except ValueError:
+        raise BadRequest("limit must be an integer") from None
+    if not 0 < limit <= MAX_LIST:
+        raise BadRequest(f"limit must be between 1 and {MAX_LIST}")
+    force_b64 = q.get("encoding") == "base64"
+    items = await c.node.scan(q.get("prefix", ""), after=q.get("after"), limit=limit + 1, consistency=_consistency(request))
+    more = len(items) > limit
+    items = items[:limit]
+    out = [{"key": it.key, **_encode_value(it.value, force_b64), "mod_index": it.mod_index} for it in items]
+    return json_response({"items": out, "next": items[-1].key if more else None})
+
+
+# -- transactions -----------------------------------------------------------------------------
+
+
+def _value_of(d: dict, where: str) -> bytes:
+    if "value_base64" in d:
+        try:
+            return base64.b64decode(d["value_base64"], validate=True)
+        except (binascii.Error, TypeError) as e:
+            raise BadRequest(f"{where}: value_base64 is not valid base64") from e
+    v = d.get("value")
+    if not isinstance(v, str):
+        raise BadRequest(f'{where}: needs "value" (a string) or "value_base64"')
+    return v.encode()
+
+
+def _key_of(d, where: str) -> str:
+    if not isinstance(d, dict):
+        raise BadRequest(f"{where} must be an object")
+    k = d.get("key")
+    if not isinstance(k, str) or not k:
+        raise BadRequest(f'{where} needs "key", a non-empty string')
+    return k
+
+
+def _parse_cond(d, where: str) -> Cond:
+    key = _key_of(d, where)
+    if "mod_index" in d:
+        if not isinstance(d["mod_index"], int) or d["mod_index"] < 0:
+            raise BadRequest(f"{where}: mod_index must be an integer >= 0 (0: the key must not exist)")
+        return Cond(key, "mod", d["mod_index"])
+    if "exists" in d:
+        if not isinstance(d["exists"], bool):
+            raise BadRequest(f"{where}: exists must be true or false")
+        return Cond(key, "exists", d["exists"])
+    if "value" in d or "value_base64" in d:
+        return Cond(key, "value", _value_of(d, where))
+    raise BadRequest(f'{where}: compare on "mod_index", "exists" or "value"')
+
+
+def _parse_op(d, where: str):
+    key = _key_of(d, where)
+    op = d.get("op")
+    if op == "put":
+        return Put(key, _value_of(d, where))
+    if op == "delete":
+        return Delete(key)
+    if op == "get":
+        return Get(key)
+    raise BadRequest(f'{where}: "op" must be "put", "delete" or "get"')
+
+
+def _list(doc: dict, name: str, parse) -> list:
+    items = doc.get(name, [])
+    if not isinstance(items, list):
+        raise BadRequest(f'"{name}" must be a list')
+    return [parse(x, f"{name}[{i}]") for i, x in enumerate(items)]
+
+
+def _op_result(r, force_b64: bool):
+    if r is None:
+        return {"found": False}
+    if hasattr(r, "deleted"):
+        return {"index": r.index, "deleted": r.deleted}
+    if hasattr(r, "value"):
+        return {"found": True, "key": r.key, **_encode_value(r.value, force_b64), "mod_index": r.mod_index}
+    return {"index": r.index}
+
+
+async def txn(request: web.Request) -> web.Response:
+    """{"compare": [...], "success": [...], "failure": [...]}: 200 when the comparisons held
+    (success ran), 412 when they did not (failure ran)."""
+    c = ctx(request)
+    raw = await request.content.read(c.max_json_bytes + 1)
+    if len(raw) > c.max_json_bytes:
+        raise ValueTooLarge(f"the transaction document is larger than {c.max_json_bytes} bytes")
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"the body is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest('the body must be a JSON object: {"compare": [...], "success": [...], "failure": [...]}')
+    unknown = set(doc) - {"compare", "success", "failure"}
+    if unknown:
+        raise BadRequest(f"unknown fields in the transaction: {sorted(unknown)}")
+    conds = _list(doc, "compare", _parse_cond)
+    ops = _list(doc, "success", _parse_op)
+    else_ops = _list(doc, "failure", _parse_op)
+    r = await c.node.txn(conds, ops, else_ops)
+    force_b64 = request.query.get("encoding") == "base64"
+    body = {
+        "succeeded": r.succeeded,
+        "index": r.index,
+        "term": r.term,
+        "results": [_op_result(x, force_b64) for x in r.results],
+    }
+    if not r.succeeded:
+        body["error"] = {"code": PreconditionFailed.code, "message": "a comparison did not hold; the failure operations ran"}
+        return json_response(body, 412)
+    return json_response(body)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_route("PUT", "/v1/kv/{key:.+}", put_key, name="kv_put")
+    app.router.add_route("GET", "/v1/kv/{key:.+}", get_key, name="kv_get")
+    app.router.add_route("DELETE", "/v1/kv/{key:.+}", delete_key, name="kv_delete")
+    app.router.add_route("GET", "/v1/kv", list_keys, name="kv_list")
+    app.router.add_route("POST", "/v1/txn", txn, name="txn")

@@ -1,0 +1,34 @@
+"""A private event loop on a thread, for synchronous facades over async objects
+(kv.open's Store and kv.Client)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from .errors import Unavailable
+
+
+class LoopThread:
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self.closed = False
+
+    def call(self, coro: Coroutine) -> Any:
+        """Run coro on the loop and wait for its result in the calling thread."""
+        if self.closed:
+            coro.close()
+            raise Unavailable("closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()

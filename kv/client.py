@@ -1,0 +1,333 @@
+"""HTTP clients for a ledgerkv cluster: kv.AsyncClient (aiohttp) and kv.Client (synchronous).
+
+Any node answers any request (followers forward writes to the leader), so a client only
+needs one reachable endpoint. When a node cannot be reached, or answers 503 (no leader, no
+quorum: nothing was done), the client tries the next endpoint, backing off, until its
+deadline. A write that may have reached a node is never re-sent blindly: a broken connection
+after sending, or a 504, raises kv.Timeout (outcome unknown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from urllib.parse import quote
+
+import aiohttp
+import orjson
+
+from . import errors
+from ._loop import LoopThread
+from .node import DeleteResult, Item, TxnResult, WriteResult
+from .statemachine.commands import Cond, Delete, Get, Put
+
+DEFAULT_ENDPOINTS = ("http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003")
+
+_ERRORS = {
+    400: errors.BadRequest,
+    401: errors.Unauthorized,
+    404: errors.NotFound,
+    413: errors.ValueTooLarge,
+    504: errors.Timeout,
+}
+
+
+def parse_endpoints(spec: str | Sequence[str] | None) -> list[str]:
+    if spec is None:
+        return list(DEFAULT_ENDPOINTS)
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = []
+    for e in (x.strip().rstrip("/") for x in items):
+        if not e:
+            continue
+        out.append(e if "://" in e else f"http://{e}")
+    if not out:
+        raise errors.BadRequest("no endpoints given: e.g. --endpoints http://127.0.0.1:8001")
+    return out
+
+
+def _raise_for(status: int, body: bytes, endpoint: str):
+    try:
+        err = orjson.loads(body).get("error", {})
+    except (orjson.JSONDecodeError, AttributeError):
+        err = {}
+    msg = f"{endpoint}: {err.get('message') or body[:200].decode(errors='replace') or status}"
+    if status == 412:
+        raise errors.PreconditionFailed("?", 0, msg)
+    cls = _ERRORS.get(status)
+    if cls is not None:
+        raise cls(msg)
+    if status == 503:
+        raise errors.NotLeader(msg)
+    raise errors.KVError(msg)
+
+
+def _key_path(key: str) -> str:
+    if not isinstance(key, str) or not key:
+        raise errors.BadRequest("a key is a non-empty string")
+    return "/v1/kv/" + quote(key, safe="/")
+
+
+def _decode_value(d: dict) -> bytes:
+    if d.get("encoding") == "base64":
+        return base64.b64decode(d["value"])
+    return d["value"].encode()
+
+
+class AsyncClient:
+    """    async with kv.AsyncClient("http://127.0.0.1:8001,http://127.0.0.1:8002") as c:
+            await c.put("a", b"1")
+            item = await c.get("a")
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str] | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+        connections: int = 256,
+    ) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.timeout = timeout
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._connections = connections
+        self._session: aiohttp.ClientSession | None = None
+        self._next = random.randrange(len(self.endpoints))
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._connections, limit_per_host=self._connections),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0),
+                headers=self._headers,
+            )
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        data: bytes | None = None,
+        headers: dict | None = None,
+        params: dict | None = None,
+        endpoint: str | None = None,
+        ok: tuple[int, ...] = (200,),
+    ) -> tuple[int, dict, bytes]:
+        """One request with failover; returns (status, headers, body) for statuses in ok."""
+        deadline = time.monotonic() + self.timeout
+        idempotent = method in ("GET", "HEAD")
+        delay = 0.05
+        tries = 0
+        last: Exception | None = None
+        while True:
+            ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
+            tries += 1
+            sent = False
+            try:
+                left = max(deadline - time.monotonic(), 0.05)
+                async with self._sess().request(
+                    method, ep + path, data=data, headers=headers, params=params, timeout=aiohttp.ClientTimeout(total=left)
+                ) as resp:
+                    sent = True
+                    body = await resp.read()
+                    if resp.status in ok:
+                        return resp.status, dict(resp.headers), body
+                    if resp.status != 503:
+                        _raise_for(resp.status, body, ep)
+                    last = errors.NotLeader(f"{ep}: {body[:300].decode(errors='replace')}")
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, asyncio.TimeoutError) as e:
+                if (sent or isinstance(e, (aiohttp.ServerDisconnectedError, asyncio.TimeoutError))) and not idempotent:
+                    raise errors.Timeout(f"{ep}: the connection broke after the write was sent ({e}); its outcome is unknown") from e
+                last = e
+            if endpoint is None:
+                self._next += 1
+            if time.monotonic() + delay > deadline or (endpoint is not None and tries > 3):
+                if isinstance(last, errors.KVError):
+                    raise last
+                raise errors.Unavailable(f"no endpoint answered in {self.timeout:.0f}s ({', '.join(self.endpoints)}): {last}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _json(self, method: str, path: str, **kw):
+        _, _, body = await self.request(method, path, **kw)
+        return orjson.loads(body)
+
+    # -- the store API ---------------------------------------------------------------------
+
+    async def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False) -> WriteResult:
+        headers = {}
+        if if_mod_index is not None:
+            headers["If-Match"] = f'"{if_mod_index}"'
+        if if_absent:
+            headers["If-None-Match"] = "*"
+        d = await self._json("PUT", _key_path(key), data=bytes(value), headers=headers)
+        return WriteResult(d["index"], d["term"])
+
+    async def cas(self, key: str, expected_mod_index: int, value: bytes) -> WriteResult:
+        return await self.put(key, value, if_mod_index=expected_mod_index)
+
+    async def get(self, key: str, *, consistency: str = "linearizable") -> Item | None:
+        status, headers, body = await self.request("GET", _key_path(key), params={"consistency": consistency}, ok=(200, 404))
+        if status == 404:
+            return None
+        return Item(key, body, int(headers.get("ETag", '"0"').strip('"')))
+
+    async def delete(self, key: str, *, if_mod_index: int | None = None) -> DeleteResult:
+        headers = {"If-Match": f'"{if_mod_index}"'} if if_mod_index is not None else None
+        d = await self._json("DELETE", _key_path(key), headers=headers)
+        return DeleteResult(d["index"], d["term"], d["deleted"])
+
+    async def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", page: int = 1000) -> AsyncIterator[Item]:
+        left = limit if limit is not None else float("inf")
+        while left > 0:
+            params = {"prefix": prefix, "limit": str(int(min(page, left))), "consistency": consistency}
+            if after is not None:
+                params["after"] = after
+            d = await self._json("GET", "/v1/kv", params=params)
+            for it in d["items"]:
+                yield Item(it["key"], _decode_value(it), it["mod_index"])
+            left -= len(d["items"])
+            if d["next"] is None:
+                return
+            after = d["next"]
+
+    async def txn(self, conds: Sequence[Cond] = (), ops: Sequence = (), else_ops: Sequence = ()) -> TxnResult:
+        doc = {"compare": [_cond_json(c) for c in conds], "success": [_op_json(o) for o in ops], "failure": [_op_json(o) for o in else_ops]}
+        status, _, body = await self.request("POST", "/v1/txn", data=orjson.dumps(doc), headers={"Content-Type": "application/json"}, ok=(200, 412))
+        d = orjson.loads(body)
+        results = []
+        for r in d["results"]:
+            if "deleted" in r:
+                results.append(DeleteResult(r["index"], d["term"], r["deleted"]))
+            elif "found" in r:
+                results.append(Item(r["key"], _decode_value(r), r["mod_index"]) if r["found"] else None)
+            else:
+                results.append(WriteResult(r["index"], d["term"]))
+        return TxnResult(d["index"], d["term"], d["succeeded"], tuple(results))
+
+    # -- administration --------------------------------------------------------------------
+
+    async def status(self, endpoint: str | None = None) -> dict:
+        return await self._json("GET", "/v1/status", endpoint=endpoint)
+
+    async def status_all(self) -> list[tuple[str, dict | Exception]]:
+        async def one(ep):
+            try:
+                return ep, await self.status(ep)
+            except Exception as e:  # a node that is down is part of the answer
+                return ep, e
+
+        return list(await asyncio.gather(*(one(ep) for ep in self.endpoints)))
+
+    async def transfer_leader(self, to: str) -> dict:
+        return await self._json("POST", "/v1/leader/transfer", data=orjson.dumps({"to": to}), headers={"Content-Type": "application/json"})
+
+    async def take_snapshot(self, endpoint: str | None = None) -> dict:
+        return await self._json("POST", "/v1/snapshot", endpoint=endpoint)
+
+    async def download_snapshot(self, path: str, *, endpoint: str | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
+        """Save the newest snapshot of a node to `path` (atomically: temp file, rename)."""
+        import os
+
+        ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
+        tmp = path + ".part"
+        async with self._sess().get(ep + "/v1/snapshot", timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as resp:
+            if resp.status != 200:
+                _raise_for(resp.status, await resp.read(), ep)
+            total = int(resp.headers.get("Content-Length", 0))
+            got = 0
+            with open(tmp, "wb") as f:
+                async for chunk in resp.content.iter_chunked(1 << 20):
+                    f.write(chunk)
+                    got += len(chunk)
+                    if progress is not None:
+                        progress(got, total)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            return {"index": int(resp.headers.get("X-Snapshot-Index", 0)), "term": int(resp.headers.get("X-Snapshot-Term", 0)), "bytes": got, "endpoint": ep}
+
+    async def members(self) -> list[dict]:
+        return (await self._json("GET", "/v1/members"))["members"]
+
+
+def _value_json(v: bytes) -> dict:
+    try:
+        return {"value": bytes(v).decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"value_base64": base64.b64encode(bytes(v)).decode()}
+
+
+def _cond_json(c: Cond) -> dict:
+    if c.kind == "mod":
+        return {"key": c.key, "mod_index": c.arg}
+    if c.kind == "exists":
+        return {"key": c.key, "exists": bool(c.arg)}
+    return {"key": c.key, **_value_json(c.arg)}
+
+
+def _op_json(o) -> dict:
+    if isinstance(o, Put):
+        return {"op": "put", "key": o.key, **_value_json(o.value)}
+    if isinstance(o, Delete):
+        return {"op": "delete", "key": o.key}
+    if isinstance(o, Get):
+        return {"op": "get", "key": o.key}
+    raise errors.BadRequest(f"not a transaction operation: {o!r}")
+
+
+class Client:
+    """The synchronous client: same methods as AsyncClient, blocking.
+
+        with kv.Client("http://127.0.0.1:8001") as c:
+            c.put("a", b"1")
+    """
+
+    def __init__(self, endpoints: str | Sequence[str] | None = None, **options) -> None:
+        self._lt = LoopThread("kv-client")
+        self._async = AsyncClient(endpoints, **options)
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._async, name)
+        if name == "scan":
+            return self._scan
+        if not callable(fn):
+            return fn
+
+        def call(*a, **kw):
+            return self._lt.call(fn(*a, **kw))
+
+        return call
+
+    def _scan(self, prefix: str = "", **kw) -> Iterator[Item]:
+        async def collect():
+            return [it async for it in self._async.scan(prefix, **kw)]
+
+        return iter(self._lt.call(collect()))
+
+    def close(self) -> None:
+        if not self._lt.closed:
+            self._lt.call(self._async.close())
+            self._lt.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

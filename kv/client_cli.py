@@ -1,0 +1,64 @@
+"""`kv put|get|del|scan|status|leader`: client commands over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from .client import AsyncClient
+
+
+def _out(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    if sys.stdout.isatty() and not data.endswith(b"\n"):
+        sys.stdout.buffer.write(b"\n")
+    sys.stdout.flush()
+
+
+async def _run(args: argparse.Namespace) -> int:
+    async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout) as c:
+        cmd = args.cmd
+        if cmd == "put":
+            value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()
+            r = await c.put(args.key, value, if_mod_index=args.if_match)
+            print(f"OK index={r.index} term={r.term}")
+        elif cmd == "get":
+            item = await c.get(args.key, consistency="stale" if args.stale else "linearizable")
+            if item is None:
+                print(f"kv get: key {args.key!r} does not exist", file=sys.stderr)
+                return 1
+            _out(item.value)
+        elif cmd == "del":
+            r = await c.delete(args.key)
+            print(f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}")
+        elif cmd == "scan":
+            async for it in c.scan(args.prefix, limit=args.limit):
+                print(f"{it.key}\t{it.value.decode(errors='backslashreplace')}\t{it.mod_index}")
+        elif cmd == "status":
+            return _print_status(await c.status_all())
+        elif cmd == "leader":
+            r = await c.transfer_leader(args.to)
+            print(f"OK leader={r['leader']}")
+    return 0
+
+
+def _print_status(rows: list) -> int:
+    cols = ("id", "role", "term", "leader", "commit_index", "applied_index", "ledger_begin_index", "ledger_end_index", "snapshot_index")
+    heads = ("ID", "ROLE", "TERM", "LEADER", "COMMIT", "APPLIED", "LEDGER_BEGIN", "LEDGER_END", "SNAPSHOT", "ENDPOINT")
+    table = [heads]
+    down = 0
+    for ep, st in rows:
+        if isinstance(st, Exception):
+            down += 1
+            table.append(("?", "unreachable", "", "", "", "", "", "", "", ep))
+        else:
+            table.append(tuple(str(st.get(k) if st.get(k) is not None else "-") for k in cols) + (ep,))
+    widths = [max(len(r[i]) for r in table) for i in range(len(heads))]
+    for r in table:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    return 1 if down == len(rows) else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_run(args))

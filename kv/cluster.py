@@ -1,0 +1,108 @@
+"""`kv cluster up`: a local cluster of `kv serve` processes in the foreground.
+
+Node i (1-based) serves HTTP on base_port + i - 1 and peers on base_port + 100 + i - 1, with
+its data under DATA_DIR/n<i>. The command prints the endpoints, waits for a leader, then
+reports leader changes and nodes that exit, until Ctrl-C stops them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+
+import aiohttp
+
+
+def layout(nodes: int, base_port: int, host: str = "127.0.0.1") -> list[dict]:
+    peers = ",".join(f"n{i}={host}:{base_port + 100 + i - 1}" for i in range(1, nodes + 1))
+    return [
+        {"id": f"n{i}", "http": f"{host}:{base_port + i - 1}", "url": f"http://{host}:{base_port + i - 1}", "peers": peers}
+        for i in range(1, nodes + 1)
+    ]
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int:
+    if nodes < 1:
+        raise SystemExit("kv cluster up: --nodes must be at least 1")
+    os.makedirs(data_dir, exist_ok=True)
+    plan = layout(nodes, base_port)
+    procs: dict[str, asyncio.subprocess.Process] = {}
+    logs = {}
+    _say(f"starting {nodes} nodes under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
+    for n in plan:
+        ndir = os.path.join(data_dir, n["id"])
+        os.makedirs(ndir, exist_ok=True)
+        logs[n["id"]] = open(os.path.join(ndir, "serve.log"), "ab")
+        procs[n["id"]] = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kv", "serve", "--id", n["id"], "--data-dir", ndir, "--http", n["http"], "--peers", n["peers"], *extra,
+            stdout=logs[n["id"]], stderr=logs[n["id"]], start_new_session=True,
+        )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print()
+    print(f"  {'node':6} {'client endpoint':26} {'pid':>8}")
+    for n in plan:
+        print(f"  {n['id']:6} {n['url']:26} {procs[n['id']].pid:>8}")
+    print()
+    endpoints = ",".join(n["url"] for n in plan)
+    print(f"  try:  kv put hello world --endpoints {endpoints}")
+    print(f"        kv get hello --endpoints {endpoints}")
+    print(f"        kv status --endpoints {endpoints}")
+    print("  Ctrl-C stops the cluster.\n", flush=True)
+    code = 0
+    try:
+        await _watch(plan, procs, stop)
+    finally:
+        _say("stopping all nodes ...")
+        for p in procs.values():
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        for nid, p in procs.items():
+            try:
+                await asyncio.wait_for(p.wait(), 10)
+            except (asyncio.TimeoutError, TimeoutError):
+                p.kill()
+                await p.wait()
+                code = 1
+            logs[nid].close()
+        _say("stopped")
+    return code
+
+
+async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event) -> None:
+    leader = None
+    exited: set[str] = set()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
+        while not stop.is_set():
+            seen = {}
+            for n in plan:
+                try:
+                    async with s.get(n["url"] + "/v1/status") as r:
+                        seen[n["id"]] = await r.json()
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    pass
+            leaders = {st["leader"] for st in seen.values() if st.get("leader")}
+            now = next(iter(leaders)) if len(leaders) == 1 else None
+            if now and now != leader:
+                term = max(st.get("term", 0) for st in seen.values())
+                _say(f"leader: {now} (term {term}); {len(seen)}/{len(plan)} nodes answering")
+                leader = now
+            for nid, p in procs.items():
+                if p.returncode is not None and nid not in exited:
+                    exited.add(nid)
+                    _say(f"node {nid} exited with code {p.returncode}; see its serve.log")
+            if len(exited) == len(procs):
+                return
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except (asyncio.TimeoutError, TimeoutError):
+                pass

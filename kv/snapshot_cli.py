@@ -1,0 +1,79 @@
+"""`kv snapshot save|inspect|restore`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+
+from .client import AsyncClient
+from .errors import SnapshotError
+from .snapshot.format import SnapshotFormatError, verify
+from .snapshot.restore import RestoreError, restore
+
+
+class Progress:
+    """A one-line progress bar on stderr (a plain line per 10% when not a terminal)."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.t0, self.last = label, time.monotonic(), -1
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        pct = int(done * 100 / total) if total else 0
+        if self.tty:
+            bar = "#" * (pct // 4)
+            rate = done / max(time.monotonic() - self.t0, 1e-6) / 1e6
+            sys.stderr.write(f"\r{self.label} [{bar:<25}] {pct:3d}% {done / 1e6:8.1f}/{total / 1e6:.1f} MB {rate:6.1f} MB/s")
+            sys.stderr.flush()
+        elif pct // 10 != self.last // 10:
+            print(f"{self.label}: {pct}% ({done} of {total} bytes)", file=sys.stderr)
+        self.last = pct
+
+    def done(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+async def _save(args: argparse.Namespace) -> int:
+    async with AsyncClient(args.endpoints, token=args.token) as c:
+        if args.fresh:
+            await c.take_snapshot()
+        bar = Progress("downloading")
+        info = await c.download_snapshot(args.file, progress=bar)
+        bar.done()
+    print(f"saved {args.file}: index {info['index']}, term {info['term']}, {info['bytes']} bytes, from {info['endpoint']}")
+    return 0
+
+
+def _inspect(path: str) -> int:
+    try:
+        header, trailer = verify(path)
+        status = "ok"
+    except (SnapshotFormatError, OSError) as e:
+        print(f"{path}: checksum/format check FAILED: {e}")
+        return 1
+    out = header.to_json()
+    out.update({"keys": trailer.records, "blocks": trailer.blocks, "checksum": f"crc32:{trailer.crc:08x}", "checksum_status": status})
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.snap_cmd == "save":
+        return asyncio.run(_save(args))
+    if args.snap_cmd == "inspect":
+        return _inspect(args.file)
+    if args.snap_cmd == "restore":
+        from .config import parse_peers
+
+        try:
+            summary = restore(args.file, args.data_dir, args.id, parse_peers(args.peers), group=args.group, progress=lambda m: print(m, file=sys.stderr))
+        except RestoreError as e:
+            raise SnapshotError(str(e)) from e
+        print(f"restored {summary['keys']} keys at index {summary['index']} (term {summary['term']}) into {summary['data_dir']} for {args.id}; members: {', '.join(summary['members'])}")
+        return 0
+    parser.parse_args(["snapshot", "--help"])
+    return 2

@@ -1,0 +1,176 @@
+"""kv.open(): a durable single-node store in-process — synchronous, no server, no ports.
+
+It is a one-member kv.Node (the same ledger, state machine and snapshots as a cluster
+node) run on a private event-loop thread. Writes go through the log: fsynced before they
+return, and many threads writing at once share fsyncs (group commit). Reads go straight to
+LevelDB from the calling thread: with one member, every acknowledged write is applied
+before its call returns, so such a read is linearizable without a round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Iterator, Sequence
+
+from ._loop import LoopThread
+from .config import NodeConfig
+from .errors import BadRequest, Unavailable
+from .node import DeleteResult, Event, Item, Node, TxnResult, WriteResult, validate_key
+from .statemachine import commands as cmds
+
+LOCAL_ID = "local"
+
+
+class Store:
+    """Use kv.open(path) to get one.
+
+        with kv.open("/var/lib/myapp/meta") as db:
+            db.put("users/42", b'{"name": "Ada"}')
+            db.get("users/42").value
+            for item in db.scan("users/"):
+                ...
+    """
+
+    def __init__(self, path: str, **options) -> None:
+        options.setdefault("id", LOCAL_ID)
+        self.config = NodeConfig(data_dir=path, **options)
+        if self.config.peers:
+            raise BadRequest("kv.open() is a single-node store; use kv.Node for a cluster member")
+        self._lt = LoopThread(f"kv-store-{path}")
+        self._loop = self._lt.loop
+        self._node = Node(self.config)
+        try:
+            self._call(self._node.start())
+            self._call(self._wait_leader())
+        except BaseException:
+            self.close()
+            raise
+
+    async def _wait_leader(self) -> None:
+        while self._node.raft.leader_id is None:
+            await self._node.raft.leader_changed.wait()
+
+    @property
+    def _closed(self) -> bool:
+        return self._lt.closed
+
+    def _call(self, coro):
+        if self._closed:
+            coro.close()
+            raise Unavailable("the store is closed")
+        return self._lt.call(coro)
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False) -> WriteResult:
+        """Write durably. With if_mod_index / if_absent it is conditional (PreconditionFailed)."""
+        return self._call(self._node.put(key, value, if_mod_index=if_mod_index, if_absent=if_absent))
+
+    def cas(self, key: str, expected_mod_index: int, value: bytes) -> WriteResult:
+        return self._call(self._node.cas(key, expected_mod_index, value))
+
+    def delete(self, key: str, *, if_mod_index: int | None = None) -> DeleteResult:
+        return self._call(self._node.delete(key, if_mod_index=if_mod_index))
+
+    def txn(self, conds: Sequence[cmds.Cond] = (), ops: Sequence = (), else_ops: Sequence = ()) -> TxnResult:
+        """Atomic multi-op: kv.Cond conditions; kv.Put / kv.Delete / kv.Get operations."""
+        return self._call(self._node.txn(conds, ops, else_ops))
+
+    def put_many(self, items: dict[str, bytes] | Sequence[tuple[str, bytes]]) -> TxnResult:
+        """Write many keys in one atomic, fsynced transaction."""
+        pairs = items.items() if isinstance(items, dict) else items
+        return self.txn(ops=[cmds.Put(k, v) for k, v in pairs])
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def _sm(self):
+        if self._closed:
+            raise Unavailable("the store is closed")
+        return self._node.sm
+
+    def get(self, key: str) -> Item | None:
+        validate_key(key)
+        got = self._sm().get(key)
+        return Item(key, got[1], got[0]) if got else None
+
+    def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None) -> Iterator[Item]:
+        """Keys under prefix in key order (paged internally; `limit` caps the total)."""
+        sm = self._sm()
+        left = limit if limit is not None else float("inf")
+        while left > 0:
+            page = sm.scan(prefix, after, int(min(left, 1000)))
+            if not page:
+                return
+            for k, v, m in page:
+                yield Item(k, v, m)
+            left -= len(page)
+            after = page[-1][0]
+
+    def watch(self, prefix: str = "", *, start_index: int | None = None, timeout: float | None = None) -> Iterator[Event]:
+        """Yield changes under prefix as they commit (blocks; `timeout` ends a quiet wait)."""
+        events: queue.Queue = queue.Queue()
+        w = self._call(self._open_watch(prefix, start_index, events))
+        try:
+            while True:
+                try:
+                    ev = events.get(timeout=timeout)
+                except queue.Empty:
+                    return
+                if ev is None:
+                    return
+                yield ev
+        finally:
+            if not self._closed:
+                self._loop.call_soon_threadsafe(w.close)
+
+    async def _open_watch(self, prefix: str, start_index: int | None, events: queue.Queue):
+        w = self._node.watch(prefix, start_index=start_index)
+
+        async def pump() -> None:
+            async for ev in w:
+                events.put(ev)
+            events.put(None)
+
+        self._loop.create_task(pump())
+        return w
+
+    # -- maintenance -----------------------------------------------------------------------
+
+    def snapshot(self):
+        """Take a snapshot now (and compact the log behind it); returns its file info."""
+        return self._call(self._node.snapshots.take())
+
+    def status(self) -> dict:
+        return self._call(_status(self._node))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._lt.call(self._node.stop())
+        finally:
+            self._lt.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        lt = getattr(self, "_lt", None)
+        if lt is not None and not lt.closed:
+            self.close()
+
+
+async def _status(node: Node) -> dict:
+    return node.status()
+
+
+def open(path: str, **options) -> Store:  # noqa: A001 - the public name is kv.open
+    """Open (creating if needed) a durable single-node store at `path`.
+
+    Options are NodeConfig fields, e.g. snapshot_threshold=100_000, max_value_bytes=...
+    Every write is fsynced before it returns; reads are linearizable."""
+    return Store(path, **options)
