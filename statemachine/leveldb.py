@@ -220,10 +220,13 @@ class LevelDBStateMachine:
             if n % _RESTORE_BATCH == 0:
                 wb.write()
                 wb = self._db.write_batch()
-        wb.put(_MEMBERSHIP, membership)
-        wb.put(_APPLIED, _TWO_U64.pack(index, term))
-        wb.delete(_RESTORING)
-        wb.write(sync=True)
+        wb.write()
+        # A synced write flushes LevelDB's log, and with it every record written above.
+        fin = self._db.write_batch(sync=True)
+        fin.put(_MEMBERSHIP, membership)
+        fin.put(_APPLIED, _TWO_U64.pack(index, term))
+        fin.delete(_RESTORING)
+        fin.write()
         self._applied = (index, term)
         self.incomplete = False
         return n

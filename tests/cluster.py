@@ -1,0 +1,224 @@
+"""A cluster of real `kv serve` processes on loopback, for tests.
+
+Each node's peer links to the others go through LinkProxy instances (proxies[(i, j)] carries
+i's messages to j), so tests can partition the network — one way, both ways, an isolated
+leader that clients still reach — without root. Nodes can be killed (-9), paused (SIGSTOP),
+resumed and restarted; every process and proxy is stopped by close().
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import orjson
+from netproxy import LinkProxy, ProxyLoop
+from ports import free_port
+
+FAST = ["--heartbeat-ms", "50", "--election-timeout-ms", "500"]
+
+
+class ProcCluster:
+    def __init__(self, root: str, n: int = 3, *, extra: list[str] | None = None, env: dict | None = None, proxies: bool = True) -> None:
+        self.root = root
+        self.ids = [f"n{i}" for i in range(1, n + 1)]
+        self.listen = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
+        self.http = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
+        self.extra = FAST + (extra or [])
+        self.env = env or {}
+        self.node_env: dict[str, dict] = {i: {} for i in self.ids}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ploop = ProxyLoop() if proxies else None
+        self.proxies: dict[tuple[str, str], LinkProxy] = {}
+        if proxies:
+            for i in self.ids:
+                for j in self.ids:
+                    if i != j:
+                        self.proxies[(i, j)] = LinkProxy(self.ploop, free_port(), self.listen[j], seed=hash((i, j)) & 0xFFFF)
+
+    # -- processes -------------------------------------------------------------------------
+
+    def peers_for(self, i: str) -> str:
+        """What node i is told: its own listen address, and the proxies to the others."""
+        parts = []
+        for j in self.ids:
+            addr = self.listen[j] if (j == i or not self.proxies) else f"127.0.0.1:{self.proxies[(i, j)].listen_port}"
+            parts.append(f"{j}={addr}")
+        return ",".join(parts)
+
+    def url(self, i: str) -> str:
+        return f"http://{self.http[i]}"
+
+    def data_dir(self, i: str) -> str:
+        return os.path.join(self.root, i)
+
+    def start(self, *ids: str, wait: bool = True) -> None:
+        for i in ids or self.ids:
+            if i in self.procs and self.procs[i].poll() is None:
+                continue
+            os.makedirs(self.data_dir(i), exist_ok=True)
+            log = open(os.path.join(self.root, f"{i}.log"), "ab")
+            cmd = [sys.executable, "-m", "kv", "serve", "--id", i, "--data-dir", self.data_dir(i), "--http", self.http[i], "--peers", self.peers_for(i), *self.extra]
+            env = {**os.environ, **self.env, **self.node_env[i]}
+            self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
+            log.close()
+        if wait:
+            for i in ids or self.ids:
+                self.wait_http(i)
+
+    def wait_http(self, i: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs[i].poll() is not None:
+                raise AssertionError(f"{i} exited with {self.procs[i].returncode}:\n{self.log(i)[-3000:]}")
+            try:
+                self.status(i)
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError(f"{i} did not answer in {timeout}s:\n{self.log(i)[-3000:]}")
+
+    def log(self, i: str) -> str:
+        with open(os.path.join(self.root, f"{i}.log"), errors="replace") as f:
+            return f.read()
+
+    def signal(self, i: str, sig: int) -> None:
+        p = self.procs.get(i)
+        if p is not None and p.poll() is None:
+            p.send_signal(sig)
+
+    def kill(self, *ids: str) -> None:
+        """kill -9: no chance to flush or say goodbye."""
+        for i in ids or list(self.procs):
+            self.signal(i, signal.SIGKILL)
+            if i in self.procs:
+                self.procs[i].wait(10)
+
+    def pause(self, i: str) -> None:
+        self.signal(i, signal.SIGSTOP)
+
+    def resume(self, i: str) -> None:
+        self.signal(i, signal.SIGCONT)
+
+    def stop(self, *ids: str) -> None:
+        for i in ids or list(self.procs):
+            p = self.procs.get(i)
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.terminate()
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+
+    def alive(self, i: str) -> bool:
+        return i in self.procs and self.procs[i].poll() is None
+
+    def close(self) -> None:
+        self.stop()
+        if self.ploop is not None:
+            for p in self.proxies.values():
+                p.close()
+            self.ploop.close()
+            self.ploop = None
+
+    # -- network ---------------------------------------------------------------------------
+
+    def isolate(self, i: str) -> None:
+        for (a, b), p in self.proxies.items():
+            if i in (a, b):
+                p.cut()
+
+    def cut(self, a: str, b: str, both: bool = True) -> None:
+        self.proxies[(a, b)].cut()
+        if both:
+            self.proxies[(b, a)].cut()
+
+    def heal(self) -> None:
+        for p in self.proxies.values():
+            p.heal()
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    def request(self, i: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 5.0):
+        req = urllib.request.Request(self.url(i) + path, data=body, method=method, headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def status(self, i: str) -> dict:
+        code, _, body = self.request(i, "GET", "/v1/status", timeout=2)
+        return orjson.loads(body)
+
+    def leader(self, timeout: float = 15.0, among: list[str] | None = None) -> str:
+        """The id of a leader that its followers agree on (and that committed its no-op)."""
+        deadline = time.monotonic() + timeout
+        among = among or self.ids
+        while time.monotonic() < deadline:
+            views = {}
+            for i in among:
+                if self.alive(i):
+                    try:
+                        views[i] = self.status(i)
+                    except OSError:
+                        pass
+            for i, st in views.items():
+                if st["role"] == "leader":
+                    agree = sum(1 for v in views.values() if v.get("leader") == i and v["term"] == st["term"])
+                    if agree * 2 > len(self.ids) and st["applied_index"] >= 1:
+                        return i
+            time.sleep(0.05)
+        raise AssertionError(f"no leader among {among} within {timeout}s")
+
+    def put(self, i: str, key: str, value: bytes, timeout: float = 5.0):
+        code, _, body = self.request(i, "PUT", "/v1/kv/" + key, value, timeout=timeout)
+        return code, orjson.loads(body) if body else None
+
+    def get(self, i: str, key: str, consistency: str = "linearizable"):
+        code, headers, body = self.request(i, "GET", f"/v1/kv/{key}?consistency={consistency}")
+        return code, body, headers.get("ETag")
+
+    def dump(self, i: str) -> list:
+        """Every key of node i's local state (stale read), paged."""
+        items, after = [], None
+        while True:
+            q = f"/v1/kv?consistency=stale&limit=10000&encoding=base64" + (f"&after={urllib.parse.quote(after)}" if after else "")
+            code, _, body = self.request(i, "GET", q, timeout=10)
+            d = orjson.loads(body)
+            items += [(x["key"], x["value"], x["mod_index"]) for x in d["items"]]
+            if d["next"] is None:
+                return items
+            after = d["next"]
+
+    def wait_converged(self, ids: list[str] | None = None, timeout: float = 20.0) -> None:
+        """All the given nodes applied the same index and hold the same data."""
+        ids = ids or self.ids
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            try:
+                st = {i: self.status(i) for i in ids}
+                applied = {s["applied_index"] for s in st.values()}
+                commits = {s["commit_index"] for s in st.values()}
+                if len(applied) == 1 and applied == commits:
+                    dumps = [self.dump(i) for i in ids]
+                    if all(d == dumps[0] for d in dumps):
+                        return
+                    last = "data differs"
+                else:
+                    last = {i: (s["commit_index"], s["applied_index"]) for i, s in st.items()}
+            except OSError as e:
+                last = e
+            time.sleep(0.1)
+        raise AssertionError(f"nodes {ids} did not converge: {last}")
+

@@ -1,0 +1,91 @@
+"""The command line: config precedence, errors, help, and the Docker files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kv import BadRequest
+from kv.cli import build_parser, serve_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_of(argv, env=None, monkeypatch=None):
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    return serve_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_flags_beat_toml_beat_environment(tmp_path, monkeypatch):
+    toml = tmp_path / "node.toml"
+    toml.write_text('heartbeat_ms = 70\nelection_timeout_ms = 900\ngroup = "from-toml"\npeers = "n1=127.0.0.1:7001"\n')
+    env = {"KV_HEARTBEAT_MS": "60", "KV_GROUP": "from-env", "KV_TOKEN": "env-token", "KV_ELECTION_TIMEOUT_MS": "800"}
+    c = config_of(["--id", "n1", "--data-dir", str(tmp_path), "--config", str(toml), "--heartbeat-ms", "80"], env, monkeypatch)
+    assert c.heartbeat_ms == 80  # flag
+    assert c.group == "from-toml" and c.election_timeout_ms == 900  # toml over env
+    assert c.token == "env-token"  # only the environment sets it
+    assert c.peers == {"n1": "127.0.0.1:7001"}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data-dir", "/tmp/x"], "--id"),
+        (["--id", "n1", "--data-dir", "/tmp/x", "--peers", "n1=nowhere"], "HOST:PORT"),
+        (["--id", "n1", "--data-dir", "/tmp/x", "--peers", "n2=127.0.0.1:1"], "must list this node"),
+        (["--id", "n1", "--data-dir", "/tmp/x", "--heartbeat-ms", "600"], "twice"),
+    ],
+)
+def test_bad_settings_name_the_problem(argv, message):
+    with pytest.raises(BadRequest, match=message):
+        serve_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_unknown_toml_key_is_an_error(tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_text("heartbeat = 1\n")
+    with pytest.raises(BadRequest, match="unknown setting 'heartbeat'"):
+        serve_config(build_parser().parse_args(["serve", "--id", "n1", "--data-dir", "x", "--config", str(toml)]))
+
+
+def test_help_and_errors_from_the_real_command():
+    kv = [sys.executable, "-m", "kv"]
+    for sub in ([], ["serve"], ["cluster", "up"], ["snapshot", "restore"], ["put"], ["status"]):
+        r = subprocess.run(kv + sub + ["--help"], capture_output=True, text=True)
+        assert r.returncode == 0 and "usage: kv" in r.stdout
+    r = subprocess.run(kv + ["serve", "--data-dir", "/tmp/nowhere"], capture_output=True, text=True)
+    assert r.returncode == 1 and "needs --id" in r.stderr
+    r = subprocess.run(kv + ["get", "k", "--endpoints", "http://127.0.0.1:9", "--timeout", "0.5"], capture_output=True, text=True)
+    assert r.returncode == 1 and "no endpoint answered" in r.stderr
+
+
+def test_compose_file_commands_are_accepted_by_the_cli():
+    with open(os.path.join(ROOT, "docker", "compose.yaml")) as f:
+        compose = yaml.safe_load(f)
+    services = compose["services"]
+    assert sorted(services) == ["n1", "n2", "n3"]
+    for name, svc in services.items():
+        args = build_parser().parse_args(svc["command"])
+        c = serve_config(args)
+        assert c.id == name
+        assert set(c.peers) == set(services)
+        for peer, addr in c.peers.items():
+            host = addr.rsplit(":", 1)[0]
+            assert host == ("0.0.0.0" if peer == name else peer)  # reached by service name
+        assert c.advertise_url == f"http://{name}:8001"
+        assert svc["volumes"][0].endswith(":/data") and c.data_dir == "/data"
+
+
+def test_dockerfile_installs_the_package_like_the_readme():
+    docker = open(os.path.join(ROOT, "docker", "Dockerfile")).read()
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    assert "pip install -e ." in readme
+    assert "pip install '.[speed]'" in docker
+    for folder in ("kv", "raft", "statemachine", "snapshot", "http"):
+        assert f"COPY {folder} ./{folder}" in docker
+    assert "USER kv" in docker and 'VOLUME ["/data"]' in docker and "HEALTHCHECK" in docker and "/healthz" in docker

@@ -1,0 +1,205 @@
+"""The HTTP API of one node (aiohttp's test server, a real node underneath)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from kv import Node, NodeConfig
+from kv.http.app import create_app
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+async def make_client(tmp_path, **options):
+    node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), max_value_bytes=1000, **options))
+    await node.start()
+    while node.raft.leader_id is None:
+        await node.raft.leader_changed.wait()
+    client = TestClient(TestServer(create_app(node, token=options.get("token"))))
+    await client.start_server()
+    return node, client
+
+
+@pytest.fixture
+async def api(tmp_path):
+    node, client = await make_client(tmp_path)
+    yield client
+    await client.close()
+    await node.stop()
+
+
+async def raw_request(client: TestClient, data: bytes) -> bytes:
+    r, w = await asyncio.open_connection(client.host, client.port)
+    w.write(data)
+    await w.drain()
+    out = await asyncio.wait_for(r.read(65536), 5)
+    w.close()
+    return out
+
+
+async def test_put_get_delete_with_etags(api):
+    r = await api.put("/v1/kv/dir%2Fsub/key%20x", data=b"\x00binary\xff")
+    assert r.status == 200
+    body = await r.json()
+    assert body["term"] >= 1 and r.headers["ETag"] == f'"{body["index"]}"'
+    r = await api.get("/v1/kv/dir/sub/key%20x")  # '/' may be escaped or not
+    assert r.status == 200 and await r.read() == b"\x00binary\xff" and r.headers["ETag"] == f'"{body["index"]}"'
+    r = await api.get("/v1/kv/dir/sub/key%20x?consistency=stale")
+    assert r.status == 200
+    r = await api.delete("/v1/kv/dir/sub/key%20x")
+    assert (await r.json())["deleted"] is True
+    r = await api.get("/v1/kv/dir/sub/key%20x")
+    assert r.status == 404 and (await r.json())["error"]["code"] == "NOT_FOUND"
+
+
+async def test_conditional_writes(api):
+    r = await api.put("/v1/kv/c", data=b"1", headers={"If-None-Match": "*"})
+    assert r.status == 200
+    idx = (await r.json())["index"]
+    r = await api.put("/v1/kv/c", data=b"2", headers={"If-None-Match": "*"})
+    assert r.status == 412 and (await r.json())["error"]["code"] == "PRECONDITION_FAILED"
+    r = await api.put("/v1/kv/c", data=b"2", headers={"If-Match": f'"{idx + 100}"'})
+    assert r.status == 412
+    r = await api.put("/v1/kv/c", data=b"2", headers={"If-Match": f'"{idx}"'})
+    assert r.status == 200
+    r = await api.delete("/v1/kv/c", headers={"If-Match": f'"{idx}"'})
+    assert r.status == 412
+    assert await (await api.get("/v1/kv/c")).read() == b"2"
+
+
+async def test_listing_pages(api):
+    for i in range(25):
+        await api.put(f"/v1/kv/list/{i:02d}", data=b"v%d" % i)
+    await api.put("/v1/kv/other", data=b"\xff\xfe")
+    seen, after = [], None
+    while True:
+        q = {"prefix": "list/", "limit": "10"} | ({"after": after} if after else {})
+        d = await (await api.get("/v1/kv", params=q)).json()
+        seen += d["items"]
+        after = d["next"]
+        if after is None:
+            break
+    assert [x["key"] for x in seen] == [f"list/{i:02d}" for i in range(25)]
+    assert seen[3]["value"] == "v3" and seen[3]["mod_index"] > 0
+    d = await (await api.get("/v1/kv", params={"prefix": "other"})).json()
+    assert d["items"][0] == {"key": "other", "value": "//4=", "encoding": "base64", "mod_index": d["items"][0]["mod_index"]}
+
+
+async def test_txn(api):
+    await api.put("/v1/kv/t/a", data=b"1")
+    doc = {"compare": [{"key": "t/a", "value": "1"}, {"key": "t/b", "exists": False}], "success": [{"op": "put", "key": "t/b", "value": "2"}, {"op": "get", "key": "t/a"}], "failure": [{"op": "get", "key": "t/b"}]}
+    r = await api.post("/v1/txn", json=doc)
+    d = await r.json()
+    assert r.status == 200 and d["succeeded"] and d["results"][1]["value"] == "1"
+    r = await api.post("/v1/txn", json=doc)  # t/b exists now
+    d = await r.json()
+    assert r.status == 412 and not d["succeeded"] and d["results"][0]["value"] == "2"
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status",
+    [
+        ("POST", "/v1/txn", b"{not json", 400),
+        ("POST", "/v1/txn", b"[1,2]", 400),
+        ("POST", "/v1/txn", b'{"success": [{"op": "explode", "key": "a"}]}', 400),
+        ("POST", "/v1/txn", b'{"compare": [{"key": "a", "mod_index": -1}]}', 400),
+        ("POST", "/v1/txn", b'{"bogus": 1}', 400),
+        ("GET", "/v1/kv?limit=0", None, 400),
+        ("GET", "/v1/kv?limit=x", None, 400),
+        ("GET", "/v1/kv/a?consistency=eventual", None, 400),
+        ("PUT", "/v1/kv/a", b"x" * 1001, 413),
+        ("PUT", "/v1/kv/" + "k" * 5000, b"x", 400),
+        ("PUT", "/v1/kv/a", b"x", 200),
+        ("POST", "/v1/kv/a", b"x", 405),
+        ("GET", "/v1/nothing", None, 404),
+        ("PUT", "/v1/kv/a", b"x", 200),
+    ],
+)
+async def test_bad_input_gets_a_clear_error_and_changes_nothing(api, method, path, body, status):
+    before = await (await api.get("/v1/kv", params={"consistency": "stale"})).json()
+    r = await api.request(method, path, data=body)
+    assert r.status == status, await r.text()
+    if status >= 400:
+        err = (await r.json())["error"]
+        assert err["code"] and err["message"]
+        after = await (await api.get("/v1/kv", params={"consistency": "stale"})).json()
+        assert after == before
+
+
+async def test_bad_percent_encoding_is_400(api):
+    for path in (b"/v1/kv/bad%ZZ", b"/v1/kv/half%C3", b"/v1/kv/%"):
+        out = await raw_request(api, b"PUT " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx")
+        assert out.startswith(b"HTTP/1.1 400"), out[:200]
+        assert b"percent-encoding" in out or b"UTF-8" in out
+
+
+async def test_oversized_value_is_refused_before_it_is_read(api):
+    # Announce 10 MB and send nothing: the answer must come without waiting for the body.
+    out = await raw_request(api, b"PUT /v1/kv/big HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\nConnection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 413")
+    # A chunked body without a length is cut off at the limit too.
+    chunk = b"x" * 600
+    req = b"PUT /v1/kv/big HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    req += b"%x\r\n%s\r\n" % (len(chunk), chunk) * 2 + b"0\r\n\r\n"
+    assert (await raw_request(api, req)).startswith(b"HTTP/1.1 413")
+    assert (await api.get("/v1/kv/big")).status == 404
+
+
+async def test_status_health_and_metrics(api):
+    s = await (await api.get("/v1/status")).json()
+    for field in ("id", "role", "term", "leader", "commit_index", "applied_index", "ledger_begin_index", "ledger_end_index", "snapshot_index", "peers"):
+        assert field in s
+    assert s["role"] == "leader" and s["leader"] == "n1"
+    assert (await api.get("/healthz")).status == 200
+    assert (await (await api.get("/readyz")).json())["ready"] is True
+    await api.put("/v1/kv/m", data=b"1")
+    text = await (await api.get("/metrics")).text()
+    for metric in ("kv_role{role=\"leader\"} 1", "kv_commit_index", "kv_commit_latency_seconds_count 1", 'kv_http_requests_total{route="kv_put",method="PUT",status="200"} 1'):
+        assert metric in text
+
+
+async def test_snapshot_routes(api):
+    assert (await api.get("/v1/snapshot")).status == 404
+    await api.put("/v1/kv/s", data=b"1")
+    d = await (await api.post("/v1/snapshot")).json()
+    r = await api.get("/v1/snapshot")
+    assert r.status == 200 and r.headers["X-Snapshot-Index"] == str(d["index"])
+    assert (await r.read()).startswith(b"LKVSNAP1")
+
+
+async def test_token_guards_client_routes_but_not_healthz(tmp_path):
+    node, client = await make_client(tmp_path, token="s3cret")
+    try:
+        assert (await client.get("/healthz")).status == 200
+        for method, path in (("GET", "/v1/status"), ("PUT", "/v1/kv/a"), ("GET", "/metrics"), ("GET", "/v1/kv")):
+            r = await client.request(method, path, data=b"x")
+            assert r.status == 401 and (await r.json())["error"]["code"] == "UNAUTHORIZED"
+        r = await client.put("/v1/kv/a", data=b"x", headers={"Authorization": "Bearer wrong"})
+        assert r.status == 401
+        r = await client.put("/v1/kv/a", data=b"x", headers={"Authorization": "Bearer s3cret"})
+        assert r.status == 200
+        assert node.sm.get("a") is not None
+    finally:
+        await client.close()
+        await node.stop()
+
+
+async def test_openapi_document_matches_the_routes(api):
+    spec = await (await api.get("/v1/openapi.json")).json()
+    documented = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
+    app = api.server.app
+    served = set()
+    for route in app.router.routes():
+        info = route.resource.get_info()
+        path = info.get("path") or info.get("formatter")
+        if route.method in ("HEAD", "*"):
+            continue
+        served.add((route.method, path.replace("{key:.+}", "{key}")))
+    assert served == documented
+    with open(os.path.join(ROOT, "http", "openapi.json")) as f:
+        assert json.load(f) == spec

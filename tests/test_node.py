@@ -1,0 +1,178 @@
+"""kv.Node clusters in-process: the store API on every member, under partitions and restarts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from inproc import InprocCluster
+
+import kv
+from kv import Cond, Get, Put
+
+
+@pytest.fixture
+async def cluster(tmp_path):
+    c = InprocCluster(str(tmp_path))
+    await c.start()
+    yield c
+    await c.stop()
+
+
+async def test_any_member_writes_and_reads_linearizably(cluster):
+    lead = await cluster.leader()
+    f1, f2 = await cluster.followers()
+    w = await f1.put("a", b"from-follower")
+    assert w.term == lead.raft.core.term
+    # A write acknowledged by the leader is visible to a linearizable read on any follower.
+    w2 = await lead.put("b", b"from-leader")
+    for n in (f1, f2, lead):
+        assert (await n.get("b")).value == b"from-leader"
+        assert (await n.get("a")).mod_index == w.index
+    assert (await f2.get("b", consistency="stale")) is None or (await f2.get("b", consistency="stale")).mod_index == w2.index
+    assert [i.key for i in await f2.scan("")] == ["a", "b"]
+
+
+async def test_concurrent_cas_never_loses_an_update(cluster):
+    nodes = list(cluster.nodes.values())
+    await nodes[0].put("counter", b"0")
+    wins = 0
+
+    async def bump(node):
+        nonlocal wins
+        for _ in range(30):
+            cur = await node.get("counter")
+            try:
+                await node.cas("counter", cur.mod_index, str(int(cur.value) + 1).encode())
+                wins += 1
+            except kv.PreconditionFailed:
+                pass
+
+    await asyncio.gather(*(bump(n) for n in nodes for _ in range(3)))
+    final = await nodes[1].get("counter")
+    assert int(final.value) == wins and wins > 0
+
+
+async def test_txn_preconditions_hold_under_concurrency(cluster):
+    """Each txn moves one unit between two accounts only if the source has it: the total
+    stays constant and no account goes negative."""
+    nodes = list(cluster.nodes.values())
+    await nodes[0].txn(ops=[Put("acct/a", b"50"), Put("acct/b", b"50")])
+
+    async def move(node, src, dst):
+        for _ in range(15):
+            r = await node.txn(ops=[Get(src), Get(dst)])
+            s, d = r.results
+            if int(s.value) == 0:
+                continue
+            await node.txn(
+                [Cond(src, "mod", s.mod_index), Cond(dst, "mod", d.mod_index)],
+                [Put(src, str(int(s.value) - 1).encode()), Put(dst, str(int(d.value) + 1).encode())],
+            )
+
+    await asyncio.gather(*(move(n, "acct/a", "acct/b") for n in nodes), *(move(n, "acct/b", "acct/a") for n in nodes))
+    items = {i.key: int(i.value) for i in await nodes[2].scan("acct/")}
+    assert sum(items.values()) == 100 and min(items.values()) >= 0
+
+
+async def test_watch_delivers_every_change_once_in_commit_order(cluster):
+    lead = await cluster.leader()
+    f = (await cluster.followers())[0]
+    w = f.watch("w/")
+    writes = [lead.put(f"w/{i % 5}", str(i).encode()) for i in range(40)] + [lead.put("other", b"x")]
+    results = await asyncio.gather(*writes)
+    await lead.delete("w/0")
+    seen = []
+    async for ev in w:
+        seen.append(ev)
+        if ev.type == "delete":
+            break
+    w.close()
+    assert [e.index for e in seen] == sorted(r.index for r in results[:40]) + [seen[-1].index]
+    assert all(e.key.startswith("w/") for e in seen) and len({e.index for e in seen}) == len(seen)
+    # From an index: the kept history replays what came after it.
+    w2 = f.watch("w/", start_index=seen[10].index)
+    first = await asyncio.wait_for(w2.__anext__(), 5)
+    assert first == seen[10]
+    w2.close()
+
+
+async def test_leadership_transfer(cluster):
+    lead = await cluster.leader()
+    target = (await cluster.followers())[0]
+    assert await lead.transfer_leadership(target.config.id) == target.config.id
+    new = await cluster.leader()
+    assert new is target
+    await lead.put("after", b"transfer")  # the old leader forwards now
+    assert (await target.get("after")).value == b"transfer"
+
+
+async def test_no_quorum_means_errors_not_answers(cluster):
+    lead = await cluster.leader()
+    await lead.put("k", b"v")
+    f1, f2 = await cluster.followers()
+    await cluster.stop(f1.config.id, f2.config.id)
+    with pytest.raises((kv.Timeout, kv.NotLeader)):
+        await lead.put("k", b"lost?", timeout=1.5)
+    with pytest.raises(kv.NoQuorum):
+        await lead.get("k", timeout=1.5)
+    assert (await lead.get("k", consistency="stale")).value in (b"v", b"lost?")
+
+
+async def test_isolated_leader_serves_no_linearizable_read_and_acks_nothing(cluster):
+    old = await cluster.leader()
+    await old.put("x", b"1")
+    cluster.isolate(old.config.id)
+    new = await cluster.leader(exclude=(old.config.id,))
+    await new.put("x", b"2")
+    # The old leader may still believe it leads for a moment; it must not answer a
+    # linearizable read with the stale value, nor acknowledge a write.
+    with pytest.raises((kv.NoQuorum, kv.NotLeader)):
+        await old.get("x", timeout=1.0)
+    with pytest.raises((kv.Timeout, kv.NotLeader)):
+        await old.put("x", b"from-deposed", timeout=1.0)
+    cluster.heal()
+    await asyncio.sleep(1.0)
+    assert (await old.get("x")).value == b"2"  # its unacknowledged write was discarded
+
+
+async def test_restart_of_every_node_keeps_every_acknowledged_write(cluster):
+    lead = await cluster.leader()
+    acked = {}
+    for i in range(200):
+        r = await lead.put(f"k{i}", b"v%d" % i)
+        acked[f"k{i}"] = r.index
+    await cluster.stop()
+    await cluster.start()
+    n = await cluster.leader()
+    for k, idx in acked.items():
+        assert (await n.get(k)).mod_index == idx
+
+
+async def test_a_follower_behind_the_compacted_log_catches_up_by_snapshot(tmp_path):
+    c = InprocCluster(str(tmp_path), snapshot_threshold=300, snapshot_trailing=20)
+    await c.start()
+    try:
+        lead = await c.leader()
+        lagger = (await c.followers())[0]
+        lid = lagger.config.id
+        await c.stop(lid)
+        for i in range(1000):
+            await lead.put(f"key{i:04d}", b"x" * 50)
+        st = lead.status()
+        assert st["ledger_begin_index"] > 0 and st["snapshot_index"] > 0
+        await c.start(lid)
+        await c.wait_applied(lead.raft.applied_index)
+        back = c.nodes[lid]
+        assert back.snapshots.stats.installed == 1
+        s = back.status()
+        assert s["snapshot_index"] >= st["ledger_begin_index"] and s["ledger_begin_index"] >= s["snapshot_index"]
+        assert c.data(lid) == c.data(lead.config.id)
+        # Restart after install and compaction: replays what follows the snapshot.
+        await c.stop(lid)
+        await lead.put("late", b"1")
+        await c.start(lid)
+        await c.wait_applied(lead.raft.applied_index)
+        assert c.data(lid) == c.data(lead.config.id)
+    finally:
+        await c.stop()

@@ -1,0 +1,137 @@
+"""KV commands and the LevelDB state machine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kv.raft.messages import Entry, EntryKind
+from kv.statemachine import commands as c
+from kv.statemachine.leveldb import LevelDBStateMachine
+
+CMDS = [
+    c.Put("a", b"1"),
+    c.Put("ключ/ü", b"\x00\xff" * 100, c.Cond("ключ/ü", "mod", 7)),
+    c.Put("k", b"", c.Cond("k", "exists", False)),
+    c.Delete("a"),
+    c.Delete("a", c.Cond("a", "value", b"x")),
+    c.Txn((c.Cond("a", "mod", 0), c.Cond("b", "value", b"v")), (c.Put("a", b"1"), c.Get("b"), c.Delete("c")), (c.Get("a"),)),
+    c.Txn(),
+]
+
+
+@pytest.mark.parametrize("cmd", CMDS)
+def test_command_round_trip(cmd):
+    assert c.decode(c.encode(cmd)) == cmd
+
+
+def test_bad_commands_are_refused_with_a_reason():
+    with pytest.raises(c.CommandError, match="newer"):
+        c.decode(b"\x09\x01")
+    with pytest.raises(c.CommandError):
+        c.decode(b"")
+    with pytest.raises(c.CommandError, match="limit"):
+        c.encode(c.Put("x" * 5000, b""))
+    with pytest.raises(c.CommandError, match="conds"):
+        c.encode(c.Txn(ops=(c.Put("a", b"", c.Cond("a", "mod", 1)),)))
+    rng = random.Random(1)
+    for _ in range(5000):
+        blob = bytes([1]) + bytes(rng.randrange(256) for _ in range(rng.randrange(0, 40)))
+        try:
+            c.decode(blob)
+        except c.CommandError:
+            pass
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        c.PutResult(5),
+        c.DeleteResult(6, True),
+        c.PreconditionFailed("k", 9),
+        c.TxnResult(7, True, (c.PutResult(7), c.GetResult("g", b"v", 3), c.GetResult("h", None, 0), c.DeleteResult(7, False))),
+        c.CommandError("bad"),
+        None,
+    ],
+)
+def test_result_round_trip(result):
+    got = c.decode_result(c.encode_result(result))
+    assert (str(got), type(got)) == (str(result), type(result)) if isinstance(result, c.CommandError) else got == result
+
+
+def normal(index: int, cmd, term: int = 1) -> Entry:
+    return Entry(index, term, EntryKind.NORMAL, c.encode(cmd))
+
+
+@pytest.fixture
+def sm(tmp_path):
+    m = LevelDBStateMachine(str(tmp_path / "state"))
+    yield m
+    m.close()
+
+
+def test_apply_puts_deletes_and_mod_index(sm):
+    res = sm.apply([normal(1, c.Put("a", b"1")), normal(2, c.Put("b", b"2")), Entry(3, 1, EntryKind.NOOP, b""), normal(4, c.Delete("a")), normal(5, c.Delete("zz"))])
+    assert res == [c.PutResult(1), c.PutResult(2), None, c.DeleteResult(4, True), c.DeleteResult(5, False)]
+    assert sm.get("a") is None and sm.get("b") == (2, b"2")
+    assert sm.applied() == (5, 1)
+
+
+def test_conditions_see_earlier_writes_of_the_same_batch(sm):
+    res = sm.apply(
+        [
+            normal(1, c.Put("a", b"1")),
+            normal(2, c.Put("a", b"2", c.Cond("a", "mod", 1))),  # holds: a was written at 1
+            normal(3, c.Put("a", b"3", c.Cond("a", "mod", 1))),  # fails: now 2
+            normal(4, c.Put("n", b"x", c.Cond("n", "mod", 0))),  # create-if-absent
+        ]
+    )
+    assert res[1] == c.PutResult(2) and res[2] == c.PreconditionFailed("a", 2) and res[3] == c.PutResult(4)
+    assert sm.get("a") == (2, b"2")
+
+
+def test_txn_is_all_or_nothing_and_reads_its_own_writes(sm):
+    sm.apply([normal(1, c.Put("x", b"1"))])
+    ok = sm.apply([normal(2, c.Txn((c.Cond("x", "value", b"1"),), (c.Put("y", b"2"), c.Get("y"), c.Delete("x")), (c.Get("x"),)))])[0]
+    assert ok.succeeded and ok.results == (c.PutResult(2), c.GetResult("y", b"2", 2), c.DeleteResult(2, True))
+    no = sm.apply([normal(3, c.Txn((c.Cond("x", "exists", True),), (c.Put("z", b"!"),), (c.Get("y"),)))])[0]
+    assert not no.succeeded and no.results == (c.GetResult("y", b"2", 2),)
+    assert sm.get("z") is None
+
+
+def test_scan_returns_key_order_and_pages(sm):
+    keys = [f"p/{i:03d}" for i in range(50)] + ["p", "p0", "q/1", "o/1"]
+    random.Random(3).shuffle(keys)
+    sm.apply([normal(i + 1, c.Put(k, k.encode())) for i, k in enumerate(keys)])
+    got = [k for k, _, _ in sm.scan("p/", limit=1000)]
+    assert got == sorted(k for k in keys if k.startswith("p/"))
+    page1 = sm.scan("p/", limit=20)
+    page2 = sm.scan("p/", after=page1[-1][0], limit=20)
+    assert [k for k, *_ in page1 + page2] == got[:40]
+    assert [k for k, *_ in sm.scan("", limit=3)] == sorted(keys)[:3]
+
+
+def test_applied_index_moves_with_the_batch_across_reopen(tmp_path):
+    path = str(tmp_path / "state")
+    sm = LevelDBStateMachine(path)
+    sm.apply([normal(1, c.Put("a", b"1")), normal(2, c.Put("b", b"2"), term=2)])
+    sm.close()
+    sm = LevelDBStateMachine(path)
+    assert sm.applied() == (2, 2) and sm.get("b") == (2, b"2")
+    sm.close()
+
+
+def test_capture_is_a_frozen_view_and_restore_replaces_everything(sm, tmp_path):
+    sm.apply([normal(i, c.Put(f"k{i}", b"v%d" % i)) for i in range(1, 11)])
+    view = sm.capture()
+    sm.apply([normal(11, c.Put("k1", b"changed")), normal(12, c.Delete("k2"))])
+    items = list(view.items())
+    view.release()
+    assert (view.index, len(items)) == (10, 10) and (b"k1", b"v1", 1) in items
+    other = LevelDBStateMachine(str(tmp_path / "other"))
+    other.apply([normal(1, c.Put("junk", b"x"))])
+    assert other.restore(10, 1, b"[]", iter(items)) == 10
+    assert other.get("junk") is None and other.get("k1") == (1, b"v1") and other.applied() == (10, 1)
+    assert not other.incomplete
+    other.close()

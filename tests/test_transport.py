@@ -1,0 +1,109 @@
+"""Peer transport: handshake, authentication, identity rules, and garbage on the port."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from ports import free_port
+
+from kv.raft import codec
+from kv.raft.messages import HeartbeatRequest, VoteRequest
+from kv.raft.transport import Transport
+
+
+async def wait_for(cond, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+class Pair:
+    """Two transports, a and b, that know each other."""
+
+    def __init__(self, secret_a=None, secret_b=None, group_b="g", members_b=("a", "b")):
+        self.addr = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
+        self.got = {"a": [], "b": []}
+        self.a = Transport("a", "g", self.addr["a"], self.got["a"].append, is_member=lambda p: p in ("a", "b"), secret=secret_a, advertise_url="http://a")
+        self.b = Transport("b", group_b, self.addr["b"], self.got["b"].append, is_member=lambda p: p in members_b, secret=secret_b)
+
+    async def __aenter__(self):
+        await self.a.start()
+        await self.b.start()
+        self.a.set_peers(self.addr)
+        self.b.set_peers(self.addr)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.a.stop()
+        await self.b.stop()
+
+
+async def test_messages_flow_both_ways_and_urls_are_announced():
+    async with Pair() as p:
+        await wait_for(lambda: p.a.connected("b") and p.b.connected("a"))
+        for i in range(100):
+            assert p.a.send(HeartbeatRequest("a", "b", 1, i, 0))
+        p.b.send(VoteRequest("b", "a", 2, 0, 0))
+        await wait_for(lambda: len(p.got["b"]) == 100 and len(p.got["a"]) == 1)
+        assert [m.commit_index for m in p.got["b"]] == list(range(100))  # in order
+        assert p.b.peer_urls["a"] == "http://a"
+
+
+@pytest.mark.parametrize("secret_a, secret_b", [("wrong", "right"), (None, "right"), ("right", None)])
+async def test_cluster_secret_keeps_out_who_does_not_know_it(secret_a, secret_b):
+    async with Pair(secret_a=secret_a, secret_b=secret_b) as p:
+        await asyncio.sleep(0.5)
+        assert not p.a.connected("b") and not p.b.connected("a")
+        assert not p.a.send(HeartbeatRequest("a", "b", 1, 0, 0))
+        assert not p.b.send(HeartbeatRequest("b", "a", 1, 0, 0))
+        await asyncio.sleep(0.1)
+        assert p.got["b"] == [] and p.got["a"] == []
+
+
+async def test_matching_secrets_connect():
+    async with Pair(secret_a="same", secret_b="same") as p:
+        await wait_for(lambda: p.a.connected("b"))
+        p.a.send(HeartbeatRequest("a", "b", 1, 0, 0))
+        await wait_for(lambda: len(p.got["b"]) == 1)
+
+
+async def test_other_group_and_unknown_member_are_refused():
+    async with Pair(group_b="other") as p:
+        await asyncio.sleep(0.4)
+        assert not p.a.connected("b") and p.b.rejected_connections > 0
+    async with Pair(members_b=("b",)) as p:  # b does not count a as a member
+        await asyncio.sleep(0.4)
+        assert not p.a.connected("b")
+
+
+async def test_garbage_closes_only_that_connection():
+    async with Pair() as p:
+        await wait_for(lambda: p.a.connected("b"))
+        host, port = p.addr["b"].split(":")
+        for junk in (os.urandom(64), b"\xff\xff\xff\xff\x05" + b"x" * 10, b"GET / HTTP/1.1\r\n\r\n"):
+            r, w = await asyncio.open_connection(host, int(port))
+            w.write(junk)
+            await w.drain()
+            assert await asyncio.wait_for(r.read(), 6) == b""  # the node hangs up on it
+            w.close()
+        # A forged message from an authenticated peer id must match the link it came on.
+        p.a.send(HeartbeatRequest("a", "b", 1, 7, 0))
+        await wait_for(lambda: len(p.got["b"]) == 1)
+        assert p.a.connected("b")
+        assert p.b.rejected_connections >= 3
+
+
+async def test_a_frame_from_another_src_closes_the_link():
+    async with Pair() as p:
+        await wait_for(lambda: p.a.connected("b"))
+        link = p.a._links["b"]
+        link.conn.transport.write(codec.encode(HeartbeatRequest("mallory", "b", 1, 0, 0)))
+        await wait_for(lambda: p.b.rejected_connections == 1)
+        assert p.got["b"] == []
+        await wait_for(lambda: p.a.connected("b"))  # it reconnects
+        p.a.send(HeartbeatRequest("a", "b", 1, 1, 0))
+        await wait_for(lambda: len(p.got["b"]) == 1)
