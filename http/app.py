@@ -13,8 +13,8 @@ from kv import Node, Unauthorized
 from kv.metrics import Counter, Gauge
 
 from . import routes_admin, routes_kv
-from .context import CONTEXT, HttpContext, ctx
-from .errors import error_response, errors_middleware
+from .context import CONTEXT, HttpContext
+from .errors import error_response, run_handler
 
 log = logging.getLogger("kv.http")
 
@@ -22,22 +22,19 @@ OPEN_PATHS = frozenset({"/healthz"})  # answered without a token
 
 
 @web.middleware
-async def auth_middleware(request: web.Request, handler):
-    token = ctx(request).token
-    if token and request.path not in OPEN_PATHS:
+async def middleware(request: web.Request, handler):
+    """One layer for every request: the token check, the error model and the request
+    counter (one middleware instead of three: this runs on every request)."""
+    c = request.app[CONTEXT]
+    if c.token and request.path not in OPEN_PATHS:
         given = request.headers.get("Authorization", "")
-        expected = f"Bearer {token}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        if not hmac.compare_digest(given.encode(), f"Bearer {c.token}".encode()):
             e = Unauthorized("missing or wrong token: send Authorization: Bearer <token> (the node's --token)")
-            return error_response(e.http_status, e.code, str(e))
-    return await handler(request)
-
-
-@web.middleware
-async def metrics_middleware(request: web.Request, handler):
-    resp = await handler(request)
-    route = request.match_info.route.name or "unmatched"
-    ctx(request).requests.inc(route, request.method, resp.status)
+            resp = error_response(e.http_status, e.code, str(e))
+            c.requests.inc(request.match_info.route.name or "unmatched", request.method, resp.status)
+            return resp
+    resp = await run_handler(request, handler)
+    c.requests.inc(request.match_info.route.name or "unmatched", request.method, resp.status)
     return resp
 
 
@@ -71,6 +68,9 @@ def _register_metrics(c: HttpContext) -> None:
     reg.add(Gauge("kv_replication_lag_entries", "Leader only: entries each follower is behind.", lag, ("peer",)))
     reg.add(Gauge("kv_proposals_total", "Entries proposed on this node as leader.", lambda: [((), float(node.raft.stats["proposals"]))]))
     reg.add(Gauge("kv_ledger_fsyncs_total", "Group-committed ledger writes (one fsync each).", lambda: [((), float(node.raft.stats["writes"]))]))
+    reg.add(Gauge("kv_ledger_fsynced_entries_total", "Entries written to the ledger.", lambda: [((), float(node.raft.stats["fsynced_entries"]))]))
+    reg.add(Gauge("kv_raft_ready_total", "Ready batches the driver handled.", lambda: [((), float(node.raft.stats["ready"]))]))
+    reg.add(Gauge("kv_peer_frames_sent_total", "Frames sent to peers.", lambda: [((), float(node.raft.transport.sent_frames if node.raft.transport else 0))]))
     reg.add(node.commit_latency)
     snap = node.snapshots.stats
     reg.add(Gauge("kv_snapshots_taken_total", "Snapshots taken.", lambda: [((), float(snap.taken))]))
@@ -83,7 +83,7 @@ def _register_metrics(c: HttpContext) -> None:
 def create_app(node: Node, *, token: str | None = None) -> web.Application:
     c = HttpContext(node=node, token=token)
     app = web.Application(
-        middlewares=[errors_middleware, auth_middleware, metrics_middleware],
+        middlewares=[middleware],
         client_max_size=node.config.max_value_bytes + (1 << 20),
     )
     app[CONTEXT] = c

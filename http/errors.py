@@ -29,8 +29,8 @@ def error_response(status: int, code: str, message: str, extra: dict | None = No
 _HTTP_CODES = {400: "BAD_REQUEST", 401: "UNAUTHORIZED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "VALUE_TOO_LARGE"}
 
 
-@web.middleware
-async def errors_middleware(request: web.Request, handler):
+async def run_handler(request: web.Request, handler):
+    """Run the handler and turn what it raises into the error model."""
     try:
         return await handler(request)
     except KVError as e:

@@ -12,10 +12,13 @@ _HEX = re.compile(rb"%[0-9A-Fa-f]{2}")
 
 def key_from_raw_path(raw_path: str, prefix: str) -> str:
     """The key in raw_path after `prefix` (e.g. "/v1/kv/"), decoded strictly."""
-    path = raw_path.split("?", 1)[0]
+    path = raw_path.partition("?")[0]
     if not path.startswith(prefix) or len(path) == len(prefix):
         raise BadRequest("the key is missing from the path: /v1/kv/{key}")
-    raw = path[len(prefix) :].encode("latin-1", "strict") if path.isascii() else path[len(prefix) :].encode()
+    key = path[len(prefix) :]
+    if "%" not in key and key.isascii():
+        return key  # nothing to decode (the common case)
+    raw = key.encode()
     out = bytearray()
     i = 0
     while i < len(raw):

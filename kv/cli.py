@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--id", required=True)
     rs.add_argument("--peers", required=True, help="the new cluster's members: ID=HOST:PORT,...")
     rs.add_argument("--group", default="default")
+
+    from . import bench
+
+    bench.add_parser(sub)
     return p
 
 
@@ -165,6 +169,10 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.election_timeout_ms:
             extra += ["--election-timeout-ms", str(args.election_timeout_ms)]
         return asyncio.run(up(args.nodes, args.data_dir, args.base_port, extra))
+    if args.cmd == "bench":
+        from . import bench
+
+        return bench.run(args)
     if args.cmd == "snapshot":
         from . import snapshot_cli
 

@@ -29,7 +29,7 @@ from .raft.core import CoreConfig
 from .raft.ledger import Ledger, LedgerWrite
 from .raft.membership import Member, Membership
 from .raft.messages import EntryKind, ForwardCode, Role
-from .raft.node import Applied, NodeStopped, Overloaded, RaftNode
+from .raft.node import Applied, DeadlineExceeded, NodeStopped, Overloaded, RaftNode
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
 from .statemachine.leveldb import LevelDBStateMachine
@@ -135,7 +135,8 @@ class Node:
         self.caller: FSMCaller | None = None
         self.snapshots = None  # snapshot.manager.SnapshotManager, set in start()
         self._watches: set[Watch] = set()
-        self._history: collections.deque[Event] = collections.deque(maxlen=10_000)
+        # Recent changes as (index, key, value) for watches that start in the past.
+        self._history: collections.deque[tuple[int, str, bytes | None]] = collections.deque(maxlen=10_000)
         self.started_at = 0.0
         self.counters = collections.Counter()
         self.commit_latency = Histogram("kv_commit_latency_seconds", "Time from proposing a write to its apply on the leader.")
@@ -282,18 +283,19 @@ class Node:
         except cmds.CommandError as e:
             raise BadRequest(str(e)) from e
         raft = self._running()
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.write_timeout_s)
+        loop = asyncio.get_running_loop()
+        wait = timeout if timeout is not None else self.config.write_timeout_s
+        deadline = loop.time() + wait
         self.counters["writes"] += 1
         while True:
-            left = deadline - time.monotonic()
             try:
                 if raft.role == Role.LEADER:
-                    (fut,) = raft.propose_many([(EntryKind.NORMAL, payload)])
+                    (fut,) = raft.propose_many([(EntryKind.NORMAL, payload)], deadline)
                     t0 = time.perf_counter()
-                    applied = await self._outcome(asyncio.shield(fut), left, timeout)
+                    applied = await self._outcome(fut, wait)
                     self.commit_latency.observe(time.perf_counter() - t0)
                     return applied
-                resp = await self._outcome(raft.forward(payload), left, timeout)
+                resp = await self._outcome(raft.forward(payload, deadline), wait)
             except raft_errors.NotLeader as e:
                 # Nothing was appended (or what was appended was replaced): safe to retry
                 # once a leader is known.
@@ -310,17 +312,18 @@ class Node:
                 await self._await_leader(deadline, NotLeader(resp.payload.decode()), force_wait=True)
                 continue
             if resp.code == ForwardCode.STOPPED:
-                raise Timeout(f"the leader stopped before confirming the write: {resp.payload.decode()}")
+                raise Timeout(f"the leader could not confirm the write: {resp.payload.decode()}")
             raise Unavailable(resp.payload.decode())
 
-    async def _outcome(self, waiting, left: float, timeout: float | None):
+    @staticmethod
+    async def _outcome(waiting, wait: float):
         """Wait for a proposed write's outcome; from here on a failure means "unknown"."""
         try:
-            return await asyncio.wait_for(waiting, max(left, 0.001))
-        except (asyncio.TimeoutError, TimeoutError):
+            return await waiting
+        except DeadlineExceeded:
             raise Timeout(
-                f"the write was not confirmed within {timeout or self.config.write_timeout_s:.1f}s; it may or may not "
-                "have been committed: read the key before retrying"
+                f"the write was not confirmed within {wait:.1f}s; it may or may not have been committed: "
+                "read the key before retrying"
             ) from None
         except NodeStopped as e:
             raise Timeout(f"the node stopped before the write was confirmed; it may or may not have been committed ({e})") from e
@@ -328,7 +331,7 @@ class Node:
     async def _await_leader(self, deadline: float, cause: Exception, force_wait: bool = False) -> None:
         """Wait for a (new) leader, or raise NotLeader when the deadline passes."""
         raft = self.raft
-        left = deadline - time.monotonic()
+        left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             raise NotLeader(f"no leader could take the request in time ({cause}); retry shortly", raft.leader_id)
         if raft.leader_id is None or force_wait:
@@ -356,14 +359,13 @@ class Node:
         raft = self._running()
         if consistency == "stale":
             return raft.applied_index
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.read_timeout_s)
+        deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else self.config.read_timeout_s)
         self.counters["read_barriers"] += 1
         while True:
-            left = deadline - time.monotonic()
             try:
-                await asyncio.wait_for(raft.read_index(lease=consistency == "lease"), max(left, 0.001))
+                await raft.read_index(consistency == "lease", deadline)
                 return raft.applied_index
-            except (asyncio.TimeoutError, TimeoutError):
+            except DeadlineExceeded:
                 raise NoQuorum(
                     "could not confirm a read with a majority in time (no leader, or it cannot reach a quorum); "
                     "retry, or read with consistency=stale", raft.leader_id
@@ -399,26 +401,25 @@ class Node:
         if start_index is not None:
             applied = self._running().applied_index
             if start_index <= applied:
-                oldest = self._history[0].index if self._history else applied + 1
+                oldest = self._history[0][0] if self._history else applied + 1
                 if start_index < oldest:
                     raise WatchCompacted(
                         f"changes before index {oldest} are no longer kept; scan the prefix and watch from "
                         f"{applied + 1}"
                     )
-                for ev in self._history:
-                    if ev.index >= start_index:
-                        w._offer(ev)
+                for change in self._history:
+                    if change[0] >= start_index:
+                        w._offer(Event(*change))
         self._watches.add(w)
         return w
 
     def _on_changes(self, changes) -> None:
-        hist = self._history
-        watches = self._watches
-        for index, key, value in changes:
-            ev = Event(index, key, value)
-            hist.append(ev)
-            for w in watches:
-                w._offer(ev)
+        self._history.extend(changes)
+        if self._watches:
+            for change in changes:
+                ev = Event(*change)
+                for w in self._watches:
+                    w._offer(ev)
 
     # -- administration --------------------------------------------------------------------
 
@@ -432,10 +433,11 @@ class Node:
             raise NotLeader("only the leader can hand leadership over", raft.leader_id)
         if to == raft.id:
             return to
-        deadline = time.monotonic() + (timeout if timeout is not None else self.config.election_timeout_ms * 3 / 1000)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout if timeout is not None else self.config.election_timeout_ms * 3 / 1000)
         await raft.transfer_leadership(to)
         while raft.leader_id != to:
-            left = deadline - time.monotonic()
+            left = deadline - loop.time()
             if left <= 0:
                 raise Timeout(f"leadership did not move to {to} in time; the leader is {raft.leader_id}")
             with contextlib.suppress(asyncio.TimeoutError, TimeoutError):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .core import CoreConfig, RaftCore, Ready
+from .deadlines import Deadlines
 from .errors import NotLeader, RaftError, TransferInProgress
 from .ledger import Ledger, LedgerWrite
 from .membership import Membership
@@ -49,6 +50,9 @@ from .transport import Transport
 
 log = logging.getLogger("kv.raft.node")
 
+# How long a leader waits for a forwarded write to apply (the follower gives up earlier).
+FORWARD_WAIT_S = 60.0
+
 
 class NodeStopped(RaftError):
     """The node stopped (or failed) before the request finished; its outcome is unknown."""
@@ -56,6 +60,10 @@ class NodeStopped(RaftError):
 
 class Overloaded(RaftError):
     """Too many writes are waiting to commit on this node; retry after a moment."""
+
+
+class DeadlineExceeded(RaftError):
+    """A request was not answered by its deadline; for a write its outcome is unknown."""
 
 
 class SnapshotHooks(Protocol):
@@ -123,10 +131,10 @@ class RaftNode:
         self._persist_queue: list[Ready] = []
         self._writing = False
         self._writer = ThreadPoolExecutor(1, thread_name_prefix=f"ledger-{self.id}")
-        self._wake = asyncio.Event()
+        self._kicked = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
-        self._task: asyncio.Task | None = None
+        self._deadlines = Deadlines(lambda: DeadlineExceeded("not answered in time"))
         self._stopped = False
         self.failure: BaseException | None = None
         self.leader_changed = asyncio.Event()
@@ -153,20 +161,17 @@ class RaftNode:
             )
             await self.transport.start()
             self._update_peers()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"raft-{self.id}")
         if self.core.membership.voters == {self.id}:
             self.core.campaign(self._clock())  # alone: no reason to wait for a timeout
-        self._wake.set()
+        self._kick()
 
     async def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
-        self._wake.set()
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
         if self._timer is not None:
             self._timer.cancel()
+        self._deadlines.close()
         if self.transport is not None:
             await self.transport.stop()
         # Let an fsync in progress finish: its entries were handed to the ledger.
@@ -197,12 +202,13 @@ class RaftNode:
         if self._stopped or self.failure is not None:
             raise NodeStopped(f"node {self.id} is not running" + (f": {self.failure}" if self.failure else ""))
 
-    async def propose(self, data: bytes, kind: int = EntryKind.NORMAL) -> Applied:
-        """Replicate one command; resolves once it is committed and applied here."""
-        (fut,) = self.propose_many([(kind, data)])
+    async def propose(self, data: bytes, kind: int = EntryKind.NORMAL, deadline: float | None = None) -> Applied:
+        """Replicate one command; resolves once it is committed and applied here. With a
+        deadline (loop.time()), fails with DeadlineExceeded after it (outcome unknown)."""
+        (fut,) = self.propose_many([(kind, data)], deadline)
         return await fut
 
-    def propose_many(self, items: Sequence[tuple[int, bytes]]) -> list[asyncio.Future]:
+    def propose_many(self, items: Sequence[tuple[int, bytes]], deadline: float | None = None) -> list[asyncio.Future]:
         """Queue several commands at once; each future resolves like propose()'s."""
         self._check_running()
         core = self.core
@@ -218,12 +224,14 @@ class RaftNode:
             f = loop.create_future()
             self._proposals.append((kind, data, f))
             futs.append(f)
-        self._wake.set()
+            if deadline is not None:
+                self._deadlines.add(deadline, f)
+        self._kick()
         return futs
 
-    async def forward(self, payload: bytes) -> ForwardResponse:
-        """Hand a command to the leader over the peer link and wait for its answer (the
-        caller bounds the wait; giving up means the outcome is unknown)."""
+    async def forward(self, payload: bytes, deadline: float | None = None) -> ForwardResponse:
+        """Hand a command to the leader over the peer link and wait for its answer; after
+        the deadline it fails with DeadlineExceeded (the outcome is unknown)."""
         self._check_running()
         leader = self.core.leader_id
         if leader is None or leader == self.id or self.transport is None:
@@ -231,6 +239,8 @@ class RaftNode:
         req_id = next(self._ctx)
         fut = asyncio.get_running_loop().create_future()
         self._forwards[req_id] = fut
+        if deadline is not None:
+            self._deadlines.add(deadline, fut)
         try:
             if not self.transport.send(ForwardRequest(self.id, leader, req_id, payload)):
                 raise NotLeader(None, f"the leader {leader} cannot be reached from {self.id} right now; retry shortly")
@@ -241,7 +251,8 @@ class RaftNode:
     async def _serve_forward(self, m: ForwardRequest) -> None:
         code, index, term, payload = ForwardCode.OK, 0, 0, b""
         try:
-            applied = await self.propose(m.payload)
+            deadline = asyncio.get_running_loop().time() + FORWARD_WAIT_S
+            applied = await self.propose(m.payload, deadline=deadline)
             index, term, payload = applied.index, applied.term, self.result_encoder(applied.result)
         except NotLeader as e:
             code, payload = ForwardCode.NOT_LEADER, str(e).encode()
@@ -249,37 +260,45 @@ class RaftNode:
             code, payload = ForwardCode.TRANSFERRING, str(e).encode()
         except Overloaded as e:
             code, payload = ForwardCode.OVERLOADED, str(e).encode()
-        except NodeStopped as e:
+        except (NodeStopped, DeadlineExceeded) as e:
             code, payload = ForwardCode.STOPPED, str(e).encode()
         if self.transport is not None and not self._stopped:
             leader = self.core.leader_id or ""
             self.transport.send(ForwardResponse(self.id, m.src, m.req_id, code, index, term, leader, payload))
 
-    async def read_index(self, lease: bool = False) -> int:
+    async def read_index(self, lease: bool = False, deadline: float | None = None) -> int:
         """Linearizable read barrier: returns an index such that once this node has applied
         it (it has, when this returns), a local read sees every write acknowledged before
-        the call. On a follower the leader is asked for it."""
+        the call. On a follower the leader is asked for it. Fails with DeadlineExceeded
+        after the deadline."""
         self._check_running()
         ctx = next(self._ctx)
         fut = asyncio.get_running_loop().create_future()
         self._read_futs[ctx] = fut
         self._reads.append((ctx, lease))
-        self._wake.set()
-        index = await fut
-        await self.wait_applied(index)
+        if deadline is not None:
+            self._deadlines.add(deadline, fut)
+        self._kick()
+        try:
+            index = await fut
+        finally:
+            self._read_futs.pop(ctx, None)
+        await self.wait_applied(index, deadline)
         return index
 
-    async def wait_applied(self, index: int) -> None:
+    async def wait_applied(self, index: int, deadline: float | None = None) -> None:
         if self.applied_index >= index:
             return
         fut = asyncio.get_running_loop().create_future()
         self._apply_waiters.append((index, fut))
+        if deadline is not None:
+            self._deadlines.add(deadline, fut)
         await fut
 
     async def transfer_leadership(self, to: str) -> None:
         self._check_running()
         self.core.transfer_leadership(to, self._clock())
-        self._wake.set()
+        self._kick()
 
     async def run_in_writer(self, fn: Callable[[], Any]) -> Any:
         """Run fn in the ledger writer thread, between group commits (ledger compaction)."""
@@ -287,12 +306,12 @@ class RaftNode:
 
     def report_snapshot(self, peer: str, seq: int, ok: bool) -> None:
         self.core.report_snapshot(peer, seq, ok, self._clock())
-        self._wake.set()
+        self._kick()
 
     def step_local(self, msg: Message) -> None:
         """Feed a message produced on this node (the snapshot receiver's install request)."""
         self._inbox.append(msg)
-        self._wake.set()
+        self._kick()
 
     # ======================================================================================
     # The FSM caller's side
@@ -357,23 +376,28 @@ class RaftNode:
                 self.snapshots.on_message(msg)
             return
         self._inbox.append(msg)
-        self._wake.set()
+        self._kick()
 
     def _on_connected(self, peer: str) -> None:
         self.core.peer_connected(peer, self._clock())
-        self._wake.set()
+        self._kick()
 
     # ======================================================================================
     # The loop
 
-    async def _run(self) -> None:
+    def _kick(self) -> None:
+        """Something arrived: step the core once the current callbacks are done, so that
+        everything arriving meanwhile is handled in one step."""
+        if not self._kicked and not self._stopped:
+            self._kicked = True
+            asyncio.get_running_loop().call_soon(self._on_kick)
+
+    def _on_kick(self) -> None:
+        self._kicked = False
+        if self._stopped:
+            return
         try:
-            while not self._stopped:
-                await self._wake.wait()
-                self._wake.clear()
-                if self._stopped:
-                    break
-                self._step()
+            self._step()
         except Exception as e:  # a bug or a failed fsync: stop rather than go on wrong
             log.exception("node %s failed", self.id)
             self.fail(e)
@@ -466,7 +490,7 @@ class RaftNode:
 
     def _on_timer(self) -> None:
         self._timer = None
-        self._wake.set()
+        self._kick()
 
     # ======================================================================================
     # The ledger writer (group commit)
@@ -508,7 +532,7 @@ class RaftNode:
             if rd.snapshot is not None and self.on_snapshot is not None:
                 self.on_snapshot(rd.snapshot)
         self._kick_writer()
-        self._wake.set()
+        self._kick()
 
     # ======================================================================================
     # Status

@@ -25,6 +25,7 @@ import plyvel
 
 from ..raft.messages import Entry, EntryKind
 from .commands import (
+    COMMAND_FORMAT,
     CommandError,
     Cond,
     Delete,
@@ -45,6 +46,7 @@ _RESTORING = b"\x00restoring"
 _SYNC = b"\x00sync"
 _DATA = b"k"
 _TWO_U64 = struct.Struct(">QQ")
+_PLAIN_PUT = bytes((COMMAND_FORMAT, 1))  # format 1, opcode PUT
 _U64 = struct.Struct(">Q")
 _RESTORE_BATCH = 10_000
 
@@ -116,22 +118,35 @@ class LevelDBStateMachine:
         changes: list[Change] | None = [] if self.on_changes is not None else None
         results: list[Any] = []
         put_kind = EntryKind.NORMAL
+        pack = _U64.pack
         for e in entries:
             if e.kind == put_kind:
+                d = e.data
+                if d[:2] == _PLAIN_PUT and len(d) > 4:
+                    # The hot path, an unconditional put, read straight from the encoding:
+                    # version, opcode, key length, key, no condition, value.
+                    end = 4 + ((d[2] << 8) | d[3])
+                    if len(d) > end and d[end] == 0:
+                        raw = d[4:end]
+                        try:
+                            key = raw.decode()
+                        except UnicodeDecodeError:
+                            key = None  # the slow path rejects it with a reason
+                        if key is not None:
+                            k = _DATA + raw
+                            value = d[end + 1 :]
+                            overlay[k] = (e.index, value)
+                            wb.put(k, pack(e.index) + value)
+                            if changes is not None:
+                                changes.append((e.index, key, value))
+                            results.append(PutResult(e.index))
+                            continue
                 try:
-                    cmd = decode(e.data)
+                    cmd = decode(d)
                 except CommandError as err:
                     results.append(err)  # deterministic: every replica rejects it alike
                     continue
-                if type(cmd) is Put and cmd.cond is None:  # the hot path
-                    k = _DATA + cmd.key.encode()
-                    overlay[k] = (e.index, cmd.value)
-                    wb.put(k, _U64.pack(e.index) + cmd.value)
-                    if changes is not None:
-                        changes.append((e.index, cmd.key, cmd.value))
-                    results.append(PutResult(e.index))
-                else:
-                    results.append(self._execute(cmd, e.index, wb, overlay, changes))
+                results.append(self._execute(cmd, e.index, wb, overlay, changes))
             elif e.kind == EntryKind.CONFIG:
                 wb.put(_MEMBERSHIP, e.data)
                 results.append(None)

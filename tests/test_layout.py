@@ -80,7 +80,7 @@ def test_wheel_puts_only_kv_at_the_top(tmp_path):
     import zipfile
 
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        [sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "-q", "-w", str(tmp_path)],
         check=True, capture_output=True,
     )
     (wheel,) = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]

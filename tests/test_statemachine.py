@@ -135,3 +135,10 @@ def test_capture_is_a_frozen_view_and_restore_replaces_everything(sm, tmp_path):
     assert other.get("junk") is None and other.get("k1") == (1, b"v1") and other.applied() == (10, 1)
     assert not other.incomplete
     other.close()
+
+
+def test_a_put_whose_key_is_not_utf8_is_rejected_not_fatal(sm):
+    bad = bytes((c.COMMAND_FORMAT, 1, 0, 2)) + b"\xff\xfe" + b"\x00" + b"value"
+    res = sm.apply([Entry(1, 1, EntryKind.NORMAL, bad), normal(2, c.Put("ok", b"1"))])
+    assert isinstance(res[0], c.CommandError) and res[1] == c.PutResult(2)
+    assert sm.applied() == (2, 1)

@@ -1,0 +1,322 @@
+"""`kv bench`: rerunnable benchmarks. Every cluster runs on loopback with fsync on.
+
+    kv bench commit    replication path: in-process leader + 2 `kv serve` follower
+                       processes; concurrent proposers of 100-byte entries
+    kv bench store     kv.open (single node, in-process): puts, txn batches, gets;
+                       and a 3-node in-process cluster
+    kv bench http      a `kv serve` cluster driven over HTTP by closed-loop aiohttp clients
+    kv bench failover  kill -9 of the leader to the first commit on a new leader
+    kv bench snapshot  snapshot save rate; catch-up of a follower far behind
+
+Figures are printed as a table and can be written as JSON (--json FILE). The machine may
+be shared and noisy: compare figures taken side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import contextmanager
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(len(s) * p))]
+
+
+@contextmanager
+def workdir(keep: str | None):
+    path = keep or tempfile.mkdtemp(prefix="kvbench-")
+    os.makedirs(path, exist_ok=True)
+    try:
+        yield path
+    finally:
+        if keep is None:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class Procs:
+    """`kv serve` processes that are always stopped."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, nid: str, args: list[str], log: str) -> None:
+        with open(log, "ab") as f:
+            self.procs[nid] = subprocess.Popen([sys.executable, "-m", "kv", "serve", *args], stdout=f, stderr=f)
+
+    def kill(self, nid: str) -> None:
+        p = self.procs[nid]
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+async def closed_loop(op: Callable[[int], Awaitable[None]], concurrency: int, seconds: float, warmup: float = 0.5) -> dict:
+    """Run op in `concurrency` loops for `seconds` (after a warm-up); latencies and errors."""
+    lat: list[float] = []
+    errors = 0
+    stop_at = 0.0
+    measuring = False
+    counter = iter(range(1 << 62))
+
+    async def worker() -> None:
+        nonlocal errors
+        while True:
+            i = next(counter)
+            t0 = time.perf_counter()
+            try:
+                await op(i)
+                t1 = time.perf_counter()
+                if measuring:
+                    lat.append(t1 - t0)
+            except Exception:
+                if measuring:
+                    errors += 1
+                await asyncio.sleep(0.01)
+                t1 = time.perf_counter()
+            if stop_at and t1 >= stop_at:
+                return
+
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(worker()) for _ in range(concurrency)]
+    await asyncio.sleep(warmup)
+    measuring = True
+    t_start = time.perf_counter()
+    stop_at = t_start + seconds
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - t_start
+    return {
+        "ops_per_s": len(lat) / elapsed,
+        "p50_ms": pct(lat, 0.5) * 1000,
+        "p99_ms": pct(lat, 0.99) * 1000,
+        "ops": len(lat),
+        "errors": errors,
+    }
+
+
+def print_table(title: str, rows: list[dict], cols: list[str]) -> None:
+    print(f"\n{title}")
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:,.0f}" if v >= 100 else f"{v:.2f}"
+    return "" if v is None else str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# commit: the replication path
+
+
+async def bench_commit(args) -> list[dict]:
+    from .config import NodeConfig
+    from .node import Node
+    from .raft.messages import EntryKind, Role
+
+    rows = []
+    with workdir(args.keep) as root:
+        ids = ["n1", "n2", "n3"]
+        peers = {i: f"127.0.0.1:{free_port()}" for i in ids}
+        peer_spec = ",".join(f"{k}={v}" for k, v in peers.items())
+        procs = Procs()
+        try:
+            for i in ids[1:]:
+                # Followers time out slowly so that the in-process node leads.
+                procs.start(i, ["--id", i, "--data-dir", os.path.join(root, i), "--peers", peer_spec, "--heartbeat-ms", "100", "--election-timeout-ms", "5000"], os.path.join(root, f"{i}.log"))
+            node = Node(NodeConfig(id="n1", data_dir=os.path.join(root, "n1"), peers=peers, heartbeat_ms=100, election_timeout_ms=300, snapshot_threshold=1 << 40))
+            await node.start()
+            while not (node.raft.role == Role.LEADER and node.raft.core.committed_in_term()):
+                await asyncio.sleep(0.05)
+            payload = b"x" * 100
+            for conc in args.concurrency:
+                async def raw(i):
+                    await node.raft.propose(payload, EntryKind.NORMAL)
+
+                r = await closed_loop(raw, conc, args.seconds)
+                rows.append({"path": "raft propose (100 B)", "proposers": conc, **r})
+                async def put(i):
+                    await node.put(f"k{i % 100000}", payload)
+
+                r = await closed_loop(put, conc, args.seconds)
+                rows.append({"path": "kv put (100 B)", "proposers": conc, **r})
+            stats = node.raft.stats
+            print(f"\nleader: {stats['fsynced_entries']} entries in {stats['writes']} fsynced writes "
+                  f"({stats['fsynced_entries'] / max(stats['writes'], 1):.1f} per fsync)")
+            await node.stop()
+        finally:
+            procs.stop()
+    print_table("commit throughput, 3 nodes (leader in-process, followers are processes), fsync on", rows, ["path", "proposers", "ops_per_s", "p50_ms", "p99_ms", "errors"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# http: a `kv serve` cluster over HTTP
+
+
+class ServeCluster:
+    """n `kv serve` processes on loopback; stopped on exit."""
+
+    def __init__(self, root: str, n: int, extra: list[str] | None = None) -> None:
+        self.root, self.ids = root, [f"n{i}" for i in range(1, n + 1)]
+        self.peer = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
+        self.http = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
+        self.extra = extra or []
+        self.procs = Procs()
+
+    def url(self, i: str) -> str:
+        return f"http://{self.http[i]}"
+
+    def start(self, *ids: str) -> None:
+        spec = ",".join(f"{k}={v}" for k, v in self.peer.items())
+        for i in ids or self.ids:
+            self.procs.start(i, ["--id", i, "--data-dir", os.path.join(self.root, i), "--http", self.http[i], "--peers", spec, *self.extra], os.path.join(self.root, f"{i}.log"))
+
+    async def leader(self, session, timeout: float = 20.0, among: list[str] | None = None) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for i in among or self.ids:
+                try:
+                    async with session.get(self.url(i) + "/v1/status") as r:
+                        st = await r.json()
+                    if st["role"] == "leader" and st["applied_index"] >= 1:
+                        return i
+                except Exception:
+                    pass
+            await asyncio.sleep(0.05)
+        raise RuntimeError("no leader")
+
+    def __enter__(self) -> ServeCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.procs.stop()
+
+
+def http_session(connections: int):
+    import aiohttp
+
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections, limit_per_host=connections), timeout=aiohttp.ClientTimeout(total=10))
+
+
+BENCH_KEYS = 10_000
+
+
+async def preload(put, concurrency: int = 64, keys: int = BENCH_KEYS) -> None:
+    """Write every benchmark key once, so that reads find them."""
+    it = iter(range(keys))
+
+    async def worker():
+        for i in it:
+            await put(i)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+
+async def http_ops(session, url: str, value: bytes, keys: int = BENCH_KEYS):
+    """The three HTTP operations the benchmarks drive: (name, op) pairs."""
+
+    async def put(i):
+        async with session.put(f"{url}/v1/kv/bench/{i % keys}", data=value) as r:
+            if r.status != 200:
+                raise RuntimeError(r.status)
+            await r.read()
+
+    def get(consistency):
+        async def op(i):
+            async with session.get(f"{url}/v1/kv/bench/{i % keys}?consistency={consistency}") as r:
+                if r.status != 200:
+                    raise RuntimeError(r.status)
+                await r.read()
+
+        return op
+
+    return [("PUT", put), ("GET linearizable", get("linearizable")), ("GET stale", get("stale"))]
+
+
+async def bench_http(args) -> list[dict]:
+    rows = []
+    with workdir(args.keep) as root, ServeCluster(root, args.nodes) as c:
+        c.start()
+        async with http_session(max(args.concurrency) + 8) as s:
+            lead = await c.leader(s)
+            follower = next(i for i in c.ids if i != lead)
+            value = os.urandom(args.value_bytes // 2).hex().encode()[: args.value_bytes]
+            await preload((await http_ops(s, c.url(lead), value))[0][1])
+            for target, nid in (("leader", lead), ("follower", follower)):
+                ops = await http_ops(s, c.url(nid), value)
+                for conc in args.concurrency:
+                    for name, op in ops:
+                        r = await closed_loop(op, conc, args.seconds)
+                        rows.append({"op": name, "to": target, "clients": conc, **r})
+    print_table(f"HTTP, {args.nodes} nodes, {args.value_bytes} B values, fsync on", rows, ["op", "to", "clients", "ops_per_s", "p50_ms", "p99_ms", "errors"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="run a benchmark (see kv bench --help)", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bs = b.add_subparsers(dest="bench_cmd", metavar="BENCH")
+
+    def common(p):
+        p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per cell (default 5)")
+        p.add_argument("--json", help="also write the figures to this JSON file")
+        p.add_argument("--keep", help="use this directory and keep it (default: a temporary one)")
+        return p
+
+    c = common(bs.add_parser("commit", help="replication path: concurrent proposers on a 3-node cluster"))
+    c.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    h = common(bs.add_parser("http", help="a kv serve cluster over HTTP: PUT, linearizable and stale GET"))
+    h.add_argument("--nodes", type=int, default=3)
+    h.add_argument("--value-bytes", type=int, default=100)
+    h.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[64])
+
+
+def run(args) -> int:
+    from .serve import install_uvloop
+
+    install_uvloop()
+    fn = {"commit": bench_commit, "http": bench_http}.get(args.bench_cmd)
+    if fn is None:
+        print("kv bench: choose a benchmark; see kv bench --help", file=sys.stderr)
+        return 2
+    rows = asyncio.run(fn(args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": args.bench_cmd, "rows": rows, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=1)
+    return 0
+
