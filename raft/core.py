@@ -283,9 +283,9 @@ class RaftCore:
 
     def has_ready(self) -> bool:
         r = self._ready
+        leading = self.role == Role.LEADER
         return bool(
-            self._dispatch_needed
-            or self._read_round_needed
+            (leading and (self._dispatch_needed or self._read_round_needed))
             or self._hs_dirty
             or r.messages
             or r.persisted_messages
@@ -394,6 +394,7 @@ class RaftCore:
 
     def _abandon_leadership(self) -> None:
         self.progress = {}
+        self._dispatch_needed = False
         self.transferee = None
         self._lease_start = None
         self._round_sent_at.clear()

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import lmdb
 
+from . import failpoints
 from .errors import LedgerError
 from .log import _limit
 from .messages import Entry, HardState
@@ -189,6 +190,7 @@ class Ledger:
         """Apply the writes in order in one transaction, then fsync (group commit)."""
         runs_before = (len(self._run_starts), self._run_starts[-1:], self._run_terms[-1:])
         state = (self.before_begin_index, self.before_begin_term, self._last, list(self._run_starts), list(self._run_terms))
+        saves_vote = any(w.hard_state is not None for w in writes)
         try:
             with self._env.begin(write=True) as txn:
                 for w in writes:
@@ -200,6 +202,9 @@ class Ledger:
                         self._append(txn, w.entries_from, w.entries)
                 if (len(self._run_starts), self._run_starts[-1:], self._run_terms[-1:]) != runs_before:
                     self._put_runs(txn)
+                failpoints.hit("ledger.before_commit")
+                if saves_vote:
+                    failpoints.hit("hardstate.before_save")
         except lmdb.MapFullError as e:
             self._restore_state(state)
             raise LedgerError(
@@ -208,6 +213,9 @@ class Ledger:
         except lmdb.Error as e:
             self._restore_state(state)
             raise LedgerError(f"writing the ledger in {self.path} failed: {e}") from e
+        failpoints.hit("ledger.after_commit")
+        if saves_vote:
+            failpoints.hit("hardstate.after_save")
         for w in writes:
             if w.hard_state is not None:
                 self._hard_state = w.hard_state

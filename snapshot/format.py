@@ -27,6 +27,8 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from ..raft import failpoints
+
 MAGIC = b"LKVSNAP1"
 END_MAGIC = b"LKVSEND1"
 FORMAT = 1
@@ -110,6 +112,7 @@ def write_snapshot(
             w.write(_BLOCK.pack(len(payload), count, zlib.crc32(payload)) + payload)
             total += count
             parts, size, count = [], 0, 0
+            failpoints.hit("snapshot.mid_write")
             if progress is not None:
                 progress(total, w.pos)
     if count:

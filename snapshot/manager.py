@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from ..raft import failpoints
 from ..raft.messages import InstallSnapshotRequest, Role, SnapshotChunk, SnapshotChunkAck, SnapshotMeta
 from .format import SnapshotFormatError, iter_records, new_header, read_header, verify
 from .store import SnapshotFile, SnapshotStore
@@ -127,6 +128,7 @@ class SnapshotManager:
         self.stats.take_seconds += took
         self.stats.last_take_seconds = took
         log.info("node %s: snapshot at %d/%d written in %.2fs", kv.config.id, snap.index, snap.term, took)
+        failpoints.hit("snapshot.after_rename")
         await self._compact(snap.index - kv.config.snapshot_trailing)
         return snap
 
@@ -264,12 +266,16 @@ class SnapshotManager:
             r = self._recv = _Receiving(msg.src, msg.snapshot_index, msg.snapshot_term, path, total=msg.total_size)
             # A partial file of the same snapshot from a broken transfer: resume after it.
             r.size = os.path.getsize(path) if os.path.exists(path) else 0
+            if r.size:
+                log.info("node %s: resuming snapshot %d/%d from %s at byte %d", self.kv.config.id, r.index, r.term, msg.src, r.size)
             r.f = open(path, "ab")
         if r.verifying:
             return
         if msg.offset == r.size and r.size < msg.total_size:
             r.f.write(msg.data)
             r.size += len(msg.data)
+            r.f.flush()
+            failpoints.hit("install.mid_receive")
         if r.size >= msg.total_size and msg.total_size > 0:
             r.f.flush()
             os.fsync(r.f.fileno())
@@ -306,3 +312,4 @@ class SnapshotManager:
         path = self._verified.pop((meta.index, meta.term))
         self._newest = self.store.adopt(path, meta.index, meta.term)
         self.stats.installed += 1
+        failpoints.hit("install.after_adopt")

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from ..raft import failpoints
 from ..raft.messages import SnapshotMeta
 from ..raft.node import RaftNode
 from .protocol import StateMachine
@@ -69,6 +70,7 @@ class FSMCaller:
                 while self._snapshots and not self._stopping:
                     meta = self._snapshots.pop(0)
                     if meta.index > self.applied:
+                        failpoints.hit("install.after_reset")  # the ledger is reset; the state is not loaded
                         log.info("node %s: loading snapshot %d/%d into the state machine", self.node.id, meta.index, meta.term)
                         await loop.run_in_executor(None, self._load_snapshot, meta)
                         self.applied = meta.index

@@ -167,6 +167,19 @@ class Sim:
             node = self.nodes[msg.dst]
             if node.up:
                 node.core.step(msg, self.now)
+                # Like the real driver, step several arrivals before asking for a Ready:
+                # messages for the same node due within a short window go in one batch.
+                if self.rng.random() < 0.5:
+                    window = self.now + self.rng.uniform(0.0, 3.0)
+                    later = []
+                    while self._events and self._events[0][0] <= window:
+                        at, seq, ev = heapq.heappop(self._events)
+                        if ev[0] == "deliver" and ev[1].dst == msg.dst:
+                            node.core.step(ev[1], self.now)
+                        else:
+                            later.append((at, seq, ev))
+                    for item in later:
+                        heapq.heappush(self._events, item)
                 self._process(node)
         elif kind == "persisted":
             _, nid, inc, rd = event
@@ -193,7 +206,11 @@ class Sim:
 
     def _process(self, node: SimNode) -> None:
         core = node.core
+        spins = 0
         while core.has_ready():
+            spins += 1
+            if spins > 1000:
+                raise InvariantViolation(f"{node.id}: has_ready() stays true (the driver would spin forever)")
             rd = core.ready()
             self._check_roles(node)
             for m in rd.messages:
@@ -280,7 +297,8 @@ class Sim:
         except (NotLeader, TransferInProgress):
             return False
         self.proposed += 1
-        self._process(node)
+        if self.rng.random() < 0.5:
+            self._process(node)  # else the next event for the node handles it, with other input
         return True
 
     def stats(self) -> dict:

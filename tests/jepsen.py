@@ -1,0 +1,234 @@
+"""Workloads and a nemesis against a real cluster (ProcCluster), Jepsen style.
+
+- register: clients read (linearizable), write unique values and compare-and-set (If-Match
+  on the version they read) a few keys; the history is checked for linearizability.
+- set: clients write unique keys; every acknowledged key must be there at the end.
+
+A nemesis injects faults meanwhile; at the end everything is healed and restarted, the
+nodes must converge to identical data, and the checks run.
+
+HTTP outcomes: 200 ok; 412 a CAS that did not apply (a definite outcome); 503 nothing was
+done (no leader: the write was refused before it reached the log) — dropped from the
+history, so a wrong 503 shows up as an anomaly; 504, a timeout or a broken connection:
+unknown (the write may or may not have happened).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+from cluster import ProcCluster
+from linearizability import Op, check
+
+KEYS = [f"reg{i}" for i in range(4)]
+
+
+@dataclass
+class Report:
+    ops: int = 0
+    ok: int = 0
+    unknown: int = 0
+    acked_writes: int = 0
+    set_acked: int = 0
+    set_lost: list = field(default_factory=list)
+    faults: Counter = field(default_factory=Counter)
+    linearizable: bool = True
+    bad_key: str | None = None
+    converged: bool = False
+    divergence: str = ""
+
+    @property
+    def anomalies(self) -> int:
+        return (0 if self.linearizable else 1) + len(self.set_lost) + (0 if self.converged else 1)
+
+    def summary(self) -> str:
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
+        return (
+            f"operations {self.ops} (ok {self.ok}, unknown {self.unknown}); acknowledged writes {self.acked_writes + self.set_acked}; "
+            f"faults: {faults}; linearizable: {self.linearizable}; lost acknowledged set writes: {len(self.set_lost)}; "
+            f"converged: {self.converged}{' (' + self.divergence + ')' if self.divergence else ''}; anomalies: {self.anomalies}"
+        )
+
+
+class Workload:
+    def __init__(self, c: ProcCluster, seed: int) -> None:
+        self.c = c
+        self.rng = random.Random(seed)
+        self.history: list[Op] = []
+        self.set_acked: set[str] = set()
+        self.counter = 0
+        self.stop = False
+        self.report = Report()
+
+    def _unique(self, client: int) -> str:
+        self.counter += 1
+        return f"c{client}-{self.counter}"
+
+    async def _request(self, s: aiohttp.ClientSession, node: str, method: str, path: str, data=None, headers=None):
+        """(status, body, etag); status None means the outcome is unknown."""
+        try:
+            async with s.request(method, self.c.url(node) + path, data=data, headers=headers) as r:
+                return r.status, await r.read(), r.headers.get("ETag")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return None, b"", None
+
+    async def register_client(self, client: int) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=4)) as s:
+            while not self.stop:
+                node = self.rng.choice(self.c.ids)
+                key = self.rng.choice(KEYS)
+                dice = self.rng.random()
+                t0 = time.monotonic()
+                if dice < 0.5 or dice >= 0.8:
+                    status, body, etag = await self._request(s, node, "GET", f"/v1/kv/{key}")
+                    t1 = time.monotonic()
+                    if status in (200, 404):
+                        value = body.decode() if status == 200 else None
+                        self._record(Op(client, "read", key, t0, t1, None, value))
+                        if dice >= 0.8 and status == 200:
+                            await self._cas(s, client, node, key, value, etag)
+                    continue
+                value = self._unique(client)
+                status, _, _ = await self._request(s, node, "PUT", f"/v1/kv/{key}", data=value.encode())
+                t1 = time.monotonic()
+                if status == 200:
+                    self._record(Op(client, "write", key, t0, t1, value))
+                    self.report.acked_writes += 1
+                elif status is None or status == 504:
+                    self._record(Op(client, "write", key, t0, t1, value, status="unknown"))
+                # 503: refused before it reached the log; leave it out
+
+    async def _cas(self, s, client: int, node: str, key: str, expected: str, etag: str) -> None:
+        new = self._unique(client)
+        t0 = time.monotonic()
+        status, _, _ = await self._request(s, node, "PUT", f"/v1/kv/{key}", data=new.encode(), headers={"If-Match": etag})
+        t1 = time.monotonic()
+        if status == 200:
+            self._record(Op(client, "cas", key, t0, t1, (expected, new), True))
+            self.report.acked_writes += 1
+        elif status == 412:
+            self._record(Op(client, "cas", key, t0, t1, (expected, new), False))
+        elif status is None or status == 504:
+            self._record(Op(client, "cas", key, t0, t1, (expected, new), None, status="unknown"))
+
+    def _record(self, op: Op) -> None:
+        self.history.append(op)
+        self.report.ops += 1
+        if op.status == "ok":
+            self.report.ok += 1
+        else:
+            self.report.unknown += 1
+
+    async def set_client(self, client: int) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=4)) as s:
+            n = 0
+            while not self.stop:
+                n += 1
+                key = f"set/{client}-{n}"
+                status, _, _ = await self._request(s, self.rng.choice(self.c.ids), "PUT", f"/v1/kv/{key}", data=b"x" * 200)
+                if status == 200:
+                    self.set_acked.add(key)
+                    self.report.set_acked += 1
+                elif status is None or status == 504:
+                    self.report.unknown += 1
+
+
+class Nemesis:
+    def __init__(self, c: ProcCluster, rng: random.Random, report: Report, kinds: list[str]) -> None:
+        self.c, self.rng, self.report, self.kinds = c, rng, report, kinds
+        self.paused: set[str] = set()
+
+    def leader_or_any(self) -> str:
+        try:
+            return self.c.leader(timeout=2)
+        except AssertionError:
+            return self.rng.choice(self.c.ids)
+
+    async def run_one(self, kind: str) -> None:
+        c, rng = self.c, self.rng
+        self.report.faults[kind] += 1
+        loop = asyncio.get_running_loop()
+        hold = rng.uniform(1.0, 2.5)
+        if kind == "partition":
+            victim = rng.choice(c.ids)
+            c.isolate(victim)
+            await asyncio.sleep(hold)
+            c.heal()
+        elif kind == "one-way":
+            a, b = rng.sample(c.ids, 2)
+            c.cut(a, b, both=False)
+            await asyncio.sleep(hold)
+            c.heal()
+        elif kind == "isolate-leader":
+            lead = await loop.run_in_executor(None, self.leader_or_any)
+            c.isolate(lead)  # clients still talk to it over HTTP
+            await asyncio.sleep(hold)
+            c.heal()
+        elif kind in ("kill-leader", "kill-any"):
+            victim = await loop.run_in_executor(None, self.leader_or_any) if kind == "kill-leader" else rng.choice(c.ids)
+            await loop.run_in_executor(None, c.kill, victim)
+            await asyncio.sleep(hold)
+            await loop.run_in_executor(None, c.start, victim)
+        elif kind == "pause-leader":
+            lead = await loop.run_in_executor(None, self.leader_or_any)
+            c.pause(lead)
+            await asyncio.sleep(max(hold, 1.2))  # past the election timeout (500 ms here)
+            c.resume(lead)
+        elif kind == "rolling-restart":
+            for nid in c.ids:
+                await loop.run_in_executor(None, c.kill, nid)
+                await asyncio.sleep(0.2)
+                await loop.run_in_executor(None, c.start, nid)
+                await asyncio.sleep(0.5)
+        elif kind == "hold-back-follower":
+            lead = await loop.run_in_executor(None, self.leader_or_any)
+            lag = rng.choice([i for i in c.ids if i != lead])
+            c.isolate(lag)
+            await asyncio.sleep(hold + 2.0)  # writes go on; with a small threshold the leader compacts past it
+            c.heal()
+        else:
+            raise ValueError(kind)
+
+    async def run(self, until: float) -> None:
+        while time.monotonic() < until:
+            await asyncio.sleep(self.rng.uniform(0.3, 1.0))
+            if time.monotonic() < until:
+                await self.run_one(self.rng.choice(self.kinds))
+
+
+ALL_FAULTS = ["partition", "one-way", "isolate-leader", "kill-leader", "kill-any", "pause-leader", "rolling-restart", "hold-back-follower"]
+
+
+async def run(c: ProcCluster, seconds: float, seed: int, faults: list[str] = ALL_FAULTS, register_clients: int = 5, set_clients: int = 2) -> Report:
+    w = Workload(c, seed)
+    nemesis = Nemesis(c, w.rng, w.report, faults)
+    tasks = [asyncio.ensure_future(w.register_client(i)) for i in range(register_clients)]
+    tasks += [asyncio.ensure_future(w.set_client(100 + i)) for i in range(set_clients)]
+    await nemesis.run(time.monotonic() + seconds)
+    # Heal: network, paused and dead nodes.
+    c.heal()
+    for nid in c.ids:
+        c.signal(nid, signal.SIGCONT)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, lambda: c.start(*[i for i in c.ids if not c.alive(i)]) if any(not c.alive(i) for i in c.ids) else None)
+    await asyncio.sleep(2.0)  # a quiet moment with clients still running
+    w.stop = True
+    await asyncio.gather(*tasks)
+    r = w.report
+    try:
+        await loop.run_in_executor(None, lambda: c.wait_converged(timeout=60))
+        r.converged = True
+    except AssertionError as e:
+        r.converged, r.divergence = False, str(e)
+    res = check(w.history)
+    r.linearizable, r.bad_key = res.ok, res.key
+    if r.converged:
+        present = {k for k, _, _ in c.dump(c.ids[0]) if k.startswith("set/")}
+        r.set_lost = sorted(w.set_acked - present)
+    return r

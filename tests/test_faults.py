@@ -1,0 +1,57 @@
+"""Nemesis runs against real processes: partitions (one way too), an isolated leader that
+clients still reach, kill -9, paused leaders, rolling restarts and a follower held back
+until install-snapshot. The register history must be linearizable, no acknowledged set
+write may be lost, and the nodes must converge.
+
+The default run is bounded (about a minute). The soak runs for KV_SOAK_SECONDS (default
+1800) with `--soak` or KV_SOAK=1 and prints a summary."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+from cluster import ProcCluster
+from jepsen import ALL_FAULTS, run
+
+pytestmark = pytest.mark.slow
+EXTRA = ["--snapshot-threshold", "400", "--snapshot-trailing", "20"]
+
+
+def one_run(tmp, seconds: float, seed: int, faults=ALL_FAULTS):
+    c = ProcCluster(str(tmp), extra=EXTRA)
+    try:
+        c.start()
+        c.leader()
+        report = asyncio.run(run(c, seconds, seed, faults))
+    finally:
+        c.close()
+    print(f"\nseed {seed}: {report.summary()}")
+    return report
+
+
+@pytest.mark.parametrize("seed, faults", [(1, ALL_FAULTS), (2, ["kill-leader", "isolate-leader", "pause-leader", "hold-back-follower"])])
+def test_nemesis_run(tmp_path, seed, faults):
+    r = one_run(tmp_path, 25, seed, faults)
+    assert r.ok > 100 and sum(r.faults.values()) >= 5  # the run did something
+    assert r.converged, "nodes did not converge after healing"
+    assert r.linearizable, f"history of {r.bad_key!r} is not linearizable"
+    assert r.set_lost == [], f"acknowledged writes lost: {r.set_lost[:10]}"
+
+
+@pytest.mark.soak
+def test_soak(tmp_path):
+    total = float(os.environ.get("KV_SOAK_SECONDS", "1800"))
+    deadline = time.monotonic() + total
+    seed, reports = 100, []
+    while time.monotonic() < deadline:
+        reports.append(one_run(tmp_path / f"run{seed}", min(120, max(10, deadline - time.monotonic())), seed))
+        seed += 1
+    ops = sum(r.ops for r in reports)
+    acked = sum(r.acked_writes + r.set_acked for r in reports)
+    faults = sum(sum(r.faults.values()) for r in reports)
+    anomalies = sum(r.anomalies for r in reports)
+    print(f"\nSOAK SUMMARY: {len(reports)} runs, {ops} operations, {acked} acknowledged writes, {faults} faults injected, {anomalies} anomalies")
+    assert anomalies == 0
