@@ -141,9 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         parser.print_help()
         return 2
+    from .raft.errors import LedgerError
+    from .snapshot.format import SnapshotFormatError
+    from .statemachine.leveldb import StateCorrupt
+
     try:
         return _dispatch(parser, args)
-    except errors.KVError as e:
+    except (errors.KVError, LedgerError, StateCorrupt, SnapshotFormatError) as e:
         print(f"kv {args.cmd}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

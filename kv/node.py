@@ -32,7 +32,7 @@ from .raft.messages import EntryKind, ForwardCode, Role
 from .raft.node import Applied, DeadlineExceeded, NodeStopped, Overloaded, RaftNode
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
-from .statemachine.leveldb import LevelDBStateMachine
+from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt
 
 log = logging.getLogger("kv.node")
 
@@ -149,9 +149,13 @@ class Node:
         c = self.config
         os.makedirs(c.data_dir, exist_ok=True)
         self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync)
-        self.sm = LevelDBStateMachine(c.state_path)
         self.snapshots = SnapshotManager(self, c.snapshot_path, keep=c.snapshot_keep)
-        await asyncio.get_running_loop().run_in_executor(None, self._reconcile)
+        loop = asyncio.get_running_loop()
+        try:
+            self.sm = LevelDBStateMachine(c.state_path)
+        except StateCorrupt as e:
+            self.sm = await loop.run_in_executor(None, self._rebuild_state, e)
+        await loop.run_in_executor(None, self._reconcile)
         membership = self._membership()
         core_cfg = CoreConfig(
             node_id=c.id,
@@ -177,6 +181,23 @@ class Node:
         self.caller.start()
         self.started_at = time.time()
         return self
+
+    def _rebuild_state(self, damage: StateCorrupt) -> LevelDBStateMachine:
+        """The state machine is damaged: set it aside and start an empty one, which
+        _reconcile fills from the newest snapshot and the ledger — if they cover it."""
+        c, ledger = self.config, self.ledger
+        start = ledger.before_begin_index
+        if start > 0 and self.snapshots.store.newest_valid(start) is None:
+            raise StateCorrupt(
+                f"{damage}. It cannot be rebuilt here: the ledger starts after index {start} and no valid snapshot "
+                f"covers that. Save a snapshot from a healthy member (kv snapshot save FILE) into {c.snapshot_path} "
+                "under its snapshot name, or restore this member from one; do not delete the data dir, its term and "
+                "vote must be kept"
+            ) from damage
+        aside = f"{c.state_path}.damaged-{int(time.time())}"
+        os.replace(c.state_path, aside)
+        log.error("node %s: %s; moved it to %s and rebuilding from the snapshot and the ledger", c.id, damage, aside)
+        return LevelDBStateMachine(c.state_path)
 
     def _reconcile(self) -> None:
         """Bring ledger and state machine into agreement after a crash at any point."""
@@ -204,12 +225,12 @@ class Node:
         return Membership.of(Member(i, addr, me_url if i == c.id else "") for i, addr in (c.peers or {c.id: ""}).items())
 
     async def stop(self) -> None:
+        if self.snapshots is not None:
+            await self.snapshots.stop()  # a snapshot in progress still needs the ledger writer
         if self.raft is not None:
             await self.raft.stop()
         if self.caller is not None:
             await self.caller.stop()
-        if self.snapshots is not None:
-            await self.snapshots.stop()
         for w in list(self._watches):
             w.close()
         if self.sm is not None:
@@ -381,7 +402,10 @@ class Node:
     async def get(self, key: str, *, consistency: str = "linearizable", timeout: float | None = None) -> Item | None:
         validate_key(key)
         await self.read_barrier(consistency, timeout)
-        got = self.sm.get(key)
+        try:
+            got = self.sm.get(key)
+        except StateCorrupt as e:
+            raise Unavailable(f"{e}; read from another member meanwhile") from e
         return Item(key, got[1], got[0]) if got else None
 
     async def scan(self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", timeout: float | None = None) -> list[Item]:
@@ -389,7 +413,10 @@ class Node:
         if limit <= 0:
             raise BadRequest("limit must be positive")
         await self.read_barrier(consistency, timeout)
-        return [Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit)]
+        try:
+            return [Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit)]
+        except StateCorrupt as e:
+            raise Unavailable(f"{e}; read from another member meanwhile") from e
 
     # -- watch -----------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from .config import NodeConfig
 from .errors import BadRequest, Unavailable
 from .node import DeleteResult, Event, Item, Node, TxnResult, WriteResult, validate_key
 from .statemachine import commands as cmds
+from .statemachine.leveldb import StateCorrupt
 
 LOCAL_ID = "local"
 
@@ -42,14 +43,17 @@ class Store:
         self._node = Node(self.config)
         try:
             self._call(self._node.start())
-            self._call(self._wait_leader())
+            self._call(self._caught_up())
         except BaseException:
             self.close()
             raise
 
-    async def _wait_leader(self) -> None:
+    async def _caught_up(self) -> None:
+        """Reads below skip the event loop, which is right only once everything committed
+        before this start (a replay of the ledger, say) is applied: wait for that."""
         while self._node.raft.leader_id is None:
             await self._node.raft.leader_changed.wait()
+        await self._node.read_barrier("linearizable", timeout=max(60.0, self.config.write_timeout_s))
 
     @property
     def _closed(self) -> bool:
@@ -91,7 +95,10 @@ class Store:
 
     def get(self, key: str) -> Item | None:
         validate_key(key)
-        got = self._sm().get(key)
+        try:
+            got = self._sm().get(key)
+        except StateCorrupt as e:
+            raise Unavailable(f"{e}; close and reopen the store to rebuild it") from e
         return Item(key, got[1], got[0]) if got else None
 
     def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None) -> Iterator[Item]:
@@ -99,7 +106,10 @@ class Store:
         sm = self._sm()
         left = limit if limit is not None else float("inf")
         while left > 0:
-            page = sm.scan(prefix, after, int(min(left, 1000)))
+            try:
+                page = sm.scan(prefix, after, int(min(left, 1000)))
+            except StateCorrupt as e:
+                raise Unavailable(f"{e}; close and reopen the store to rebuild it") from e
             if not page:
                 return
             for k, v, m in page:

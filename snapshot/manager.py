@@ -179,7 +179,10 @@ class SnapshotManager:
         raft = self.raft
         ok = False
         try:
-            ok = await self._stream(peer, seq, term)
+            outcome = await self._stream(peer, seq, term)
+            ok = outcome == "ok"
+            if outcome == "rejected":
+                await self._check_own_snapshot()
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -192,10 +195,12 @@ class SnapshotManager:
             if raft.core.role == Role.LEADER and raft.core.term == term:
                 raft.report_snapshot(peer, seq, ok)
 
-    async def _stream(self, peer: str, seq: int, term: int) -> bool:
+    async def _stream(self, peer: str, seq: int, term: int) -> str:
+        """Stream the newest snapshot; "ok", "rejected" (the follower found it damaged) or
+        "failed" (no leader any more, no answers, no snapshot)."""
         snap = self._newest
         if snap is None:
-            return False
+            return "failed"
         raft, acks = self.raft, self._acks[peer]
         size = os.path.getsize(snap.path)
         acked = sent = stalls = 0  # acked: bytes the follower holds; sent: next byte to send
@@ -214,17 +219,17 @@ class SnapshotManager:
                 except (asyncio.TimeoutError, TimeoutError):
                     stalls += 1
                     if stalls > MAX_STALLS:
-                        return False
+                        return "failed"
                     sent = acked  # nothing came back: resend from what the follower holds
                     continue
                 if ack.snapshot_index != snap.index:
                     continue
                 if not ack.ok:
-                    return False
+                    return "rejected"
                 stalls = 0
                 self.stats.by_peer_progress[peer] = (ack.next_offset, size)
                 if ack.next_offset >= size:
-                    return True
+                    return "ok"
                 if ack.next_offset > acked:
                     acked = ack.next_offset
                     sent = max(sent, acked)  # a follower resuming a partial file jumps ahead
@@ -232,7 +237,21 @@ class SnapshotManager:
                     # No progress although more is in flight: a chunk was lost on a broken
                     # connection. Resend from the follower's end.
                     sent, last_resend = acked, time.monotonic()
-        return False
+        return "failed"
+
+    async def _check_own_snapshot(self) -> None:
+        """A follower rejected our snapshot: if our file is the damaged one, set it aside
+        and take a new snapshot, or no follower could ever catch up from it."""
+        snap = self._newest
+        if snap is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, verify, snap.path)
+        except (SnapshotFormatError, OSError) as e:
+            log.error("node %s: our snapshot %s is damaged (%s); taking a new one", self.kv.config.id, snap.path, e)
+            os.replace(snap.path, snap.path + ".corrupt")
+            self._newest = self.store.newest()
+            await self.take()
 
     # -- receiving (follower) --------------------------------------------------------------
 

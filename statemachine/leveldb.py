@@ -58,19 +58,27 @@ class StateCorrupt(Exception):
     """The state directory is incomplete or unreadable."""
 
 
+DAMAGED_MARKER = "DAMAGED"  # written into the state dir when a read finds corruption
+
+
 class LevelDBStateMachine:
+    """Reads verify LevelDB's block checksums: a damaged file gives an error, never wrong
+    data. Corruption found while reading leaves a marker, so the next start rebuilds."""
+
     def __init__(self, path: str) -> None:
         self.path = path
+        self._db = None
+        if os.path.exists(os.path.join(path, DAMAGED_MARKER)):
+            raise StateCorrupt(f"the state machine in {path} was found damaged while running")
         try:
             self._db = plyvel.DB(path, create_if_missing=True, paranoid_checks=True)
+            raw = self._db.get(_APPLIED, verify_checksums=True)
+            self.incomplete = self._db.get(_RESTORING, verify_checksums=True) is not None
         except plyvel.Error as e:
-            raise StateCorrupt(
-                f"the state machine in {path} cannot be opened ({e}); remove it and restart the node: it is rebuilt "
-                "from the newest snapshot and the ledger"
-            ) from e
-        raw = self._db.get(_APPLIED)
+            if getattr(self, "_db", None) is not None:
+                self._db.close()
+            raise StateCorrupt(f"the state machine in {path} cannot be opened ({e})") from e
         self._applied = _TWO_U64.unpack(raw) if raw else (0, 0)
-        self.incomplete = self._db.get(_RESTORING) is not None
         # Called with the changes of each applied batch, when someone watches.
         self.on_changes: Callable[[list[Change]], None] | None = None
 
@@ -82,9 +90,23 @@ class LevelDBStateMachine:
     def membership(self) -> bytes:
         return self._db.get(_MEMBERSHIP) or b""
 
+    def _damaged(self, e: Exception) -> StateCorrupt:
+        try:
+            with open(os.path.join(self.path, DAMAGED_MARKER), "w") as f:
+                f.write(f"{e}\n")
+        except OSError:
+            pass
+        return StateCorrupt(
+            f"the state machine in {self.path} is damaged ({e}); restart the node to rebuild it from its newest "
+            "snapshot and ledger"
+        )
+
     def get(self, key: str) -> tuple[int, bytes] | None:
         """(mod_index, value) of a key, or None."""
-        raw = self._db.get(_DATA + key.encode())
+        try:
+            raw = self._db.get(_DATA + key.encode(), verify_checksums=True)
+        except plyvel.CorruptionError as e:
+            raise self._damaged(e) from e
         if raw is None:
             return None
         return _U64.unpack_from(raw)[0], raw[8:]
@@ -94,7 +116,7 @@ class LevelDBStateMachine:
         pre = _DATA + prefix.encode()
         start = _DATA + after.encode() + b"\x00" if after is not None else pre
         out = []
-        it = self._db.iterator(start=max(start, pre), prefix=None)
+        it = self._db.iterator(start=max(start, pre), prefix=None, verify_checksums=True)
         try:
             for k, v in it:
                 if not k.startswith(pre):
@@ -102,6 +124,8 @@ class LevelDBStateMachine:
                 out.append((k[1:].decode(), v[8:], _U64.unpack_from(v)[0]))
                 if len(out) >= limit:
                     break
+        except plyvel.CorruptionError as e:
+            raise self._damaged(e) from e
         finally:
             it.close()
         return out
@@ -257,7 +281,7 @@ class LevelDBStateMachine:
         self._db.put(_MEMBERSHIP, membership, sync=True)
 
     def close(self) -> None:
-        if not self._db.closed:
+        if self._db is not None and not self._db.closed:
             self._db.close()
 
 
@@ -270,7 +294,7 @@ class LevelDBView:
 
     def items(self) -> Iterator[tuple[bytes, bytes, int]]:
         unpack = _U64.unpack_from
-        with self._snap.iterator(prefix=_DATA) as it:
+        with self._snap.iterator(prefix=_DATA, verify_checksums=True) as it:
             for k, v in it:
                 yield k[1:], v[8:], unpack(v)[0]
 

@@ -1,0 +1,185 @@
+"""Damaged files and full disks: detected, recovered from snapshots and the ledger (or from
+peers), or refused with a clear message — never wrong data, never a lost acknowledgement."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+from inproc import InprocCluster
+
+import kv
+from kv.statemachine.leveldb import StateCorrupt
+
+
+def flip(path: str, at: float = 0.5) -> None:
+    with open(path, "r+b") as f:
+        f.seek(0, 2)
+        pos = int(f.tell() * at)
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def truncate(path: str, keep: float = 0.6) -> None:
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(int(size * keep))
+
+
+async def test_a_damaged_snapshot_is_refused_at_install_and_the_leader_replaces_it(tmp_path):
+    c = InprocCluster(str(tmp_path), snapshot_threshold=200, snapshot_trailing=10)
+    await c.start()
+    try:
+        lead = await c.leader()
+        lag = (await c.followers())[0].config.id
+        await c.stop(lag)
+        for i in range(500):
+            await lead.put(f"k{i:03d}", b"x" * 3000)  # several 1 MiB blocks
+        newest = lead.snapshots.newest_meta()
+        flip(newest.path)
+        await c.start(lag)
+        await c.wait_applied(lead.raft.applied_index, timeout=30)
+        follower = c.nodes[lag]
+        assert follower.snapshots.stats.install_rejected >= 1  # the damaged one was refused
+        assert follower.snapshots.stats.installed == 1  # then a good one came
+        assert os.path.exists(newest.path + ".corrupt")  # the leader set its bad file aside
+        assert c.data(lag) == c.data(lead.config.id)
+    finally:
+        await c.stop()
+
+
+def fill(path: str, n: int, **opts) -> dict:
+    acked = {}
+    with kv.open(path, **opts) as db:
+        for i in range(n):
+            acked[f"k{i}"] = db.put(f"k{i}", b"v%d" % i).index
+    return acked
+
+
+def mark_damaged(path: str) -> None:
+    with open(os.path.join(path, "state", "DAMAGED"), "w") as f:
+        f.write("test\n")
+
+
+def check_all(path: str, acked: dict) -> None:
+    with kv.open(path) as db:
+        for k, idx in acked.items():
+            item = db.get(k)
+            assert item is not None and item.mod_index == idx, k
+
+
+def test_damaged_state_is_rebuilt_from_snapshot_and_ledger(tmp_path):
+    path = str(tmp_path / "db")
+    acked = fill(path, 700, snapshot_threshold=200, snapshot_trailing=500)
+    mark_damaged(path)
+    check_all(path, acked)
+    assert glob.glob(os.path.join(path, "state.damaged-*"))
+
+
+def test_an_unopenable_leveldb_is_rebuilt(tmp_path):
+    path = str(tmp_path / "db")
+    acked = fill(path, 300, snapshot_threshold=100, snapshot_trailing=50)
+    for name in glob.glob(os.path.join(path, "state", "MANIFEST-*")):
+        with open(name, "wb") as f:
+            f.write(b"garbage")
+    check_all(path, acked)
+
+
+def test_corruption_found_while_reading_is_an_error_then_a_rebuild(tmp_path):
+    path = str(tmp_path / "db")
+    acked = fill(path, 2000, snapshot_threshold=500, snapshot_trailing=1000)
+    with kv.open(path) as db:
+        db._node.sm._db.compact_range()  # everything into table files
+    tables = sorted(glob.glob(os.path.join(path, "state", "*.ldb")), key=os.path.getsize)
+    for frac in (0.5, 0.6, 0.7, 0.8, 0.9):  # data blocks; the metadata sits in the first one
+        flip(tables[-1], frac)
+    errors = 0
+    with kv.open(path) as db:
+        for i in range(2000):
+            try:
+                item = db.get(f"k{i}")
+            except kv.Unavailable as e:
+                assert "damaged" in str(e)
+                errors += 1
+                continue
+            assert item is not None and item.value == b"v%d" % i  # never a wrong value
+    assert errors > 0
+    check_all(path, acked)  # the marker made this start rebuild
+    assert glob.glob(os.path.join(path, "state.damaged-*"))
+
+
+def test_a_truncated_newest_snapshot_falls_back_to_an_older_one(tmp_path):
+    path = str(tmp_path / "db")
+    acked = fill(path, 700, snapshot_threshold=200, snapshot_trailing=500)
+    snaps = sorted(glob.glob(os.path.join(path, "snapshots", "snap-*.lkvs")))
+    assert len(snaps) >= 2
+    truncate(snaps[-1])
+    mark_damaged(path)
+    check_all(path, acked)
+    assert os.path.exists(snaps[-1] + ".corrupt")
+
+
+def test_without_a_covering_snapshot_the_node_refuses_with_a_clear_message(tmp_path):
+    path = str(tmp_path / "db")
+    fill(path, 700, snapshot_threshold=200, snapshot_trailing=10)
+    for s in glob.glob(os.path.join(path, "snapshots", "snap-*.lkvs")):
+        truncate(s)
+    mark_damaged(path)
+    with pytest.raises(StateCorrupt, match="cannot be rebuilt here.*kv snapshot save"):
+        kv.open(path)
+
+
+def test_ledger_map_full_stops_the_node_without_losing_acknowledged_writes(tmp_path):
+    path = str(tmp_path / "db")
+    acked = {}
+    with pytest.raises((kv.Unavailable, kv.Timeout)):
+        with kv.open(path, ledger_map_size=1 << 20, snapshot_threshold=1 << 30) as db:
+            for i in range(100_000):
+                acked[f"k{i}"] = db.put(f"k{i}", b"x" * 500).index
+    assert len(acked) > 100
+    check_all(path, acked)  # reopened with the default map size
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); this test needs root")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_stops_writes_and_loses_no_acknowledged_one(small_disk):
+    path = str(small_disk / "db")
+    acked = {}
+    with pytest.raises((kv.Unavailable, kv.Timeout)):
+        with kv.open(path, snapshot_threshold=1 << 30) as db:
+            for i in range(100_000):
+                acked[f"k{i}"] = db.put(f"k{i}", b"y" * 1000).index
+    assert len(acked) > 100
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    check_all(path, acked)
+
+
+def test_a_damaged_ledger_is_reported_at_start(tmp_path):
+    path = str(tmp_path / "n1")
+    acked = fill(path, 50)
+    assert acked
+    with open(os.path.join(path, "ledger", "data.mdb"), "r+b") as f:
+        for meta_page in (0, 4096):  # both LMDB meta pages
+            f.seek(meta_page + 16)
+            f.write(os.urandom(64))
+    r = subprocess.run(
+        [sys.executable, "-m", "kv", "serve", "--id", "local", "--data-dir", path, "--http", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 1
+    assert "cannot open the ledger" in r.stderr and "Traceback" not in r.stderr
+
