@@ -13,7 +13,12 @@ from .errors import Unavailable
 
 class LoopThread:
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
+        try:
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:
+            self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self.closed = False

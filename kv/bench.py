@@ -183,6 +183,117 @@ async def bench_commit(args) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# store: kv.open in-process, and a 3-node in-process cluster
+
+
+def _threads(fn, threads: int, seconds: float) -> dict:
+    """Run fn(thread, i) in `threads` threads for `seconds`; throughput and latency."""
+    lat: list[list[float]] = [[] for _ in range(threads)]
+    stop = time.perf_counter() + seconds
+
+    def worker(t: int) -> None:
+        i = 0
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            fn(t, i)
+            lat[t].append(time.perf_counter() - t0)
+            i += 1
+
+    import threading
+
+    ts = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    flat = [x for part in lat for x in part]
+    return {"ops_per_s": len(flat) / elapsed, "p50_ms": pct(flat, 0.5) * 1000, "p99_ms": pct(flat, 0.99) * 1000, "ops": len(flat), "errors": 0}
+
+
+def bench_store_sync(args, root: str) -> list[dict]:
+    from . import Put
+    from .store import open as kv_open
+
+    rows = []
+    value = b"x" * 100
+    with kv_open(os.path.join(root, "single"), snapshot_threshold=1 << 40) as db:
+        for threads in (1, 64):
+            r = _threads(lambda t, i: db.put(f"t{t}/{i}", value), threads, args.seconds)
+            rows.append({"what": "kv.open put (100 B)", "clients": threads, **r})
+        batch = 1000
+        for threads in (1, 4):
+            r = _threads(lambda t, i: db.txn(ops=[Put(f"b{t}/{i}/{k}", value) for k in range(batch)]), threads, args.seconds)
+            rows.append({"what": f"kv.open txn of {batch} puts", "clients": threads, **r, "keys_per_s": r["ops_per_s"] * batch})
+        keys = [f"t0/{i}" for i in range(1000)]
+        for threads in (1, 4):
+            r = _threads(lambda t, i: db.get(keys[i % len(keys)]), threads, args.seconds)
+            rows.append({"what": "kv.open get", "clients": threads, **r})
+    return rows
+
+
+async def bench_store_async(args, root: str) -> list[dict]:
+    """The same single node driven by asyncio tasks (kv.Node): no thread hand-offs."""
+    from .config import NodeConfig
+    from .node import Node
+
+    node = Node(NodeConfig(id="local", data_dir=os.path.join(root, "single-async"), snapshot_threshold=1 << 40))
+    await node.start()
+    rows = []
+    try:
+        while node.raft.leader_id is None:
+            await node.raft.leader_changed.wait()
+        for conc in (1, 64):
+            async def put(i):
+                await node.put(f"k{i % 10000}", b"x" * 100)
+
+            rows.append({"what": "single node, asyncio writers (kv.Node): put", "clients": conc, **await closed_loop(put, conc, args.seconds)})
+    finally:
+        await node.stop()
+    return rows
+
+
+async def bench_store_cluster(args, root: str) -> list[dict]:
+    from .config import NodeConfig
+    from .node import Node
+    from .raft.messages import Role
+
+    peers = {i: f"127.0.0.1:{free_port()}" for i in ("n1", "n2", "n3")}
+    nodes = [Node(NodeConfig(id=i, data_dir=os.path.join(root, i), peers=peers, snapshot_threshold=1 << 40)) for i in peers]
+    for n in nodes:
+        await n.start()
+    rows = []
+    try:
+        while not any(n.raft.role == Role.LEADER and n.raft.core.committed_in_term() for n in nodes):
+            await asyncio.sleep(0.05)
+        lead = next(n for n in nodes if n.raft.role == Role.LEADER)
+        value = b"x" * 100
+
+        async def put(i):
+            await lead.put(f"k{i % 10000}", value)
+
+        async def get(i):
+            await lead.get(f"k{i % 10000}")
+
+        rows.append({"what": "3 nodes in one process: put (100 B)", "clients": 64, **await closed_loop(put, 64, args.seconds)})
+        rows.append({"what": "3 nodes in one process: linearizable get", "clients": 64, **await closed_loop(get, 64, args.seconds)})
+    finally:
+        for n in nodes:
+            await n.stop()
+    return rows
+
+
+async def bench_store(args) -> list[dict]:
+    with workdir(args.keep) as root:
+        rows = await asyncio.get_running_loop().run_in_executor(None, bench_store_sync, args, root)
+        rows += await bench_store_async(args, root)
+        rows += await bench_store_cluster(args, root)
+    print_table("kv.open (single node, in-process) and an in-process 3-node cluster, fsync on", rows, ["what", "clients", "ops_per_s", "keys_per_s", "p50_ms", "p99_ms"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # http: a `kv serve` cluster over HTTP
 
 
@@ -300,6 +411,7 @@ def add_parser(sub) -> None:
 
     c = common(bs.add_parser("commit", help="replication path: concurrent proposers on a 3-node cluster"))
     c.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    common(bs.add_parser("store", help="kv.open: puts (1 and 64 threads), txn batches, gets; 3-node in-process cluster"))
     h = common(bs.add_parser("http", help="a kv serve cluster over HTTP: PUT, linearizable and stale GET"))
     h.add_argument("--nodes", type=int, default=3)
     h.add_argument("--value-bytes", type=int, default=100)
@@ -310,7 +422,7 @@ def run(args) -> int:
     from .serve import install_uvloop
 
     install_uvloop()
-    fn = {"commit": bench_commit, "http": bench_http}.get(args.bench_cmd)
+    fn = {"commit": bench_commit, "http": bench_http, "store": bench_store}.get(args.bench_cmd)
     if fn is None:
         print("kv bench: choose a benchmark; see kv bench --help", file=sys.stderr)
         return 2

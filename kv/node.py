@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .config import NodeConfig
 from .metrics import Histogram
@@ -39,36 +39,31 @@ log = logging.getLogger("kv.node")
 CONSISTENCY = ("linearizable", "lease", "stale")
 
 
-@dataclass(frozen=True, slots=True)
-class Item:
+class Item(NamedTuple):
     key: str
     value: bytes
     mod_index: int
 
 
-@dataclass(frozen=True, slots=True)
-class WriteResult:
+class WriteResult(NamedTuple):
     index: int
     term: int
 
 
-@dataclass(frozen=True, slots=True)
-class DeleteResult:
+class DeleteResult(NamedTuple):
     index: int
     term: int
     deleted: bool
 
 
-@dataclass(frozen=True, slots=True)
-class TxnResult:
+class TxnResult(NamedTuple):
     index: int
     term: int
     succeeded: bool
     results: tuple  # per op: WriteResult, DeleteResult or Item|None for a get
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
     """One change seen by a watch: value None means the key was deleted."""
 
     index: int
@@ -249,39 +244,29 @@ class Node:
     async def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, timeout: float | None = None) -> WriteResult:
         """Write a value. `if_mod_index=N` writes only if the key's mod_index is N (CAS);
         `if_absent` only if the key does not exist. Raises PreconditionFailed otherwise."""
-        cond = _cond(key, if_mod_index, if_absent)
-        applied = await self._write(cmds.Put(key, self._value(value), cond), timeout)
-        r = self._raise_failed(applied.result)
-        return WriteResult(r.index, applied.term)
+        return write_result(await self.submit(self.put_command(key, value, if_mod_index, if_absent), timeout))
 
     async def cas(self, key: str, expected_mod_index: int, value: bytes, *, timeout: float | None = None) -> WriteResult:
         """Compare-and-set on the key's mod_index (0: the key must not exist)."""
         return await self.put(key, value, if_mod_index=expected_mod_index, timeout=timeout)
 
     async def delete(self, key: str, *, if_mod_index: int | None = None, timeout: float | None = None) -> DeleteResult:
-        applied = await self._write(cmds.Delete(key, _cond(key, if_mod_index, False)), timeout)
-        r = self._raise_failed(applied.result)
-        return DeleteResult(r.index, applied.term, r.deleted)
+        return delete_result(await self.submit(cmds.Delete(key, _cond(key, if_mod_index, False)), timeout))
 
     async def txn(self, conds: Sequence[cmds.Cond] = (), ops: Sequence = (), else_ops: Sequence = (), *, timeout: float | None = None) -> TxnResult:
         """Atomically: if every condition holds run `ops`, else `else_ops`. Ops are
-        kv.statemachine.commands.Put / Delete / Get; conditions are Cond(key, kind, arg)."""
+        kv.Put / kv.Delete / kv.Get; conditions are kv.Cond(key, kind, arg)."""
+        return txn_result(await self.submit(self.txn_command(conds, ops, else_ops), timeout))
+
+    def put_command(self, key: str, value: bytes, if_mod_index: int | None = None, if_absent: bool = False) -> cmds.Put:
+        return cmds.Put(key, self._value(value), _cond(key, if_mod_index, if_absent))
+
+    def txn_command(self, conds: Sequence[cmds.Cond], ops: Sequence, else_ops: Sequence) -> cmds.Txn:
+        limit = self.config.max_value_bytes
         for op in (*ops, *else_ops):
-            if isinstance(op, cmds.Put):
-                self._value(op.value)
-        applied = await self._write(cmds.Txn(tuple(conds), tuple(ops), tuple(else_ops)), timeout)
-        r = applied.result
-        if isinstance(r, cmds.CommandError):
-            raise BadRequest(str(r))
-        out = []
-        for x in r.results:
-            if isinstance(x, cmds.PutResult):
-                out.append(WriteResult(x.index, applied.term))
-            elif isinstance(x, cmds.DeleteResult):
-                out.append(DeleteResult(x.index, applied.term, x.deleted))
-            else:
-                out.append(Item(x.key, x.value, x.mod_index) if x.value is not None else None)
-        return TxnResult(r.index, applied.term, r.succeeded, tuple(out))
+            if type(op) is cmds.Put and (type(op.value) is not bytes or len(op.value) > limit):
+                self._value(op.value)  # raises with the reason (or accepts a bytearray)
+        return cmds.Txn(tuple(conds), tuple(ops), tuple(else_ops))
 
     def _value(self, value: bytes) -> bytes:
         if not isinstance(value, (bytes, bytearray, memoryview)):
@@ -290,19 +275,10 @@ class Node:
             raise ValueTooLarge(f"value is {len(value)} bytes; the limit is {self.config.max_value_bytes} (--max-value-bytes)")
         return bytes(value)
 
-    @staticmethod
-    def _raise_failed(result):
-        if isinstance(result, cmds.PreconditionFailed):
-            raise PreconditionFailed(result.key, result.mod_index)
-        if isinstance(result, cmds.CommandError):
-            raise BadRequest(str(result))
-        return result
-
-    async def _write(self, cmd: cmds.Command, timeout: float | None) -> Applied:
-        try:
-            payload = cmds.encode(cmd)
-        except cmds.CommandError as e:
-            raise BadRequest(str(e)) from e
+    async def submit(self, cmd: cmds.Command, timeout: float | None = None) -> Applied:
+        """Replicate a command and wait until it is applied here (retrying while no leader
+        can take it, which is safe: nothing was appended)."""
+        payload = encode_command(cmd)
         raft = self._running()
         loop = asyncio.get_running_loop()
         wait = timeout if timeout is not None else self.config.write_timeout_s
@@ -341,13 +317,8 @@ class Node:
         """Wait for a proposed write's outcome; from here on a failure means "unknown"."""
         try:
             return await waiting
-        except DeadlineExceeded:
-            raise Timeout(
-                f"the write was not confirmed within {wait:.1f}s; it may or may not have been committed: "
-                "read the key before retrying"
-            ) from None
-        except NodeStopped as e:
-            raise Timeout(f"the node stopped before the write was confirmed; it may or may not have been committed ({e})") from e
+        except (DeadlineExceeded, NodeStopped) as e:
+            raise unknown_outcome(e, wait) from e
 
     async def _await_leader(self, deadline: float, cause: Exception, force_wait: bool = False) -> None:
         """Wait for a (new) leader, or raise NotLeader when the deadline passes."""
@@ -520,6 +491,51 @@ class Node:
                 if m.id != self.config.id
             },
         }
+
+
+def encode_command(cmd: cmds.Command) -> bytes:
+    try:
+        return cmds.encode(cmd)
+    except cmds.CommandError as e:
+        raise BadRequest(str(e)) from e
+
+
+def unknown_outcome(e: Exception, wait: float) -> Timeout:
+    """The error for a write whose outcome cannot be known any more."""
+    if isinstance(e, DeadlineExceeded):
+        return Timeout(f"the write was not confirmed within {wait:.1f}s; it may or may not have been committed: read the key before retrying")
+    return Timeout(f"the node stopped before the write was confirmed; it may or may not have been committed ({e})")
+
+
+def _raise_failed(result):
+    if isinstance(result, cmds.PreconditionFailed):
+        raise PreconditionFailed(result.key, result.mod_index)
+    if isinstance(result, cmds.CommandError):
+        raise BadRequest(str(result))
+    return result
+
+
+def write_result(applied: Applied) -> WriteResult:
+    return WriteResult(_raise_failed(applied.result).index, applied.term)
+
+
+def delete_result(applied: Applied) -> DeleteResult:
+    r = _raise_failed(applied.result)
+    return DeleteResult(r.index, applied.term, r.deleted)
+
+
+def txn_result(applied: Applied) -> TxnResult:
+    r = _raise_failed(applied.result)
+    out = []
+    written = WriteResult(r.index, applied.term)  # every put of a txn has the txn's index
+    for x in r.results:
+        if isinstance(x, cmds.PutResult):
+            out.append(written)
+        elif isinstance(x, cmds.DeleteResult):
+            out.append(DeleteResult(x.index, applied.term, x.deleted))
+        else:
+            out.append(Item(x.key, x.value, x.mod_index) if x.value is not None else None)
+    return TxnResult(r.index, applied.term, r.succeeded, tuple(out))
 
 
 def validate_key(key: str) -> str:

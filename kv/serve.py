@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -45,6 +46,15 @@ def install_uvloop() -> bool:
     return True
 
 
+def tune_gc() -> None:
+    """`kv serve` owns its process: keep the objects of start-up out of every collection and
+    collect the young generation less often. Requests allocate many short-lived tuples that
+    reference counting frees anyway; with the defaults, full collections cost pauses of
+    tens of milliseconds on a busy node (measured: kv bench store, txn p99)."""
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+
+
 def _ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     if not cert and not key:
         return None
@@ -62,6 +72,7 @@ async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str |
     sslctx = _ssl_context(tls_cert, tls_key)
     node = Node(config)
     await node.start()
+    tune_gc()
     runner = None
     try:
         if config.http:

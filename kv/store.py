@@ -10,17 +10,65 @@ before its call returns, so such a read is linearizable without a round trip.
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
+import threading
 from collections.abc import Iterator, Sequence
 
 from ._loop import LoopThread
 from .config import NodeConfig
 from .errors import BadRequest, Unavailable
-from .node import DeleteResult, Event, Item, Node, TxnResult, WriteResult, validate_key
+from .node import (
+    DeleteResult,
+    Event,
+    Item,
+    Node,
+    TxnResult,
+    WriteResult,
+    delete_result,
+    encode_command,
+    txn_result,
+    unknown_outcome,
+    validate_key,
+    write_result,
+)
+from .raft.errors import NotLeader as RaftNotLeader
+from .raft.messages import EntryKind
+from .raft.node import DeadlineExceeded, NodeStopped
 from .statemachine import commands as cmds
 from .statemachine.leveldb import StateCorrupt
 
 LOCAL_ID = "local"
+
+
+class _Slot:
+    """One caller's write, waiting on a plain lock until the event loop resolves it (it is
+    a raft.node.Waiter: the driver calls set_result / set_exception directly)."""
+
+    __slots__ = ("cmd", "payload", "lock", "applied", "error", "fallback", "_done")
+
+    def __init__(self, cmd, payload: bytes) -> None:
+        self.cmd, self.payload = cmd, payload
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.applied = self.error = None
+        self.fallback = self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, applied) -> None:
+        self.applied, self._done = applied, True
+        self.lock.release()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.error, self._done = exc, True
+        self.lock.release()
+
+    def give_up(self) -> None:
+        """Nothing was appended: the caller takes the general path."""
+        self.fallback, self._done = True, True
+        self.lock.release()
 
 
 class Store:
@@ -41,6 +89,8 @@ class Store:
         self._lt = LoopThread(f"kv-store-{path}")
         self._loop = self._lt.loop
         self._node = Node(self.config)
+        self._queue: collections.deque[_Slot] = collections.deque()
+        self._drain_scheduled = False
         try:
             self._call(self._node.start())
             self._call(self._caught_up())
@@ -66,20 +116,57 @@ class Store:
         return self._lt.call(coro)
 
     # -- writes ----------------------------------------------------------------------------
+    #
+    # A write does not go through run_coroutine_threadsafe: the calling thread queues its
+    # command and blocks on a lock; the loop takes everything queued in one proposal (one
+    # Ready, one fsync) and releases each lock when that command is applied. Anything out
+    # of the ordinary (no leader yet) goes the general way, kv.Node.submit, with its retries.
 
     def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False) -> WriteResult:
         """Write durably. With if_mod_index / if_absent it is conditional (PreconditionFailed)."""
-        return self._call(self._node.put(key, value, if_mod_index=if_mod_index, if_absent=if_absent))
+        return write_result(self._submit(self._node.put_command(key, value, if_mod_index, if_absent)))
 
     def cas(self, key: str, expected_mod_index: int, value: bytes) -> WriteResult:
-        return self._call(self._node.cas(key, expected_mod_index, value))
+        return self.put(key, value, if_mod_index=expected_mod_index)
 
     def delete(self, key: str, *, if_mod_index: int | None = None) -> DeleteResult:
-        return self._call(self._node.delete(key, if_mod_index=if_mod_index))
+        cond = cmds.Cond(key, "mod", if_mod_index) if if_mod_index is not None else None
+        return delete_result(self._submit(cmds.Delete(key, cond)))
 
     def txn(self, conds: Sequence[cmds.Cond] = (), ops: Sequence = (), else_ops: Sequence = ()) -> TxnResult:
         """Atomic multi-op: kv.Cond conditions; kv.Put / kv.Delete / kv.Get operations."""
-        return self._call(self._node.txn(conds, ops, else_ops))
+        return txn_result(self._submit(self._node.txn_command(conds, ops, else_ops)))
+
+    def _submit(self, cmd):
+        if self._closed:
+            raise Unavailable("the store is closed")
+        slot = _Slot(cmd, encode_command(cmd))
+        self._queue.append(slot)
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon_threadsafe(self._drain)
+        slot.lock.acquire()
+        if slot.fallback or isinstance(slot.error, RaftNotLeader):  # not appended, or replaced
+            return self._call(self._node.submit(cmd))
+        if isinstance(slot.error, (DeadlineExceeded, NodeStopped)):
+            raise unknown_outcome(slot.error, self.config.write_timeout_s)
+        if slot.error is not None:
+            raise slot.error
+        return slot.applied
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False  # first: a write queued from now on schedules again
+        slots = []
+        while self._queue:
+            slots.append(self._queue.popleft())
+        if not slots:
+            return
+        deadline = self._loop.time() + self.config.write_timeout_s
+        try:
+            self._node.raft.propose_waiters([(EntryKind.NORMAL, s.payload, s) for s in slots], deadline)
+        except Exception:
+            for s in slots:
+                s.give_up()
 
     def put_many(self, items: dict[str, bytes] | Sequence[tuple[str, bytes]]) -> TxnResult:
         """Write many keys in one atomic, fsynced transaction."""

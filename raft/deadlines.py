@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 class Deadlines:
     def __init__(self, make_error: Callable[[], BaseException]) -> None:
+        # make_error gives each expired waiter its own exception instance
         self._make_error = make_error
         self._heap: list[tuple[float, int, asyncio.Future]] = []
         self._seq = itertools.count()
@@ -46,3 +47,20 @@ class Deadlines:
             self._timer.cancel()
             self._timer = None
         self._heap.clear()
+
+
+class AllOf:
+    """Several waiters under one deadline (one heap entry for a whole batch)."""
+
+    __slots__ = ("waiters",)
+
+    def __init__(self, waiters: list) -> None:
+        self.waiters = waiters
+
+    def done(self) -> bool:
+        return all(w.done() for w in self.waiters)
+
+    def set_exception(self, exc: BaseException) -> None:
+        for w in self.waiters:
+            if not w.done():
+                w.set_exception(exc)

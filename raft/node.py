@@ -26,11 +26,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .core import CoreConfig, RaftCore, Ready
-from .deadlines import Deadlines
+from .deadlines import AllOf, Deadlines
 from .errors import NotLeader, RaftError, TransferInProgress
 from .ledger import Ledger, LedgerWrite
 from .membership import Membership
@@ -79,8 +78,17 @@ class SnapshotHooks(Protocol):
         received snapshot file the node's newest one."""
 
 
-@dataclass(frozen=True, slots=True)
-class Applied:
+class Waiter(Protocol):
+    """What a proposal's outcome is delivered to (asyncio.Future fits)."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: Any) -> None: ...
+
+    def set_exception(self, exc: BaseException) -> None: ...
+
+
+class Applied(NamedTuple):
     """What a proposal's future resolves to."""
 
     index: int
@@ -210,6 +218,15 @@ class RaftNode:
 
     def propose_many(self, items: Sequence[tuple[int, bytes]], deadline: float | None = None) -> list[asyncio.Future]:
         """Queue several commands at once; each future resolves like propose()'s."""
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in items]
+        self.propose_waiters([(kind, data, f) for (kind, data), f in zip(items, futs)], deadline)
+        return futs
+
+    def propose_waiters(self, items: Sequence[tuple[int, bytes, Waiter]], deadline: float | None = None) -> None:
+        """Like propose_many, with the caller's own waiters: anything with a future's
+        done / set_result / set_exception (kv.open resolves its threads' slots this way
+        without an asyncio future per write). Raises when nothing was appended."""
         self._check_running()
         core = self.core
         if core.role != Role.LEADER:
@@ -218,16 +235,10 @@ class RaftNode:
             raise TransferInProgress(core.transferee)
         if len(self._pending) + len(self._proposals) >= self.max_pending:
             raise Overloaded(f"{self.max_pending} writes are already waiting to commit on {self.id}; retry shortly")
-        loop = asyncio.get_running_loop()
-        futs = []
-        for kind, data in items:
-            f = loop.create_future()
-            self._proposals.append((kind, data, f))
-            futs.append(f)
-            if deadline is not None:
-                self._deadlines.add(deadline, f)
+        self._proposals.extend(items)
+        if deadline is not None:
+            self._deadlines.add(deadline, AllOf([w for _, _, w in items]) if len(items) > 1 else items[0][2])
         self._kick()
-        return futs
 
     async def forward(self, payload: bytes, deadline: float | None = None) -> ForwardResponse:
         """Hand a command to the leader over the peer link and wait for its answer; after

@@ -18,7 +18,7 @@ key does not exist), its value, or its existence. `mod_index` is the HTTP ETag.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 COMMAND_FORMAT = 1
 MAX_KEY_BYTES = 4096
@@ -34,8 +34,7 @@ class CommandError(ValueError):
     """A command that cannot be encoded or decoded."""
 
 
-@dataclass(frozen=True, slots=True)
-class Cond:
+class Cond(NamedTuple):
     """A precondition on one key. kind: "mod" (mod_index == arg; 0 = absent), "value"
     (value == arg), or "exists" (existence == arg)."""
 
@@ -53,33 +52,29 @@ class Cond:
         raise CommandError(f"unknown condition kind {self.kind!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class Put:
+class Put(NamedTuple):
     key: str
     value: bytes
     cond: Cond | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Delete:
+class Delete(NamedTuple):
     key: str
     cond: Cond | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Get:
+class Get(NamedTuple):
     """Read a key inside a transaction (sees the transaction's earlier writes)."""
 
     key: str
 
 
-@dataclass(frozen=True, slots=True)
-class Txn:
+class Txn(NamedTuple):
     """If every condition holds, run `ops`, else `else_ops` — atomically, at one index."""
 
     conds: tuple[Cond, ...] = ()
     ops: tuple[Put | Delete | Get, ...] = ()
-    else_ops: tuple[Put | Delete | Get, ...] = field(default_factory=tuple)
+    else_ops: tuple[Put | Delete | Get, ...] = ()
 
 
 Command = Put | Delete | Txn
@@ -88,34 +83,29 @@ Command = Put | Delete | Txn
 # -- results (what apply hands back to the proposer) ------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class PutResult:
+class PutResult(NamedTuple):
     index: int  # the key's new mod_index
 
 
-@dataclass(frozen=True, slots=True)
-class DeleteResult:
+class DeleteResult(NamedTuple):
     index: int
     deleted: bool
 
 
-@dataclass(frozen=True, slots=True)
-class GetResult:
+class GetResult(NamedTuple):
     key: str
     value: bytes | None
     mod_index: int
 
 
-@dataclass(frozen=True, slots=True)
-class PreconditionFailed:
+class PreconditionFailed(NamedTuple):
     """The condition did not hold; nothing was changed."""
 
     key: str
     mod_index: int  # the key's current mod_index (0: absent)
 
 
-@dataclass(frozen=True, slots=True)
-class TxnResult:
+class TxnResult(NamedTuple):
     index: int
     succeeded: bool
     results: tuple[PutResult | DeleteResult | GetResult, ...]
@@ -151,6 +141,22 @@ def _cond(c: Cond | None) -> bytes:
     raise CommandError(f"unknown condition kind {c.kind!r}")
 
 
+def _ops(ops, parts: list) -> None:
+    """Append the encodings of transaction ops (a txn may hold thousands: plain puts are
+    encoded inline, the rest by _op)."""
+    pack16, pack32 = _U16.pack, _U32.pack
+    for op in ops:
+        if type(op) is Put and op.cond is None and type(op.key) is str and type(op.value) is bytes:
+            raw = op.key.encode()
+            if not raw or len(raw) > MAX_KEY_BYTES:
+                check_key(op.key)  # raises with the reason
+            parts.append(_PUT_OPCODE + pack16(len(raw)) + raw + pack32(len(op.value)))
+            parts.append(op.value)
+            parts.append(b"\x00")
+        else:
+            parts.append(_op(op))
+
+
 def _op(op: Put | Delete | Get) -> bytes:
     if getattr(op, "cond", None) is not None:
         raise CommandError("operations inside a transaction take no condition of their own: put it in the transaction's conds")
@@ -164,21 +170,23 @@ def _op(op: Put | Delete | Get) -> bytes:
 
 
 _HEAD = bytes((COMMAND_FORMAT,))
+_PUT_HEAD = bytes((COMMAND_FORMAT, _OP_PUT))
+_PUT_OPCODE = bytes((_OP_PUT,))
 
 
 def encode(cmd: Command) -> bytes:
-    if isinstance(cmd, Put):
+    if type(cmd) is Put:
         # The hot path: the value goes last, unprefixed, so the entry is just header + value.
-        return _HEAD + bytes((_OP_PUT,)) + _key(cmd.key) + _cond(cmd.cond) + bytes(cmd.value)
+        return _PUT_HEAD + _key(cmd.key) + _cond(cmd.cond) + bytes(cmd.value)
     if isinstance(cmd, Delete):
         return _HEAD + bytes((_OP_DELETE,)) + _key(cmd.key) + _cond(cmd.cond)
     if isinstance(cmd, Txn):
         parts = [_HEAD, bytes((_OP_TXN,)), _U16.pack(len(cmd.conds))]
         parts += [_cond(c) for c in cmd.conds]
         parts.append(_U32.pack(len(cmd.ops)))
-        parts += [_op(o) for o in cmd.ops]
+        _ops(cmd.ops, parts)
         parts.append(_U32.pack(len(cmd.else_ops)))
-        parts += [_op(o) for o in cmd.else_ops]
+        _ops(cmd.else_ops, parts)
         return b"".join(parts)
     raise CommandError(f"not a command: {cmd!r}")
 
@@ -222,21 +230,38 @@ class _Reader:
             return Cond(key, "exists", bool(self.byte()))
         raise CommandError(f"unknown condition kind {kind}")
 
-    def op(self) -> Put | Delete | Get:
-        code = self.byte()
-        if code == _OP_PUT:
-            op = Put(self.key(), self.take(self.u32()))
-        elif code == _OP_DELETE:
-            op = Delete(self.key())
-        else:
-            op = None
-        if op is not None:
-            if self.byte() != 0:
-                raise CommandError("a transaction operation carries a condition")
-            return op
-        if code == _OP_GET:
-            return Get(self.key())
-        raise CommandError(f"unknown transaction operation {code}")
+    def ops(self, n: int) -> tuple[Put | Delete | Get, ...]:
+        """n transaction operations, decoded in one loop (a txn may hold thousands)."""
+        b, o, out = self.b, self.o, []
+        unpack_u16, unpack_u32 = _U16.unpack_from, _U32.unpack_from
+        try:
+            for _ in range(n):
+                code = b[o]
+                (kl,) = unpack_u16(b, o + 1)
+                key = b[o + 3 : o + 3 + kl].decode()
+                o += 3 + kl
+                if code == _OP_PUT:
+                    (vl,) = unpack_u32(b, o)
+                    value = b[o + 4 : o + 4 + vl]
+                    if len(value) != vl:
+                        raise CommandError("command is truncated")
+                    o += 4 + vl
+                    op = Put(key, value)
+                elif code == _OP_DELETE:
+                    op = Delete(key)
+                elif code == _OP_GET:
+                    out.append(Get(key))
+                    continue
+                else:
+                    raise CommandError(f"unknown transaction operation {code}")
+                if b[o] != 0:
+                    raise CommandError("a transaction operation carries a condition")
+                o += 1
+                out.append(op)
+        except (IndexError, struct.error) as e:
+            raise CommandError("command is truncated") from e
+        self.o = o
+        return tuple(out)
 
 
 def decode(data: bytes) -> Command:
@@ -257,8 +282,8 @@ def decode(data: bytes) -> Command:
             cmd = Delete(r.key(), r.cond())
         elif code == _OP_TXN:
             conds = tuple(r.cond() for _ in range(r.u16()))
-            ops = tuple(r.op() for _ in range(r.u32()))
-            else_ops = tuple(r.op() for _ in range(r.u32()))
+            ops = r.ops(r.u32())
+            else_ops = r.ops(r.u32())
             cmd = Txn(conds, ops, else_ops)
         else:
             raise CommandError(f"unknown opcode {code}")

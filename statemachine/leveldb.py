@@ -207,12 +207,20 @@ class LevelDBStateMachine:
         if isinstance(cmd, Txn):
             ok = all(self._check(c, overlay) is None for c in cmd.conds)
             out = []
+            put_result = PutResult(index)  # every put of the txn has the same one
+            pack_index = _U64.pack(index)
             for op in cmd.ops if ok else cmd.else_ops:
-                if isinstance(op, Get):
+                t = type(op)
+                if t is Put:
+                    k = _DATA + op.key.encode()
+                    overlay[k] = (index, op.value)
+                    wb.put(k, pack_index + op.value)
+                    if changes is not None:
+                        changes.append((index, op.key, op.value))
+                    out.append(put_result)
+                elif t is Get:
                     cur = self._current(_DATA + op.key.encode(), overlay)
                     out.append(GetResult(op.key, cur[1] if cur else None, cur[0] if cur else 0))
-                elif isinstance(op, Put):
-                    out.append(self._put(op, index, wb, overlay, changes))
                 else:
                     out.append(self._delete(op, index, wb, overlay, changes))
             return TxnResult(index, ok, tuple(out))
