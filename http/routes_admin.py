@@ -86,10 +86,6 @@ async def leader_transfer(request: web.Request) -> web.Response:
     return json_response({"leader": leader})
 
 
-async def members(request: web.Request) -> web.Response:
-    return json_response({"members": ctx(request).node.members()})
-
-
 async def forward_to_leader(request: web.Request, body: bytes) -> web.Response:
     """Pass an admin request to the leader's HTTP API and return its answer."""
     c = ctx(request)
@@ -121,6 +117,5 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/snapshot", take_snapshot, name="snapshot_take")
     r.add_get("/v1/snapshot", get_snapshot, name="snapshot_get")
     r.add_post("/v1/leader/transfer", leader_transfer, name="leader_transfer")
-    r.add_get("/v1/members", members, name="members_list")
     r.add_get("/v1/openapi.json", openapi, name="openapi")
 

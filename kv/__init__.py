@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 from .config import NodeConfig  # noqa: E402
 from .errors import (  # noqa: E402
     BadRequest,
+    Conflict,
     KVError,
     NoQuorum,
     NotFound,
@@ -50,6 +51,7 @@ __all__ = [
     "BadRequest",
     "Client",
     "Cond",
+    "Conflict",
     "Delete",
     "DeleteResult",
     "Event",

@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     a = client_cmd("leader", "leadership")
     a.add_argument("action", choices=["transfer"])
     a.add_argument("to", help="id of the member that should lead")
+    a = client_cmd("member", "membership: list, add (learner or voter), remove, promote")
+    a.add_argument("action", choices=["list", "add", "remove", "promote"])
+    a.add_argument("id", nargs="?", help="the member's id (add, remove, promote)")
+    a.add_argument("peer", nargs="?", help="add: HOST:PORT the new member listens on for peers")
+    a.add_argument("--http", default="", help="add: the new member's client URL")
+    a.add_argument("--voter", action="store_true", help="add: as a voter at once (default: a learner, promoted later)")
+    a.add_argument("--replace", action="store_true", help="add: change an existing member's addresses")
 
     snap = sub.add_parser("snapshot", help="snapshot files").add_subparsers(dest="snap_cmd", metavar="ACTION")
     sv = snap.add_parser("save", help="download the newest snapshot of a node")

@@ -30,6 +30,7 @@ _ERRORS = {
     400: errors.BadRequest,
     401: errors.Unauthorized,
     404: errors.NotFound,
+    409: errors.Conflict,
     413: errors.ValueTooLarge,
     504: errors.Timeout,
 }
@@ -265,6 +266,16 @@ class AsyncClient:
 
     async def members(self) -> list[dict]:
         return (await self._json("GET", "/v1/members"))["members"]
+
+    async def add_member(self, member_id: str, peer: str, http: str = "", *, voter: bool = False, replace: bool = False) -> list[dict]:
+        doc = {"id": member_id, "peer": peer, "http": http, "voter": voter, "replace": replace}
+        return (await self._json("POST", "/v1/members", data=orjson.dumps(doc), headers={"Content-Type": "application/json"}))["members"]
+
+    async def remove_member(self, member_id: str) -> list[dict]:
+        return (await self._json("DELETE", f"/v1/members/{quote(member_id, safe='')}"))["members"]
+
+    async def promote_member(self, member_id: str) -> list[dict]:
+        return (await self._json("POST", f"/v1/members/{quote(member_id, safe='')}/promote"))["members"]
 
 
 def _value_json(v: bytes) -> dict:

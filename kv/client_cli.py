@@ -40,6 +40,29 @@ async def _run(args: argparse.Namespace) -> int:
         elif cmd == "leader":
             r = await c.transfer_leader(args.to)
             print(f"OK leader={r['leader']}")
+        elif cmd == "member":
+            return await _member(c, args)
+    return 0
+
+
+async def _member(c: AsyncClient, args: argparse.Namespace) -> int:
+    if args.action != "list" and not args.id:
+        print(f"kv member {args.action}: give the member's id", file=sys.stderr)
+        return 2
+    if args.action == "add":
+        if not args.peer:
+            print("kv member add: give the HOST:PORT the new member listens on for peers", file=sys.stderr)
+            return 2
+        members = await c.add_member(args.id, args.peer, args.http, voter=args.voter, replace=args.replace)
+    elif args.action == "remove":
+        members = await c.remove_member(args.id)
+    elif args.action == "promote":
+        members = await c.promote_member(args.id)
+    else:
+        members = await c.members()
+    for m in members:
+        role = "voter" if m["voter"] else "learner"
+        print(f"{m['id']}\t{role}{' (leader)' if m.get('leader') else ''}\tpeer={m['peer']}\thttp={m.get('http') or '-'}")
     return 0
 
 

@@ -55,6 +55,13 @@ class NoQuorum(NotLeader):
     code = "NO_QUORUM"
 
 
+class Conflict(KVError):
+    """The request conflicts with the cluster's current state (a member that already
+    exists, a membership change still in progress, a learner not yet caught up)."""
+
+    code, http_status = "CONFLICT", 409
+
+
 class Timeout(KVError, TimeoutError):
     """The write was not confirmed in time: it may or may not have been committed. Read the
     key to find out before retrying a non-idempotent write."""

@@ -12,10 +12,12 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple
 
-from .config import NodeConfig
+from .config import NodeConfig, check_hostport
 from .metrics import Histogram
 from .errors import (
     BadRequest,
+    Conflict,
+    NotFound,
     KVError,
     NoQuorum,
     NotLeader,
@@ -122,8 +124,10 @@ class Node:
     linearizable reads (it asks the leader for a read index, then reads locally).
     """
 
-    def __init__(self, config: NodeConfig | None = None, **options) -> None:
+    def __init__(self, config: NodeConfig | None = None, *, initial_membership: Membership | None = None, **options) -> None:
         self.config = config if config is not None else NodeConfig(**options)
+        # A node that joins a running cluster starts from the membership the cluster gave it.
+        self._initial_membership = initial_membership
         self.raft: RaftNode | None = None
         self.sm: LevelDBStateMachine | None = None
         self.ledger: Ledger | None = None
@@ -167,6 +171,8 @@ class Node:
             secret=c.cluster_secret,
             advertise_url=c.advertise_url,
             applied_index=self.sm.applied()[0],
+            refuse_peer=lambda peer: peer in self.sm.removed(),
+            dial=c.peers,
         )
         self.raft.result_encoder = cmds.encode_result
         self.sm.on_changes = self._on_changes
@@ -215,6 +221,8 @@ class Node:
         stored = self.sm.membership()
         if stored:
             return Membership.decode(stored)
+        if self._initial_membership is not None:
+            return self._initial_membership
         c = self.config
         me_url = c.advertise_url
         return Membership.of(Member(i, addr, me_url if i == c.id else "") for i, addr in (c.peers or {c.id: ""}).items())
@@ -441,6 +449,59 @@ class Node:
             with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
                 await asyncio.wait_for(raft.leader_changed.wait(), left)
         return to
+
+    # -- membership ------------------------------------------------------------------------
+
+    async def add_member(self, member_id: str, peer: str, http: str = "", *, voter: bool = False, replace: bool = False, timeout: float | None = None) -> list[dict]:
+        """Add a member (a learner unless voter=True) that listens for peers on `peer`.
+        With replace=True an existing member's addresses change (a node moved)."""
+        if not member_id or any(ch in member_id for ch in ",= /"):
+            raise BadRequest(f"bad member id {member_id!r}: a non-empty name without ',', '=', ' ' or '/'")
+        check_hostport(peer, f"member {member_id}")
+        cur = self._running().core.membership
+        old = cur.get(member_id)
+        if old is not None and not replace:
+            if (old.peer_addr, old.http_url, old.voter) == (peer, http, voter or old.voter):
+                return self.members()  # asked again for what is already so
+            raise Conflict(f"{member_id} is already a member (at {old.peer_addr}); remove it first, or replace its addresses")
+        if old is None and replace:
+            raise NotFound(f"{member_id} is not a member; add it instead")
+        await self._change(cur.with_member(Member(member_id, peer, http, voter if old is None else old.voter)), timeout)
+        return self.members()
+
+    async def remove_member(self, member_id: str, *, timeout: float | None = None) -> list[dict]:
+        cur = self._running().core.membership
+        if member_id not in cur:
+            raise NotFound(f"{member_id} is not a member; members: {', '.join(sorted(cur.ids))}")
+        if cur.voters == {member_id}:
+            raise BadRequest(f"{member_id} is the last voter; add another voter before removing it")
+        await self._change(cur.without(member_id), timeout)
+        return self.members()
+
+    async def promote_member(self, member_id: str, *, timeout: float | None = None) -> list[dict]:
+        """Make a learner a voter (refused with Conflict until it has caught up)."""
+        cur = self._running().core.membership
+        m = cur.get(member_id)
+        if m is None:
+            raise NotFound(f"{member_id} is not a member; add it as a learner first")
+        if m.voter:
+            return self.members()
+        await self._change(cur.with_member(Member(m.id, m.peer_addr, m.http_url, True)), timeout)
+        return self.members()
+
+    async def _change(self, new: Membership, timeout: float | None) -> None:
+        raft = self._running()
+        if raft.role != Role.LEADER:
+            raise NotLeader("membership changes are made by the leader", raft.leader_id)
+        deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else self.config.write_timeout_s)
+        try:
+            await raft.change_membership(new, deadline)
+        except raft_errors.ConfigChangeRefused as e:
+            raise Conflict(str(e)) from None
+        except raft_errors.TransferInProgress as e:
+            raise Conflict(str(e)) from None
+        except (DeadlineExceeded, NodeStopped) as e:
+            raise unknown_outcome(e, self.config.write_timeout_s) from e
 
     def members(self) -> list[dict]:
         raft = self._running()

@@ -12,7 +12,9 @@ import sys
 import time
 
 from .config import NodeConfig, check_hostport
+from .errors import BadRequest, KVError
 from .node import Node
+from .raft.membership import Member, Membership
 
 
 class _NodeFilter(logging.Filter):
@@ -65,15 +67,48 @@ def _ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     return ctx
 
 
+async def join_cluster(config: NodeConfig) -> Membership:
+    """Ask a member of a running cluster (config.join) to add this new node as a learner;
+    returns the membership to start from."""
+    from .client import AsyncClient
+
+    if config.id not in config.peers:
+        raise BadRequest(f"with --join, --peers must still give this node's own peer address ({config.id}=HOST:PORT)")
+    async with AsyncClient(config.join, token=config.token, timeout=30) as c:
+        members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False)
+    return Membership.of(Member(m["id"], m["peer"], m.get("http", ""), m["voter"]) for m in members)
+
+
+async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
+    """A joined learner asks to become a voter until the leader agrees it has caught up."""
+    from .client import AsyncClient
+
+    log = logging.getLogger("kv.serve")
+    async with AsyncClient(config.join, token=config.token, timeout=10) as c:
+        while True:
+            me = node.raft.core.membership.get(config.id) if node.raft else None
+            if me is not None and me.voter:
+                log.info("joined the cluster as a voter")
+                return
+            try:
+                await c.promote_member(config.id)
+            except KVError as e:  # Conflict until caught up; or the cluster is busy
+                log.info("not promoted yet (%s); retrying", e)
+            await asyncio.sleep(1.0)
+
+
 async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str | None = None) -> int:
     from .http.app import serve  # aiohttp only when serving
 
     log = logging.getLogger("kv.serve")
     sslctx = _ssl_context(tls_cert, tls_key)
-    node = Node(config)
+    fresh = not os.path.exists(config.ledger_path)
+    initial = await join_cluster(config) if config.join and fresh else None
+    node = Node(config, initial_membership=initial)
     await node.start()
     tune_gc()
     runner = None
+    promoting = asyncio.ensure_future(promote_when_caught_up(config, node)) if config.join else None
     try:
         if config.http:
             host, port = check_hostport(config.http, "--http")
@@ -101,6 +136,8 @@ async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str |
         log.info("stopping on signal")
         return 0
     finally:
+        if promoting is not None:
+            promoting.cancel()
         if runner is not None:
             await runner.cleanup()
         await node.stop()

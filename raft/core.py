@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import quorum
-from .errors import NotLeader, TransferInProgress
+from .errors import ConfigChangeRefused, NotLeader, TransferInProgress
 from .log import LogStorage, RaftLog, entry_size
 from .membership import Membership
 from .messages import (
@@ -71,6 +71,7 @@ class CoreConfig:
     quota_lag_entries: int = 100_000
     quota_bytes_per_second: int = 64 << 20
     lease_safety: float = 0.9  # lease reads trust a quorum ack for this part of T only
+    promote_max_lag: int = 1000  # a learner this many entries behind is not promoted yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,7 @@ class Ready:
     read_failures: list[ReadFailed] = field(default_factory=list)
     snapshot_sends: list[SnapshotSend] = field(default_factory=list)
     role_changed: bool = False  # role, term or leader changed since the last Ready
+    membership_changed: bool = False  # a configuration was appended, truncated or installed
 
     @property
     def must_persist(self) -> bool:
@@ -136,6 +138,7 @@ class RaftCore:
         applied_index: int = 0,
         now: float = 0.0,
         seed: int | None = None,
+        known: frozenset[str] = frozenset(),
     ) -> None:
         self.cfg = config
         self.id = config.node_id
@@ -170,6 +173,29 @@ class RaftCore:
         self._ready = Ready()
         self._hs_dirty = False
         self._applicable_reported = self.applicable_index()
+        # Membership (Raft dissertation §4.1, one server at a time): `membership` is the
+        # newest configuration in the log, committed or not. `_configs` lists the CONFIG
+        # entries above the commit index, to fall back on if they are truncated away;
+        # `_committed_membership` is the newest one at or below it.
+        self._committed_membership = membership
+        self._configs: list[tuple[int, Membership]] = []
+        self._config_index = 0
+        # Every id that appeared in a configuration this node has seen. Requests are handled
+        # whatever the current configuration says (dissertation §4.2.1): a node that lags
+        # behind a change must still hear from the members the change brought. A message
+        # from an id never seen is refused (REJECT_UNKNOWN_LEADER / UNKNOWN_MEMBER) unless
+        # it shows that we are the one behind: a candidate with a longer log, a leader with
+        # a newer term.
+        self.known: set[str] = set(known) | membership.ids
+        last = self.log.last_index()
+        if last > self.commit_index:
+            for e in self.log.entries(self.commit_index + 1, last + 1, 1 << 62, 1 << 62):
+                if e.kind == EntryKind.CONFIG:
+                    self._configs.append((e.index, Membership.decode(e.data)))
+            if self._configs:
+                self._config_index, self.membership = self._configs[-1]
+                for _, m in self._configs:
+                    self.known |= m.ids
 
     # ======================================================================================
     # Inputs
@@ -203,17 +229,111 @@ class RaftCore:
         """Append (kind, data) entries as leader. Returns (term, index of the first one).
 
         Raises NotLeader on a follower and TransferInProgress while leadership is being
-        handed over (the leader refuses new writes then, as DLedger does)."""
+        handed over (the leader refuses new writes then, as DLedger does). Membership
+        changes go through propose_config."""
         self._now = now
         if self.role != Role.LEADER:
             raise NotLeader(self.leader_id)
         if self.transferee is not None:
             raise TransferInProgress(self.transferee)
+        if any(kind == EntryKind.CONFIG for kind, _ in items):
+            raise ValueError("membership changes go through propose_config()")
         first = self.log.last_index() + 1
         t = self.term
         self.log.append([Entry(first + k, t, kind, data) for k, (kind, data) in enumerate(items)])
         self._dispatch_needed = True
         return t, first
+
+    def propose_config(self, new: Membership, now: float) -> tuple[int, int]:
+        """Append a membership change (one member added, removed or changed). It takes
+        effect here at once, and on each follower when appended. Returns (term, index).
+
+        Refused (ConfigChangeRefused) while another change is uncommitted, before this
+        leader has committed an entry of its own term (the known flaw of single-server
+        changes otherwise lets two leaders win one term), when it would remove the last
+        voter, or promote a learner that has not caught up."""
+        self._now = now
+        if self.role != Role.LEADER:
+            raise NotLeader(self.leader_id)
+        if self.transferee is not None:
+            raise TransferInProgress(self.transferee)
+        if not self.committed_in_term():
+            raise ConfigChangeRefused("this leader has not yet committed an entry of its own term; retry in a moment")
+        if self._config_index > self.commit_index:
+            raise ConfigChangeRefused(f"a membership change (index {self._config_index}) is still in progress; retry once it has committed")
+        self._check_single_change(self.membership, new)
+        index = self.log.last_index() + 1
+        self.log.append([Entry(index, self.term, EntryKind.CONFIG, new.encode())])
+        self._config_appended(index, new)
+        self._dispatch_needed = True
+        return self.term, index
+
+    def _check_single_change(self, old: Membership, new: Membership) -> None:
+        changed = {i for i in old.ids | new.ids if old.get(i) != new.get(i)}
+        if len(changed) != 1:
+            raise ConfigChangeRefused(f"change one member at a time (this changes {sorted(changed) or 'nothing'})")
+        if not new.voters:
+            raise ConfigChangeRefused("the last voter cannot be removed or demoted")
+        (who,) = changed
+        before, after = old.get(who), new.get(who)
+        if before is not None and after is not None and after.voter and not before.voter:
+            pr = self.progress.get(who)
+            behind = self.log.last_index() - (pr.match if pr else 0)
+            if pr is None or pr.state != DispatcherState.APPEND or behind > self.cfg.promote_max_lag:
+                raise ConfigChangeRefused(f"learner {who} is {behind} entries behind; promote it once it has caught up")
+
+    def _config_appended(self, index: int, new: Membership) -> None:
+        self._configs.append((index, new))
+        self._set_membership(new, index)
+
+    def is_known(self, node_id: str) -> bool:
+        return node_id in self.known
+
+    def _set_membership(self, new: Membership, index: int) -> None:
+        self.membership, self._config_index = new, index
+        self.known |= new.ids
+        self._ready.membership_changed = True
+        if self.role == Role.LEADER:
+            last = self.log.last_index()
+            for m in new.members.values():
+                if m.id == self.id:
+                    continue
+                pr = self.progress.get(m.id)
+                if pr is None:
+                    pr = self.progress[m.id] = Progress(m.id, m.voter, next=last + 1)
+                    pr.reset(DispatcherState.COMPARE, last + 1)
+                pr.voter = m.voter
+            for gone in set(self.progress) - new.ids:
+                del self.progress[gone]
+
+    def _configs_truncated(self, from_index: int) -> None:
+        """Entries from from_index on were cut: drop the configurations among them."""
+        if self._configs and self._configs[-1][0] >= from_index:
+            self._configs = [(i, m) for i, m in self._configs if i < from_index]
+            if self._configs:
+                self._set_membership(self._configs[-1][1], self._configs[-1][0])
+            else:
+                self._set_membership(self._committed_membership, 0)
+
+    def _configs_appended(self, entries: Sequence[Entry]) -> None:
+        for e in entries:
+            if e.kind == EntryKind.CONFIG:
+                self._config_appended(e.index, Membership.decode(e.data))
+
+    @property
+    def committed_membership(self) -> Membership:
+        """The newest configuration known committed (a member removed by a change still in
+        progress is in it: it must hear back until its removal commits)."""
+        return self._committed_membership
+
+    def _configs_committed(self) -> None:
+        c = self.commit_index
+        while self._configs and self._configs[0][0] <= c:
+            self._committed_membership = self._configs.pop(0)[1]
+            self._ready.membership_changed = True
+        if self.role == Role.LEADER and self.id not in self.membership.voters and self._config_index <= c:
+            # Our own removal (or demotion) has committed: step down (dissertation §4.2.2).
+            self._become_follower(self.term, None)
 
     def read_index(self, ctx: int, now: float, lease: bool = False) -> None:
         """Ask for a read index; the answer comes as a ReadState or ReadFailed in a Ready.
@@ -294,6 +414,7 @@ class RaftCore:
             or r.snapshot_sends
             or r.snapshot is not None
             or r.role_changed
+            or r.membership_changed
             or self.applicable_index() != self._applicable_reported
             or self.log.has_unpersisted()
         )
@@ -627,6 +748,7 @@ class RaftCore:
         idx = quorum.committed_index(match, self.membership.voters)
         if idx > self.commit_index and self.log.term(idx) == self.term:
             self.commit_index = idx
+            self._configs_committed()
             self._dispatch_needed = True  # tell idle followers (COMMIT)
             if self._reads_before_commit:
                 pending, self._reads_before_commit = self._reads_before_commit, []
@@ -709,7 +831,7 @@ class RaftCore:
             # we have not persisted waits too.
             self._send(VoteResponse(self.id, m.src, resp_term, result, m.pre_vote), after_persist=grant or self._hs_dirty)
 
-        if m.src not in self.membership.voters:
+        if m.src not in self.known and (m.ledger_end_term, m.ledger_end_index) <= (self.log.last_term(), self.log.last_index()):
             return answer(VoteResult.REJECT_UNKNOWN_LEADER)
         if m.src == self.id:
             return answer(VoteResult.REJECT_UNEXPECTED_LEADER)
@@ -775,8 +897,10 @@ class RaftCore:
     def _accept_leader(self, src: str, term: int) -> str | None:
         """Common term checks for a leader's heartbeat / push / install. Returns None if the
         request may be handled, else a reason code name for the caller's reply."""
-        if src not in self.membership:
-            return "UNKNOWN_MEMBER"
+        if src not in self.known:
+            if not (term > self.term or (term == self.term and self.leader_id is None)):
+                return "UNKNOWN_MEMBER"
+            self.known.add(src)  # a leader of a term we had not reached: we are behind
         if term < self.term:
             return "EXPIRED_TERM"
         if term > self.term or self.role != Role.FOLLOWER or self.leader_id is None:
@@ -823,6 +947,7 @@ class RaftCore:
         c = min(leader_commit, self.log.last_index())
         if c > self.commit_index:
             self.commit_index = c
+            self._configs_committed()
 
     def _push_reply(self, m: PushRequest | InstallSnapshotRequest, ptype: PushType, code: PushCode, **kw) -> None:
         resp = PushResponse(self.id, m.src, self.term, ptype, m.seq, code, end_index=self.log.last_index(), **kw)
@@ -872,11 +997,14 @@ class RaftCore:
                     return
                 assert e.index > self.commit_index, "a leader asked to overwrite a committed entry"
                 log.truncate_and_append(e.index, entries[k:])
+                self._configs_truncated(e.index)
+                self._configs_appended(entries[k:])
                 k = len(entries)
                 break
             k += 1
         if k < len(entries):
             log.append(entries[k:])
+            self._configs_appended(entries[k:])
         match = entries[-1].index if entries else prev
         if t == PushType.TRUNCATE and match == m.leader_end_index and log.last_index() > match:
             # Entries past the leader's end are from older terms and cannot be committed
@@ -886,6 +1014,7 @@ class RaftCore:
             if (log.term(log.last_index()) or 0) < m.term:
                 assert match >= self.commit_index
                 log.truncate_and_append(match + 1, [])
+                self._configs_truncated(match + 1)
         self._follower_commit(min(m.commit_index, match))
         self._push_reply(m, t, PushCode.SUCCESS, index=match)
 
@@ -903,11 +1032,15 @@ class RaftCore:
             # Raft Figure 13, step 6: we hold the snapshot's last entry, so our log matches
             # up to it; keep the log (and what follows) and just learn the commit index.
             self.commit_index = snap.index
+            self._configs_committed()
             self._push_reply(m, PushType.INSTALL_SNAPSHOT, PushCode.SUCCESS, index=snap.index)
             return
         self.log.restore(snap.index, snap.term)
         self.commit_index = snap.index
-        self.membership = Membership.decode(snap.membership) if snap.membership else self.membership
+        if snap.membership:
+            self._configs = []
+            self._committed_membership = Membership.decode(snap.membership)
+            self._set_membership(self._committed_membership, snap.index)
         self._ready.snapshot = snap
         self._push_reply(m, PushType.INSTALL_SNAPSHOT, PushCode.SUCCESS, index=snap.index)
 

@@ -33,3 +33,7 @@ class TransferInProgress(RaftError):
 
 class LedgerError(RaftError):
     """The ledger on disk cannot be used as it is (corrupt, foreign or full)."""
+
+
+class ConfigChangeRefused(RaftError):
+    """A membership change was refused; nothing was changed. The message says why."""

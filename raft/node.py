@@ -109,6 +109,8 @@ class RaftNode:
         advertise_url: str = "",
         applied_index: int = 0,
         max_pending: int = 1 << 16,
+        refuse_peer: Callable[[str], bool] = lambda peer: False,
+        dial: dict[str, str] | None = None,
     ) -> None:
         self.id = config.node_id
         self.cfg = config
@@ -116,14 +118,19 @@ class RaftNode:
         self.group = group
         self._membership0 = membership
         me = membership.get(self.id)
-        self.listen = listen or (me.peer_addr if me else None)
+        self.listen = listen or (me.peer_addr if me is not None and me.peer_addr else None)
         self.core = RaftCore(config, ledger, ledger.hard_state(), membership, applied_index, self._clock(), seed=None)
+        self._refuse_peer = refuse_peer
+        # Where this node dials a peer, when that differs from the address the membership
+        # gives (a proxy, a NAT): this node's own --peers entries for the others.
+        self._dial = {k: v for k, v in (dial or {}).items() if k != config.node_id}
         self.transport: Transport | None = None
         self._secret, self._advertise_url = secret, advertise_url
         self.snapshots: SnapshotHooks | None = None
         self.on_applicable: Callable[[int], None] | None = None
         self.on_snapshot: Callable[[SnapshotMeta], None] | None = None  # a snapshot replaced the log
         self.on_role_change: Callable[[RaftNode], None] | None = None
+        self.on_membership_change: Callable[[RaftNode], None] | None = None
         # Encodes an apply result for a follower that forwarded the command (kv sets it).
         self.result_encoder: Callable[[Any], bytes] = lambda r: b""
         self._forwards: dict[int, asyncio.Future] = {}
@@ -156,13 +163,15 @@ class RaftNode:
     # Lifecycle
 
     async def start(self) -> None:
-        if self.listen is not None and len(self._membership0.members) > 1:
+        if self.listen is not None:
+            # Peers are admitted unless they were removed from the cluster: a member added
+            # while this node lagged must still reach it (see RaftCore.known).
             self.transport = Transport(
                 self.id,
                 self.group,
                 self.listen,
                 self._on_message,
-                is_member=lambda pid: pid in self.core.membership,
+                is_member=lambda pid: not self._refuse_peer(pid),
                 secret=self._secret,
                 advertise_url=self._advertise_url,
                 on_connected=self._on_connected,
@@ -200,8 +209,13 @@ class RaftNode:
                 f.set_exception(exc)
 
     def _update_peers(self) -> None:
+        """Dial the members of the newest and of the committed configuration: a member a
+        pending change removes must still get answers until the change commits (a leader
+        that removes itself needs them to commit its removal)."""
         if self.transport is not None:
-            self.transport.set_peers({m.id: m.peer_addr for m in self.core.membership.members.values()})
+            core = self.core
+            members = {**core.committed_membership.members, **core.membership.members}
+            self.transport.set_peers({i: self._dial.get(i, m.peer_addr) for i, m in members.items() if i != self.id})
 
     # ======================================================================================
     # Requests
@@ -305,6 +319,18 @@ class RaftNode:
         if deadline is not None:
             self._deadlines.add(deadline, fut)
         await fut
+
+    async def change_membership(self, new: Membership, deadline: float | None = None) -> Applied:
+        """Propose a membership change (one member at a time) and wait until it is applied
+        here. Raises ConfigChangeRefused (nothing changed), NotLeader, TransferInProgress."""
+        self._check_running()
+        term, index = self.core.propose_config(new, self._clock())
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[index] = (term, fut)
+        if deadline is not None:
+            self._deadlines.add(deadline, fut)
+        self._kick()
+        return await fut
 
     async def transfer_leadership(self, to: str) -> None:
         self._check_running()
@@ -456,6 +482,10 @@ class RaftNode:
         self.stats["ready"] += 1
         if rd.role_changed:
             self._role_changed()
+        if rd.membership_changed:
+            self._update_peers()
+            if self.on_membership_change is not None:
+                self.on_membership_change(self)
         t = self.transport
         if t is not None:
             for m in rd.messages:

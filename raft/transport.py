@@ -4,6 +4,11 @@ Each node dials every other member once and only *sends* on that connection; it 
 on the connections others dialed to it. So a link i→j carries i's messages to j, and a test
 proxy on that link can cut one direction only.
 
+Peers are admitted unless they were removed from the cluster (the caller's is_member):
+a member added while this node lagged behind must still reach it (see RaftCore.known); the
+core refuses messages from ids it never knew that do not prove it is behind. A cluster
+secret is what keeps out processes that do not belong.
+
 A connection starts with a handshake (frames of their own, before any message):
 
     dialer   → HELLO      magic, group, from id, to id, from's client URL, nonce_c
@@ -149,6 +154,8 @@ class _Inbound(asyncio.Protocol):
                 raise codec.CodecError(f"peer {src_s!r} is in group {group.decode()!r}, we are in {t.group!r}")
             if dst.decode() != t.node_id:
                 raise codec.CodecError(f"peer {src_s!r} dialled node {dst.decode()!r} but reached {t.node_id!r}")
+            if src_s == t.node_id:
+                raise codec.CodecError(f"a peer claims to be this node ({src_s!r})")
             if not t.is_member(src_s):
                 raise codec.CodecError(f"{src_s!r} is not a member of this cluster")
             self.peer, self.nonce_c, self.nonce_s = src_s, nonce_c, os.urandom(16)

@@ -15,6 +15,7 @@ replays them); `sync()` makes everything durable before the ledger is compacted.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -44,6 +45,7 @@ _APPLIED = b"\x00applied"
 _MEMBERSHIP = b"\x00membership"
 _RESTORING = b"\x00restoring"
 _SYNC = b"\x00sync"
+_REMOVED = b"\x00removed"  # ids removed from the cluster (JSON list): their peers are refused
 _DATA = b"k"
 _TWO_U64 = struct.Struct(">QQ")
 _PLAIN_PUT = bytes((COMMAND_FORMAT, 1))  # format 1, opcode PUT
@@ -79,6 +81,8 @@ class LevelDBStateMachine:
                 self._db.close()
             raise StateCorrupt(f"the state machine in {path} cannot be opened ({e})") from e
         self._applied = _TWO_U64.unpack(raw) if raw else (0, 0)
+        self._membership = self._db.get(_MEMBERSHIP) or b""
+        self._removed = set(json.loads(self._db.get(_REMOVED) or b"[]"))
         # Called with the changes of each applied batch, when someone watches.
         self.on_changes: Callable[[list[Change]], None] | None = None
 
@@ -88,7 +92,7 @@ class LevelDBStateMachine:
         return self._applied
 
     def membership(self) -> bytes:
-        return self._db.get(_MEMBERSHIP) or b""
+        return self._membership
 
     def _damaged(self, e: Exception) -> StateCorrupt:
         try:
@@ -172,7 +176,7 @@ class LevelDBStateMachine:
                     continue
                 results.append(self._execute(cmd, e.index, wb, overlay, changes))
             elif e.kind == EntryKind.CONFIG:
-                wb.put(_MEMBERSHIP, e.data)
+                self._apply_config(e.data, wb)
                 results.append(None)
             else:
                 results.append(None)
@@ -184,6 +188,18 @@ class LevelDBStateMachine:
         if changes:
             self.on_changes(changes)
         return results
+
+    def _apply_config(self, data: bytes, wb) -> None:
+        before = {m["id"] for m in json.loads(self.membership() or b"[]")}
+        after = {m["id"] for m in json.loads(data or b"[]")}
+        self._removed = (self._removed | (before - after)) - after
+        wb.put(_MEMBERSHIP, data)
+        wb.put(_REMOVED, json.dumps(sorted(self._removed)).encode())
+        self._membership = data
+
+    def removed(self) -> frozenset[str]:
+        """Ids that were members and were removed (a re-added id leaves this set)."""
+        return frozenset(self._removed)
 
     def _current(self, k: bytes, overlay: dict) -> tuple[int, bytes] | None:
         if k in overlay:
@@ -272,6 +288,7 @@ class LevelDBStateMachine:
         fin = self._db.write_batch(sync=True)
         fin.put(_MEMBERSHIP, membership)
         fin.put(_APPLIED, _TWO_U64.pack(index, term))
+        self._membership = membership
         fin.delete(_RESTORING)
         fin.write()
         self._applied = (index, term)
@@ -287,6 +304,7 @@ class LevelDBStateMachine:
     def set_membership(self, membership: bytes) -> None:
         """Record the bootstrap membership of a brand-new node."""
         self._db.put(_MEMBERSHIP, membership, sync=True)
+        self._membership = membership
 
     def close(self) -> None:
         if self._db is not None and not self._db.closed:

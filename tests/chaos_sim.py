@@ -5,7 +5,7 @@ from __future__ import annotations
 from sim import Sim
 
 
-def chaos_run(seed: int, *, n: int = 3, duration: float = 6000.0, snapshots: bool = False) -> Sim:
+def chaos_run(seed: int, *, n: int = 3, duration: float = 6000.0, snapshots: bool = False, membership: bool = False) -> Sim:
     """One seeded run: load, crashes, partitions and a lossy network, then heal and check
     that the cluster converges, elects a leader and commits again."""
     sim = Sim(
@@ -16,6 +16,7 @@ def chaos_run(seed: int, *, n: int = 3, duration: float = 6000.0, snapshots: boo
         delay=(0.2, 8.0),
         snapshot_every=40 if snapshots else 0,
         trailing=5,
+        spare=2 if membership else 0,
     )
     rng = sim.rng
     end = sim.now + duration
@@ -34,6 +35,8 @@ def chaos_run(seed: int, *, n: int = 3, duration: float = 6000.0, snapshots: boo
             sim.cut.add((a, b))  # one way only
         elif r < 0.14:
             sim.heal()
+        elif membership and r < 0.18:
+            sim.change_membership()
         else:
             for _ in range(rng.randrange(1, 4)):
                 sim.propose()
@@ -45,11 +48,15 @@ def chaos_run(seed: int, *, n: int = 3, duration: float = 6000.0, snapshots: boo
     sim.drop = sim.dup = 0.0
     sim.run_for(5000)
     lid = sim.leader()
-    assert lid is not None, f"seed {seed}: no leader after healing"
+    if lid is None:
+        views = {i: (n.core.role.name, n.core.term, n.core.leader_id, sorted(n.core.membership.voters), sorted(n.core.membership.learners), n.core.commit_index, n.core.log.last_index()) for i, n in sim.nodes.items() if n.up}
+        raise AssertionError(f"seed {seed}: no leader after healing: {views}")
     before = len(sim.acked)
     assert sim.propose(b"final"), f"seed {seed}: leader refused a write after healing"
     sim.run_for(3000)
-    assert len(sim.acked) > before, f"seed {seed}: no commit after healing"
+    if len(sim.acked) <= before:
+        views = {i: (n.core.role.name, n.core.term, n.core.leader_id, sorted(n.core.membership.voters), sorted(n.core.membership.learners), n.core.commit_index, n.core.log.last_index(), {p: (pr.state.value, pr.match, pr.next) for p, pr in n.core.progress.items()}) for i, n in sim.nodes.items() if n.up}
+        raise AssertionError(f"seed {seed}: no commit after healing: {views}")
     sim.check_converged()
     sim.check_acked_durable()
     return sim

@@ -35,6 +35,7 @@ class ProcCluster:
         self.env = env or {}
         self.node_env: dict[str, dict] = {i: {} for i in self.ids}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.joining: dict[str, bool] = {}
         self.ploop = ProxyLoop() if proxies else None
         self.proxies: dict[tuple[str, str], LinkProxy] = {}
         if proxies:
@@ -49,7 +50,9 @@ class ProcCluster:
         """What node i is told: its own listen address, and the proxies to the others."""
         parts = []
         for j in self.ids:
-            addr = self.listen[j] if (j == i or not self.proxies) else f"127.0.0.1:{self.proxies[(i, j)].listen_port}"
+            if self.joining.get(j):
+                continue
+            addr = self.listen[j] if (j == i or (i, j) not in self.proxies) else f"127.0.0.1:{self.proxies[(i, j)].listen_port}"
             parts.append(f"{j}={addr}")
         return ",".join(parts)
 
@@ -59,13 +62,26 @@ class ProcCluster:
     def data_dir(self, i: str) -> str:
         return os.path.join(self.root, i)
 
-    def start(self, *ids: str, wait: bool = True) -> None:
+    def add_node(self, i: str) -> None:
+        """A new node (not in the initial --peers) that will join with --join."""
+        self.ids.append(i)
+        self.listen[i] = f"127.0.0.1:{free_port()}"
+        self.http[i] = f"127.0.0.1:{free_port()}"
+        self.node_env[i] = {}
+        self.joining[i] = True
+
+    def start(self, *ids: str, wait: bool = True, join_via: str | None = None) -> None:
         for i in ids or self.ids:
             if i in self.procs and self.procs[i].poll() is None:
                 continue
             os.makedirs(self.data_dir(i), exist_ok=True)
             log = open(os.path.join(self.root, f"{i}.log"), "ab")
-            cmd = [sys.executable, "-m", "kv", "serve", "--id", i, "--data-dir", self.data_dir(i), "--http", self.http[i], "--peers", self.peers_for(i), *self.extra]
+            if self.joining.get(i):
+                via = join_via or next(j for j in self.ids if j != i and self.alive(j))
+                peers_arg = ["--peers", f"{i}={self.listen[i]}", "--join", self.url(via)]
+            else:
+                peers_arg = ["--peers", self.peers_for(i)]
+            cmd = [sys.executable, "-m", "kv", "serve", "--id", i, "--data-dir", self.data_dir(i), "--http", self.http[i], *peers_arg, *self.extra]
             env = {**os.environ, **self.env, **self.node_env[i]}
             self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
             log.close()
@@ -161,24 +177,29 @@ class ProcCluster:
         return orjson.loads(body)
 
     def leader(self, timeout: float = 15.0, among: list[str] | None = None) -> str:
-        """The id of a leader that its followers agree on (and that committed its no-op)."""
+        """The id of a leader that a majority of its own voters agree on (and that has
+        applied its no-op)."""
         deadline = time.monotonic() + timeout
         among = among or self.ids
         while time.monotonic() < deadline:
             views = {}
-            for i in among:
+            for i in self.ids:
                 if self.alive(i):
                     try:
                         views[i] = self.status(i)
                     except OSError:
                         pass
             for i, st in views.items():
-                if st["role"] == "leader":
-                    agree = sum(1 for v in views.values() if v.get("leader") == i and v["term"] == st["term"])
-                    if agree * 2 > len(self.ids) and st["applied_index"] >= 1:
+                if i in among and st["role"] == "leader" and st["applied_index"] >= 1:
+                    voters = [i] + [p for p, info in st["peers"].items() if info.get("voter")]
+                    agree = sum(1 for v in voters if views.get(v, {}).get("leader") == i and views[v]["term"] == st["term"])
+                    if agree * 2 > len(voters):
                         return i
             time.sleep(0.05)
         raise AssertionError(f"no leader among {among} within {timeout}s")
+
+    def members(self, i: str) -> list[dict]:
+        return orjson.loads(self.request(i, "GET", "/v1/members")[2])["members"]
 
     def put(self, i: str, key: str, value: bytes, timeout: float = 5.0):
         code, _, body = self.request(i, "PUT", "/v1/kv/" + key, value, timeout=timeout)

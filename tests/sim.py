@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, field
 
 from kv.raft.core import CoreConfig, RaftCore, Ready
-from kv.raft.errors import NotLeader, TransferInProgress
+from kv.raft.errors import ConfigChangeRefused, NotLeader, TransferInProgress
 from kv.raft.log import MemoryStorage
 from kv.raft.membership import Member, Membership
 from kv.raft.messages import (
@@ -58,6 +58,7 @@ class SimNode:
     persist_free_at: float = 0.0  # persistence completes in order
     commit_seen: int = 0  # highest commit index of this incarnation
     pending_snapshot: Snapshot | None = None
+    applied_membership: Membership | None = None  # as of the applied index (kept by the state machine)
 
 
 class Sim:
@@ -73,10 +74,12 @@ class Sim:
         config: dict | None = None,
         snapshot_every: int = 0,
         trailing: int = 5,
+        spare: int = 0,
     ) -> None:
         self.rng = random.Random(seed)
-        self.ids = [f"n{i + 1}" for i in range(n)]
-        self.membership = Membership.of(Member(i, f"sim:{i}") for i in self.ids)
+        # n initial voters, plus `spare` nodes that run but are not members until added.
+        self.ids = [f"n{i + 1}" for i in range(n + spare)]
+        self.membership = Membership.of(Member(i, f"sim:{i}") for i in self.ids[:n])
         self.drop, self.dup, self.delay, self.persist_delay = drop, dup, delay, persist_delay
         self.config = {"heartbeat_ms": 50.0, "election_timeout_ms": 500.0, **(config or {})}
         self.snapshot_every, self.trailing = snapshot_every, trailing
@@ -84,7 +87,8 @@ class Sim:
         self._events: list = []
         self._seq = itertools.count()
         self.cut: set[tuple[str, str]] = set()
-        self.nodes = {i: SimNode(i) for i in self.ids}
+        self.nodes = {i: SimNode(i, applied_membership=self.membership) for i in self.ids}
+        self.config_changes = 0
         self.leaders_by_term: dict[int, str] = {}
         self.committed: dict[int, tuple[int, bytes]] = {}  # index -> (term, data), cluster-wide
         self.acked: dict[bytes, int] = {}  # proposals whose leader applied them: data -> index
@@ -103,7 +107,7 @@ class Sim:
         node.commit_seen = 0
         seed = self.rng.randrange(1 << 30)
         cfg = CoreConfig(node_id=node.id, **self.config)
-        node.core = RaftCore(cfg, node.storage, node.hard_state, self.membership, node.applied_index, self.now, seed)
+        node.core = RaftCore(cfg, node.storage, node.hard_state, node.applied_membership, node.applied_index, self.now, seed)
         node.up = True
         self._schedule(node.core.next_deadline(), ("tick", node.id, node.incarnation))
 
@@ -235,6 +239,7 @@ class Sim:
             node.storage.reset(snap.meta.index, snap.meta.term)
             node.applied = list(snap.applied)
             node.applied_index = snap.meta.index
+            node.applied_membership = Membership.decode(snap.meta.membership)
             node.snapshot = snap
             self.snapshots_installed += 1
         if rd.entries_from:
@@ -260,6 +265,8 @@ class Sim:
                     node.applied.append((e.index, e.term, e.data))
                     if core.role == Role.LEADER and e.term == core.term:
                         self.acked[e.data] = e.index
+                elif e.kind == EntryKind.CONFIG:
+                    node.applied_membership = Membership.decode(e.data)
                 node.applied_index = e.index
         if self.snapshot_every and node.applied_index - (node.snapshot.meta.index if node.snapshot else 0) >= self.snapshot_every:
             self._take_snapshot(node)
@@ -267,7 +274,7 @@ class Sim:
     def _take_snapshot(self, node: SimNode) -> None:
         core = node.core
         idx = node.applied_index
-        meta = SnapshotMeta(idx, core.log.term(idx), self.membership.encode())
+        meta = SnapshotMeta(idx, core.log.term(idx), node.applied_membership.encode())
         node.snapshot = Snapshot(meta, list(node.applied))
         upto = idx - self.trailing
         if upto > node.storage.before_begin_index and upto <= node.storage.last_index() and upto <= core.log.durable_index:
@@ -308,8 +315,37 @@ class Sim:
             "acked": len(self.acked),
             "crashes": self.crashes,
             "snapshots_installed": self.snapshots_installed,
+            "config_changes": self.config_changes,
             "messages": self.messages_sent,
         }
+
+    def change_membership(self) -> bool:
+        """Ask the leader for one random change: add a spare (learner or voter), remove a
+        member, or promote a learner."""
+        lid = self.leader()
+        if lid is None:
+            return False
+        core = self.nodes[lid].core
+        cur = core.membership
+        outside = [i for i in self.ids if i not in cur]
+        learners = sorted(cur.learners)
+        r = self.rng.random()
+        if outside and (r < 0.4 or len(cur.voters) <= 2):
+            nid = self.rng.choice(outside)
+            new = cur.with_member(Member(nid, f"sim:{nid}", voter=self.rng.random() < 0.5))
+        elif learners and r < 0.7:
+            nid = self.rng.choice(learners)
+            new = cur.with_member(Member(nid, f"sim:{nid}", voter=True))
+        else:
+            nid = self.rng.choice(sorted(cur.ids))
+            new = cur.without(nid)
+        try:
+            core.propose_config(new, self.now)
+        except ConfigChangeRefused:
+            return False
+        self.config_changes += 1
+        self._process(self.nodes[lid])
+        return True
 
     # -- invariants -----------------------------------------------------------------------
 

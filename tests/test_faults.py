@@ -41,9 +41,13 @@ def test_nemesis_run(tmp_path, seed, faults):
     assert r.set_lost == [], f"acknowledged writes lost: {r.set_lost[:10]}"
 
 
+SOAK_SECONDS = float(os.environ.get("KV_SOAK_SECONDS", "1800"))
+
+
 @pytest.mark.soak
+@pytest.mark.timeout(SOAK_SECONDS + 900)
 def test_soak(tmp_path):
-    total = float(os.environ.get("KV_SOAK_SECONDS", "1800"))
+    total = SOAK_SECONDS
     deadline = time.monotonic() + total
     seed, reports = 100, []
     while time.monotonic() < deadline:

@@ -176,3 +176,60 @@ async def test_a_follower_behind_the_compacted_log_catches_up_by_snapshot(tmp_pa
         assert c.data(lid) == c.data(lead.config.id)
     finally:
         await c.stop()
+
+
+async def test_a_learner_serves_stale_reads_and_never_votes(tmp_path):
+    from ports import free_port
+
+    from kv import NodeConfig
+    from kv.raft.membership import Membership
+
+    c = InprocCluster(str(tmp_path))
+    await c.start()
+    learner = None
+    try:
+        lead = await c.leader()
+        await lead.put("before", b"1")
+        addr = f"127.0.0.1:{free_port()}"
+        members = await lead.add_member("n4", addr)
+        assert {m["id"]: m["voter"] for m in members}["n4"] is False
+        learner = kv.Node(
+            NodeConfig(id="n4", data_dir=str(tmp_path / "n4"), peers={"n4": addr}, heartbeat_ms=50, election_timeout_ms=500),
+            initial_membership=Membership.decode(lead.raft.core.membership.encode()),
+        )
+        await learner.start()
+        await lead.put("after", b"2")
+        await asyncio.sleep(1.0)
+        assert (await learner.get("after", consistency="stale")).value == b"2"
+        assert (await learner.get("before", consistency="stale")).value == b"1"
+        # With two of three voters gone there is no quorum: the learner neither campaigns
+        # nor counts, so nobody leads.
+        f1, f2 = await c.followers()
+        await c.stop(lead.config.id, f1.config.id)
+        await asyncio.sleep(2.5)
+        assert learner.raft.role.label == "follower"
+        assert f2.raft.role.label != "leader" and learner.raft.core.vote is None
+    finally:
+        if learner is not None:
+            await learner.stop()
+        await c.stop()
+
+
+async def test_one_membership_change_at_a_time(cluster):
+    from ports import free_port
+
+    lead = await cluster.leader()
+    results = await asyncio.gather(
+        lead.add_member("x1", f"127.0.0.1:{free_port()}"),
+        lead.add_member("x2", f"127.0.0.1:{free_port()}"),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(r, kv.Conflict) for r in results) == 1  # the second is refused
+    assert "still in progress" in str(next(r for r in results if isinstance(r, Exception)))
+    with pytest.raises(kv.BadRequest, match="last voter"):
+        solo = kv.Node(kv.NodeConfig(id="solo", data_dir=str(cluster.root) + "/solo"))
+        await solo.start()
+        try:
+            await solo.remove_member("solo")
+        finally:
+            await solo.stop()

@@ -111,8 +111,10 @@ def test_vote_grant_is_persisted_before_it_is_sent():
 
 
 def test_vote_codes():
-    # not a member of the group
+    # never a member, and no further ahead than we are
     assert vote(make_core(), src="n9").result == VoteResult.REJECT_UNKNOWN_LEADER
+    # never seen, but with a longer log: we lag behind the change that added it
+    assert vote(make_core(), src="n9", ledger_end_index=5, ledger_end_term=1).result == VoteResult.ACCEPT
     # a request that claims to come from ourselves
     assert vote(make_core(), src="n1").result == VoteResult.REJECT_UNEXPECTED_LEADER
     # older term
@@ -178,7 +180,12 @@ def test_heartbeat_codes():
         (r,) = [x for x in msgs if isinstance(x, HeartbeatResponse)]
         return r
 
-    assert beat(make_core(term=2), src="n9").code == HeartbeatCode.UNKNOWN_MEMBER
+    # An id never seen in any configuration, at a term whose leader we follow: refused.
+    follower = make_core(term=2)
+    beat(follower)  # follows n2 in term 2
+    assert beat(follower, src="n9").code == HeartbeatCode.UNKNOWN_MEMBER
+    # ... but a newer term shows that we are behind (a member added while we lagged).
+    assert beat(make_core(term=2), src="n9", term=3).code == HeartbeatCode.SUCCESS
     r = beat(make_core(term=3))
     assert r.code == HeartbeatCode.EXPIRED_TERM and r.term == 3
     core = make_core(term=2)

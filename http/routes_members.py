@@ -1,0 +1,57 @@
+"""Membership routes: list, add (learner or voter), remove, promote. Changes are made by
+the leader; any other node passes the request on to it."""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from kv import BadRequest, NotLeader
+
+from .context import ctx
+from .errors import json_response
+from .routes_admin import _json_body, forward_to_leader
+
+
+async def list_members(request: web.Request) -> web.Response:
+    return json_response({"members": ctx(request).node.members()})
+
+
+async def _on_leader(request: web.Request, change, body: dict | None = None) -> web.Response:
+    try:
+        members = await change()
+    except NotLeader:
+        return await forward_to_leader(request, orjson.dumps(body) if body is not None else b"")
+    return json_response({"members": members})
+
+
+async def add_member(request: web.Request) -> web.Response:
+    doc = await _json_body(request)
+    mid, peer, http = doc.get("id"), doc.get("peer"), doc.get("http", "")
+    voter, replace = doc.get("voter", False), doc.get("replace", False)
+    if not isinstance(mid, str) or not isinstance(peer, str):
+        raise BadRequest('give the new member as {"id": "n4", "peer": "HOST:PORT", "http": "http://HOST:PORT", "voter": false}')
+    if not isinstance(http, str) or not isinstance(voter, bool) or not isinstance(replace, bool):
+        raise BadRequest('"http" is a URL string; "voter" and "replace" are true or false')
+    node = ctx(request).node
+    return await _on_leader(request, lambda: node.add_member(mid, peer, http, voter=voter, replace=replace), doc)
+
+
+async def remove_member(request: web.Request) -> web.Response:
+    node = ctx(request).node
+    mid = request.match_info["id"]
+    return await _on_leader(request, lambda: node.remove_member(mid))
+
+
+async def promote_member(request: web.Request) -> web.Response:
+    node = ctx(request).node
+    mid = request.match_info["id"]
+    return await _on_leader(request, lambda: node.promote_member(mid))
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_get("/v1/members", list_members, name="members_list")
+    r.add_post("/v1/members", add_member, name="members_add")
+    r.add_delete("/v1/members/{id}", remove_member, name="members_remove")
+    r.add_post("/v1/members/{id}/promote", promote_member, name="members_promote")

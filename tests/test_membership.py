@@ -1,0 +1,151 @@
+"""Membership changes on real processes: grow 3 -> 5 under load, remove a follower, remove
+the leader, replace a dead node with a new one on a new address (--join), bad requests.
+Nothing acknowledged may be lost meanwhile."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import orjson
+import pytest
+from cluster import ProcCluster
+
+pytestmark = pytest.mark.slow
+
+
+class Writer:
+    """Writes unique keys through live nodes in the background; remembers what was acked."""
+
+    def __init__(self, c: ProcCluster) -> None:
+        self.c, self.acked, self.stop = c, {}, False
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        n = 0
+        while not self.stop:
+            n += 1
+            nodes = [i for i in self.c.ids if self.c.alive(i)]
+            try:
+                code, body = self.c.put(nodes[n % len(nodes)], f"w/{n}", b"x" * 64, timeout=3)
+            except OSError:
+                continue
+            if code == 200:
+                self.acked[f"w/{n}"] = body["index"]
+
+    def __enter__(self) -> Writer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop = True
+        self.thread.join(10)
+
+
+def voters(c: ProcCluster, via: str) -> set[str]:
+    return {m["id"] for m in c.members(via) if m["voter"]}
+
+
+def wait_until(cond, timeout=30.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not reached in {timeout}s")
+
+
+def check_acked(c: ProcCluster, acked: dict, nodes: list[str]) -> None:
+    for nid in nodes:
+        data = {k: m for k, _, m in c.dump(nid)}
+        missing = [k for k, idx in acked.items() if data.get(k) != idx]
+        assert not missing, f"{nid} lacks {len(missing)} acknowledged writes, e.g. {missing[:3]}"
+
+
+def test_grow_three_to_five_under_load_then_remove_a_follower_and_the_leader(tmp_path):
+    c = ProcCluster(str(tmp_path))
+    try:
+        c.start()
+        with Writer(c) as w:
+            for new in ("n4", "n5"):
+                c.add_node(new)
+                c.start(new)  # joins as a learner, promotes itself once caught up
+                wait_until(lambda: new in voters(c, c.leader()), what=f"{new} a voter")
+            assert voters(c, c.leader()) == {"n1", "n2", "n3", "n4", "n5"}
+            time.sleep(1)
+            lead = c.leader()
+            follower = next(i for i in c.ids if i != lead)
+            code, _, body = c.request(lead, "DELETE", f"/v1/members/{follower}")
+            assert code == 200 and follower not in {m["id"] for m in orjson.loads(body)["members"]}
+            code, _, _ = c.request(lead, "DELETE", f"/v1/members/{lead}")  # the leader removes itself
+            assert code == 200
+            rest = [i for i in c.ids if i not in (lead, follower)]
+            new_lead = c.leader(among=rest)
+            assert new_lead != lead and voters(c, new_lead) == set(rest)
+            time.sleep(1)
+        assert len(w.acked) > 50
+        c.wait_converged(rest)
+        check_acked(c, w.acked, rest)
+        # A removed member that comes back is refused by the others and changes nothing.
+        term = c.status(new_lead)["term"]
+        c.kill(follower)
+        c.start(follower)
+        wait_until(lambda: all(f"'{follower}' is not a member" in c.log(i) for i in rest), what="the removed member refused")
+        time.sleep(1.5)
+        assert c.leader(among=rest) == new_lead and c.status(new_lead)["term"] == term
+    finally:
+        c.close()
+
+
+def test_replace_a_dead_node_with_a_new_one_on_a_new_address(tmp_path):
+    c = ProcCluster(str(tmp_path), extra=["--snapshot-threshold", "300", "--snapshot-trailing", "20"])
+    try:
+        c.start()
+        lead = c.leader()
+        dead = next(i for i in c.ids if i != lead)
+        c.kill(dead)
+        with Writer(c) as w:
+            time.sleep(3)  # enough writes that the leader compacts: the newcomer needs a snapshot
+            assert c.status(c.leader())["ledger_begin_index"] > 0
+            code, _, _ = c.request(c.leader(), "DELETE", f"/v1/members/{dead}")
+            assert code == 200
+            c.ids.remove(dead)
+            c.add_node("n4")
+            c.start("n4")
+            wait_until(lambda: "n4" in voters(c, c.leader()), what="n4 a voter")
+            time.sleep(1)
+        c.wait_converged()
+        st = c.status("n4")
+        assert st["snapshot_index"] > 0  # it caught up by install-snapshot
+        assert b"kv_snapshots_installed_total 1" in c.request("n4", "GET", "/metrics")[2]
+        check_acked(c, w.acked, c.ids)
+    finally:
+        c.close()
+
+
+def test_bad_membership_requests_get_clear_errors(tmp_path):
+    c = ProcCluster(str(tmp_path))
+    try:
+        c.start()
+        lead = c.leader()
+        follower = next(i for i in c.ids if i != lead)
+
+        def post(path, doc=None, method="POST", node=follower):  # via a follower: forwarded
+            code, _, body = c.request(node, method, path, orjson.dumps(doc) if doc is not None else None, {"Content-Type": "application/json"})
+            return code, orjson.loads(body) if body else {}
+
+        assert post("/v1/members/nope", method="DELETE")[0] == 404
+        assert post("/v1/members/nope/promote")[0] == 404
+        code, body = post("/v1/members", {"id": lead, "peer": "127.0.0.1:1"})
+        assert code == 409 and "already a member" in body["error"]["message"]
+        assert post("/v1/members", {"id": "n9"})[0] == 400  # no peer address
+        assert post("/v1/members", {"id": "n 9", "peer": "127.0.0.1:1"})[0] == 400
+        assert post("/v1/members", {"id": "n9", "peer": "nowhere"})[0] == 400
+        # A learner far behind (it is not even running) is not promoted.
+        assert post("/v1/members", {"id": "n9", "peer": "127.0.0.1:9"})[0] == 200
+        code, body = post("/v1/members/n9/promote")
+        assert code == 409 and "behind" in body["error"]["message"]
+        assert {m["id"]: m["voter"] for m in c.members(lead)}["n9"] is False
+        assert post("/v1/members/n9", method="DELETE")[0] == 200
+    finally:
+        c.close()
