@@ -7,7 +7,7 @@ import logging
 import orjson
 from aiohttp import web
 
-from kv import KVError
+from kv import KVError, ValueTooLarge
 
 log = logging.getLogger("kv.http")
 
@@ -52,3 +52,19 @@ async def run_handler(request: web.Request, handler):
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, "INTERNAL", "internal error; see the node's log")
+
+
+async def read_body(request: web.Request, limit: int, what: str = "the body") -> bytes:
+    """The whole request body, refusing (413) anything over `limit` — before reading it
+    when Content-Length says so, else as soon as more than `limit` bytes arrived."""
+    if request.content_length is not None and request.content_length > limit:
+        raise ValueTooLarge(f"{what} is {request.content_length} bytes; the limit is {limit}")
+    parts, size = [], 0
+    while True:
+        chunk = await request.content.readany()
+        if not chunk:
+            return b"".join(parts)
+        size += len(chunk)
+        if size > limit:
+            raise ValueTooLarge(f"{what} is larger than the limit of {limit} bytes")
+        parts.append(chunk)

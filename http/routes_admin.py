@@ -10,7 +10,7 @@ from aiohttp import web
 from kv import BadRequest, NotFound, NotLeader
 
 from .context import ctx
-from .errors import json_response
+from .errors import json_response, read_body
 
 OPENAPI_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
 FORWARDED = "X-Kv-Forwarded"
@@ -63,7 +63,7 @@ async def get_snapshot(request: web.Request) -> web.StreamResponse:
 
 
 async def _json_body(request: web.Request) -> dict:
-    raw = await request.content.read(ctx(request).max_json_bytes + 1)
+    raw = await read_body(request, ctx(request).max_json_bytes, "the JSON document")
     try:
         doc = orjson.loads(raw) if raw else {}
     except orjson.JSONDecodeError as e:

@@ -8,10 +8,10 @@ import binascii
 import orjson
 from aiohttp import web
 
-from kv import BadRequest, Cond, Delete, Get, NotFound, PreconditionFailed, Put, ValueTooLarge
+from kv import BadRequest, Cond, Delete, Get, NotFound, PreconditionFailed, Put
 
 from .context import ctx
-from .errors import json_response
+from .errors import json_response, read_body
 from .keys import key_from_raw_path
 
 KV_PREFIX = "/v1/kv/"
@@ -32,20 +32,10 @@ def _etag_index(value: str, header: str) -> int:
     return int(v)
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    """The raw body, refusing (413) anything over `limit` before reading it whole."""
-    if request.content_length is not None and request.content_length > limit:
-        raise ValueTooLarge(f"the value is {request.content_length} bytes; the limit is {limit} (--max-value-bytes)")
-    body = await request.content.read(limit + 1)
-    if len(body) > limit or not request.content.at_eof():
-        raise ValueTooLarge(f"the value is larger than the limit of {limit} bytes (--max-value-bytes)")
-    return body
-
-
 async def put_key(request: web.Request) -> web.Response:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
-    value = await _read_body(request, c.node.config.max_value_bytes)
+    value = await read_body(request, c.node.config.max_value_bytes, "the value (--max-value-bytes)")
     if_match = request.headers.get("If-Match")
     if_none = request.headers.get("If-None-Match")
     if if_none is not None and if_none.strip() != "*":
@@ -174,9 +164,7 @@ async def txn(request: web.Request) -> web.Response:
     """{"compare": [...], "success": [...], "failure": [...]}: 200 when the comparisons held
     (success ran), 412 when they did not (failure ran)."""
     c = ctx(request)
-    raw = await request.content.read(c.max_json_bytes + 1)
-    if len(raw) > c.max_json_bytes:
-        raise ValueTooLarge(f"the transaction document is larger than {c.max_json_bytes} bytes")
+    raw = await read_body(request, c.max_json_bytes, "the transaction document")
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

@@ -60,6 +60,7 @@ class Procs:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, nid: str, args: list[str], log: str) -> None:
+        os.makedirs(os.path.dirname(log), exist_ok=True)
         with open(log, "ab") as f:
             self.procs[nid] = subprocess.Popen([sys.executable, "-m", "kv", "serve", *args], stdout=f, stderr=f)
 
@@ -397,6 +398,161 @@ async def bench_http(args) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# failover: kill -9 of the leader to the first commit on a new leader
+
+
+async def bench_failover(args) -> list[dict]:
+    import aiohttp
+
+    rows = []
+    timing = ["--heartbeat-ms", str(args.heartbeat_ms), "--election-timeout-ms", str(args.election_timeout_ms)]
+    with workdir(args.keep) as root, ServeCluster(root, 3, timing) as c:
+        c.start()
+        async with http_session(16) as s:
+            for run in range(args.runs):
+                lead = await c.leader(s)
+                survivors = [i for i in c.ids if i != lead]
+                c.procs.kill(lead)
+                t_kill = time.perf_counter()
+                committed = None
+                n = 0
+                while committed is None and time.perf_counter() - t_kill < 30:
+                    n += 1
+                    try:
+                        async with s.put(f"{c.url(survivors[n % 2])}/v1/kv/failover/{run}-{n}", data=b"x", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                            if r.status == 200:
+                                committed = time.perf_counter() - t_kill
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                        pass
+                    if committed is None:
+                        await asyncio.sleep(0.005)
+                rows.append({"run": run + 1, "killed": lead, "failover_ms": (committed or float("nan")) * 1000})
+                c.start(lead)
+                await asyncio.sleep(1.0)
+    values = sorted(r["failover_ms"] for r in rows)
+    print_table(f"failover: kill -9 of the leader to the first commit on a new leader (heartbeat {args.heartbeat_ms} ms, election timeout {args.election_timeout_ms} ms)", rows, ["run", "killed", "failover_ms"])
+    print(f"median {values[len(values) // 2]:.0f} ms, max {values[-1]:.0f} ms over {len(values)} runs")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# snapshot: save rate, and a follower a million keys behind catching up
+
+
+async def bench_snapshot(args) -> list[dict]:
+    import orjson
+
+    from .snapshot.format import new_header
+    from .snapshot.store import SnapshotStore
+    from .statemachine.leveldb import LevelDBStateMachine
+
+    rows = []
+    n = args.keys
+    with workdir(args.keep) as root:
+        sm = LevelDBStateMachine(os.path.join(root, "save", "state"))
+        sm.restore(n, 1, b"[]", ((b"key/%08d" % i, os.urandom(50).hex().encode(), i + 1) for i in range(n)))
+        view = sm.capture()
+        store = SnapshotStore(os.path.join(root, "save", "snapshots"))
+        t0 = time.perf_counter()
+        f = store.write(new_header(view.index, view.term, b"[]", "default", "bench"), view.items())
+        took = time.perf_counter() - t0
+        view.release()
+        sm.close()
+        size = os.path.getsize(f.path)
+        rows.append({"what": f"snapshot save, {n:,} keys of 100 B", "seconds": took, "MB_per_s": size / took / 1e6, "keys_per_s": n / took})
+
+        extra = ["--snapshot-threshold", "20", "--snapshot-trailing", "5"]
+        with ServeCluster(os.path.join(root, "catchup"), 3, extra) as c:
+            c.start()
+            async with http_session(16) as s:
+                lead = await c.leader(s)
+                lag = next(i for i in c.ids if i != lead)
+                c.procs.kill(lag)
+                batch = 2000
+
+                async def txn(i):
+                    doc = {"success": [{"op": "put", "key": f"key/{i * batch + k:08d}", "value": "v" * 100} for k in range(batch)]}
+                    async with s.post(c.url(lead) + "/v1/txn", data=orjson.dumps(doc)) as r:
+                        if r.status != 200:
+                            raise RuntimeError(await r.text())
+
+                loaded = iter(range(n // batch))
+
+                async def loader():
+                    for i in loaded:
+                        await txn(i)
+
+                t_load = time.perf_counter()
+                await asyncio.gather(*(loader() for _ in range(4)))
+                load_seconds = time.perf_counter() - t_load
+                async with s.post(c.url(lead) + "/v1/snapshot") as r:
+                    await r.read()
+                async with s.get(c.url(lead) + "/v1/status") as r:
+                    target = (await r.json())["applied_index"]
+                t0 = time.perf_counter()
+                c.start(lag)
+                while True:
+                    try:
+                        async with s.get(c.url(lag) + "/v1/status") as r:
+                            st = await r.json()
+                        if st["applied_index"] >= target:
+                            break
+                    except Exception:
+                        pass
+                    await asyncio.sleep(0.05)
+                took = time.perf_counter() - t0
+                rows.append({"what": f"a follower {n:,} keys behind catches up (start to applied)", "seconds": took, "keys_per_s": n / took})
+                rows.append({"what": f"(loading {n:,} keys through the leader, txn of {batch})", "seconds": load_seconds, "keys_per_s": n / load_seconds})
+    print_table("snapshots", rows, ["what", "seconds", "MB_per_s", "keys_per_s"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# spark: import into a 3-node cluster, export from a 1,000,000-key snapshot
+
+
+async def bench_spark(args) -> list[dict]:
+    from . import spark as kvspark
+    from .snapshot.format import new_header
+    from .snapshot.store import SnapshotStore
+
+    rows = []
+    with workdir(args.keep) as root:
+        sess = kvspark.session(args.master, "ledgerkv-bench")
+        sess.sparkContext.setLogLevel("ERROR")
+        try:
+            with ServeCluster(os.path.join(root, "cluster"), 3) as c:
+                c.start()
+                async with http_session(4) as s:
+                    await c.leader(s)
+                eps = ",".join(c.url(i) for i in c.ids)
+                df = sess.range(args.rows).selectExpr("concat('imp/', cast(id as string)) as key", "concat('value-', cast(id as string)) as value").cache()
+                df.count()
+                loop = asyncio.get_running_loop()
+                report = await loop.run_in_executor(None, lambda: kvspark.write(df, eps))
+                rows.append({"what": f"import {args.rows:,} rows into 3 nodes from {args.master}", "rows_per_s": report.rows / report.seconds, "seconds": report.seconds, "failures": len(report.failures)})
+            store = SnapshotStore(os.path.join(root, "snap"))
+            snap = store.write(new_header(args.keys, 1, b"[]", "default", "bench"), ((b"key/%08d" % i, b"v" * 100, i + 1) for i in range(args.keys)))
+            kvspark.read_snapshot(sess, snap.path, prefix="key/0000000").count()  # warm the Python workers up
+            parts = sess.sparkContext.defaultParallelism * 2
+            t0 = time.perf_counter()
+            n = kvspark.read_snapshot(sess, snap.path, partitions=parts).count()
+            took = time.perf_counter() - t0
+            rows.append({"what": f"read a {n:,}-key snapshot into a DataFrame ({parts} partitions)", "rows_per_s": n / took, "seconds": took, "failures": 0})
+            for codec in ("snappy", "none"):
+                out = os.path.join(root, f"out-{codec}.parquet")
+                t0 = time.perf_counter()
+                kvspark.read_snapshot(sess, snap.path, partitions=parts).write.option("compression", codec).parquet(out)
+                took = time.perf_counter() - t0
+                n = sess.read.parquet(out).count()
+                rows.append({"what": f"export it to Parquet ({codec})", "rows_per_s": n / took, "seconds": took, "failures": 0})
+        finally:
+            sess.stop()
+    print_table("Spark pipeline (local mode, fsync on)", rows, ["what", "rows_per_s", "seconds", "failures"])
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def add_parser(sub) -> None:
@@ -412,6 +568,16 @@ def add_parser(sub) -> None:
     c = common(bs.add_parser("commit", help="replication path: concurrent proposers on a 3-node cluster"))
     c.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     common(bs.add_parser("store", help="kv.open: puts (1 and 64 threads), txn batches, gets; 3-node in-process cluster"))
+    f = common(bs.add_parser("failover", help="kill -9 of the leader to the first commit on a new leader"))
+    f.add_argument("--runs", type=int, default=5)
+    f.add_argument("--heartbeat-ms", type=int, default=100)
+    f.add_argument("--election-timeout-ms", type=int, default=1000)
+    sn = common(bs.add_parser("snapshot", help="snapshot save rate; a follower a million keys behind catching up"))
+    sn.add_argument("--keys", type=int, default=1_000_000)
+    sk = common(bs.add_parser("spark", help="Spark import into a 3-node cluster and export from a snapshot (needs the spark extra)"))
+    sk.add_argument("--rows", type=int, default=500_000)
+    sk.add_argument("--keys", type=int, default=1_000_000)
+    sk.add_argument("--master", default="local[2]")
     h = common(bs.add_parser("http", help="a kv serve cluster over HTTP: PUT, linearizable and stale GET"))
     h.add_argument("--nodes", type=int, default=3)
     h.add_argument("--value-bytes", type=int, default=100)
@@ -422,7 +588,14 @@ def run(args) -> int:
     from .serve import install_uvloop
 
     install_uvloop()
-    fn = {"commit": bench_commit, "http": bench_http, "store": bench_store}.get(args.bench_cmd)
+    fn = {
+        "commit": bench_commit,
+        "http": bench_http,
+        "store": bench_store,
+        "failover": bench_failover,
+        "snapshot": bench_snapshot,
+        "spark": bench_spark,
+    }.get(args.bench_cmd)
     if fn is None:
         print("kv bench: choose a benchmark; see kv bench --help", file=sys.stderr)
         return 2

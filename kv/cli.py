@@ -136,9 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--peers", required=True, help="the new cluster's members: ID=HOST:PORT,...")
     rs.add_argument("--group", default="default")
 
-    from . import bench
+    from . import bench, spark_cli
 
     bench.add_parser(sub)
+    spark_cli.add_parser(sub)
     return p
 
 
@@ -180,6 +181,10 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.election_timeout_ms:
             extra += ["--election-timeout-ms", str(args.election_timeout_ms)]
         return asyncio.run(up(args.nodes, args.data_dir, args.base_port, extra))
+    if args.cmd == "spark":
+        from . import spark_cli
+
+        return spark_cli.run(args)
     if args.cmd == "bench":
         from . import bench
 

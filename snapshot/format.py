@@ -4,8 +4,13 @@
     header_len     u32
     header         JSON: {"format", "index", "term", "membership", "created", "group", "node"}
     blocks         each: payload_len u32 | records u32 | crc32(payload) u32 | payload
-                   payload: records, each key_len u32 | value_len u32 | mod_index u64 | key | value
-                   (a block holds about BLOCK_BYTES; records are in key order across blocks)
+                   payload, columnar (n records, in key order):
+                     key offsets   (n + 1) x int32 LE, from 0    | key bytes
+                     value offsets (n + 1) x int32 LE, from 0    | value bytes
+                     mod_index     n x int64 LE
+                   (a block holds about BLOCK_BYTES; records are in key order across blocks;
+                   the offsets are Arrow's layout, so a reader can hand a block's buffers to
+                   Arrow without touching records one by one)
     end block      payload_len = 0, records = 0, crc = 0
     block index    u64 offset of every block, in order
     trailer        index_offset u64 | records u64 | blocks u64 | crc32 u32 | magic b"LKVSEND1"
@@ -19,11 +24,14 @@ verifies the file as a whole before it is installed or loaded.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import struct
+import sys
 import time
 import zlib
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -35,8 +43,8 @@ FORMAT = 1
 BLOCK_BYTES = 1 << 20
 _U32 = struct.Struct(">I")
 _BLOCK = struct.Struct(">III")
-_RECORD = struct.Struct(">IIQ")
 _TRAILER = struct.Struct(">QQQI8s")
+_LITTLE = sys.byteorder == "little"
 
 
 class SnapshotFormatError(Exception):
@@ -97,29 +105,31 @@ def write_snapshot(
     w.write(MAGIC + _U32.pack(len(hdr)) + hdr)
     offsets: list[int] = []
     total = 0
-    pack = _RECORD.pack
-    parts: list[bytes] = []
-    size = count = 0
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    mods: list[int] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal total, keys, values, mods, size
+        payload = encode_block(keys, values, mods)
+        offsets.append(w.pos)
+        w.write(_BLOCK.pack(len(payload), len(keys), zlib.crc32(payload)) + payload)
+        total += len(keys)
+        keys, values, mods, size = [], [], [], 0
+
     for k, v, mod in items:
-        parts.append(pack(len(k), len(v), mod))
-        parts.append(k)
-        parts.append(v)
+        keys.append(k)
+        values.append(v)
+        mods.append(mod)
         size += 16 + len(k) + len(v)
-        count += 1
         if size >= BLOCK_BYTES:
-            offsets.append(w.pos)
-            payload = b"".join(parts)
-            w.write(_BLOCK.pack(len(payload), count, zlib.crc32(payload)) + payload)
-            total += count
-            parts, size, count = [], 0, 0
+            flush()
             failpoints.hit("snapshot.mid_write")
             if progress is not None:
                 progress(total, w.pos)
-    if count:
-        offsets.append(w.pos)
-        payload = b"".join(parts)
-        w.write(_BLOCK.pack(len(payload), count, zlib.crc32(payload)) + payload)
-        total += count
+    if keys:
+        flush()
     w.write(_BLOCK.pack(0, 0, 0))
     index_offset = w.pos
     w.write(struct.pack(f">{len(offsets)}Q", *offsets))
@@ -192,7 +202,11 @@ def verify(path: str) -> tuple[SnapshotHeader, Trailer]:
             left -= len(chunk)
         if crc != trailer.crc:
             raise SnapshotFormatError("snapshot file fails its checksum: it is damaged")
-        n = sum(1 for _ in iter_records(f, header_offset=None))
+        _, first_block = read_header(f)
+        n = 0
+        for count, payload in iter_blocks(f, first_block):
+            block_columns(payload, count)  # the block's structure holds together
+            n += count
         if n != trailer.records:
             raise SnapshotFormatError(f"snapshot holds {n} records, its trailer says {trailer.records}")
     return header, trailer
@@ -214,25 +228,71 @@ def iter_blocks(f, start: int) -> Iterator[tuple[int, bytes]]:
         yield count, payload
 
 
-def iter_payload(payload: bytes) -> Iterator[tuple[bytes, bytes, int]]:
-    """The records of one block payload: (key, value, mod_index)."""
-    unpack = _RECORD.unpack_from
-    o, end = 0, len(payload)
-    while o < end:
-        kl, vl, mod = unpack(payload, o)
-        o += 16
-        k = payload[o : o + kl]
-        o += kl
-        yield k, payload[o : o + vl], mod
-        o += vl
+def _le(typecode: str, values) -> bytes:
+    a = array(typecode, values)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _from_le(typecode: str, raw: bytes | memoryview) -> array:
+    a = array(typecode)
+    a.frombytes(raw)
+    if not _LITTLE:
+        a.byteswap()
+    return a
+
+
+def encode_block(keys: list[bytes], values: list[bytes], mods: list[int]) -> bytes:
+    return b"".join(
+        (
+            _le("i", itertools.accumulate(map(len, keys), initial=0)),
+            b"".join(keys),
+            _le("i", itertools.accumulate(map(len, values), initial=0)),
+            b"".join(values),
+            _le("q", mods),
+        )
+    )
+
+
+def block_columns(payload: bytes, n: int) -> tuple[bytes, bytes, bytes, bytes, bytes]:
+    """The raw buffers of a block of n records: key offsets, keys, value offsets, values,
+    mod indexes (Arrow's layout: little-endian int32 offsets, int64 values)."""
+    o = 0
+    w = 4 * (n + 1)
+    ko = payload[o : o + w]
+    o += w
+    klen = _from_le("i", ko)[-1]
+    kb = payload[o : o + klen]
+    o += klen
+    vo = payload[o : o + w]
+    o += w
+    vlen = _from_le("i", vo)[-1]
+    vb = payload[o : o + vlen]
+    o += vlen
+    mb = payload[o : o + 8 * n]
+    if len(mb) != 8 * n or o + 8 * n != len(payload):
+        raise SnapshotFormatError("a snapshot block is malformed")
+    return ko, kb, vo, vb, mb
+
+
+def parse_block(payload: bytes, n: int) -> tuple[list[bytes], list[bytes], list[int]]:
+    """The records of one block, as columns: keys, values, mod_indexes."""
+    ko, kb, vo, vb, mb = block_columns(payload, n)
+    k, v = _from_le("i", ko), _from_le("i", vo)
+    keys = [kb[k[i] : k[i + 1]] for i in range(n)]
+    values = [vb[v[i] : v[i + 1]] for i in range(n)]
+    return keys, values, _from_le("q", mb).tolist()
+
+
 
 
 def iter_records(f, header_offset: int | None = None) -> Iterator[tuple[bytes, bytes, int]]:
     """Every record of the file in key order (blocks are checked as they are read)."""
     if header_offset is None:
         _, header_offset = read_header(f)
-    for _, payload in iter_blocks(f, header_offset):
-        yield from iter_payload(payload)
+    for count, payload in iter_blocks(f, header_offset):
+        yield from zip(*parse_block(payload, count))
 
 
 def new_header(index: int, term: int, membership: bytes, group: str, node: str) -> SnapshotHeader:

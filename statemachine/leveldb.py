@@ -72,6 +72,7 @@ class LevelDBStateMachine:
         self._db = None
         if os.path.exists(os.path.join(path, DAMAGED_MARKER)):
             raise StateCorrupt(f"the state machine in {path} was found damaged while running")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         try:
             self._db = plyvel.DB(path, create_if_missing=True, paranoid_checks=True)
             raw = self._db.get(_APPLIED, verify_checksums=True)

@@ -203,3 +203,29 @@ async def test_openapi_document_matches_the_routes(api):
     assert served == documented
     with open(os.path.join(ROOT, "http", "openapi.json")) as f:
         assert json.load(f) == spec
+
+
+async def test_a_large_value_arriving_in_pieces_is_stored_whole(tmp_path):
+    node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1")))  # the default 1 MiB limit
+    await node.start()
+    client = TestClient(TestServer(create_app(node)))
+    await client.start_server()
+    try:
+        value = os.urandom(900_000)
+        r, w = await asyncio.open_connection(client.host, client.port)
+        w.write(b"PUT /v1/kv/big HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(value))
+        for i in range(0, len(value), 65536):  # in many writes, with pauses between them
+            w.write(value[i : i + 65536])
+            await w.drain()
+            await asyncio.sleep(0.005)
+        out = await asyncio.wait_for(r.read(), 10)
+        w.close()
+        assert out.startswith(b"HTTP/1.1 200"), out[:300]
+        got = await client.get("/v1/kv/big")
+        assert await got.read() == value
+        doc = {"success": [{"op": "put", "key": f"t{i}", "value": "x" * 100} for i in range(5000)]}
+        r2 = await client.post("/v1/txn", json=doc)  # about 600 kB of JSON
+        assert r2.status == 200
+    finally:
+        await client.close()
+        await node.stop()

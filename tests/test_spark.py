@@ -1,0 +1,113 @@
+"""The Spark pipeline with a real local SparkSession (local[2]) and a real 3-node cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from cluster import ProcCluster
+
+pyspark = pytest.importorskip("pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')")
+
+import kv.spark as kvspark  # noqa: E402
+from kv import BadRequest  # noqa: E402
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    s = kvspark.session("local[2]", "ledgerkv-tests")
+    s.sparkContext.setLogLevel("ERROR")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = ProcCluster(str(tmp_path_factory.mktemp("spark")), proxies=False)
+    c.start()
+    c.leader()
+    yield c
+    c.close()
+
+
+def endpoints(c: ProcCluster) -> str:
+    return ",".join(c.url(i) for i in c.ids)
+
+
+def test_import_50k_rows_then_again_changes_nothing(spark, cluster):
+    df = spark.range(50_000).selectExpr("concat('imp/', lpad(cast(id as string), 6, '0')) as key", "concat('v', cast(id * 7 as string)) as value")
+    report = kvspark.write(df, endpoints(cluster))
+    assert report.rows == 50_000 and not report.failures and report.written_batches == report.batches
+    lead = cluster.leader()
+    cluster.wait_converged()
+    data = {k: (v, m) for k, v, m in cluster.dump(lead) if k.startswith("imp/")}
+    assert len(data) == 50_000
+    import base64
+
+    assert base64.b64decode(data["imp/012345"][0]) == b"v%d" % (12345 * 7)
+    for probe in (0, 31_337, 49_999):  # and by plain HTTP reads against other nodes
+        code, body, _ = cluster.get(cluster.ids[probe % 3], f"imp/{probe:06d}")
+        assert code == 200 and body == b"v%d" % (probe * 7)
+    again = kvspark.write(df, endpoints(cluster))
+    assert again.rows == 50_000 and again.written_batches == 0 and not again.failures
+    after = {k: (v, m) for k, v, m in cluster.dump(lead) if k.startswith("imp/")}
+    assert after == data  # not a value, not a mod_index moved
+
+
+def test_binary_columns_and_files(spark, cluster, tmp_path):
+    from pyspark.sql.types import BinaryType, StringType, StructField, StructType
+
+    rows = [(f"bin/{i}", bytes([i % 256, 0, 255])) for i in range(300)]
+    df = spark.createDataFrame(rows, StructType([StructField("key", StringType()), StructField("value", BinaryType())]))
+    path = str(tmp_path / "in.parquet")
+    df.write.parquet(path)
+    r = subprocess.run(
+        [sys.executable, "-m", "kv", "spark", "import", path, "--endpoints", endpoints(cluster)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "imported 300 rows" in r.stdout
+    code, body, _ = cluster.get(cluster.ids[0], "bin/7")
+    assert code == 200 and body == bytes([7, 0, 255])
+
+
+def test_bad_column_types_and_rows_are_refused(spark, cluster):
+    nums = spark.range(10).selectExpr("cast(id as string) as key", "id as value")
+    with pytest.raises(BadRequest, match="column 'value' is of type bigint"):
+        kvspark.write(nums, endpoints(cluster))
+    with pytest.raises(BadRequest, match="no column 'k'"):
+        kvspark.write(nums, endpoints(cluster), key_col="k")
+    nulls = spark.createDataFrame([("a", "1"), (None, "2")], "key string, value string")
+    report_error = None
+    try:
+        kvspark.write(nulls, endpoints(cluster))
+    except Exception as e:  # raised in the partition: Spark wraps it
+        report_error = str(e)
+    assert report_error is not None and "the key is null" in report_error
+
+
+def test_export_a_100k_key_snapshot_to_parquet(spark, cluster, tmp_path):
+    df = spark.range(100_000).selectExpr("concat('exp/', lpad(cast(id as string), 6, '0')) as key", "cast(concat('x', cast(id as string)) as binary) as value")
+    assert not kvspark.write(df, endpoints(cluster)).failures
+    lead = cluster.leader()
+    assert cluster.request(lead, "POST", "/v1/snapshot")[0] == 200
+    snap = kvspark.fetch_snapshot(cluster.url(lead), directory=str(tmp_path))
+    out = str(tmp_path / "out.parquet")
+    kvspark.read_snapshot(spark, snap, prefix="exp/", partitions=4).write.parquet(out)
+    got = spark.read.parquet(out)
+    assert got.rdd.getNumPartitions() >= 2
+    rows = {r.key: (bytes(r.value), r.mod_index) for r in got.collect()}
+    import base64
+
+    live = {k: (base64.b64decode(v), m) for k, v, m in cluster.dump(lead) if k.startswith("exp/")}
+    assert len(rows) == 100_000 and rows == live
+    # The whole snapshot, through the command line.
+    out2 = str(tmp_path / "all.parquet")
+    r = subprocess.run([sys.executable, "-m", "kv", "spark", "export", out2, "--snapshot", snap], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert spark.read.parquet(out2).count() == len(cluster.dump(lead))
+    assert os.path.getsize(snap) > 0
