@@ -57,6 +57,7 @@ class SimNode:
     incarnation: int = 0
     persist_free_at: float = 0.0  # persistence completes in order
     commit_seen: int = 0  # highest commit index of this incarnation
+    tick_at: float = float("inf")  # when the next tick event for this incarnation fires
     pending_snapshot: Snapshot | None = None
     applied_membership: Membership | None = None  # as of the applied index (kept by the state machine)
 
@@ -109,7 +110,8 @@ class Sim:
         cfg = CoreConfig(node_id=node.id, **self.config)
         node.core = RaftCore(cfg, node.storage, node.hard_state, node.applied_membership, node.applied_index, self.now, seed)
         node.up = True
-        self._schedule(node.core.next_deadline(), ("tick", node.id, node.incarnation))
+        node.tick_at = float("inf")
+        self._arm(node)
 
     def crash(self, nid: str) -> None:
         node = self.nodes[nid]
@@ -163,9 +165,11 @@ class Sim:
             node = self.nodes[nid]
             if not node.up or node.incarnation != inc:
                 return
+            if self.now < node.tick_at:
+                return  # superseded by an earlier tick that re-armed
+            node.tick_at = float("inf")
             node.core.tick(self.now)
             self._process(node)
-            self._schedule(max(node.core.next_deadline(), self.now + 1.0), ("tick", nid, inc))
         elif kind == "deliver":
             _, msg = event
             node = self.nodes[msg.dst]
@@ -229,6 +233,14 @@ class Sim:
                 self._send_snapshot(node, s.peer, s.seq)
             for rs in rd.read_states:
                 assert rs.index <= core.commit_index
+        self._arm(node)
+
+    def _arm(self, node: SimNode) -> None:
+        """Like the driver's timer: tick by the core's next deadline (earlier if it moved)."""
+        at = max(node.core.next_deadline(), self.now + 1.0)
+        if at < node.tick_at:
+            node.tick_at = at
+            self._schedule(at, ("tick", node.id, node.incarnation))
 
     def _complete_persist(self, node: SimNode, rd: Ready) -> None:
         if rd.hard_state is not None:
