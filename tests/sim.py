@@ -89,6 +89,7 @@ class Sim:
         self._seq = itertools.count()
         self.cut: set[tuple[str, str]] = set()
         self.nodes = {i: SimNode(i, applied_membership=self.membership) for i in self.ids}
+        self.on_ready = None  # a test may watch every Ready: on_ready(node_id, ready)
         self.config_changes = 0
         self.leaders_by_term: dict[int, str] = {}
         self.committed: dict[int, tuple[int, bytes]] = {}  # index -> (term, data), cluster-wide
@@ -220,6 +221,8 @@ class Sim:
             if spins > 1000:
                 raise InvariantViolation(f"{node.id}: has_ready() stays true (the driver would spin forever)")
             rd = core.ready()
+            if self.on_ready is not None:
+                self.on_ready(node.id, rd)
             self._check_roles(node)
             for m in rd.messages:
                 self._send(m)

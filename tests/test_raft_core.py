@@ -400,21 +400,17 @@ def test_read_index_is_confirmed_by_a_heartbeat_round():
 def test_an_isolated_leader_never_serves_a_linearizable_read():
     sim = Sim(3, seed=14)
     lid = elected(sim)
-    sim.isolate(lid)
-    leader = sim.nodes[lid].core
-    leader.read_index(7, sim.now)
-    sim._process(sim.nodes[lid])
     served, failed = [], []
-    orig = sim._process
 
-    def watch(node):
-        while node.core.has_ready():
-            rd = node.core.ready()
+    def watch(nid, rd):
+        if nid == lid:
             served.extend(rd.read_states)
             failed.extend(rd.read_failures)
-            for m in rd.messages:
-                sim._send(m)
-    sim._process = lambda node: watch(node) if node.id == lid else orig(node)
+
+    sim.on_ready = watch
+    sim.isolate(lid)
+    sim.nodes[lid].core.read_index(7, sim.now)
+    sim._process(sim.nodes[lid])
     sim.run_for(3000)
     assert not any(r.ctx == 7 for r in served)
     assert any(f.ctx == 7 for f in failed)  # failed when it stepped down (check quorum)
@@ -426,22 +422,10 @@ def test_follower_read_index_asks_the_leader():
     sim.propose()
     sim.run_for(200)
     fid = next(i for i in sim.ids if i != lid)
-    follower = sim.nodes[fid].core
-    follower.read_index(5, sim.now)
     states = []
-    orig = sim._process
-
-    def watch(node):
-        if node.id == fid:
-            while node.core.has_ready():
-                rd = node.core.ready()
-                states.extend(rd.read_states)
-                for m in rd.messages + rd.persisted_messages:
-                    sim._send(m)
-        else:
-            orig(node)
-    sim._process = watch
-    watch(sim.nodes[fid])
+    sim.on_ready = lambda nid, rd: states.extend(rd.read_states) if nid == fid else None
+    sim.nodes[fid].core.read_index(5, sim.now)
+    sim._process(sim.nodes[fid])
     sim.run_for(100)
     assert [s.ctx for s in states] == [5]
     assert states[0].index == sim.nodes[lid].core.commit_index
