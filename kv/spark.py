@@ -179,8 +179,9 @@ def snapshot_schema():
     return StructType([StructField("key", StringType(), False), StructField("value", BinaryType(), False), StructField("mod_index", LongType(), False)])
 
 
-def fetch_snapshot(endpoints: str, token: str | None = None, directory: str | None = None) -> str:
-    """Download the newest snapshot of a node; returns the local path."""
+def fetch_snapshot(endpoints: str, token: str | None = None, directory: str | None = None, *, fresh: bool = False) -> str:
+    """Download the newest snapshot of a node (with fresh, it takes one first, so the
+    export holds everything applied so far); returns the local path."""
     from ._loop import LoopThread
     from .client import AsyncClient
 
@@ -189,7 +190,10 @@ def fetch_snapshot(endpoints: str, token: str | None = None, directory: str | No
     try:
         async def get():
             async with AsyncClient(endpoints, token=token) as c:
-                return await c.download_snapshot(path)
+                endpoint = c.endpoints[0]
+                if fresh:
+                    await c.take_snapshot(endpoint)
+                return await c.download_snapshot(path, endpoint=endpoint)
 
         lt.call(get())
     finally:

@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--snapshot", help="a snapshot file (kv snapshot save)")
     src.add_argument("--endpoints", help="download the newest snapshot of a node of this cluster")
+    e.add_argument("--fresh", action="store_true", help="with --endpoints: have the node take a snapshot first")
     e.add_argument("--prefix", default=None, help="only keys under this prefix")
     e.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     e.add_argument("--partitions", type=int, default=None)
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             for f in report.failures[:20]:
                 print(f"  failed: {f}", file=sys.stderr)
             return 1 if report.failures else 0
-        path = args.snapshot or kvspark.fetch_snapshot(args.endpoints, args.token)
+        path = args.snapshot or kvspark.fetch_snapshot(args.endpoints, args.token, fresh=args.fresh)
         t0 = time.monotonic()
         df = kvspark.read_snapshot(s, path, prefix=args.prefix, partitions=args.partitions)
         df.write.mode("overwrite").format(args.format).save(args.out)
