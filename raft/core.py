@@ -72,6 +72,11 @@ class CoreConfig:
     quota_bytes_per_second: int = 64 << 20
     lease_safety: float = 0.9  # lease reads trust a quorum ack for this part of T only
     promote_max_lag: int = 1000  # a learner this many entries behind is not promoted yet
+    # An idle follower hears of a new commit index by a COMMIT request this long after it
+    # became known, unless an APPEND (which carries it) goes out first: under load the
+    # next APPEND follows within a millisecond, and a COMMIT per ack round would double the
+    # frames the leader sends.
+    commit_notify_delay_ms: float = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,6 +453,9 @@ class RaftCore:
             d = min(self._heartbeat_deadline, self._check_quorum_deadline)
             if self.transferee is not None:
                 d = min(d, self._transfer_deadline)
+            for pr in self.progress.values():
+                if pr.commit_due is not None and pr.commit_due < d:
+                    d = pr.commit_due
             return d
         return self._election_deadline
 
@@ -604,6 +612,8 @@ class RaftCore:
         for pr in self.progress.values():
             if pr.timed_out(now, cfg.push_timeout_ms):
                 self._repush(pr)
+            elif pr.commit_due is not None and now >= pr.commit_due:
+                self._dispatch_needed = True
 
     def _quorum_active(self) -> bool:
         active = [p for p, pr in self.progress.items() if pr.recent_active] + [self.id]
@@ -662,11 +672,17 @@ class RaftCore:
                 )
                 pr.sent_commit = max(pr.sent_commit, commit)
                 pr.sent(batch[0].index, batch[-1].index, now, size)
-            if not pr.inflight:
+            if pr.inflight:
+                pr.commit_due = None
+            else:
                 commit = min(self.commit_index, pr.match)
-                if commit > pr.sent_commit:
+                if commit <= pr.sent_commit:
+                    pr.commit_due = None
+                elif pr.commit_due is None:
+                    pr.commit_due = now + cfg.commit_notify_delay_ms
+                elif now >= pr.commit_due:
                     # DLedger's COMMIT request: an idle follower learns the commit index.
-                    pr.sent_commit = commit
+                    pr.sent_commit, pr.commit_due = commit, None
                     self._send(PushRequest(self.id, pr.peer, self.term, PushType.COMMIT, pr.seq, 0, 0, (), commit))
             return
         if pr.probe_sent_at is not None:

@@ -48,6 +48,7 @@ class Progress:
     inflight_bytes: int = 0
     probe_sent_at: float | None = None  # COMPARE / TRUNCATE / INSTALL request outstanding
     sent_commit: int = 0  # the highest commit index sent to this follower
+    commit_due: float | None = None  # when to send a COMMIT if no APPEND carries it first
     recent_active: bool = False  # heard from within the current check-quorum period
     read_acked: int = 0  # highest heartbeat round (read_seq) the follower answered
     # Flow-control quota (DLedger's Quota): bytes sent in the current one-second window.
