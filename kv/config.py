@@ -7,7 +7,7 @@ in that precedence (see kv/cli.py).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from .errors import BadRequest
 
@@ -94,7 +94,3 @@ class NodeConfig:
     @property
     def snapshot_path(self) -> str:
         return os.path.join(self.data_dir, "snapshots")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

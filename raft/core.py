@@ -291,9 +291,6 @@ class RaftCore:
         self._configs.append((index, new))
         self._set_membership(new, index)
 
-    def is_known(self, node_id: str) -> bool:
-        return node_id in self.known
-
     def _set_membership(self, new: Membership, index: int) -> None:
         self.membership, self._config_index = new, index
         self.known |= new.ids

@@ -147,9 +147,6 @@ class RaftLog:
             return self._cache[index - self._cache_offset].term
         return self.storage.term(index)
 
-    def match_term(self, index: int, term: int) -> bool:
-        return self.term(index) == term
-
     def entries(self, lo: int, hi: int, max_bytes: int, max_count: int) -> list[Entry]:
         """Entries [lo, hi) (hi clipped to the end), at most max_count, about max_bytes."""
         hi = min(hi, self.last_index() + 1, lo + max_count)

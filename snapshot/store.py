@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .format import SnapshotFormatError, SnapshotHeader, fsync_dir, read_header, verify, write_snapshot
+from .format import SnapshotFormatError, SnapshotHeader, fsync_dir, verify, write_snapshot
 
 log = logging.getLogger("kv.snapshot")
 
@@ -100,8 +100,3 @@ class SnapshotStore:
     def prune(self) -> None:
         for s in self.list()[self.keep :]:
             os.unlink(s.path)
-
-    @staticmethod
-    def header_of(path: str) -> SnapshotHeader:
-        with open(path, "rb") as f:
-            return read_header(f)[0]
