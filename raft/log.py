@@ -100,7 +100,7 @@ def _limit(entries: list[Entry], max_bytes: int) -> list[Entry]:
 
 
 class RaftLog:
-    def __init__(self, storage: LogStorage, cache_entries: int = 16384) -> None:
+    def __init__(self, storage: LogStorage, cache_entries: int = 16384, cache_bytes: int = 16 << 20) -> None:
         self.storage = storage
         self.before_index = storage.before_begin_index
         self.before_term = storage.before_begin_term
@@ -115,7 +115,12 @@ class RaftLog:
         self.epoch = 0
         self._cache: list[Entry] = []  # persisted entries [cache_offset, u_offset)
         self._cache_offset = self._u_offset
+        # The cache keeps the newest persisted entries (followers that are a little behind,
+        # the FSM caller) off the disk; bounded in entries and in bytes (entries can be big
+        # transactions).
         self._cache_cap = cache_entries
+        self._cache_bytes_cap = cache_bytes
+        self._cache_bytes = 0
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -217,10 +222,10 @@ class RaftLog:
             self._unstable = []
             self._handed = 0
             if from_index < self._cache_offset:
-                self._cache = []
+                self._cache, self._cache_bytes = [], 0
                 self._cache_offset = from_index
             else:
-                del self._cache[from_index - self._cache_offset :]
+                self._drop_cache_from(from_index - self._cache_offset)
         self._unstable.extend(entries)
 
     def take_unpersisted(self) -> tuple[int, list[Entry]] | None:
@@ -252,13 +257,32 @@ class RaftLog:
             self._handed -= n
             self._u_offset += n
             self._cache.extend(moved)
-            excess = len(self._cache) - self._cache_cap
-            if excess > self._cache_cap // 4:  # trim in chunks, not per entry
-                del self._cache[:excess]
-                self._cache_offset += excess
+            self._cache_bytes += sum(len(e.data) for e in moved)
+            self._trim_cache()
         # Below the unstable tail everything is now on disk: writes complete in order, and
         # a truncation moves the tail down (and durable_index with it).
         self.durable_index = self._u_offset - 1
+
+    def _trim_cache(self) -> None:
+        """Drop the oldest cached entries once a cap is passed (to 3/4 of the byte cap, so
+        that trimming happens in chunks, not per entry)."""
+        cache = self._cache
+        over = len(cache) - self._cache_cap
+        if over <= self._cache_cap // 4 and self._cache_bytes <= self._cache_bytes_cap:
+            return
+        drop = max(over, 0)
+        dropped = sum(len(e.data) for e in cache[:drop])
+        while drop < len(cache) and self._cache_bytes - dropped > self._cache_bytes_cap * 3 // 4:
+            dropped += len(cache[drop].data)
+            drop += 1
+        del cache[:drop]
+        self._cache_bytes -= dropped
+        self._cache_offset += drop
+
+    def _drop_cache_from(self, k: int) -> None:
+        """Forget cached entries from position k on."""
+        self._cache_bytes -= sum(len(e.data) for e in self._cache[k:])
+        del self._cache[k:]
 
     def restore(self, index: int, term: int) -> None:
         """Start over after (index, term): a snapshot replaces the whole log. Nothing of the
@@ -269,7 +293,7 @@ class RaftLog:
         self._u_offset = index + 1
         self._unstable = []
         self._handed = 0
-        self._cache = []
+        self._cache, self._cache_bytes = [], 0
         self._cache_offset = self._u_offset
         self._rewrite = False
 
@@ -280,5 +304,6 @@ class RaftLog:
         self.before_index, self.before_term = index, term
         if index >= self._cache_offset:
             drop = min(index + 1, self._u_offset) - self._cache_offset
+            self._cache_bytes -= sum(len(e.data) for e in self._cache[:drop])
             del self._cache[:drop]
             self._cache_offset += drop

@@ -443,3 +443,19 @@ def test_single_voter_commits_alone():
     storage.write(rd.entries_from, rd.entries)
     core.on_persisted(rd)
     assert core.ready().applicable_index == 2  # the no-op and the write
+
+
+def test_the_entry_cache_is_bounded_in_bytes():
+    from kv.raft.log import RaftLog
+
+    storage = MemoryStorage()
+    log = RaftLog(storage, cache_entries=10_000, cache_bytes=1 << 20)
+    for i in range(1, 201):
+        e = Entry(i, 1, EntryKind.NORMAL, b"x" * 100_000)  # 20 MB in all
+        log.append([e])
+        frm, ents = log.take_unpersisted()
+        storage.write(frm, ents)
+        log.persisted(ents, log.epoch)
+    assert log._cache_bytes <= 1 << 20 and log._cache_bytes == sum(len(e.data) for e in log._cache)
+    assert log.entries(1, 201, 1 << 40, 1 << 30)[-1].index == 200  # older ones come from storage
+    assert [e.index for e in log.entries(1, 3, 1 << 40, 10)] == [1, 2]
