@@ -1,4 +1,5 @@
-"""Status, health, metrics, snapshots, leadership transfer and the OpenAPI document."""
+"""Status, health, metrics, snapshots, the committed log, leadership transfer and the
+OpenAPI document."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import os
 import orjson
 from aiohttp import web
 
-from kv import BadRequest, NotFound, NotLeader
+from kv import BadRequest, Compacted, NotFound, NotLeader
+from kv import logstream
 
 from .context import ctx
 from .errors import json_response, read_body
@@ -60,6 +62,49 @@ async def get_snapshot(request: web.Request) -> web.StreamResponse:
             "X-Snapshot-Term": str(snap.term),
         },
     )
+
+
+def _index_param(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(f"{name} must be a log index (an integer), not {raw!r}") from None
+    if value < 1:
+        raise BadRequest(f"{name} must be at least 1")
+    return value
+
+
+async def get_log(request: web.Request) -> web.StreamResponse:
+    """Stream the committed entries [from, to] this node holds (kv.logstream's records)."""
+    node = ctx(request).node
+    first, last = node.log_range()
+    lo = _index_param(request, "from", first)
+    hi = _index_param(request, "to", last)
+    if hi < lo and "to" in request.query:
+        raise BadRequest(f"to ({hi}) is before from ({lo})")
+    if hi > last:
+        raise BadRequest(f"index {hi} is not applied on this node yet (its applied index is {last}); ask for an earlier end or wait")
+    node.log_entries(lo, lo)  # raises Compacted (410) now, while the status can still say so
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "X-Kv-From": str(lo), "X-Kv-To": str(hi)})
+    await resp.prepare(request)
+    error = None
+    while lo <= hi:
+        try:
+            entries = node.log_entries(lo, hi + 1)
+        except Compacted as e:
+            error = str(e)
+            break
+        if not entries:  # the log was replaced under us (this node installed a snapshot)
+            error = f"index {lo} is no longer in this node's log (it installed a snapshot); run again"
+            break
+        await resp.write(logstream.encode_entries(entries))
+        lo = entries[-1].index + 1
+    await resp.write(logstream.encode_end(error))
+    await resp.write_eof()
+    return resp
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -116,6 +161,7 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/metrics", metrics, name="metrics")
     r.add_post("/v1/snapshot", take_snapshot, name="snapshot_take")
     r.add_get("/v1/snapshot", get_snapshot, name="snapshot_get")
+    r.add_get("/v1/log", get_log, name="log")
     r.add_post("/v1/leader/transfer", leader_transfer, name="leader_transfer")
     r.add_get("/v1/openapi.json", openapi, name="openapi")
 

@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 from .config import NodeConfig  # noqa: E402
 from .errors import (  # noqa: E402
     BadRequest,
+    Compacted,
     Conflict,
     KVError,
     NoQuorum,
@@ -50,6 +51,7 @@ __all__ = [
     "AsyncClient",
     "BadRequest",
     "Client",
+    "Compacted",
     "Cond",
     "Conflict",
     "Delete",

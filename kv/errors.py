@@ -79,6 +79,12 @@ class Unauthorized(KVError):
     code, http_status = "UNAUTHORIZED", 401
 
 
+class Compacted(KVError):
+    """What was asked for is older than what the node still keeps (compacted away)."""
+
+    code, http_status = "COMPACTED", 410
+
+
 class SnapshotError(KVError):
     """A snapshot file is missing, corrupt or of an unknown format."""
 

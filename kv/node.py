@@ -9,16 +9,16 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from .config import NodeConfig, check_hostport
 from .metrics import Histogram
 from .errors import (
     BadRequest,
+    Compacted,
     Conflict,
     NotFound,
-    KVError,
     NoQuorum,
     NotLeader,
     PreconditionFailed,
@@ -77,8 +77,8 @@ class Event(NamedTuple):
         return "delete" if self.value is None else "put"
 
 
-class WatchCompacted(KVError):
-    code, http_status = "COMPACTED", 410
+class WatchCompacted(Compacted):
+    """The changes asked for are older than the watch history kept in memory."""
 
 
 class Watch:
@@ -426,6 +426,24 @@ class Node:
                 ev = Event(*change)
                 for w in self._watches:
                     w._offer(ev)
+
+    # -- the committed log -----------------------------------------------------------------
+
+    def log_range(self) -> tuple[int, int]:
+        """(first, last): the indexes of the committed entries this node's ledger still
+        holds (last is its applied index; first - 1 is ledgerBeforeBeginIndex)."""
+        raft = self._running()
+        return raft.core.log.before_index + 1, raft.applied_index
+
+    def log_entries(self, lo: int, hi: int, max_bytes: int = 1 << 20):
+        """Committed entries [lo, hi) (hi clipped to the applied index), about max_bytes."""
+        first, last = self.log_range()
+        if lo < first:
+            raise Compacted(
+                f"entries up to index {first - 1} were compacted into a snapshot; this node holds the "
+                f"log from {first} (export the snapshot for the state before it)"
+            )
+        return self._running().entries(lo, min(hi, last + 1), max_bytes)
 
     # -- administration --------------------------------------------------------------------
 

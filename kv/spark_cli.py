@@ -31,13 +31,22 @@ def add_parser(sub) -> None:
     e.add_argument("--partitions", type=int, default=None)
     e.add_argument("--token", default=None)
     e.add_argument("--master", default="local[2]")
+    g = sp.add_parser("export-log", help="write the committed log range [--from, --to] of a cluster (for audit)")
+    g.add_argument("out", help="output path")
+    g.add_argument("--endpoints", required=True, help="client URLs of the cluster; the first that answers is read")
+    g.add_argument("--from", dest="start", type=int, default=None, help="first index (default: the oldest the node still holds)")
+    g.add_argument("--to", dest="end", type=int, default=None, help="last index (default: the node's applied index)")
+    g.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
+    g.add_argument("--partitions", type=int, default=None)
+    g.add_argument("--token", default=None)
+    g.add_argument("--master", default="local[2]")
 
 
 def run(args: argparse.Namespace) -> int:
     from . import spark as kvspark
 
-    if args.spark_cmd not in ("import", "export"):
-        print("kv spark: choose import or export (kv spark --help)", file=sys.stderr)
+    if args.spark_cmd not in ("import", "export", "export-log"):
+        print("kv spark: choose import, export or export-log (kv spark --help)", file=sys.stderr)
         return 2
     s = kvspark.session(args.master)
     try:
@@ -48,13 +57,18 @@ def run(args: argparse.Namespace) -> int:
             for f in report.failures[:20]:
                 print(f"  failed: {f}", file=sys.stderr)
             return 1 if report.failures else 0
-        path = args.snapshot or kvspark.fetch_snapshot(args.endpoints, args.token, fresh=args.fresh)
         t0 = time.monotonic()
-        df = kvspark.read_snapshot(s, path, prefix=args.prefix, partitions=args.partitions)
+        if args.spark_cmd == "export-log":
+            df = kvspark.read_log(s, args.endpoints, args.start, args.end, partitions=args.partitions, token=args.token)
+            source = f"the log of {args.endpoints}"
+        else:
+            path = args.snapshot or kvspark.fetch_snapshot(args.endpoints, args.token, fresh=args.fresh)
+            df = kvspark.read_snapshot(s, path, prefix=args.prefix, partitions=args.partitions)
+            source = path
         df.write.mode("overwrite").format(args.format).save(args.out)
         rows = s.read.format(args.format).load(args.out).count()
         took = time.monotonic() - t0
-        print(f"exported {rows} rows from {path} to {args.out} ({args.format}) in {took:.1f}s ({rows / took:,.0f} rows/s)")
+        print(f"exported {rows} rows from {source} to {args.out} ({args.format}) in {took:.1f}s ({rows / took:,.0f} rows/s)")
         return 0
     finally:
         s.stop()

@@ -9,7 +9,6 @@ before its call returns, so such a read is linearizable without a round trip.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import queue
 import threading

@@ -274,7 +274,8 @@ class Ledger:
         with self._env.begin(write=True) as txn:
             cur = txn.cursor(db=self._db)
             if cur.first():
-                while _U64.unpack(cur.key())[0] <= index:
+                # delete() moves to the next record; past the last one key() is empty.
+                while (key := cur.key()) and _U64.unpack(key)[0] <= index:
                     if not cur.delete():
                         break
             self._set_before_begin(txn, index, term)

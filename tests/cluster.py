@@ -213,7 +213,7 @@ class ProcCluster:
         """Every key of node i's local state (stale read), paged."""
         items, after = [], None
         while True:
-            q = f"/v1/kv?consistency=stale&limit=10000&encoding=base64" + (f"&after={urllib.parse.quote(after)}" if after else "")
+            q = "/v1/kv?consistency=stale&limit=10000&encoding=base64" + (f"&after={urllib.parse.quote(after)}" if after else "")
             code, _, body = self.request(i, "GET", q, timeout=10)
             d = orjson.loads(body)
             items += [(x["key"], x["value"], x["mod_index"]) for x in d["items"]]

@@ -26,7 +26,6 @@ from kv.raft.messages import (
     EntryKind,
     HardState,
     InstallSnapshotRequest,
-    PushResponse,
     Role,
     SnapshotMeta,
 )

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import socket
-import struct
 import time
 
 import pytest

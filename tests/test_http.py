@@ -229,3 +229,47 @@ async def test_a_large_value_arriving_in_pieces_is_stored_whole(tmp_path):
     finally:
         await client.close()
         await node.stop()
+
+
+async def test_log_route_streams_the_committed_entries(tmp_path):
+    from kv.logstream import RecordReader, entry_rows
+
+    node, client = await make_client(tmp_path, snapshot_trailing=0)
+
+    async def log(**q):
+        r = await client.get("/v1/log", params=q)
+        assert r.status == 200, await r.text()
+        reader = RecordReader()
+        entries = reader.feed(await r.read())
+        reader.finish(entries[-1].index if entries else 0)
+        return entries
+
+    try:
+        await client.put("/v1/kv/a", data=b"1")
+        await client.delete("/v1/kv/a", headers={"If-Match": '"999"'})  # logged; its condition fails when applied
+        doc = {"compare": [{"key": "b", "exists": False}], "success": [{"op": "put", "key": "b", "value": "2"}], "failure": []}
+        assert (await client.post("/v1/txn", json=doc)).status == 200
+        applied = (await (await client.get("/v1/status")).json())["applied_index"]
+        entries = await log()
+        assert [e.index for e in entries] == list(range(1, applied + 1))
+        rows = [row[2:] for e in entries[-3:] for row in entry_rows(e)]
+        assert rows == [("put", "a", b"1", False, None), ("delete", "a", None, True, None), ("put", "b", b"2", True, "then")]
+        assert [e.index for e in await log(**{"from": str(applied - 1), "to": str(applied - 1)})] == [applied - 1]
+        for q in ({"from": "x"}, {"from": "0"}, {"from": "3", "to": "2"}, {"to": str(applied + 5)}):
+            r = await client.get("/v1/log", params=q)
+            assert r.status == 400 and (await r.json())["error"]["message"], q
+        # A snapshot with no trailing window compacts the ledger: older entries are gone.
+        assert (await client.post("/v1/snapshot")).status == 200
+        for _ in range(100):
+            if node.log_range()[0] > applied:
+                break
+            await asyncio.sleep(0.05)
+        r = await client.get("/v1/log", params={"from": "1"})
+        err = (await r.json())["error"]
+        assert r.status == 410 and err["code"] == "COMPACTED" and f"from {applied + 1}" in err["message"]
+        assert await log() == []  # nothing left but the end record
+        await client.put("/v1/kv/c", data=b"3")
+        assert [row[2:4] for e in await log() for row in entry_rows(e)] == [("put", "c")]
+    finally:
+        await client.close()
+        await node.stop()

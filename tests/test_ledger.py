@@ -70,6 +70,19 @@ def test_compaction_persists_before_begin_index_and_term(path):
     assert led.entries(4, 6, 1 << 20) == entries(4, [2, 3])
 
 
+def test_compacting_every_entry_leaves_an_empty_log_that_grows_again(path):
+    # A snapshot with no trailing window compacts up to the last entry.
+    led = Ledger(path, "n1")
+    led.write([LedgerWrite(entries_from=1, entries=entries(1, [1, 2, 2]))])
+    led.compact(3)
+    assert (led.before_begin_index, led.before_begin_term, led.last_index()) == (3, 2, 3)
+    led.write([LedgerWrite(entries_from=4, entries=entries(4, [3]))])
+    led.close()
+    led = Ledger(path, "n1")
+    assert (led.before_begin_index, led.last_index(), led.term(4)) == (3, 4, 3)
+    assert led.entries(4, 5, 1 << 20) == entries(4, [3])
+
+
 def test_reset_to_a_snapshot(path):
     led = Ledger(path, "n1")
     led.write([LedgerWrite(entries_from=1, entries=entries(1, [1, 1]))])

@@ -46,6 +46,7 @@ def test_spark_example_runs_against_a_real_cluster(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         assert "imported 100000 rows" in r.stdout
         assert os.path.isdir(tmp_path / "users.parquet")
+        assert int(re.search(r"log rows: (\d+)", r.stdout).group(1)) > 100_000  # the import's puts, no-ops
     finally:
         c.close()
 

@@ -111,3 +111,41 @@ def test_export_a_100k_key_snapshot_to_parquet(spark, cluster, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert spark.read.parquet(out2).count() == len(cluster.dump(lead))
     assert os.path.getsize(snap) > 0
+
+
+def test_change_feed_exports_a_committed_log_range(spark, cluster, tmp_path):
+    lead = cluster.leader()
+    code, first = cluster.put(lead, "feed/a", b"1")
+    assert code == 200
+    assert cluster.request(lead, "PUT", "/v1/kv/feed/a", b"2", {"If-Match": f'"{first["index"]}"'})[0] == 200
+    assert cluster.request(lead, "DELETE", "/v1/kv/feed/a")[0] == 200
+    rows = spark.range(5_000).selectExpr("concat('feed/', cast(id as string)) as key", "cast(id as string) as value")
+    assert not kvspark.write(rows, endpoints(cluster), batch=500).failures  # 10 transactions
+    cluster.wait_converged()
+    end = cluster.status(cluster.ids[0])["applied_index"]
+    start = first["index"]
+
+    df = kvspark.read_log(spark, endpoints(cluster), start, end, partitions=3)
+    assert df.rdd.getNumPartitions() == 3
+    got = df.orderBy("index").collect()
+    assert sorted({r["index"] for r in got}) == list(range(start, end + 1))  # every index appears
+    head = [(r["op"], r["key"], r["value"] and bytes(r["value"]), r["conditional"], r["branch"]) for r in got[:3]]
+    assert head == [("put", "feed/a", b"1", False, None), ("put", "feed/a", b"2", True, None), ("delete", "feed/a", None, False, None)]
+    imported = [r for r in got if r["key"] and r["key"].startswith("feed/") and r["key"] != "feed/a"]
+    # An import batch is a transaction: if every key already holds its value, nothing; else the puts.
+    assert len(imported) == 5_000 and {(r["op"], r["conditional"], r["branch"]) for r in imported} == {("put", True, "else")}
+    assert {r["key"]: bytes(r["value"]) for r in imported}["feed/4321"] == b"4321"
+
+    out = str(tmp_path / "feed.parquet")
+    r = subprocess.run(
+        [sys.executable, "-m", "kv", "spark", "export-log", out, "--endpoints", endpoints(cluster), "--from", str(start), "--to", str(end)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"exported {len(got)} rows" in r.stdout
+    assert spark.read.parquet(out).filter("op = 'delete'").count() == 1
+
+    with pytest.raises(BadRequest, match="start must be at least 1"):
+        kvspark.read_log(spark, endpoints(cluster), 0, 5)
+    with pytest.raises(BadRequest, match="is not applied on"):
+        kvspark.read_log(spark, endpoints(cluster), start, end + 1_000_000)
