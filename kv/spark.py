@@ -318,8 +318,10 @@ def read_log(spark, endpoints: str, start: int | None = None, end: int | None = 
     ep, first, last = log_bounds(endpoints, token)
     start = first if start is None else start
     end = last if end is None else end
-    if start < 1 or end < start:
-        raise BadRequest(f"the range [{start}, {end}] is empty: start must be at least 1 and end at least start")
+    if start < 1:
+        raise BadRequest("start must be at least 1 (log indexes start at 1)")
+    if end < start:
+        raise BadRequest(f"the range [{start}, {end}] is empty; {ep} holds the committed log [{first}, {last}]")
     if start < first:
         raise Compacted(f"{ep} holds the log from index {first} (earlier entries were compacted into a snapshot); start at {first} or later, or export the snapshot")
     if end > last:

@@ -16,6 +16,9 @@ unknown (the write may or may not have happened).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
+import os
 import random
 import signal
 import time
@@ -26,12 +29,17 @@ import aiohttp
 from cluster import ProcCluster
 from linearizability import Op, check
 
-KEYS = [f"reg{i}" for i in range(4)]
+# The register workload uses 4 keys at a time and moves to 4 fresh ones every KEY_SECONDS
+# (like Jepsen's independent keys): each key's history stays short, so the checker's search
+# stays bounded however long a run lasts. Unknown writes never return, so in one long
+# history every one of them stays a candidate at every later point of the search.
+KEYS_AT_A_TIME = 4
+KEY_SECONDS = 10.0
 
 
 @dataclass
 class Report:
-    ops: int = 0
+    ops: int = 0  # register and set requests that reached a node: ok (outcome known) + unknown
     ok: int = 0
     unknown: int = 0
     acked_writes: int = 0
@@ -40,6 +48,8 @@ class Report:
     faults: Counter = field(default_factory=Counter)
     linearizable: bool = True
     bad_key: str | None = None
+    history_path: str = ""  # where the history of bad_key was saved
+    explored: int = 0  # states the linearizability search visited
     converged: bool = False
     divergence: str = ""
 
@@ -50,8 +60,8 @@ class Report:
     def summary(self) -> str:
         faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
         return (
-            f"operations {self.ops} (ok {self.ok}, unknown {self.unknown}); acknowledged writes {self.acked_writes + self.set_acked}; "
-            f"faults: {faults}; linearizable: {self.linearizable}; lost acknowledged set writes: {len(self.set_lost)}; "
+            f"operations {self.ops} (outcome known {self.ok}, unknown {self.unknown}); acknowledged writes {self.acked_writes + self.set_acked}; "
+            f"faults: {faults}; linearizable: {self.linearizable} ({self.explored} states searched{', history in ' + self.history_path if self.history_path else ''}); lost acknowledged set writes: {len(self.set_lost)}; "
             f"converged: {self.converged}{' (' + self.divergence + ')' if self.divergence else ''}; anomalies: {self.anomalies}"
         )
 
@@ -65,6 +75,7 @@ class Workload:
         self.counter = 0
         self.stop = False
         self.report = Report()
+        self.started = time.monotonic()
 
     def _unique(self, client: int) -> str:
         self.counter += 1
@@ -82,7 +93,8 @@ class Workload:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=4)) as s:
             while not self.stop:
                 node = self.rng.choice(self.c.ids)
-                key = self.rng.choice(KEYS)
+                generation = int((time.monotonic() - self.started) // KEY_SECONDS)
+                key = f"reg{generation}-{self.rng.randrange(KEYS_AT_A_TIME)}"
                 dice = self.rng.random()
                 t0 = time.monotonic()
                 if dice < 0.5 or dice >= 0.8:
@@ -135,8 +147,12 @@ class Workload:
                 if status == 200:
                     self.set_acked.add(key)
                     self.report.set_acked += 1
+                    self.report.ok += 1
                 elif status is None or status == 504:
                     self.report.unknown += 1
+                else:
+                    continue  # refused (503) before it reached the log: not an operation
+                self.report.ops += 1
 
 
 class Nemesis:
@@ -202,6 +218,13 @@ class Nemesis:
                 await self.run_one(self.rng.choice(self.kinds))
 
 
+def save_history(c: ProcCluster, ops: list[Op]) -> str:
+    path = os.path.join(c.root, "history.json")
+    with open(path, "w") as f:
+        json.dump([dataclasses.asdict(op) for op in ops], f)
+    return path
+
+
 ALL_FAULTS = ["partition", "one-way", "isolate-leader", "kill-leader", "kill-any", "pause-leader", "rolling-restart", "hold-back-follower"]
 
 
@@ -226,8 +249,13 @@ async def run(c: ProcCluster, seconds: float, seed: int, faults: list[str] = ALL
         r.converged = True
     except AssertionError as e:
         r.converged, r.divergence = False, str(e)
-    res = check(w.history)
-    r.linearizable, r.bad_key = res.ok, res.key
+    try:
+        res = check(w.history)
+    except RuntimeError as e:  # the search gave up: keep the history to look at
+        raise RuntimeError(f"{e}; the history is in {save_history(c, w.history)}") from e
+    if not res.ok:
+        r.history_path = save_history(c, [op for op in w.history if op.key == res.key])
+    r.linearizable, r.bad_key, r.explored = res.ok, res.key, res.explored
     if r.converged:
         present = {k for k, _, _ in c.dump(c.ids[0]) if k.startswith("set/")}
         r.set_lost = sorted(w.set_acked - present)
