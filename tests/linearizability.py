@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 INF = float("inf")
@@ -87,8 +87,38 @@ class _Event:
         self.prev = self.next = self.match = None
 
 
+# The value of every write that no read returns and no CAS expects. Such values behave
+# alike (each differs from everything compared against), so the search treats them as one.
+UNSEEN = object()
+
+
+def _canonical(ops: list[Op]) -> list[Op]:
+    seen = {o.output for o in ops if o.kind == "read"} | {o.input[0] for o in ops if o.kind == "cas"}
+    out = []
+    for o in ops:
+        if o.kind == "write" and o.input not in seen:
+            o = replace(o, input=UNSEEN)
+        elif o.kind == "cas" and o.input[1] not in seen:
+            o = replace(o, input=(o.input[0], UNSEEN))
+        out.append(o)
+    return out
+
+
 def _check_key(ops: list[Op], initial, max_states: int) -> tuple[bool, int]:
+    """Wing & Gong's search over one key's history, with two reductions for unknown writes
+    of unseen values ("phantoms": they may happen any time after their call, or never, and
+    nobody can tell them apart):
+    - a phantom is only ever linearized when it is the earliest-called one not yet used
+      (any linearization using a later one works with the earliest instead: it was called
+      earlier still), so the used phantoms are a prefix and the cache sees them as a count;
+    - a phantom is not linearized when the register already holds an unseen value (it
+      would change nothing and use up a choice).
+    The search succeeds once every op with a known outcome is linearized: the unknown ones
+    left may never have happened."""
+    ops = _canonical(ops)
     rets = [INF if o.status == "unknown" else o.ret for o in ops]
+    phantoms = sorted((o.call, i) for i, o in enumerate(ops) if o.status == "unknown" and o.kind == "write" and o.input is UNSEEN)
+    rank = {i: r for r, (_, i) in enumerate(phantoms)}
     # Events in time order; at equal times calls come first (touching ops overlap).
     order = sorted([(o.call, 0, i) for i, o in enumerate(ops)] + [(rets[i], 1, i) for i in range(len(ops))])
     head = _Event(-1, False)
@@ -119,11 +149,17 @@ def _check_key(ops: list[Op], initial, max_states: int) -> tuple[bool, int]:
     cache: set[tuple[int, Any]] = set()
     stack: list[tuple[_Event, Any]] = []
     linearized = 0
+    known_left = sum(1 for o in ops if o.status != "unknown")
+    used_phantoms = 0
     state = initial
     entry = head.next
     explored = 0
-    while head.next is not None:
+    while known_left:
         if entry.is_call:
+            r = rank.get(entry.op)
+            if r is not None and (r != used_phantoms or state is UNSEEN):
+                entry = entry.next
+                continue
             legal, new_state = _step(state, ops[entry.op])
             explored += 1
             if explored > max_states:
@@ -134,6 +170,8 @@ def _check_key(ops: list[Op], initial, max_states: int) -> tuple[bool, int]:
                     cache.add((bits, new_state))
                     stack.append((entry, state))
                     state, linearized = new_state, bits
+                    known_left -= rets[entry.op] != INF
+                    used_phantoms += r is not None
                     lift(entry)
                     entry = head.next
                     continue
@@ -144,6 +182,8 @@ def _check_key(ops: list[Op], initial, max_states: int) -> tuple[bool, int]:
                 return False, explored
             entry, state = stack.pop()
             linearized &= ~(1 << entry.op)
+            known_left += rets[entry.op] != INF
+            used_phantoms -= entry.op in rank
             unlift(entry)
             entry = entry.next
     return True, explored
