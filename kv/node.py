@@ -31,7 +31,7 @@ from .raft.core import CoreConfig
 from .raft.ledger import Ledger, LedgerWrite
 from .raft.membership import Member, Membership
 from .raft.messages import EntryKind, ForwardCode, Role
-from .raft.node import Applied, DeadlineExceeded, NodeStopped, Overloaded, RaftNode
+from .raft.node import Applied, DeadlineExceeded, NodeStopped, OutcomeUnknown, Overloaded, RaftNode
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
 from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt
@@ -325,7 +325,7 @@ class Node:
         """Wait for a proposed write's outcome; from here on a failure means "unknown"."""
         try:
             return await waiting
-        except (DeadlineExceeded, NodeStopped) as e:
+        except (OutcomeUnknown, NodeStopped) as e:
             raise unknown_outcome(e, wait) from e
 
     async def _await_leader(self, deadline: float, cause: Exception, force_wait: bool = False) -> None:
@@ -518,7 +518,7 @@ class Node:
             raise Conflict(str(e)) from None
         except raft_errors.TransferInProgress as e:
             raise Conflict(str(e)) from None
-        except (DeadlineExceeded, NodeStopped) as e:
+        except (OutcomeUnknown, NodeStopped) as e:
             raise unknown_outcome(e, self.config.write_timeout_s) from e
 
     def members(self) -> list[dict]:
@@ -583,6 +583,8 @@ def unknown_outcome(e: Exception, wait: float) -> Timeout:
     """The error for a write whose outcome cannot be known any more."""
     if isinstance(e, DeadlineExceeded):
         return Timeout(f"the write was not confirmed within {wait:.1f}s; it may or may not have been committed: read the key before retrying")
+    if isinstance(e, OutcomeUnknown):
+        return Timeout(f"{e}: read the key before retrying")
     return Timeout(f"the node stopped before the write was confirmed; it may or may not have been committed ({e})")
 
 

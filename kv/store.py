@@ -33,7 +33,7 @@ from .node import (
 )
 from .raft.errors import NotLeader as RaftNotLeader
 from .raft.messages import EntryKind
-from .raft.node import DeadlineExceeded, NodeStopped
+from .raft.node import NodeStopped, OutcomeUnknown
 from .statemachine import commands as cmds
 from .statemachine.leveldb import StateCorrupt
 
@@ -147,7 +147,7 @@ class Store:
         slot.lock.acquire()
         if slot.fallback or isinstance(slot.error, RaftNotLeader):  # not appended, or replaced
             return self._call(self._node.submit(cmd))
-        if isinstance(slot.error, (DeadlineExceeded, NodeStopped)):
+        if isinstance(slot.error, (OutcomeUnknown, NodeStopped)):
             raise unknown_outcome(slot.error, self.config.write_timeout_s)
         if slot.error is not None:
             raise slot.error

@@ -13,9 +13,10 @@ queued up, and handles the Ready in the order core.py documents:
 
 A proposal's future resolves when the state machine has applied its index: with the result
 if the entry there still has the proposal's term, with NotLeader if another leader's entry
-took its place (the write did not happen; retry is safe). A deposed leader therefore never
-acknowledges a write it cannot prove committed; a caller that gives up waiting knows only
-that the outcome is unknown.
+took its place (the write did not happen; retry is safe), with OutcomeUnknown if a snapshot
+from the leader replaced this node's log past it (it may have committed: never retry). A
+deposed leader therefore never acknowledges a write it cannot prove committed; a caller
+that gives up waiting knows only that the outcome is unknown.
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ class Overloaded(RaftError):
     """Too many writes are waiting to commit on this node; retry after a moment."""
 
 
-class DeadlineExceeded(RaftError):
+class OutcomeUnknown(RaftError):
+    """This node can no longer tell whether a proposal committed: it may have. Never a
+    reason to re-propose (that could apply the write twice)."""
+
+
+class DeadlineExceeded(OutcomeUnknown):
     """A request was not answered by its deadline; for a write its outcome is unknown."""
 
 
@@ -272,6 +278,8 @@ class RaftNode:
             return await fut
         finally:
             self._forwards.pop(req_id, None)
+            if not fut.done():
+                fut.cancel()  # not sent: else its deadline would fail it with nobody to see
 
     async def _serve_forward(self, m: ForwardRequest) -> None:
         code, index, term, payload = ForwardCode.OK, 0, 0, b""
@@ -285,7 +293,7 @@ class RaftNode:
             code, payload = ForwardCode.TRANSFERRING, str(e).encode()
         except Overloaded as e:
             code, payload = ForwardCode.OVERLOADED, str(e).encode()
-        except (NodeStopped, DeadlineExceeded) as e:
+        except (NodeStopped, OutcomeUnknown) as e:
             code, payload = ForwardCode.STOPPED, str(e).encode()
         if self.transport is not None and not self._stopped:
             leader = self.core.leader_id or ""
@@ -380,7 +388,8 @@ class RaftNode:
         for i in [i for i in self._pending if i <= index]:
             term, fut = self._pending.pop(i)
             if not fut.done():
-                fut.set_exception(NotLeader(self.core.leader_id, "the node installed a snapshot; the outcome is unknown"))
+                # The snapshot may hold the entry (a new leader committed it) or not: unknown.
+                fut.set_exception(OutcomeUnknown(f"node {self.id} installed a snapshot that covers this write; it may or may not have been committed"))
         self._release_apply_waiters()
 
     def _release_apply_waiters(self) -> None:

@@ -178,6 +178,58 @@ async def test_a_follower_behind_the_compacted_log_catches_up_by_snapshot(tmp_pa
         await c.stop()
 
 
+async def test_a_write_whose_entry_a_snapshot_covers_is_unknown_not_retried(tmp_path):
+    """Found by the soak: leader L appends a conditional write that reaches follower A only;
+    L is cut off, A leads and commits the entry, then compacts past it and installs a
+    snapshot on L. L cannot tell whether its proposal committed (it did). Re-proposing it
+    answered 412 for a write that happened; the answer must be "outcome unknown"."""
+    c = InprocCluster(str(tmp_path), snapshot_threshold=50, snapshot_trailing=0)
+    await c.start()
+    try:
+        lead = await c.leader()
+        lid = lead.config.id
+        a, b = [n.config.id for n in await c.followers()]
+        c.cut |= {(lid, b), (b, lid), (a, lid)}  # L's entries reach A only; nobody acks
+        before = lead.raft.core.log.last_index()
+        write = asyncio.ensure_future(lead.put("once", b"1", if_absent=True, timeout=30))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while c.nodes[a].raft.core.log.last_index() <= before:
+            assert loop.time() < deadline, "the entry never reached A"
+            await asyncio.sleep(0.01)
+        c.isolate(lid)
+        new = await c.leader(exclude=(lid,))
+        assert (await new.get("once")).value == b"1"  # A's term committed L's entry
+        for i in range(120):  # past the snapshot threshold: the ledger is compacted
+            await new.put(f"fill{i}", b"x")
+        assert new.status()["ledger_begin_index"] > before + 1
+        c.heal()
+        with pytest.raises(kv.Timeout, match="may or may not"):
+            await write
+        assert c.nodes[lid].snapshots.stats.installed >= 1
+        item = await new.get("once")
+        assert item.value == b"1" and item.mod_index == before + 1
+    finally:
+        await c.stop()
+
+
+async def test_a_forward_that_cannot_be_sent_leaves_nothing_behind(cluster, caplog):
+    # A follower cut off from the leader retries its forward until the write's deadline;
+    # each attempt that could not be sent used to leave a future for the deadline to fail,
+    # logged later as "Future exception was never retrieved".
+    import gc
+
+    lead = await cluster.leader()
+    follower = (await cluster.followers())[0]
+    cluster.cut.add((follower.config.id, lead.config.id))
+    with pytest.raises((kv.NotLeader, kv.Timeout)):
+        await follower.put("cut", b"1", timeout=0.3)
+    await asyncio.sleep(0.5)  # past every deadline
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "never retrieved" not in caplog.text
+
+
 async def test_a_learner_serves_stale_reads_and_never_votes(tmp_path):
     from ports import free_port
 
