@@ -87,11 +87,15 @@ async def get_log(request: web.Request) -> web.StreamResponse:
         raise BadRequest(f"to ({hi}) is before from ({lo})")
     if hi > last:
         raise BadRequest(f"index {hi} is not applied on this node yet (its applied index is {last}); ask for an earlier end or wait")
-    node.log_entries(lo, lo)  # raises Compacted (410) now, while the status can still say so
+    entries = node.log_entries(lo, hi + 1)  # a compacted start raises here: 410 before any byte
     resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "X-Kv-From": str(lo), "X-Kv-To": str(hi)})
     await resp.prepare(request)
     error = None
-    while lo <= hi:
+    while entries:
+        await resp.write(logstream.encode_entries(entries))
+        lo = entries[-1].index + 1
+        if lo > hi:
+            break
         try:
             entries = node.log_entries(lo, hi + 1)
         except Compacted as e:
@@ -99,9 +103,6 @@ async def get_log(request: web.Request) -> web.StreamResponse:
             break
         if not entries:  # the log was replaced under us (this node installed a snapshot)
             error = f"index {lo} is no longer in this node's log (it installed a snapshot); run again"
-            break
-        await resp.write(logstream.encode_entries(entries))
-        lo = entries[-1].index + 1
     await resp.write(logstream.encode_end(error))
     await resp.write_eof()
     return resp

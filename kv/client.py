@@ -335,21 +335,30 @@ class Client:
 
     def __getattr__(self, name: str):
         fn = getattr(self._async, name)
-        if name == "scan":
-            return self._scan
         if not callable(fn):
             return fn
 
         def call(*a, **kw):
-            return self._lt.call(fn(*a, **kw))
+            result = fn(*a, **kw)
+            if hasattr(result, "__anext__"):  # scan, read_log: iterate it from this thread
+                return self._iterate(result)
+            return self._lt.call(result)
 
         return call
 
-    def _scan(self, prefix: str = "", **kw) -> Iterator[Item]:
-        async def collect():
-            return [it async for it in self._async.scan(prefix, **kw)]
+    def _iterate(self, agen) -> Iterator:
+        async def step():
+            return await agen.__anext__()
 
-        return iter(self._lt.call(collect()))
+        try:
+            while True:
+                try:
+                    yield self._lt.call(step())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._lt.closed:
+                self._lt.call(agen.aclose())
 
     def close(self) -> None:
         if not self._lt.closed:

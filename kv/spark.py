@@ -192,22 +192,14 @@ def snapshot_schema():
 def fetch_snapshot(endpoints: str, token: str | None = None, directory: str | None = None, *, fresh: bool = False) -> str:
     """Download the newest snapshot of a node (with fresh, it takes one first, so the
     export holds everything applied so far); returns the local path."""
-    from ._loop import LoopThread
-    from .client import AsyncClient
+    from .client import Client
 
     path = os.path.join(directory or tempfile.mkdtemp(prefix="kv-export-"), "snapshot.lkvs")
-    lt = LoopThread("kv-fetch")
-    try:
-        async def get():
-            async with AsyncClient(endpoints, token=token) as c:
-                endpoint = c.endpoints[0]
-                if fresh:
-                    await c.take_snapshot(endpoint)
-                return await c.download_snapshot(path, endpoint=endpoint)
-
-        lt.call(get())
-    finally:
-        lt.close()
+    with Client(endpoints, token=token) as c:
+        endpoint = c.endpoints[0]
+        if fresh:
+            c.take_snapshot(endpoint)
+        c.download_snapshot(path, endpoint=endpoint)
     return path
 
 
@@ -292,18 +284,10 @@ def log_schema():
 def log_bounds(endpoints: str, token: str | None = None) -> tuple[str, int, int]:
     """(endpoint, first, last): the first node that answers, and the committed log range
     its ledger holds."""
-    from ._loop import LoopThread
-    from .client import AsyncClient
+    from .client import Client
 
-    lt = LoopThread("kv-log-bounds")
-    try:
-        async def ask():
-            async with AsyncClient(endpoints, token=token) as c:
-                return await c.status_all()
-
-        answers = lt.call(ask())
-    finally:
-        lt.close()
+    with Client(endpoints, token=token) as c:
+        answers = c.status_all()
     for ep, s in answers:
         if isinstance(s, dict):
             return ep, s["ledger_begin_index"] + 1, s["applied_index"]
@@ -345,37 +329,29 @@ def _read_log_ranges(batches):
 
 
 def _stream_range(ep: str, lo: int, hi: int, token: str | None):
-    from .client import AsyncClient
+    from .client import Client
     from .logstream import LogStreamError, entry_rows
 
-    loop = asyncio.new_event_loop()
-    client = AsyncClient(ep, token=token, timeout=60)
-    stream = client.read_log(lo, hi, endpoint=ep)
-    try:
-        rows, expected = [], lo
-        while True:
-            try:
-                entries = loop.run_until_complete(stream.__anext__())
-            except StopAsyncIteration:
-                break
-            except KVError as e:
-                raise LogStreamError(f"log range [{lo}, {hi}] from {ep}: {e}") from e
-            for e in entries:
-                if e.index != expected:
-                    raise LogStreamError(f"log range [{lo}, {hi}] from {ep}: expected index {expected}, got {e.index}")
-                expected += 1
-                rows.extend(entry_rows(e))
-            if len(rows) >= 65536:
-                yield _log_batch(rows)
-                rows = []
-        if expected != hi + 1:
-            raise LogStreamError(f"log range [{lo}, {hi}] from {ep}: the stream ended at index {expected - 1}")
-        if rows:
-            yield _log_batch(rows)
-    finally:
-        loop.run_until_complete(stream.aclose())
-        loop.run_until_complete(client.close())
-        loop.close()
+    rows, expected = [], lo
+    with Client(ep, token=token, timeout=60) as c:
+        try:
+            for entries in c.read_log(lo, hi, endpoint=ep):
+                for e in entries:
+                    if e.index != expected:
+                        raise LogStreamError(f"log range [{lo}, {hi}] from {ep}: expected index {expected}, got {e.index}")
+                    expected += 1
+                    rows.extend(entry_rows(e))
+                if len(rows) >= 65536:
+                    yield _log_batch(rows)
+                    rows = []
+        except LogStreamError:
+            raise
+        except KVError as e:
+            raise LogStreamError(f"log range [{lo}, {hi}] from {ep}: {e}") from e
+    if expected != hi + 1:
+        raise LogStreamError(f"log range [{lo}, {hi}] from {ep}: the stream ended at index {expected - 1}")
+    if rows:
+        yield _log_batch(rows)
 
 
 def _log_batch(rows: list):

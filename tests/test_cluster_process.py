@@ -115,3 +115,21 @@ def test_restore_three_new_nodes_from_a_snapshot_file(cluster, tmp_path):
         assert [x for x in got if x[0] != "r/new"] == original
     finally:
         new.close()
+
+
+def test_the_sync_client_streams_scans_and_the_log(cluster):
+    import kv
+
+    lead = cluster.leader()
+    with kv.Client([cluster.url(i) for i in cluster.ids]) as c:
+        for i in range(30):
+            c.put(f"s/{i:02d}", b"%d" % i)
+        keys = [it.key for it in c.scan("s/", page=7)]  # pages of 7, fetched as it goes
+        assert keys == [f"s/{i:02d}" for i in range(30)]
+        applied = cluster.status(lead)["applied_index"]
+        batches = list(c.read_log(applied - 29, applied, endpoint=cluster.url(lead)))
+        assert [e.index for b in batches for e in b] == list(range(applied - 29, applied + 1))
+        stream = c.scan("s/", page=5)
+        assert next(stream).key == "s/00"
+        stream.close()  # stopping early closes the async generator behind it
+        assert c.get("s/29").value == b"29"
