@@ -18,12 +18,9 @@ def json_response(data, status: int = 200, headers: dict | None = None) -> web.R
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
 
 
-def error_response(status: int, code: str, message: str, extra: dict | None = None) -> web.Response:
+def error_response(status: int, code: str, message: str, details: dict | None = None) -> web.Response:
     headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
-    body = {"error": {"code": code, "message": message}}
-    if extra:
-        body.update(extra)
-    return json_response(body, status, headers)
+    return json_response({"error": {"code": code, "message": message, **(details or {})}}, status, headers)
 
 
 _HTTP_CODES = {400: "BAD_REQUEST", 401: "UNAUTHORIZED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "VALUE_TOO_LARGE"}
@@ -34,8 +31,7 @@ async def run_handler(request: web.Request, handler):
     try:
         return await handler(request)
     except KVError as e:
-        extra = getattr(e, "extra", None)
-        return error_response(e.http_status, e.code, str(e), extra)
+        return error_response(e.http_status, e.code, str(e), e.details())
     except web.HTTPException as e:
         if e.status < 400:
             raise

@@ -85,7 +85,7 @@ async def list_keys(request: web.Request) -> web.Response:
     if not 0 < limit <= MAX_LIST:
         raise BadRequest(f"limit must be between 1 and {MAX_LIST}")
     force_b64 = q.get("encoding") == "base64"
-    items = await c.node.scan(q.get("prefix", ""), after=q.get("after"), limit=limit + 1, consistency=_consistency(request))
+    items = await c.node.scan(q.get("prefix", ""), after=q.get("after"), limit=limit + 1, page=limit + 1, consistency=_consistency(request))
     more = len(items) > limit
     items = items[:limit]
     out = [{"key": it.key, **_encode_value(it.value, force_b64), "mod_index": it.mod_index} for it in items]

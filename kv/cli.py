@@ -28,6 +28,7 @@ SERVE_OPTIONS = [
     ("--token", "token", str, "require Authorization: Bearer TOKEN on client routes"),
     ("--cluster-secret", "cluster_secret", str, "shared secret authenticating peer connections"),
     ("--join", "join", str, "URL of a cluster member: ask the cluster to add this new node"),
+    ("--join-timeout", "join_timeout_s", float, "seconds --join waits through temporary refusals (default 60)"),
     ("--advertise-http", "advertise_http", str, "client URL other nodes and clients use for this node"),
     ("--write-timeout-s", "write_timeout_s", float, "how long a write may wait to commit before 504 (default 5)"),
 ]

@@ -11,23 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import functools
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+import weakref
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
 from urllib.parse import quote
 
 import aiohttp
 import orjson
+from multidict import CIMultiDict
 
 from . import errors
 from ._loop import LoopThread
 from .logstream import RecordReader
 from .node import DeleteResult, Item, TxnResult, WriteResult
+from .scan import Scan
 from .raft.messages import Entry
 from .statemachine.commands import Cond, Delete, Get, Put
 
 DEFAULT_ENDPOINTS = ("http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003")
 
+# The server's error code picks the class where the status alone is ambiguous.
+_ERRORS_BY_CODE = {c.code: c for c in (errors.MemberExists, errors.NoQuorum, errors.Unavailable, errors.NotLeader)}
 _ERRORS = {
     400: errors.BadRequest,
     401: errors.Unauthorized,
@@ -60,8 +68,8 @@ def _raise_for(status: int, body: bytes, endpoint: str):
         err = {}
     msg = f"{endpoint}: {err.get('message') or body[:200].decode(errors='replace') or status}"
     if status == 412:
-        raise errors.PreconditionFailed("?", 0, msg)
-    cls = _ERRORS.get(status)
+        raise errors.PreconditionFailed(str(err.get("key", "")), int(err.get("mod_index") or 0), msg)
+    cls = _ERRORS_BY_CODE.get(err.get("code")) or _ERRORS.get(status)
     if cls is not None:
         raise cls(msg)
     if status == 503:
@@ -113,6 +121,19 @@ class AsyncClient:
             await self._session.close()
             self._session = None
 
+    def __del__(self) -> None:
+        # A script that ends without close(): let the sockets go quietly instead of
+        # aiohttp's "Unclosed client session" / "Unclosed connector" reports at exit.
+        # (_close is the synchronous part of the connector's close, which aiohttp's own
+        # __del__ calls; the public close() is a coroutine nobody could await here.)
+        s = self._session
+        if s is not None and not s.closed:
+            connector = s.connector
+            s.detach()
+            if connector is not None:
+                with contextlib.suppress(Exception):
+                    connector._close()
+
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
@@ -132,7 +153,7 @@ class AsyncClient:
         params: dict | None = None,
         endpoint: str | None = None,
         ok: tuple[int, ...] = (200,),
-    ) -> tuple[int, dict, bytes]:
+    ) -> tuple[int, CIMultiDict, bytes]:
         """One request with failover; returns (status, headers, body) for statuses in ok."""
         deadline = time.monotonic() + self.timeout
         idempotent = method in ("GET", "HEAD")
@@ -151,7 +172,7 @@ class AsyncClient:
                     sent = True
                     body = await resp.read()
                     if resp.status in ok:
-                        return resp.status, dict(resp.headers), body
+                        return resp.status, resp.headers.copy(), body  # case-insensitive
                     if resp.status != 503:
                         _raise_for(resp.status, body, ep)
                     last = errors.NotLeader(f"{ep}: {body[:300].decode(errors='replace')}")
@@ -175,6 +196,9 @@ class AsyncClient:
     # -- the store API ---------------------------------------------------------------------
 
     async def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False) -> WriteResult:
+        """Write a value once a majority has it (fsynced) and the leader applied it.
+        `if_mod_index=N` writes only if the key's mod_index is N, `if_absent` only if the
+        key does not exist; otherwise PreconditionFailed (with the key's current mod_index)."""
         headers = {}
         if if_mod_index is not None:
             headers["If-Match"] = f'"{if_mod_index}"'
@@ -184,34 +208,40 @@ class AsyncClient:
         return WriteResult(d["index"], d["term"])
 
     async def cas(self, key: str, expected_mod_index: int, value: bytes) -> WriteResult:
+        """Compare-and-set: write only if the key's mod_index is still `expected_mod_index`
+        (the one a get returned; 0: the key must not exist). PreconditionFailed otherwise."""
         return await self.put(key, value, if_mod_index=expected_mod_index)
 
     async def get(self, key: str, *, consistency: str = "linearizable") -> Item | None:
+        """The key's Item (value, mod_index), or None. consistency: linearizable (default),
+        lease, or stale (the answering node's own state)."""
         status, headers, body = await self.request("GET", _key_path(key), params={"consistency": consistency}, ok=(200, 404))
         if status == 404:
             return None
         return Item(key, body, int(headers.get("ETag", '"0"').strip('"')))
 
     async def delete(self, key: str, *, if_mod_index: int | None = None) -> DeleteResult:
+        """Delete a key (`deleted` says whether it existed); conditional like put."""
         headers = {"If-Match": f'"{if_mod_index}"'} if if_mod_index is not None else None
         d = await self._json("DELETE", _key_path(key), headers=headers)
         return DeleteResult(d["index"], d["term"], d["deleted"])
 
-    async def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", page: int = 1000) -> AsyncIterator[Item]:
-        left = limit if limit is not None else float("inf")
-        while left > 0:
-            params = {"prefix": prefix, "limit": str(int(min(page, left))), "consistency": consistency}
+    def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", page: int = 1000) -> Scan:
+        """Every key under a prefix in key order (strictly after `after`; at most `limit`),
+        fetched `page` keys a request: `async for item in c.scan(p)`, or `await c.scan(p)`."""
+
+        async def fetch(after: str | None, n: int) -> tuple[list[Item], bool]:
+            params = {"prefix": prefix, "limit": str(n), "consistency": consistency}
             if after is not None:
                 params["after"] = after
             d = await self._json("GET", "/v1/kv", params=params)
-            for it in d["items"]:
-                yield Item(it["key"], _decode_value(it), it["mod_index"])
-            left -= len(d["items"])
-            if d["next"] is None:
-                return
-            after = d["next"]
+            return [Item(it["key"], _decode_value(it), it["mod_index"]) for it in d["items"]], d["next"] is not None
+
+        return Scan(fetch, after=after, limit=limit, page=page)
 
     async def txn(self, conds: Sequence[Cond] = (), ops: Sequence = (), else_ops: Sequence = ()) -> TxnResult:
+        """Atomically: if every kv.Cond holds run `ops`, else `else_ops` (kv.Put, kv.Delete,
+        kv.Get). `succeeded` says which ran; results has one entry per op."""
         doc = {"compare": [_cond_json(c) for c in conds], "success": [_op_json(o) for o in ops], "failure": [_op_json(o) for o in else_ops]}
         status, _, body = await self.request("POST", "/v1/txn", data=orjson.dumps(doc), headers={"Content-Type": "application/json"}, ok=(200, 412))
         d = orjson.loads(body)
@@ -225,12 +255,19 @@ class AsyncClient:
                 results.append(WriteResult(r["index"], d["term"]))
         return TxnResult(d["index"], d["term"], d["succeeded"], tuple(results))
 
+    async def put_many(self, items: dict[str, bytes] | Sequence[tuple[str, bytes]]) -> TxnResult:
+        """Write many keys in one atomic transaction."""
+        pairs = items.items() if isinstance(items, dict) else items
+        return await self.txn(ops=[Put(k, v) for k, v in pairs])
+
     # -- administration --------------------------------------------------------------------
 
     async def status(self, endpoint: str | None = None) -> dict:
+        """One node's own view (GET /v1/status)."""
         return await self._json("GET", "/v1/status", endpoint=endpoint)
 
     async def status_all(self) -> list[tuple[str, dict | Exception]]:
+        """(endpoint, status or the error) for every endpoint."""
         async def one(ep):
             try:
                 return ep, await self.status(ep)
@@ -240,9 +277,11 @@ class AsyncClient:
         return list(await asyncio.gather(*(one(ep) for ep in self.endpoints)))
 
     async def transfer_leader(self, to: str) -> dict:
+        """Hand leadership to member `to` (caught up first)."""
         return await self._json("POST", "/v1/leader/transfer", data=orjson.dumps({"to": to}), headers={"Content-Type": "application/json"})
 
     async def take_snapshot(self, endpoint: str | None = None) -> dict:
+        """Ask a node to take a snapshot now; {"index", "term"}."""
         return await self._json("POST", "/v1/snapshot", endpoint=endpoint)
 
     async def download_snapshot(self, path: str, *, endpoint: str | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
@@ -284,16 +323,21 @@ class AsyncClient:
             reader.finish(last)
 
     async def members(self) -> list[dict]:
+        """The cluster's members: id, peer, http, voter, leader."""
         return (await self._json("GET", "/v1/members"))["members"]
 
     async def add_member(self, member_id: str, peer: str, http: str = "", *, voter: bool = False, replace: bool = False) -> list[dict]:
+        """Add a member listening for peers on `peer` (a learner, promoted once caught up
+        when voter=True); replace=True changes an existing member's addresses."""
         doc = {"id": member_id, "peer": peer, "http": http, "voter": voter, "replace": replace}
         return (await self._json("POST", "/v1/members", data=orjson.dumps(doc), headers={"Content-Type": "application/json"}))["members"]
 
     async def remove_member(self, member_id: str) -> list[dict]:
+        """Remove a member."""
         return (await self._json("DELETE", f"/v1/members/{quote(member_id, safe='')}"))["members"]
 
     async def promote_member(self, member_id: str) -> list[dict]:
+        """Make a learner a voter (Conflict until it has caught up)."""
         return (await self._json("POST", f"/v1/members/{quote(member_id, safe='')}/promote"))["members"]
 
 
@@ -322,51 +366,94 @@ def _op_json(o) -> dict:
     raise errors.BadRequest(f"not a transaction operation: {o!r}")
 
 
-class Client:
-    """The synchronous client: same methods as AsyncClient, blocking.
+P = ParamSpec("P")
+R = TypeVar("R")
 
-        with kv.Client("http://127.0.0.1:8001") as c:
+
+def _blocking(fn: Callable[Concatenate[AsyncClient, P], Awaitable[R]]) -> Callable[Concatenate[Client, P], R]:
+    """Client.NAME: AsyncClient.NAME run on the client's loop thread, blocking."""
+
+    @functools.wraps(fn)
+    def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._lt.call(fn(self._async, *args, **kwargs))
+
+    call.__qualname__ = f"Client.{fn.__name__}"
+    return call
+
+
+def _blocking_iter(fn: Callable[Concatenate[AsyncClient, P], AsyncIterable[R]]) -> Callable[Concatenate[Client, P], Iterator[R]]:
+    """Client.NAME for an AsyncClient method that streams: a plain iterator over it."""
+
+    @functools.wraps(fn)
+    def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> Iterator[R]:
+        return self._iterate(aiter(fn(self._async, *args, **kwargs)))
+
+    call.__qualname__ = f"Client.{fn.__name__}"
+    return call
+
+
+class Client:
+    """The synchronous client: AsyncClient's methods, blocking (its own loop thread).
+
+        with kv.Client("http://127.0.0.1:8001,http://127.0.0.1:8002") as c:
             c.put("a", b"1")
+            item = c.get("a")
+            c.cas("a", item.mod_index, b"2")
+
+    A client that is never closed is closed when it is garbage-collected or the
+    interpreter exits.
     """
 
     def __init__(self, endpoints: str | Sequence[str] | None = None, **options) -> None:
-        self._lt = LoopThread("kv-client")
         self._async = AsyncClient(endpoints, **options)
+        self._lt = LoopThread("kv-client")
+        self._closer = weakref.finalize(self, _close_client, self._lt, self._async)
 
-    def __getattr__(self, name: str):
-        fn = getattr(self._async, name)
-        if not callable(fn):
-            return fn
+    @property
+    def endpoints(self) -> list[str]:
+        return self._async.endpoints
 
-        def call(*a, **kw):
-            result = fn(*a, **kw)
-            if hasattr(result, "__anext__"):  # scan, read_log: iterate it from this thread
-                return self._iterate(result)
-            return self._lt.call(result)
+    put = _blocking(AsyncClient.put)
+    cas = _blocking(AsyncClient.cas)
+    get = _blocking(AsyncClient.get)
+    delete = _blocking(AsyncClient.delete)
+    scan = _blocking_iter(AsyncClient.scan)
+    txn = _blocking(AsyncClient.txn)
+    put_many = _blocking(AsyncClient.put_many)
+    status = _blocking(AsyncClient.status)
+    status_all = _blocking(AsyncClient.status_all)
+    transfer_leader = _blocking(AsyncClient.transfer_leader)
+    take_snapshot = _blocking(AsyncClient.take_snapshot)
+    download_snapshot = _blocking(AsyncClient.download_snapshot)
+    read_log = _blocking_iter(AsyncClient.read_log)
+    members = _blocking(AsyncClient.members)
+    add_member = _blocking(AsyncClient.add_member)
+    remove_member = _blocking(AsyncClient.remove_member)
+    promote_member = _blocking(AsyncClient.promote_member)
 
-        return call
-
-    def _iterate(self, agen) -> Iterator:
-        async def step():
-            return await agen.__anext__()
-
+    def _iterate(self, it: AsyncIterator[R]) -> Iterator[R]:
         try:
             while True:
                 try:
-                    yield self._lt.call(step())
+                    yield self._lt.call(anext(it))
                 except StopAsyncIteration:
                     return
         finally:
-            if not self._lt.closed:
-                self._lt.call(agen.aclose())
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None and not self._lt.closed:
+                self._lt.call(aclose())
 
     def close(self) -> None:
-        if not self._lt.closed:
-            self._lt.call(self._async.close())
-            self._lt.close()
+        self._closer()
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close_client(lt: LoopThread, client: AsyncClient) -> None:
+    if not lt.closed:
+        lt.call(client.close())
+        lt.close()

@@ -15,6 +15,9 @@ import time
 
 import aiohttp
 
+from .datadir import DataDirLock
+from .errors import BadRequest
+
 
 def layout(nodes: int, base_port: int, host: str = "127.0.0.1") -> list[dict]:
     peers = ",".join(f"n{i}={host}:{base_port + 100 + i - 1}" for i in range(1, nodes + 1))
@@ -30,8 +33,15 @@ def _say(msg: str) -> None:
 
 async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int:
     if nodes < 1:
-        raise SystemExit("kv cluster up: --nodes must be at least 1")
-    os.makedirs(data_dir, exist_ok=True)
+        raise BadRequest("--nodes must be at least 1")
+    lock = DataDirLock.acquire(data_dir)  # a second `cluster up` here stops at this line
+    try:
+        return await _run(nodes, data_dir, base_port, extra)
+    finally:
+        lock.release()
+
+
+async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int:
     plan = layout(nodes, base_port)
     procs: dict[str, asyncio.subprocess.Process] = {}
     logs = {}
@@ -60,7 +70,8 @@ async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int
     print("  Ctrl-C stops the cluster.\n", flush=True)
     code = 0
     try:
-        await _watch(plan, procs, stop)
+        died = await _watch(plan, procs, stop, {nid: os.path.abspath(f.name) for nid, f in logs.items()})
+        code = 1 if died else 0
     finally:
         _say("stopping all nodes ...")
         for p in procs.values():
@@ -78,9 +89,21 @@ async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int
     return code
 
 
-async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event) -> None:
+def _last_line(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: dict[str, str]) -> list[str]:
+    """Report leader changes and nodes that exit until `stop` is set or every node has
+    exited; returns the ids of the nodes that exited on their own."""
     leader = None
-    exited: set[str] = set()
+    exited: list[str] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
         while not stop.is_set():
             seen = {}
@@ -98,11 +121,14 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event) -> None:
                 leader = now
             for nid, p in procs.items():
                 if p.returncode is not None and nid not in exited:
-                    exited.add(nid)
-                    _say(f"node {nid} exited with code {p.returncode}; see its serve.log")
+                    exited.append(nid)
+                    last = _last_line(log_paths[nid])
+                    _say(f"node {nid} exited with code {p.returncode}; its log is {log_paths[nid]}" + (f": {last}" if last else ""))
             if len(exited) == len(procs):
-                return
+                _say("every node has exited; see their logs above")
+                return exited
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except (asyncio.TimeoutError, TimeoutError):
                 pass
+    return exited

@@ -51,6 +51,7 @@ class NodeConfig:
     token: str | None = None
     cluster_secret: str | None = None
     join: str | None = None
+    join_timeout_s: float = 60.0  # how long --join waits through temporary refusals
     advertise_http: str | None = None
     write_timeout_s: float = 5.0
     read_timeout_s: float = 5.0
@@ -67,6 +68,8 @@ class NodeConfig:
             check_hostport(self.http, "--http")
         if self.heartbeat_ms <= 0 or self.election_timeout_ms < 2 * self.heartbeat_ms:
             raise BadRequest("--election-timeout-ms must be at least twice --heartbeat-ms, and both positive")
+        if self.join_timeout_s <= 0:
+            raise BadRequest("--join-timeout must be positive (seconds)")
         if self.max_value_bytes <= 0:
             raise BadRequest("--max-value-bytes must be positive")
         if self.snapshot_threshold <= 0 or self.snapshot_trailing < 0 or self.snapshot_keep < 1:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 
 class KVError(Exception):
     """Base class of all ledgerkv errors. `code` is the HTTP error code name."""
 
     code = "INTERNAL"
     http_status = 500
+
+    def details(self) -> dict:
+        """Fields beside "code" and "message" in the HTTP error body."""
+        return {}
 
 
 class BadRequest(KVError, ValueError):
@@ -37,6 +43,9 @@ class PreconditionFailed(KVError):
         now = f"its mod_index is now {mod_index}" if mod_index else "it does not exist"
         super().__init__(message or f"the condition on key {key!r} did not hold ({now}); read it again and retry")
 
+    def details(self) -> dict:
+        return {"key": self.key, "mod_index": self.mod_index}
+
 
 class NotLeader(KVError):
     """No leader could take the request right now (none known, or unreachable). Nothing
@@ -62,6 +71,13 @@ class Conflict(KVError):
     code, http_status = "CONFLICT", 409
 
 
+class MemberExists(Conflict):
+    """The id is already a member of the cluster, with other addresses: a permanent refusal
+    (remove it first, or replace its addresses)."""
+
+    code = "MEMBER_EXISTS"
+
+
 class Timeout(KVError, TimeoutError):
     """The write was not confirmed in time: it may or may not have been committed. Read the
     key to find out before retrying a non-idempotent write."""
@@ -77,6 +93,23 @@ class Unavailable(KVError):
 
 class Unauthorized(KVError):
     code, http_status = "UNAUTHORIZED", 401
+
+
+class DataDirLocked(KVError):
+    """The data dir is in use by another owner (a process, or another store in this one).
+    Nothing in it was read or changed."""
+
+    code, http_status = "DATA_DIR_LOCKED", 409
+
+    def __init__(self, data_dir: str, pid: int | None = None) -> None:
+        self.data_dir, self.pid = data_dir, pid
+        if pid == os.getpid():
+            who = "this process (it is already open here: use that store, or close it first)"
+        elif pid:
+            who = f"process {pid} (stop it first, or use another data dir)"
+        else:
+            who = "another process (stop it first, or use another data dir)"
+        super().__init__(f"the data dir {data_dir} is in use by {who}; a data dir has one owner")
 
 
 class Compacted(KVError):

@@ -13,11 +13,15 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from .config import NodeConfig, check_hostport
+from .datadir import DataDirLock
+from .scan import Scan
 from .metrics import Histogram
 from .errors import (
     BadRequest,
     Compacted,
     Conflict,
+    DataDirLocked,
+    MemberExists,
     NotFound,
     NoQuorum,
     NotLeader,
@@ -34,7 +38,7 @@ from .raft.messages import EntryKind, ForwardCode, Role
 from .raft.node import Applied, DeadlineExceeded, NodeStopped, OutcomeUnknown, Overloaded, RaftNode
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
-from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt
+from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt, StateLocked
 
 log = logging.getLogger("kv.node")
 
@@ -124,8 +128,18 @@ class Node:
     linearizable reads (it asks the leader for a read index, then reads locally).
     """
 
-    def __init__(self, config: NodeConfig | None = None, *, initial_membership: Membership | None = None, **options) -> None:
+    def __init__(
+        self,
+        config: NodeConfig | None = None,
+        *,
+        initial_membership: Membership | None = None,
+        data_dir_lock: DataDirLock | None = None,
+        **options,
+    ) -> None:
         self.config = config if config is not None else NodeConfig(**options)
+        # The data dir's lock, if the caller took it already (kv serve does, before it
+        # looks into the directory); the node releases it when it stops.
+        self._lock = data_dir_lock
         # A node that joins a running cluster starts from the membership the cluster gave it.
         self._initial_membership = initial_membership
         self.raft: RaftNode | None = None
@@ -143,15 +157,26 @@ class Node:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> Node:
+        c = self.config
+        if self._lock is None or not self._lock.held:
+            self._lock = DataDirLock.acquire(c.data_dir)  # before anything in it is read
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> Node:
         from .snapshot.manager import SnapshotManager  # the snapshot layer sits above raft
 
         c = self.config
-        os.makedirs(c.data_dir, exist_ok=True)
         self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync)
         self.snapshots = SnapshotManager(self, c.snapshot_path, keep=c.snapshot_keep)
         loop = asyncio.get_running_loop()
         try:
             self.sm = LevelDBStateMachine(c.state_path)
+        except StateLocked as e:  # never damage: the lock above makes this one owner's
+            raise DataDirLocked(c.data_dir) from e
         except StateCorrupt as e:
             self.sm = await loop.run_in_executor(None, self._rebuild_state, e)
         await loop.run_in_executor(None, self._reconcile)
@@ -240,6 +265,8 @@ class Node:
             self.sm.close()
         if self.ledger is not None:
             self.ledger.close()
+        if self._lock is not None:
+            self._lock.release()
 
     async def __aenter__(self) -> Node:
         return await self.start()
@@ -387,15 +414,23 @@ class Node:
             raise Unavailable(f"{e}; read from another member meanwhile") from e
         return Item(key, got[1], got[0]) if got else None
 
-    async def scan(self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", timeout: float | None = None) -> list[Item]:
-        """Keys under a prefix in key order, strictly after `after`, at most `limit`."""
-        if limit <= 0:
-            raise BadRequest("limit must be positive")
-        await self.read_barrier(consistency, timeout)
-        try:
-            return [Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit)]
-        except StateCorrupt as e:
-            raise Unavailable(f"{e}; read from another member meanwhile") from e
+    def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", timeout: float | None = None, page: int = 1000) -> Scan:
+        """Every key under a prefix in key order (strictly after `after`; at most `limit`):
+        `await node.scan(p)` gives a list, `async for item in node.scan(p)` streams pages.
+        The first page waits for `consistency`; the ones after it read on from there."""
+        barrier = [consistency]
+
+        async def fetch(after: str | None, n: int) -> tuple[list[Item], bool]:
+            if barrier:
+                await self.read_barrier(barrier.pop(), timeout)
+            self._running()
+            try:
+                rows = self.sm.scan(prefix, after, n)
+            except StateCorrupt as e:
+                raise Unavailable(f"{e}; read from another member meanwhile") from e
+            return [Item(k, v, m) for k, v, m in rows], len(rows) == n
+
+        return Scan(fetch, after=after, limit=limit, page=page)
 
     # -- watch -----------------------------------------------------------------------------
 
@@ -481,7 +516,7 @@ class Node:
         if old is not None and not replace:
             if (old.peer_addr, old.http_url, old.voter) == (peer, http, voter or old.voter):
                 return self.members()  # asked again for what is already so
-            raise Conflict(f"{member_id} is already a member (at {old.peer_addr}); remove it first, or replace its addresses")
+            raise MemberExists(f"{member_id} is already a member (at {old.peer_addr}); remove it first, or replace its addresses")
         if old is None and replace:
             raise NotFound(f"{member_id} is not a member; add it instead")
         await self._change(cur.with_member(Member(member_id, peer, http, voter if old is None else old.voter)), timeout)

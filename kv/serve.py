@@ -12,7 +12,8 @@ import sys
 import time
 
 from .config import NodeConfig, check_hostport
-from .errors import BadRequest, KVError
+from .datadir import DataDirLock
+from .errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
 from .node import Node
 from .raft.membership import Member, Membership
 
@@ -69,14 +70,36 @@ def _ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
 
 async def join_cluster(config: NodeConfig) -> Membership:
     """Ask a member of a running cluster (config.join) to add this new node as a learner;
-    returns the membership to start from."""
+    returns the membership to start from. Temporary refusals (another membership change in
+    progress, no leader, the member not reachable yet) are waited out with backoff until
+    --join-timeout; a permanent one (the id is a member with other addresses, a bad token,
+    a bad request) ends it at once."""
     from .client import AsyncClient
 
     if config.id not in config.peers:
         raise BadRequest(f"with --join, --peers must still give this node's own peer address ({config.id}=HOST:PORT)")
-    async with AsyncClient(config.join, token=config.token, timeout=30) as c:
-        members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False)
-    return Membership.of(Member(m["id"], m["peer"], m.get("http", ""), m["voter"]) for m in members)
+    log = logging.getLogger("kv.serve")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.join_timeout_s
+    delay = 0.2
+    async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s)) as c:
+        while True:
+            try:
+                members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False)
+                return Membership.of(Member(m["id"], m["peer"], m.get("http", ""), m["voter"]) for m in members)
+            except (MemberExists, Unauthorized, BadRequest):
+                raise
+            except (Conflict, NotLeader, Unavailable, Timeout) as e:
+                # Adding the same member again is idempotent, so a Timeout (outcome
+                # unknown) is retried like the rest.
+                if loop.time() + delay > deadline:
+                    raise Unavailable(
+                        f"--join {config.join}: the cluster did not add {config.id} within {config.join_timeout_s:g}s "
+                        f"(last answer: {e}); check that the cluster has a leader (kv status), or raise --join-timeout"
+                    ) from e
+                log.info("join: not added yet (%s); retrying in %.1fs", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
 
 async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
@@ -102,9 +125,14 @@ async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str |
 
     log = logging.getLogger("kv.serve")
     sslctx = _ssl_context(tls_cert, tls_key)
-    fresh = not os.path.exists(config.ledger_path)
-    initial = await join_cluster(config) if config.join and fresh else None
-    node = Node(config, initial_membership=initial)
+    lock = DataDirLock.acquire(config.data_dir)  # before anything in it is looked at
+    try:
+        fresh = not os.path.exists(config.ledger_path)
+        initial = await join_cluster(config) if config.join and fresh else None
+    except BaseException:
+        lock.release()
+        raise
+    node = Node(config, initial_membership=initial, data_dir_lock=lock)
     await node.start()
     tune_gc()
     runner = None

@@ -9,6 +9,7 @@ import sys
 import time
 
 from .client import AsyncClient
+from .datadir import DataDirLock
 from .errors import SnapshotError
 from .snapshot.format import SnapshotFormatError, verify
 from .snapshot.restore import RestoreError, restore
@@ -69,10 +70,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.snap_cmd == "restore":
         from .config import parse_peers
 
+        peers = parse_peers(args.peers)
+        lock = DataDirLock.acquire(args.data_dir)
         try:
-            summary = restore(args.file, args.data_dir, args.id, parse_peers(args.peers), group=args.group, progress=lambda m: print(m, file=sys.stderr))
+            summary = restore(args.file, args.data_dir, args.id, peers, group=args.group, progress=lambda m: print(m, file=sys.stderr))
         except RestoreError as e:
             raise SnapshotError(str(e)) from e
+        finally:
+            lock.release()
         print(f"restored {summary['keys']} keys at index {summary['index']} (term {summary['term']}) into {summary['data_dir']} for {args.id}; members: {', '.join(summary['members'])}")
         return 0
     parser.parse_args(["snapshot", "--help"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 
 from ._loop import LoopThread
@@ -88,6 +89,13 @@ class Store:
         self._lt = LoopThread(f"kv-store-{path}")
         self._loop = self._lt.loop
         self._node = Node(self.config)
+        # A store a script never closes is closed when it is collected, or at interpreter
+        # exit while the loop thread and the executors still run: threading's exit hooks
+        # run (latest first) before concurrent.futures refuses new work and before plain
+        # atexit hooks; a __del__ at finalization would wait on a frozen thread forever.
+        self._closer = weakref.finalize(self, _close_store, self._lt, self._node)
+        self._closer.atexit = False
+        threading._register_atexit(self._closer)
         self._queue: collections.deque[_Slot] = collections.deque()
         self._drain_scheduled = False
         try:
@@ -241,12 +249,7 @@ class Store:
         return self._call(_status(self._node))
 
     def close(self) -> None:
-        if self._closed:
-            return
-        try:
-            self._lt.call(self._node.stop())
-        finally:
-            self._lt.close()
+        self._closer()
 
     def __enter__(self) -> Store:
         return self
@@ -254,10 +257,14 @@ class Store:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        lt = getattr(self, "_lt", None)
-        if lt is not None and not lt.closed:
-            self.close()
+
+def _close_store(lt: LoopThread, node: Node) -> None:
+    if lt.closed:
+        return
+    try:
+        lt.call(node.stop())
+    finally:
+        lt.close()
 
 
 async def _status(node: Node) -> dict:

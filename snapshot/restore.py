@@ -34,7 +34,8 @@ def restore(
     say = progress or (lambda _m: None)
     if node_id not in peers:
         raise RestoreError(f"--peers must list the restored node {node_id!r}")
-    if os.path.exists(data_dir) and os.listdir(data_dir):
+    # The caller may hold the data dir's lock (a file named LOCK in it): that is not content.
+    if os.path.exists(data_dir) and set(os.listdir(data_dir)) - {"LOCK"}:
         raise RestoreError(f"{data_dir} is not empty: restore only seeds a new, empty data dir (pick another or remove it)")
     say(f"verifying {snapshot_file} ...")
     try:

@@ -60,6 +60,10 @@ class StateCorrupt(Exception):
     """The state directory is incomplete or unreadable."""
 
 
+class StateLocked(Exception):
+    """LevelDB's own lock is held by another opener: the directory is in use, not damaged."""
+
+
 DAMAGED_MARKER = "DAMAGED"  # written into the state dir when a read finds corruption
 
 
@@ -80,6 +84,8 @@ class LevelDBStateMachine:
         except plyvel.Error as e:
             if getattr(self, "_db", None) is not None:
                 self._db.close()
+            if isinstance(e, plyvel.IOError) and "lock" in str(e).lower():
+                raise StateLocked(f"the state machine in {path} is open in another process ({e})") from e
             raise StateCorrupt(f"the state machine in {path} cannot be opened ({e})") from e
         self._applied = _TWO_U64.unpack(raw) if raw else (0, 0)
         self._membership = self._db.get(_MEMBERSHIP) or b""

@@ -105,8 +105,8 @@ def test_replace_a_dead_node_with_a_new_one_on_a_new_address(tmp_path):
         dead = next(i for i in c.ids if i != lead)
         c.kill(dead)
         with Writer(c) as w:
-            time.sleep(3)  # enough writes that the leader compacts: the newcomer needs a snapshot
-            assert c.status(c.leader())["ledger_begin_index"] > 0
+            # Enough writes that the leader compacts: the newcomer needs a snapshot.
+            wait_until(lambda: c.status(c.leader())["ledger_begin_index"] > 0, timeout=60, what="the leader compacted")
             code, _, _ = c.request(c.leader(), "DELETE", f"/v1/members/{dead}")
             assert code == 200
             c.ids.remove(dead)

@@ -1,0 +1,355 @@
+"""User-level tests: the CLI and the Python API from separate OS processes, the way people
+use them — including their first mistakes (the same data dir twice, `kv cluster up` run
+twice, a script that never closes its client, a join while the cluster is busy). Each
+checks afterwards that nothing was lost and nothing in the data dir was touched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from cluster import ProcCluster
+from ports import free_port
+
+PY = sys.executable
+
+
+def run_py(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def kv_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "kv", *args], capture_output=True, text=True, timeout=timeout)
+
+
+LOCK_FILES = {"LOCK", "lock.mdb"}  # ours and LMDB's: an opener may touch them, never data
+
+
+def tree(path: str) -> dict[str, tuple[int, int]]:
+    """Every data file under path with its size and mtime: what "nothing changed" compares."""
+    out = {}
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            if f in LOCK_FILES:
+                continue
+            p = os.path.join(root, f)
+            st = os.stat(p)
+            out[os.path.relpath(p, path)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not reached in {timeout}s")
+
+
+def one_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{stderr}"
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+# -- one owner per data dir ---------------------------------------------------------------
+
+HOLDER = """
+import sys, kv
+db = kv.open(sys.argv[1])
+for i in range(100):
+    db.put(f"k{i}", b"first")
+print("ready", flush=True)
+sys.stdin.readline()
+for i in range(100, 200):
+    db.put(f"k{i}", b"second")
+db.close()
+print("done", flush=True)
+"""
+
+
+def test_a_second_opener_of_an_embedded_store_is_refused_and_changes_nothing(tmp_path):
+    d = str(tmp_path / "store")
+    holder = subprocess.Popen([PY, "-c", HOLDER, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        before = tree(d)
+        second = run_py(
+            """
+            import sys, kv
+            try:
+                kv.open(sys.argv[1])
+            except kv.DataDirLocked as e:
+                assert isinstance(e, kv.KVError)
+                print(e)
+                sys.exit(3)
+            """,
+            d,
+        )
+        assert second.returncode == 3, second.stderr
+        assert f"in use by process {holder.pid}" in second.stdout
+        served = kv_cli("serve", "--id", "local", "--data-dir", d, "--http", f"127.0.0.1:{free_port()}")
+        assert served.returncode != 0
+        assert f"in use by process {holder.pid}" in one_line(served.stderr)
+        assert tree(d) == before, "a refused opener changed the data dir"
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "done"
+        assert holder.wait(30) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    check = run_py(
+        """
+        import sys, kv
+        with kv.open(sys.argv[1]) as db:
+            items = {i.key: i.value for i in db.scan("k")}
+        assert len(items) == 200, len(items)
+        assert all(items[f"k{i}"] == (b"first" if i < 100 else b"second") for i in range(200))
+        print("ok")
+        """,
+        d,
+    )
+    assert check.stdout.strip() == "ok", check.stderr
+    assert not [n for n in os.listdir(d) if "damaged" in n]
+
+
+def test_kv_serve_on_a_live_members_dir_is_refused(tmp_path):
+    c = ProcCluster(str(tmp_path))
+    try:
+        c.start()
+        lead = c.leader()
+        for i in range(30):
+            c.put(lead, f"a{i}", b"v")
+        victim = next(i for i in c.ids if i != lead)
+        before = set(os.listdir(c.data_dir(victim)))
+        r = kv_cli(
+            "serve", "--id", victim, "--data-dir", c.data_dir(victim), "--http", f"127.0.0.1:{free_port()}",
+            "--peers", c.peers_for(victim).replace(c.listen[victim], f"127.0.0.1:{free_port()}"),
+        )
+        assert r.returncode != 0
+        assert f"in use by process {c.procs[victim].pid}" in one_line(r.stderr)
+        assert set(os.listdir(c.data_dir(victim))) == before
+        assert all(c.alive(i) for i in c.ids)
+        for i in range(30, 60):
+            c.put(c.leader(), f"a{i}", b"v")
+        c.wait_converged()
+        for i in c.ids:
+            assert len([k for k, _, _ in c.dump(i) if k.startswith("a")]) == 60
+    finally:
+        c.close()
+
+
+def test_kv_serve_on_a_dir_of_another_cluster_is_refused_and_changes_nothing(tmp_path):
+    c = ProcCluster(str(tmp_path / "a"))
+    try:
+        c.start()
+        c.put(c.leader(), "kept", b"yes")
+        c.wait_converged()
+    finally:
+        c.close()
+    d = c.data_dir("n1")
+    before = tree(d)
+    for args, says in (
+        (["--id", "n1", "--group", "other"], "of group 'default'"),
+        (["--id", "n2"], "belongs to node 'n1'"),
+    ):
+        port = free_port()
+        r = kv_cli("serve", *args, "--data-dir", d, "--http", f"127.0.0.1:{free_port()}", "--peers", f"{args[1]}=127.0.0.1:{port}")
+        assert r.returncode != 0
+        assert says in one_line(r.stderr)
+    assert tree(d) == before
+
+
+def _free_base_port() -> int:
+    """A base port B with B..B+2 and B+100..B+102 free (the layout of `kv cluster up`)."""
+    for _ in range(50):
+        base = free_port()
+        if base + 102 >= 60000:
+            continue
+        try:
+            for p in (base, base + 1, base + 2, base + 100, base + 101, base + 102):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no free port range for kv cluster up")
+
+
+def test_cluster_up_twice_on_one_dir_refuses_the_second_and_keeps_the_first(tmp_path):
+    d = str(tmp_path / "kvdata")
+    base = _free_base_port()
+    endpoints = ",".join(f"http://127.0.0.1:{base + i}" for i in range(3))
+    up_args = ["cluster", "up", "--data-dir", d, "--base-port", str(base), "--heartbeat-ms", "50", "--election-timeout-ms", "500"]
+    out = open(tmp_path / "up.out", "w")
+    first = subprocess.Popen([PY, "-m", "kv", *up_args], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: kv_cli("put", "hello", "world", "--endpoints", endpoints, "--timeout", "5").returncode == 0, 60, "a write")
+        node_dirs = {n: set(os.listdir(os.path.join(d, n))) for n in ("n1", "n2", "n3")}
+        second = kv_cli(*up_args, "--base-port", str(_free_base_port()))
+        assert second.returncode != 0
+        assert f"in use by process {first.pid}" in one_line(second.stderr)
+        assert first.poll() is None
+        got = kv_cli("get", "hello", "--endpoints", endpoints)
+        assert got.returncode == 0 and got.stdout.strip() == "world"
+        assert {n: set(os.listdir(os.path.join(d, n))) for n in node_dirs} == node_dirs
+        first.send_signal(signal.SIGINT)
+        assert first.wait(30) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+        out.close()
+
+
+def test_cluster_up_whose_nodes_die_at_start_exits_non_zero_naming_them(tmp_path):
+    d = str(tmp_path / "kvdata")
+    # A heartbeat longer than half the election timeout: every node refuses to start.
+    r = kv_cli("cluster", "up", "--data-dir", d, "--base-port", str(_free_base_port()), "--heartbeat-ms", "800", timeout=90)
+    assert r.returncode != 0
+    for n in ("n1", "n2", "n3"):
+        assert f"node {n} exited with code 1; its log is {os.path.join(os.path.abspath(d), n, 'serve.log')}" in r.stdout
+    assert "election-timeout" in r.stdout  # the node's own one-line reason
+
+
+# -- the HTTP client ----------------------------------------------------------------------
+
+CLIENT_SCRIPT = """
+import sys, kv
+c = kv.Client(sys.argv[1])  # never closed: the script must still end quietly
+c.put("services/api", b'{"port": 8080}')
+item = c.get("services/api")
+assert item.value == b'{"port": 8080}' and item.mod_index > 0, item
+c.cas("services/api", item.mod_index, b'{"port": 9090}')
+try:
+    c.cas("services/api", item.mod_index, b'{"port": 1}')
+    sys.exit("a stale compare-and-set succeeded")
+except kv.PreconditionFailed as e:
+    now = c.get("services/api")
+    assert e.key == "services/api" and e.mod_index == now.mod_index > item.mod_index, (e.key, e.mod_index, now)
+    assert now.value == b'{"port": 9090}'
+try:
+    c.put("services/db", b"x", if_absent=True)
+    c.put("services/db", b"y", if_absent=True)
+    sys.exit("if_absent wrote over an existing key")
+except kv.PreconditionFailed as e:
+    assert e.key == "services/db" and e.mod_index > 0
+c.put_many({f"hosts/{i:05d}": b"up" for i in range(2500)})
+keys = [i.key for i in c.scan("hosts/")]
+assert keys == [f"hosts/{i:05d}" for i in range(2500)], len(keys)
+assert len(list(c.scan("hosts/", limit=10))) == 10
+print("ok")
+"""
+
+ASYNC_CLIENT_SCRIPT = """
+import asyncio, sys, kv
+
+async def main():
+    c = kv.AsyncClient(sys.argv[1])  # never closed either
+    await c.put("a", b"1")
+    item = await c.get("a")
+    await c.cas("a", item.mod_index, b"2")
+    assert len(await c.scan("hosts/")) == 2500
+    print("ok")
+
+asyncio.run(main())
+"""
+
+
+def test_client_read_then_cas_over_http_from_another_process(tmp_path):
+    c = ProcCluster(str(tmp_path))
+    try:
+        c.start()
+        lead = c.leader()
+        follower = next(i for i in c.ids if i != lead)  # writes are forwarded
+        for script in (CLIENT_SCRIPT, ASYNC_CLIENT_SCRIPT):
+            r = run_py(script, c.url(follower))
+            assert r.stdout.strip() == "ok", r.stderr
+            assert "Unclosed" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+        c.wait_converged()
+        assert sum(1 for k, _, _ in c.dump(lead) if k.startswith("hosts/")) == 2500
+    finally:
+        c.close()
+
+
+def test_node_scan_reads_past_a_thousand_keys(tmp_path):
+    r = run_py(
+        """
+        import asyncio, sys, kv
+
+        async def main():
+            async with kv.Node(id="n1", data_dir=sys.argv[1]) as node:
+                await node.txn(ops=[kv.Put(f"s/{i:05d}", b"x") for i in range(2345)])
+                assert len(await node.scan("s/")) == 2345
+                assert len(await node.scan("s/", limit=7)) == 7
+                assert len([i async for i in node.scan("s/", page=100)]) == 2345
+            print("ok")
+
+        asyncio.run(main())
+        """,
+        str(tmp_path / "n1"),
+    )
+    assert r.stdout.strip() == "ok", r.stderr
+
+
+# -- joining ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_joins_wait_for_a_cluster_that_is_not_up_yet_and_for_each_other(tmp_path):
+    c = ProcCluster(str(tmp_path), proxies=False)
+    try:
+        c.add_node("n4")
+        c.add_node("n5")
+        # Both ask n1 before it runs (connection refused), then at the same time (one of the
+        # two changes is refused with 409 while the other is in flight): both must wait.
+        c.start("n4", "n5", wait=False, join_via="n1")
+        time.sleep(1.0)
+        assert c.alive("n4") and c.alive("n5")
+        c.start("n1", "n2", "n3")
+
+        def voters():
+            try:
+                return {m["id"] for m in c.members(c.leader()) if m["voter"]}
+            except (OSError, AssertionError):
+                return set()
+
+        wait_until(lambda: voters() == {"n1", "n2", "n3", "n4", "n5"}, 90, "n4 and n5 voters")
+        assert c.alive("n4") and c.alive("n5")
+        c.put(c.leader(), "after-join", b"1")
+        c.wait_converged()
+    finally:
+        c.close()
+
+
+def test_join_gives_up_on_a_permanent_refusal_and_after_its_timeout(tmp_path):
+    c = ProcCluster(str(tmp_path), proxies=False)
+    try:
+        c.start()
+        # The id is already a member with another address: no point in waiting.
+        t0 = time.monotonic()
+        r = kv_cli(
+            "serve", "--id", "n2", "--data-dir", str(tmp_path / "imposter"), "--http", f"127.0.0.1:{free_port()}",
+            "--peers", f"n2=127.0.0.1:{free_port()}", "--join", c.url("n1"),
+        )
+        assert r.returncode != 0 and "already a member" in one_line(r.stderr)
+        assert time.monotonic() - t0 < 30
+    finally:
+        c.close()
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = kv_cli(
+        "serve", "--id", "n9", "--data-dir", str(tmp_path / "n9"), "--http", f"127.0.0.1:{free_port()}",
+        "--peers", f"n9=127.0.0.1:{free_port()}", "--join", dead, "--join-timeout", "3",
+    )
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "did not add n9 within 3s" in r.stderr.strip().splitlines()[-1]  # after its log lines of retrying
