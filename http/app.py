@@ -12,7 +12,7 @@ from aiohttp import web
 from kv import Node, Unauthorized
 from kv.metrics import Counter, Gauge
 
-from . import routes_admin, routes_kv, routes_members
+from . import routes_admin, routes_kv, routes_leases, routes_members
 from .context import CONTEXT, HttpContext
 from .errors import error_response, run_handler
 
@@ -91,6 +91,7 @@ def create_app(node: Node, *, token: str | None = None) -> web.Application:
     routes_kv.add_routes(app)
     routes_admin.add_routes(app)
     routes_members.add_routes(app)
+    routes_leases.add_routes(app)
 
     async def session_ctx(app: web.Application):
         c.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))

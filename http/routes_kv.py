@@ -40,11 +40,15 @@ async def put_key(request: web.Request) -> web.Response:
     if_none = request.headers.get("If-None-Match")
     if if_none is not None and if_none.strip() != "*":
         raise BadRequest('only If-None-Match: * is supported (write only if the key does not exist)')
+    lease = request.query.get("lease")
+    if lease is not None and not (lease.isascii() and lease.isdigit() and len(lease) <= 19):
+        raise BadRequest(f"lease must be a lease id (a positive integer), not {lease!r}")
     r = await c.node.put(
         key,
         value,
         if_mod_index=_etag_index(if_match, "If-Match") if if_match is not None else None,
         if_absent=if_none is not None,
+        lease=int(lease) if lease is not None else None,
     )
     return json_response({"index": r.index, "term": r.term}, headers={"ETag": f'"{r.index}"'})
 

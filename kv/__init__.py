@@ -34,6 +34,7 @@ from .errors import (  # noqa: E402
     Conflict,
     DataDirLocked,
     KVError,
+    LeaseNotFound,
     MemberExists,
     NoQuorum,
     NotFound,
@@ -45,7 +46,7 @@ from .errors import (  # noqa: E402
     Unavailable,
     ValueTooLarge,
 )
-from .node import DeleteResult, Event, Item, Node, TxnResult, Watch, WatchCompacted, WriteResult  # noqa: E402
+from .node import DeleteResult, Event, Item, LeaseStatus, Node, RevokeResult, TxnResult, Watch, WatchCompacted, WriteResult  # noqa: E402
 from .statemachine.commands import Cond, Delete, Get, Put  # noqa: E402
 from .store import Store, open  # noqa: E402,A004
 
@@ -63,6 +64,8 @@ __all__ = [
     "Get",
     "Item",
     "KVError",
+    "LeaseNotFound",
+    "LeaseStatus",
     "MemberExists",
     "Node",
     "NodeConfig",
@@ -71,6 +74,7 @@ __all__ = [
     "NotLeader",
     "PreconditionFailed",
     "Put",
+    "RevokeResult",
     "SnapshotError",
     "Store",
     "Timeout",

@@ -4,11 +4,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Coroutine
 from typing import Any
 
 from .errors import Unavailable
+
+
+async def _cancel_all() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class LoopThread:
@@ -33,6 +41,10 @@ class LoopThread:
     def close(self) -> None:
         if self.closed:
             return
+        # Background tasks left on the loop (a lease's keepalives, say) end here, instead
+        # of being destroyed pending when the loop closes.
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(10)
         self.closed = True
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()

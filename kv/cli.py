@@ -137,10 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--peers", required=True, help="the new cluster's members: ID=HOST:PORT,...")
     rs.add_argument("--group", default="default")
 
-    from . import bench, spark_cli
+    from . import bench, lease_cli, spark_cli
 
     bench.add_parser(sub)
     spark_cli.add_parser(sub)
+    lease_cli.add_parser(sub)
     return p
 
 
@@ -190,6 +191,10 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from . import bench
 
         return bench.run(args)
+    if args.cmd == "lease":
+        from . import lease_cli
+
+        return lease_cli.run(args)
     if args.cmd == "snapshot":
         from . import snapshot_cli
 

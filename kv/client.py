@@ -27,7 +27,8 @@ from multidict import CIMultiDict
 from . import errors
 from ._loop import LoopThread
 from .logstream import RecordReader
-from .node import DeleteResult, Item, TxnResult, WriteResult
+from .coordination import AsyncLease, Lease
+from .node import DeleteResult, Item, LeaseStatus, RevokeResult, TxnResult, WriteResult, lease_id
 from .scan import Scan
 from .raft.messages import Entry
 from .statemachine.commands import Cond, Delete, Get, Put
@@ -45,6 +46,9 @@ _ERRORS = {
     413: errors.ValueTooLarge,
     504: errors.Timeout,
 }
+
+
+_JSON = {"Content-Type": "application/json"}
 
 
 def parse_endpoints(spec: str | Sequence[str] | None) -> list[str]:
@@ -69,6 +73,8 @@ def _raise_for(status: int, body: bytes, endpoint: str):
     msg = f"{endpoint}: {err.get('message') or body[:200].decode(errors='replace') or status}"
     if status == 412:
         raise errors.PreconditionFailed(str(err.get("key", "")), int(err.get("mod_index") or 0), msg)
+    if err.get("code") == errors.LeaseNotFound.code:
+        raise errors.LeaseNotFound(int(err.get("lease") or 0), msg)
     cls = _ERRORS_BY_CODE.get(err.get("code")) or _ERRORS.get(status)
     if cls is not None:
         raise cls(msg)
@@ -153,10 +159,14 @@ class AsyncClient:
         params: dict | None = None,
         endpoint: str | None = None,
         ok: tuple[int, ...] = (200,),
+        idempotent: bool | None = None,
     ) -> tuple[int, CIMultiDict, bytes]:
-        """One request with failover; returns (status, headers, body) for statuses in ok."""
+        """One request with failover; returns (status, headers, body) for statuses in ok.
+        A request that is not idempotent (by default: anything but GET and HEAD) is not
+        sent again once it may have reached a node."""
         deadline = time.monotonic() + self.timeout
-        idempotent = method in ("GET", "HEAD")
+        if idempotent is None:
+            idempotent = method in ("GET", "HEAD")
         delay = 0.05
         tries = 0
         last: Exception | None = None
@@ -195,16 +205,18 @@ class AsyncClient:
 
     # -- the store API ---------------------------------------------------------------------
 
-    async def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False) -> WriteResult:
+    async def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None) -> WriteResult:
         """Write a value once a majority has it (fsynced) and the leader applied it.
         `if_mod_index=N` writes only if the key's mod_index is N, `if_absent` only if the
-        key does not exist; otherwise PreconditionFailed (with the key's current mod_index)."""
+        key does not exist; otherwise PreconditionFailed (with the key's current mod_index).
+        `lease` (an id or a Lease) attaches the key to it: LeaseNotFound if there is none."""
         headers = {}
         if if_mod_index is not None:
             headers["If-Match"] = f'"{if_mod_index}"'
         if if_absent:
             headers["If-None-Match"] = "*"
-        d = await self._json("PUT", _key_path(key), data=bytes(value), headers=headers)
+        params = {"lease": str(lease_id(lease))} if lease is not None else None
+        d = await self._json("PUT", _key_path(key), data=bytes(value), headers=headers, params=params)
         return WriteResult(d["index"], d["term"])
 
     async def cas(self, key: str, expected_mod_index: int, value: bytes) -> WriteResult:
@@ -259,6 +271,38 @@ class AsyncClient:
         """Write many keys in one atomic transaction."""
         pairs = items.items() if isinstance(items, dict) else items
         return await self.txn(ops=[Put(k, v) for k, v in pairs])
+
+    # -- leases ----------------------------------------------------------------------------
+
+    def lease(self, ttl: float, *, on_lost=None) -> AsyncLease:
+        """A lease that keeps itself alive until revoked: `async with c.lease(10) as l`, or
+        `l = await c.lease(10)`; see kv.coordination.AsyncLease."""
+        return AsyncLease(self, ttl, on_lost=on_lost)
+
+    async def lease_grant(self, ttl: float) -> LeaseStatus:
+        """A new lease of `ttl` seconds (more than 0, at most a year)."""
+        d = await self._json("POST", "/v1/leases", data=orjson.dumps({"ttl": ttl}), headers=_JSON)
+        return LeaseStatus(d["id"], d["ttl"], d["ttl"])
+
+    async def lease_keepalive(self, lease: int) -> LeaseStatus:
+        """Renew a lease to its full ttl (LeaseNotFound once it expired or was revoked)."""
+        d = await self._json("POST", f"/v1/leases/{lease_id(lease)}/keepalive", idempotent=True)
+        return LeaseStatus(d["id"], d["ttl"], d["ttl"])
+
+    async def lease_revoke(self, lease: int) -> RevokeResult:
+        """End a lease now; its keys are deleted in the same committed entry."""
+        d = await self._json("DELETE", f"/v1/leases/{lease_id(lease)}")
+        return RevokeResult(d["index"], tuple(d["keys"]))
+
+    async def lease_info(self, lease: int) -> LeaseStatus:
+        """A lease's ttl, the seconds it has left on the leader's clock, and its keys."""
+        d = await self._json("GET", f"/v1/leases/{lease_id(lease)}")
+        return LeaseStatus(d["id"], d["ttl"], d["remaining"], tuple(d["keys"]))
+
+    async def lease_list(self) -> list[LeaseStatus]:
+        """Every live lease (without its keys)."""
+        d = await self._json("GET", "/v1/leases")
+        return [LeaseStatus(x["id"], x["ttl"], x["remaining"]) for x in d["leases"]]
 
     # -- administration --------------------------------------------------------------------
 
@@ -427,9 +471,22 @@ class Client:
     download_snapshot = _blocking(AsyncClient.download_snapshot)
     read_log = _blocking_iter(AsyncClient.read_log)
     members = _blocking(AsyncClient.members)
+    lease_grant = _blocking(AsyncClient.lease_grant)
+    lease_keepalive = _blocking(AsyncClient.lease_keepalive)
+    lease_revoke = _blocking(AsyncClient.lease_revoke)
+    lease_info = _blocking(AsyncClient.lease_info)
+    lease_list = _blocking(AsyncClient.lease_list)
     add_member = _blocking(AsyncClient.add_member)
     remove_member = _blocking(AsyncClient.remove_member)
     promote_member = _blocking(AsyncClient.promote_member)
+
+    def lease(self, ttl: float, *, on_lost=None) -> Lease:
+        """A lease that keeps itself alive (on this client's thread) until revoked:
+
+            with client.lease(10) as lease:
+                client.put("services/api", b"10.0.0.1:8080", lease=lease)
+        """
+        return Lease(self._lt.call(AsyncLease(self._async, ttl, on_lost=on_lost).grant()), self._lt)
 
     def _iterate(self, it: AsyncIterator[R]) -> Iterator[R]:
         try:

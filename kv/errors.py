@@ -33,6 +33,20 @@ class NotFound(KVError, KeyError):
         return str(self.args[0]) if self.args else "not found"
 
 
+class LeaseNotFound(NotFound):
+    """The lease does not exist: it expired, was revoked, or was never granted. Nothing was
+    written; grant a new lease."""
+
+    code = "LEASE_NOT_FOUND"
+
+    def __init__(self, lease: int, message: str | None = None) -> None:
+        self.lease = lease
+        super().__init__(message or f"lease {lease} does not exist (it expired, was revoked, or was never granted); grant a new one")
+
+    def details(self) -> dict:
+        return {"lease": self.lease}
+
+
 class PreconditionFailed(KVError):
     """A condition (If-Match, If-None-Match, a txn compare) did not hold; nothing changed."""
 

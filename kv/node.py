@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from .config import NodeConfig, check_hostport
+from .coordination import AsyncLease
 from .datadir import DataDirLock
+from .leases import LeaseClock
 from .scan import Scan
 from .metrics import Histogram
 from .errors import (
@@ -21,6 +23,8 @@ from .errors import (
     Compacted,
     Conflict,
     DataDirLocked,
+    KVError,
+    LeaseNotFound,
     MemberExists,
     NotFound,
     NoQuorum,
@@ -67,6 +71,21 @@ class TxnResult(NamedTuple):
     term: int
     succeeded: bool
     results: tuple  # per op: WriteResult, DeleteResult or Item|None for a get
+
+
+class LeaseStatus(NamedTuple):
+    """A lease: its ttl and the seconds left on the leader's clock (the full ttl right
+    after a grant), and the keys attached to it."""
+
+    id: int
+    ttl: float
+    remaining: float
+    keys: tuple[str, ...] = ()
+
+
+class RevokeResult(NamedTuple):
+    index: int
+    keys: tuple[str, ...]  # deleted with the lease
 
 
 class Event(NamedTuple):
@@ -147,6 +166,7 @@ class Node:
         self.ledger: Ledger | None = None
         self.caller: FSMCaller | None = None
         self.snapshots = None  # snapshot.manager.SnapshotManager, set in start()
+        self.leases = LeaseClock(self)
         self._watches: set[Watch] = set()
         # Recent changes as (index, key, value) for watches that start in the past.
         self._history: collections.deque[tuple[int, str, bytes | None]] = collections.deque(maxlen=10_000)
@@ -198,6 +218,7 @@ class Node:
             applied_index=self.sm.applied()[0],
             refuse_peer=lambda peer: peer in self.sm.removed(),
             dial=c.peers,
+            serve_local=self._serve_local,
         )
         self.raft.result_encoder = cmds.encode_result
         self.sm.on_changes = self._on_changes
@@ -205,6 +226,7 @@ class Node:
         self.snapshots.attach(self.raft, self.caller)
         await self.raft.start()
         self.caller.start()
+        self.leases.start()
         self.started_at = time.time()
         return self
 
@@ -253,6 +275,7 @@ class Node:
         return Membership.of(Member(i, addr, me_url if i == c.id else "") for i, addr in (c.peers or {c.id: ""}).items())
 
     async def stop(self) -> None:
+        await self.leases.stop()
         if self.snapshots is not None:
             await self.snapshots.stop()  # a snapshot in progress still needs the ledger writer
         if self.raft is not None:
@@ -276,10 +299,12 @@ class Node:
 
     # -- writes ----------------------------------------------------------------------------
 
-    async def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, timeout: float | None = None) -> WriteResult:
+    async def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None, timeout: float | None = None) -> WriteResult:
         """Write a value. `if_mod_index=N` writes only if the key's mod_index is N (CAS);
-        `if_absent` only if the key does not exist. Raises PreconditionFailed otherwise."""
-        return write_result(await self.submit(self.put_command(key, value, if_mod_index, if_absent), timeout))
+        `if_absent` only if the key does not exist. Raises PreconditionFailed otherwise.
+        `lease=ID` attaches the key to a lease (LeaseNotFound if there is none); a put
+        without it detaches the key from the lease it had."""
+        return write_result(await self.submit(self.put_command(key, value, if_mod_index, if_absent, lease), timeout))
 
     async def cas(self, key: str, expected_mod_index: int, value: bytes, *, timeout: float | None = None) -> WriteResult:
         """Compare-and-set on the key's mod_index (0: the key must not exist)."""
@@ -293,8 +318,8 @@ class Node:
         kv.Put / kv.Delete / kv.Get; conditions are kv.Cond(key, kind, arg)."""
         return txn_result(await self.submit(self.txn_command(conds, ops, else_ops), timeout))
 
-    def put_command(self, key: str, value: bytes, if_mod_index: int | None = None, if_absent: bool = False) -> cmds.Put:
-        return cmds.Put(key, self._value(value), _cond(key, if_mod_index, if_absent))
+    def put_command(self, key: str, value: bytes, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None) -> cmds.Put:
+        return cmds.Put(key, self._value(value), _cond(key, if_mod_index, if_absent), lease_id(lease) if lease is not None else 0)
 
     def txn_command(self, conds: Sequence[cmds.Cond], ops: Sequence, else_ops: Sequence) -> cmds.Txn:
         limit = self.config.max_value_bytes
@@ -321,6 +346,8 @@ class Node:
         self.counters["writes"] += 1
         while True:
             try:
+                if raft.role == Role.LEADER and cmds.is_local(payload):
+                    return Applied(raft.applied_index, raft.term, await self.leases.answer(cmd))
                 if raft.role == Role.LEADER:
                     (fut,) = raft.propose_many([(EntryKind.NORMAL, payload)], deadline)
                     t0 = time.perf_counter()
@@ -346,6 +373,16 @@ class Node:
             if resp.code == ForwardCode.STOPPED:
                 raise Timeout(f"the leader could not confirm the write: {resp.payload.decode()}")
             raise Unavailable(resp.payload.decode())
+
+    def _serve_local(self, payload: bytes):
+        """What the leader answers for a follower without logging it (see kv/leases.py)."""
+        return self._answer_local(payload) if cmds.is_local(payload) else None
+
+    async def _answer_local(self, payload: bytes) -> bytes:
+        try:
+            return cmds.encode_result(await self.leases.answer(cmds.decode(payload)))
+        except KVError as e:  # no quorum to confirm the leadership: the follower retries
+            raise raft_errors.NotLeader(None, str(e)) from e
 
     @staticmethod
     async def _outcome(waiting, wait: float):
@@ -431,6 +468,37 @@ class Node:
             return [Item(k, v, m) for k, v, m in rows], len(rows) == n
 
         return Scan(fetch, after=after, limit=limit, page=page)
+
+    # -- leases ----------------------------------------------------------------------------
+
+    def lease(self, ttl: float, *, on_lost=None) -> AsyncLease:
+        """A lease that keeps itself alive until revoked: `async with node.lease(10) as l`
+        or `l = await node.lease(10)`; see kv.coordination.AsyncLease."""
+        return AsyncLease(self, ttl, on_lost=on_lost)
+
+    async def lease_grant(self, ttl: float, *, timeout: float | None = None) -> LeaseStatus:
+        """A new lease of `ttl` seconds (more than 0, at most a year); keep it alive with
+        lease_keepalive (or use `lease()`, which does), attach keys with put(lease=...)."""
+        r = _raise_failed((await self.submit(cmds.LeaseGrant(ttl_ms(ttl)), timeout)).result)
+        return lease_status(r)
+
+    async def lease_keepalive(self, lease: int, *, timeout: float | None = None) -> LeaseStatus:
+        """Renew a lease to its full ttl (LeaseNotFound once it expired or was revoked)."""
+        return lease_status(_raise_failed((await self.submit(cmds.LeaseKeepAlive(lease_id(lease)), timeout)).result))
+
+    async def lease_revoke(self, lease: int, *, timeout: float | None = None) -> RevokeResult:
+        """End a lease now; its keys are deleted in the same committed entry."""
+        r = _raise_failed((await self.submit(cmds.LeaseRevoke(lease_id(lease)), timeout)).result)
+        return RevokeResult(r.index, r.keys)
+
+    async def lease_info(self, lease: int, *, timeout: float | None = None) -> LeaseStatus:
+        """A lease's ttl, the seconds it has left (on the leader's clock) and its keys."""
+        return lease_status(_raise_failed((await self.submit(cmds.LeaseQuery(lease_id(lease)), timeout)).result))
+
+    async def lease_list(self, *, timeout: float | None = None) -> list[LeaseStatus]:
+        """Every live lease (without its keys)."""
+        r = (await self.submit(cmds.LeaseQuery(0), timeout)).result
+        return [lease_status(x) for x in r.leases]
 
     # -- watch -----------------------------------------------------------------------------
 
@@ -623,7 +691,31 @@ def unknown_outcome(e: Exception, wait: float) -> Timeout:
     return Timeout(f"the node stopped before the write was confirmed; it may or may not have been committed ({e})")
 
 
+def ttl_ms(ttl: float) -> int:
+    """A lease ttl in seconds, checked, as whole milliseconds."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl != ttl:
+        raise BadRequest(f"a lease's ttl is a number of seconds, not {ttl!r}")
+    ms = round(ttl * 1000)
+    if not 0 < ms <= cmds.MAX_TTL_MS:
+        raise BadRequest(f"a lease's ttl is more than 0 and at most a year ({cmds.MAX_TTL_MS // 1000} s), not {ttl!r}")
+    return ms
+
+
+def lease_id(lease) -> int:
+    """A lease id, from an int or anything with an `.id` (a Lease)."""
+    lid = getattr(lease, "id", lease)
+    if isinstance(lid, bool) or not isinstance(lid, int) or not 0 < lid < 1 << 63:
+        raise BadRequest(f"a lease id is a positive integer, not {lid!r}")
+    return lid
+
+
+def lease_status(r: cmds.LeaseInfo) -> LeaseStatus:
+    return LeaseStatus(r.lease, r.ttl_ms / 1000, r.remaining_ms / 1000, r.keys)
+
+
 def _raise_failed(result):
+    if isinstance(result, cmds.NoSuchLease):
+        raise LeaseNotFound(result.lease)
     if isinstance(result, cmds.PreconditionFailed):
         raise PreconditionFailed(result.key, result.mod_index)
     if isinstance(result, cmds.CommandError):

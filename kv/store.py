@@ -16,13 +16,16 @@ import weakref
 from collections.abc import Iterator, Sequence
 
 from ._loop import LoopThread
+from .coordination import AsyncLease, Lease
 from .config import NodeConfig
 from .errors import BadRequest, Unavailable
 from .node import (
     DeleteResult,
     Event,
     Item,
+    LeaseStatus,
     Node,
+    RevokeResult,
     TxnResult,
     WriteResult,
     delete_result,
@@ -129,9 +132,10 @@ class Store:
     # Ready, one fsync) and releases each lock when that command is applied. Anything out
     # of the ordinary (no leader yet) goes the general way, kv.Node.submit, with its retries.
 
-    def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False) -> WriteResult:
-        """Write durably. With if_mod_index / if_absent it is conditional (PreconditionFailed)."""
-        return write_result(self._submit(self._node.put_command(key, value, if_mod_index, if_absent)))
+    def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None) -> WriteResult:
+        """Write durably. With if_mod_index / if_absent it is conditional (PreconditionFailed);
+        with lease=ID the key goes when the lease does (LeaseNotFound if there is none)."""
+        return write_result(self._submit(self._node.put_command(key, value, if_mod_index, if_absent, lease)))
 
     def cas(self, key: str, expected_mod_index: int, value: bytes) -> WriteResult:
         return self.put(key, value, if_mod_index=expected_mod_index)
@@ -179,6 +183,27 @@ class Store:
         """Write many keys in one atomic, fsynced transaction."""
         pairs = items.items() if isinstance(items, dict) else items
         return self.txn(ops=[cmds.Put(k, v) for k, v in pairs])
+
+    # -- leases (kv.Node's, blocking) --------------------------------------------------------
+
+    def lease(self, ttl: float, *, on_lost=None) -> Lease:
+        """A lease that keeps itself alive until revoked (a context manager)."""
+        return Lease(self._call(AsyncLease(self._node, ttl, on_lost=on_lost).grant()), self._lt)
+
+    def lease_grant(self, ttl: float) -> LeaseStatus:
+        return self._call(self._node.lease_grant(ttl))
+
+    def lease_keepalive(self, lease: int) -> LeaseStatus:
+        return self._call(self._node.lease_keepalive(lease))
+
+    def lease_revoke(self, lease: int) -> RevokeResult:
+        return self._call(self._node.lease_revoke(lease))
+
+    def lease_info(self, lease: int) -> LeaseStatus:
+        return self._call(self._node.lease_info(lease))
+
+    def lease_list(self) -> list[LeaseStatus]:
+        return self._call(self._node.lease_list())
 
     # -- reads -----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
@@ -117,6 +117,7 @@ class RaftNode:
         max_pending: int = 1 << 16,
         refuse_peer: Callable[[str], bool] = lambda peer: False,
         dial: dict[str, str] | None = None,
+        serve_local: Callable[[bytes], Awaitable[bytes] | None] | None = None,
     ) -> None:
         self.id = config.node_id
         self.cfg = config
@@ -140,6 +141,9 @@ class RaftNode:
         # Encodes an apply result for a follower that forwarded the command (kv sets it).
         self.result_encoder: Callable[[Any], bytes] = lambda r: b""
         self._forwards: dict[int, asyncio.Future] = {}
+        # For a forwarded request the leader answers itself instead of logging it (a lease
+        # keepalive): returns the encoded answer, or None when the payload is to be proposed.
+        self._serve_local = serve_local
         self.applied_index = applied_index
         self._inbox: list[Message] = []
         self._proposals: list[tuple[int, bytes, asyncio.Future]] = []
@@ -284,9 +288,14 @@ class RaftNode:
     async def _serve_forward(self, m: ForwardRequest) -> None:
         code, index, term, payload = ForwardCode.OK, 0, 0, b""
         try:
-            deadline = asyncio.get_running_loop().time() + FORWARD_WAIT_S
-            applied = await self.propose(m.payload, deadline=deadline)
-            index, term, payload = applied.index, applied.term, self.result_encoder(applied.result)
+            local = self._serve_local(m.payload) if self._serve_local is not None else None
+            if local is not None:
+                payload = await local
+                index, term = self.applied_index, self.core.term
+            else:
+                deadline = asyncio.get_running_loop().time() + FORWARD_WAIT_S
+                applied = await self.propose(m.payload, deadline=deadline)
+                index, term, payload = applied.index, applied.term, self.result_encoder(applied.result)
         except NotLeader as e:
             code, payload = ForwardCode.NOT_LEADER, str(e).encode()
         except TransferInProgress as e:
@@ -600,6 +609,10 @@ class RaftNode:
     @property
     def leader_id(self) -> str | None:
         return self.core.leader_id
+
+    @property
+    def term(self) -> int:
+        return self.core.term
 
     def leader_url(self) -> str | None:
         """The client URL of the leader, if known (announced in its transport handshake)."""

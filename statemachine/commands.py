@@ -10,6 +10,14 @@ Commands:
 - Delete(key, cond)          remove
 - Txn(conds, ops, else_ops)  if every condition holds run `ops`, else `else_ops`, atomically
                              (ops: Put, Delete, Get)
+- LeaseGrant(ttl_ms)         a lease; its id is the index of the entry that granted it
+- LeaseRevoke(lease)         end a lease and delete its keys (the leader commits one when a
+                             lease expires on its clock)
+
+A Put with `lease` attaches the key to that lease (refused with NoSuchLease when the lease
+does not exist); a Put without one, or a Delete, detaches it. Two more commands never enter
+the log: LeaseKeepAlive and LeaseQuery are answered by the leader from its own clock (a
+follower forwards them), see kv/leases.py.
 
 A condition compares a key's `mod_index` (the log index of its last change; 0 when the
 key does not exist), its value, or its existence. `mod_index` is the HTTP ETag.
@@ -24,6 +32,8 @@ COMMAND_FORMAT = 1
 MAX_KEY_BYTES = 4096
 
 _OP_PUT, _OP_DELETE, _OP_TXN, _OP_GET = 1, 2, 3, 4
+_OP_PUT_LEASE, _OP_LEASE_GRANT, _OP_LEASE_REVOKE, _OP_LEASE_KEEPALIVE, _OP_LEASE_QUERY = 5, 6, 7, 8, 9
+MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
 _COND_MOD, _COND_VALUE, _COND_EXISTS = 1, 2, 3
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -56,6 +66,7 @@ class Put(NamedTuple):
     key: str
     value: bytes
     cond: Cond | None = None
+    lease: int = 0  # attach the key to this lease (0: none; detaches a lease it had)
 
 
 class Delete(NamedTuple):
@@ -77,7 +88,29 @@ class Txn(NamedTuple):
     else_ops: tuple[Put | Delete | Get, ...] = ()
 
 
-Command = Put | Delete | Txn
+class LeaseGrant(NamedTuple):
+    ttl_ms: int
+
+
+class LeaseRevoke(NamedTuple):
+    lease: int
+
+
+class LeaseKeepAlive(NamedTuple):
+    """Renew a lease to its full ttl: answered by the leader, never logged."""
+
+    lease: int
+
+
+class LeaseQuery(NamedTuple):
+    """One lease (lease > 0) or all of them (0), with the time left on the leader's clock:
+    answered by the leader, never logged."""
+
+    lease: int = 0
+
+
+Command = Put | Delete | Txn | LeaseGrant | LeaseRevoke
+LocalCommand = LeaseKeepAlive | LeaseQuery  # what a follower forwards but nobody logs
 
 
 # -- results (what apply hands back to the proposer) ------------------------------------------
@@ -111,12 +144,36 @@ class TxnResult(NamedTuple):
     results: tuple[PutResult | DeleteResult | GetResult, ...]
 
 
+class NoSuchLease(NamedTuple):
+    """The lease does not exist (expired, revoked, or never granted); nothing changed."""
+
+    lease: int
+
+
+class LeaseInfo(NamedTuple):
+    lease: int
+    ttl_ms: int
+    remaining_ms: int  # on the leader's clock; the full ttl where it was just granted
+    keys: tuple[str, ...] = ()
+
+
+class LeaseRevoked(NamedTuple):
+    index: int
+    keys: tuple[str, ...]  # the keys deleted with it
+
+
+class LeaseList(NamedTuple):
+    leases: tuple[LeaseInfo, ...]  # without their keys
+
+
 # -- encoding ---------------------------------------------------------------------------------
 
 
 def check_key(key: str) -> bytes:
     if not isinstance(key, str) or not key:
         raise CommandError("a key is a non-empty string")
+    if key[0] == "\x00":
+        raise CommandError("keys starting with a NUL character are reserved for ledgerkv's own records (leases)")
     raw = key.encode("utf-8")
     if len(raw) > MAX_KEY_BYTES:
         raise CommandError(f"key is {len(raw)} bytes long; the limit is {MAX_KEY_BYTES}")
@@ -146,9 +203,9 @@ def _ops(ops, parts: list) -> None:
     encoded inline, the rest by _op)."""
     pack16, pack32 = _U16.pack, _U32.pack
     for op in ops:
-        if type(op) is Put and op.cond is None and type(op.key) is str and type(op.value) is bytes:
+        if type(op) is Put and op.cond is None and not op.lease and type(op.key) is str and type(op.value) is bytes:
             raw = op.key.encode()
-            if not raw or len(raw) > MAX_KEY_BYTES:
+            if not raw or raw[0] == 0 or len(raw) > MAX_KEY_BYTES:
                 check_key(op.key)  # raises with the reason
             parts.append(_PUT_OPCODE + pack16(len(raw)) + raw + pack32(len(op.value)))
             parts.append(op.value)
@@ -160,6 +217,8 @@ def _ops(ops, parts: list) -> None:
 def _op(op: Put | Delete | Get) -> bytes:
     if getattr(op, "cond", None) is not None:
         raise CommandError("operations inside a transaction take no condition of their own: put it in the transaction's conds")
+    if getattr(op, "lease", 0):
+        raise CommandError("a lease is attached by a single put, not inside a transaction")
     if isinstance(op, Put):
         return bytes((_OP_PUT,)) + _key(op.key) + _U32.pack(len(op.value)) + bytes(op.value) + _cond(op.cond)
     if isinstance(op, Delete):
@@ -174,10 +233,32 @@ _PUT_HEAD = bytes((COMMAND_FORMAT, _OP_PUT))
 _PUT_OPCODE = bytes((_OP_PUT,))
 
 
-def encode(cmd: Command) -> bytes:
+def check_ttl_ms(ttl_ms: int) -> int:
+    if type(ttl_ms) is not int or not 0 < ttl_ms <= MAX_TTL_MS:
+        raise CommandError(f"a lease's ttl is more than 0 and at most a year ({MAX_TTL_MS // 1000} s)")
+    return ttl_ms
+
+
+def _lease_id(lease: int) -> bytes:
+    if type(lease) is not int or not 0 < lease < 1 << 63:
+        raise CommandError(f"a lease id is a positive integer below 2**63, not {lease!r}")
+    return _U64.pack(lease)
+
+
+def encode(cmd: Command | LocalCommand) -> bytes:
     if type(cmd) is Put:
         # The hot path: the value goes last, unprefixed, so the entry is just header + value.
+        if cmd.lease:
+            return _HEAD + bytes((_OP_PUT_LEASE,)) + _key(cmd.key) + _cond(cmd.cond) + _lease_id(cmd.lease) + bytes(cmd.value)
         return _PUT_HEAD + _key(cmd.key) + _cond(cmd.cond) + bytes(cmd.value)
+    if type(cmd) is LeaseGrant:
+        return _HEAD + bytes((_OP_LEASE_GRANT,)) + _U64.pack(check_ttl_ms(cmd.ttl_ms))
+    if type(cmd) is LeaseRevoke:
+        return _HEAD + bytes((_OP_LEASE_REVOKE,)) + _lease_id(cmd.lease)
+    if type(cmd) is LeaseKeepAlive:
+        return _HEAD + bytes((_OP_LEASE_KEEPALIVE,)) + _lease_id(cmd.lease)
+    if type(cmd) is LeaseQuery:
+        return _HEAD + bytes((_OP_LEASE_QUERY,)) + (_lease_id(cmd.lease) if cmd.lease else _U64.pack(0))
     if isinstance(cmd, Delete):
         return _HEAD + bytes((_OP_DELETE,)) + _key(cmd.key) + _cond(cmd.cond)
     if isinstance(cmd, Txn):
@@ -264,7 +345,7 @@ class _Reader:
         return tuple(out)
 
 
-def decode(data: bytes) -> Command:
+def decode(data: bytes) -> Command | LocalCommand:
     if not data:
         raise CommandError("empty command")
     version = data[0]
@@ -278,8 +359,15 @@ def decode(data: bytes) -> Command:
             key = r.key()
             cond = r.cond()
             return Put(key, data[r.o :], cond)
+        if code == _OP_PUT_LEASE:
+            key = r.key()
+            cond = r.cond()
+            lease = _U64.unpack(r.take(8))[0]
+            return Put(key, data[r.o :], cond, lease)
         if code == _OP_DELETE:
             cmd = Delete(r.key(), r.cond())
+        elif code in _LEASE_OPS:
+            cmd = _LEASE_OPS[code](_U64.unpack(r.take(8))[0])
         elif code == _OP_TXN:
             conds = tuple(r.cond() for _ in range(r.u16()))
             ops = r.ops(r.u32())
@@ -292,6 +380,14 @@ def decode(data: bytes) -> Command:
     if r.o != len(data):
         raise CommandError("stray bytes after the command")
     return cmd
+
+
+def is_local(payload: bytes) -> bool:
+    """Whether an encoded command is one the leader answers without logging it."""
+    return len(payload) > 1 and payload[0] == COMMAND_FORMAT and payload[1] in (_OP_LEASE_KEEPALIVE, _OP_LEASE_QUERY)
+
+
+_LEASE_OPS = {_OP_LEASE_GRANT: LeaseGrant, _OP_LEASE_REVOKE: LeaseRevoke, _OP_LEASE_KEEPALIVE: LeaseKeepAlive, _OP_LEASE_QUERY: LeaseQuery}
 
 
 # -- results on the wire (a leader answers a forwarded command) --------------------------------
@@ -311,12 +407,24 @@ def _enc_one(r) -> bytes:
         return b"T" + _U64.pack(r.index) + bytes((int(r.succeeded),)) + _U32.pack(len(r.results)) + b"".join(
             _enc_one(x) for x in r.results
         )
+    if isinstance(r, NoSuchLease):
+        return b"X" + _U64.pack(r.lease)
+    if isinstance(r, LeaseInfo):
+        return b"I" + _U64.pack(r.lease) + _U64.pack(r.ttl_ms) + _U64.pack(max(0, r.remaining_ms)) + _keys(r.keys)
+    if isinstance(r, LeaseRevoked):
+        return b"V" + _U64.pack(r.index) + _keys(r.keys)
+    if isinstance(r, LeaseList):
+        return b"S" + _U32.pack(len(r.leases)) + b"".join(_enc_one(x) for x in r.leases)
     if isinstance(r, CommandError):
         msg = str(r).encode()
         return b"E" + _U32.pack(len(msg)) + msg
     if r is None:
         return b"N"
     raise CommandError(f"cannot encode result {r!r}")
+
+
+def _keys(keys: tuple[str, ...]) -> bytes:
+    return _U32.pack(len(keys)) + b"".join(_key(k) for k in keys)
 
 
 def encode_result(r) -> bytes:
@@ -342,6 +450,16 @@ def _dec_one(rd: _Reader):
         idx = _U64.unpack(rd.take(8))[0]
         ok = bool(rd.byte())
         return TxnResult(idx, ok, tuple(_dec_one(rd) for _ in range(rd.u32())))
+    if tag == b"X":
+        return NoSuchLease(_U64.unpack(rd.take(8))[0])
+    if tag == b"I":
+        lease, ttl, left = struct.unpack(">QQQ", rd.take(24))
+        return LeaseInfo(lease, ttl, left, tuple(rd.key() for _ in range(rd.u32())))
+    if tag == b"V":
+        idx = _U64.unpack(rd.take(8))[0]
+        return LeaseRevoked(idx, tuple(rd.key() for _ in range(rd.u32())))
+    if tag == b"S":
+        return LeaseList(tuple(_dec_one(rd) for _ in range(rd.u32())))
     if tag == b"E":
         return CommandError(rd.take(rd.u32()).decode())
     if tag == b"N":

@@ -6,6 +6,7 @@ Layout:
     b"\\x00membership"  the membership as of the applied index (from CONFIG entries)
     b"\\x00restoring"   present while a snapshot is being loaded: the state is incomplete
     b"k" + key         mod_index (u64) + value
+    b"k\x00..."        reserved records: leases and the keys attached to them (leases.py)
 
 Every applied batch is one WriteBatch that also moves the applied index, so a crash never
 applies an entry twice or skips one: on restart the node replays the ledger from the
@@ -33,6 +34,11 @@ from .commands import (
     DeleteResult,
     Get,
     GetResult,
+    LeaseGrant,
+    LeaseInfo,
+    LeaseRevoke,
+    LeaseRevoked,
+    NoSuchLease,
     PreconditionFailed,
     Put,
     PutResult,
@@ -40,6 +46,7 @@ from .commands import (
     TxnResult,
     decode,
 )
+from .leases import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
 
 _APPLIED = b"\x00applied"
 _MEMBERSHIP = b"\x00membership"
@@ -47,6 +54,7 @@ _RESTORING = b"\x00restoring"
 _SYNC = b"\x00sync"
 _REMOVED = b"\x00removed"  # ids removed from the cluster (JSON list): their peers are refused
 _DATA = b"k"
+_USER_DATA = _DATA + b"\x01"  # where user keys start: the reserved ones sort before
 _TWO_U64 = struct.Struct(">QQ")
 _PLAIN_PUT = bytes((COMMAND_FORMAT, 1))  # format 1, opcode PUT
 _U64 = struct.Struct(">Q")
@@ -90,6 +98,8 @@ class LevelDBStateMachine:
         self._applied = _TWO_U64.unpack(raw) if raw else (0, 0)
         self._membership = self._db.get(_MEMBERSHIP) or b""
         self._removed = set(json.loads(self._db.get(_REMOVED) or b"[]"))
+        self.leases = LeaseTable()
+        self._load_leases()
         # Called with the changes of each applied batch, when someone watches.
         self.on_changes: Callable[[list[Change]], None] | None = None
 
@@ -127,7 +137,7 @@ class LevelDBStateMachine:
         pre = _DATA + prefix.encode()
         start = _DATA + after.encode() + b"\x00" if after is not None else pre
         out = []
-        it = self._db.iterator(start=max(start, pre), prefix=None, verify_checksums=True)
+        it = self._db.iterator(start=max(start, pre, _USER_DATA), prefix=None, verify_checksums=True)
         try:
             for k, v in it:
                 if not k.startswith(pre):
@@ -142,8 +152,18 @@ class LevelDBStateMachine:
         return out
 
     def count(self) -> int:
-        with self._db.iterator(prefix=_DATA, include_value=False) as it:
-            return sum(1 for _ in it)
+        with self._db.iterator(start=_USER_DATA, stop=_DATA + b"\xff" * 8, include_value=False) as it:
+            return sum(1 for k in it if k.startswith(_DATA))
+
+    def _load_leases(self) -> None:
+        with self._db.iterator(prefix=_DATA + RESERVED, verify_checksums=True) as it:
+            self.leases.load((k[1:], v[8:]) for k, v in it)
+
+    def lease_info(self, lease: int) -> LeaseInfo | None:
+        """A lease as applied here (remaining: the full ttl; only the leader's clock knows
+        better), or None."""
+        ttl = self.leases.ttl_ms.get(lease)
+        return None if ttl is None else LeaseInfo(lease, ttl, ttl, tuple(sorted(self.leases.keys[lease])))
 
     # -- applying --------------------------------------------------------------------------
 
@@ -154,6 +174,7 @@ class LevelDBStateMachine:
         results: list[Any] = []
         put_kind = EntryKind.NORMAL
         pack = _U64.pack
+        attached = self.leases.attached
         for e in entries:
             if e.kind == put_kind:
                 d = e.data
@@ -172,6 +193,8 @@ class LevelDBStateMachine:
                             value = d[end + 1 :]
                             overlay[k] = (e.index, value)
                             wb.put(k, pack(e.index) + value)
+                            if key in attached:
+                                self._detach(key, wb)
                             if changes is not None:
                                 changes.append((e.index, key, value))
                             results.append(PutResult(e.index))
@@ -224,7 +247,15 @@ class LevelDBStateMachine:
 
     def _execute(self, cmd, index: int, wb, overlay: dict, changes: list | None):
         if isinstance(cmd, Put):
+            if cmd.lease and cmd.lease not in self.leases.ttl_ms:
+                return NoSuchLease(cmd.lease)
             return self._check(cmd.cond, overlay) or self._put(cmd, index, wb, overlay, changes)
+        if isinstance(cmd, LeaseGrant):
+            rec, payload = self.leases.grant(index, cmd.ttl_ms)
+            wb.put(_DATA + rec, _U64.pack(index) + payload)
+            return LeaseInfo(index, cmd.ttl_ms, cmd.ttl_ms)
+        if isinstance(cmd, LeaseRevoke):
+            return self._revoke(cmd.lease, index, wb, overlay, changes)
         if isinstance(cmd, Delete):
             return self._check(cmd.cond, overlay) or self._delete(cmd, index, wb, overlay, changes)
         if isinstance(cmd, Txn):
@@ -238,6 +269,8 @@ class LevelDBStateMachine:
                     k = _DATA + op.key.encode()
                     overlay[k] = (index, op.value)
                     wb.put(k, pack_index + op.value)
+                    if op.key in self.leases.attached:
+                        self._detach(op.key, wb)
                     if changes is not None:
                         changes.append((index, op.key, op.value))
                     out.append(put_result)
@@ -253,6 +286,13 @@ class LevelDBStateMachine:
         k = _DATA + op.key.encode()
         overlay[k] = (index, op.value)
         wb.put(k, _U64.pack(index) + op.value)
+        had = self.leases.attached.get(op.key)
+        if had != (op.lease or None):
+            if had is not None:
+                self._detach(op.key, wb)
+            if op.lease:
+                self.leases.attach_in_memory(op.key, op.lease)
+                wb.put(_DATA + ATTACH_RECORD + op.key.encode(), _U64.pack(index) + _U64.pack(op.lease))
         if changes is not None:
             changes.append((index, op.key, op.value))
         return PutResult(index)
@@ -263,9 +303,30 @@ class LevelDBStateMachine:
         overlay[k] = None
         if existed:
             wb.delete(k)
+        if op.key in self.leases.attached:
+            self._detach(op.key, wb)
         if changes is not None and existed:
             changes.append((index, op.key, None))
         return DeleteResult(index, existed)
+
+    def _detach(self, key: str, wb) -> None:
+        self.leases.detach_in_memory(key)
+        wb.delete(_DATA + ATTACH_RECORD + key.encode())
+
+    def _revoke(self, lease: int, index: int, wb, overlay: dict, changes: list | None) -> LeaseRevoked | NoSuchLease:
+        """End a lease and delete its keys, at this entry's index (watchers see deletes)."""
+        if lease not in self.leases.ttl_ms:
+            return NoSuchLease(lease)
+        keys = self.leases.revoke(lease)
+        wb.delete(_DATA + lease_record(lease))
+        for key in keys:
+            raw = key.encode()
+            wb.delete(_DATA + ATTACH_RECORD + raw)
+            wb.delete(_DATA + raw)
+            overlay[_DATA + raw] = None
+            if changes is not None:
+                changes.append((index, key, None))
+        return LeaseRevoked(index, tuple(keys))
 
     # -- snapshots -------------------------------------------------------------------------
 
@@ -300,6 +361,7 @@ class LevelDBStateMachine:
         fin.write()
         self._applied = (index, term)
         self.incomplete = False
+        self._load_leases()
         return n
 
     def sync(self) -> None:

@@ -25,6 +25,17 @@ from ports import free_port
 FAST = ["--heartbeat-ms", "50", "--election-timeout-ms", "500"]
 
 
+def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
+    """Poll cond (a check of another process's state) until it is truthy; returns it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not reached in {timeout}s")
+
+
 class ProcCluster:
     def __init__(self, root: str, n: int = 3, *, extra: list[str] | None = None, env: dict | None = None, proxies: bool = True) -> None:
         self.root = root

@@ -66,8 +66,8 @@ def test_public_api_is_pinned():
 
     assert sorted(kv.__all__) == sorted(
         [
-            "AsyncClient", "BadRequest", "Client", "Compacted", "Cond", "Conflict", "DataDirLocked", "Delete", "DeleteResult", "Event", "Get", "Item", "KVError",
-            "MemberExists", "Node", "NodeConfig", "NoQuorum", "NotFound", "NotLeader", "PreconditionFailed", "Put", "SnapshotError",
+            "AsyncClient", "BadRequest", "Client", "Compacted", "Cond", "Conflict", "DataDirLocked", "Delete", "DeleteResult", "Event", "Get", "Item", "KVError", "LeaseNotFound", "LeaseStatus",
+            "MemberExists", "Node", "NodeConfig", "NoQuorum", "NotFound", "NotLeader", "PreconditionFailed", "Put", "RevokeResult", "SnapshotError",
             "Store", "Timeout", "TxnResult", "Unauthorized", "Unavailable", "ValueTooLarge", "Watch", "WatchCompacted",
             "WriteResult", "open",
         ]

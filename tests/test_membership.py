@@ -9,7 +9,7 @@ import time
 
 import orjson
 import pytest
-from cluster import ProcCluster
+from cluster import ProcCluster, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +44,6 @@ class Writer:
 
 def voters(c: ProcCluster, via: str) -> set[str]:
     return {m["id"] for m in c.members(via) if m["voter"]}
-
-
-def wait_until(cond, timeout=30.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not reached in {timeout}s")
 
 
 def check_acked(c: ProcCluster, acked: dict, nodes: list[str]) -> None:

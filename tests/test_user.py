@@ -14,7 +14,7 @@ import textwrap
 import time
 
 import pytest
-from cluster import ProcCluster
+from cluster import ProcCluster, wait_until
 from ports import free_port
 
 PY = sys.executable
@@ -42,16 +42,6 @@ def tree(path: str) -> dict[str, tuple[int, int]]:
             st = os.stat(p)
             out[os.path.relpath(p, path)] = (st.st_size, st.st_mtime_ns)
     return out
-
-
-def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not reached in {timeout}s")
 
 
 def one_line(stderr: str) -> str:

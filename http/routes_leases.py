@@ -1,0 +1,70 @@
+"""Lease routes. Any node takes them: grants and revokes go through the log (a follower
+forwards them like any write); keepalives and queries are answered by the leader from its
+clock (a follower forwards those over the peer link)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from kv import BadRequest, LeaseStatus
+
+from .context import ctx
+from .errors import json_response
+from .routes_admin import _json_body
+
+
+def lease_path_id(request: web.Request) -> int:
+    raw = request.match_info["id"]
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 19:
+        raise BadRequest(f"a lease id is a positive integer, not {raw!r}")
+    return int(raw)
+
+
+def seconds(x: float) -> int | float:
+    return int(x) if x == int(x) else x
+
+
+def lease_json(s: LeaseStatus, *, remaining: bool = True, keys: bool = True) -> dict:
+    out = {"id": s.id, "ttl": seconds(s.ttl)}
+    if remaining:
+        out["remaining"] = seconds(s.remaining)
+    if keys:
+        out["keys"] = list(s.keys)
+    return out
+
+
+async def grant(request: web.Request) -> web.Response:
+    doc = await _json_body(request)
+    if set(doc) != {"ttl"}:
+        raise BadRequest('give the lease\'s time to live in seconds: {"ttl": 10}')
+    s = await ctx(request).node.lease_grant(doc["ttl"])
+    return json_response(lease_json(s, remaining=False, keys=False))
+
+
+async def keepalive(request: web.Request) -> web.Response:
+    s = await ctx(request).node.lease_keepalive(lease_path_id(request))
+    return json_response(lease_json(s, remaining=False, keys=False))
+
+
+async def info(request: web.Request) -> web.Response:
+    return json_response(lease_json(await ctx(request).node.lease_info(lease_path_id(request))))
+
+
+async def list_leases(request: web.Request) -> web.Response:
+    leases = await ctx(request).node.lease_list()
+    return json_response({"leases": [lease_json(s, keys=False) for s in leases]})
+
+
+async def revoke(request: web.Request) -> web.Response:
+    lease = lease_path_id(request)
+    r = await ctx(request).node.lease_revoke(lease)
+    return json_response({"id": lease, "index": r.index, "keys": list(r.keys)})
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/v1/leases", grant, name="leases_grant")
+    r.add_get("/v1/leases", list_leases, name="leases_list")
+    r.add_post("/v1/leases/{id}/keepalive", keepalive, name="leases_keepalive")
+    r.add_get("/v1/leases/{id}", info, name="leases_get")
+    r.add_delete("/v1/leases/{id}", revoke, name="leases_revoke")
