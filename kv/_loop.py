@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
 
 from .errors import Unavailable
+
+
+T = TypeVar("T")
 
 
 async def _cancel_all() -> None:
@@ -37,6 +40,19 @@ class LoopThread:
             coro.close()
             raise Unavailable("closed")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def iterate(self, it: AsyncIterator[T]) -> Iterator[T]:
+        """A blocking iterator over an async iterator that lives on the loop."""
+        try:
+            while True:
+                try:
+                    yield self.call(anext(it))
+                except StopAsyncIteration:
+                    return
+        finally:
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None and not self.closed:
+                self.call(aclose())
 
     def close(self) -> None:
         if self.closed:

@@ -137,11 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--peers", required=True, help="the new cluster's members: ID=HOST:PORT,...")
     rs.add_argument("--group", default="default")
 
-    from . import bench, lease_cli, spark_cli
+    from . import bench, coordination_cli, spark_cli
 
     bench.add_parser(sub)
     spark_cli.add_parser(sub)
-    lease_cli.add_parser(sub)
+    coordination_cli.add_parser(sub)
     return p
 
 
@@ -191,10 +191,10 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         from . import bench
 
         return bench.run(args)
-    if args.cmd == "lease":
-        from . import lease_cli
+    if args.cmd in ("lease", "lock", "elect"):
+        from . import coordination_cli
 
-        return lease_cli.run(args)
+        return coordination_cli.run(args)
     if args.cmd == "snapshot":
         from . import snapshot_cli
 

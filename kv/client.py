@@ -27,7 +27,7 @@ from multidict import CIMultiDict
 from . import errors
 from ._loop import LoopThread
 from .logstream import RecordReader
-from .coordination import AsyncLease, Lease
+from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
 from .node import DeleteResult, Item, LeaseStatus, RevokeResult, TxnResult, WriteResult, lease_id
 from .scan import Scan
 from .raft.messages import Entry
@@ -279,6 +279,14 @@ class AsyncClient:
         `l = await c.lease(10)`; see kv.coordination.AsyncLease."""
         return AsyncLease(self, ttl, on_lost=on_lost)
 
+    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None) -> AsyncLock:
+        """Mutual exclusion across processes, FIFO: `async with client.lock("jobs"):`."""
+        return AsyncLock(self, name, ttl=ttl, timeout=timeout)
+
+    def election(self, name: str, *, ttl: float = 10) -> AsyncElection:
+        """Leader election: campaign(value), leader(), observe(), resign()."""
+        return AsyncElection(self, name, ttl=ttl)
+
     async def lease_grant(self, ttl: float) -> LeaseStatus:
         """A new lease of `ttl` seconds (more than 0, at most a year)."""
         d = await self._json("POST", "/v1/leases", data=orjson.dumps({"ttl": ttl}), headers=_JSON)
@@ -430,7 +438,7 @@ def _blocking_iter(fn: Callable[Concatenate[AsyncClient, P], AsyncIterable[R]]) 
 
     @functools.wraps(fn)
     def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> Iterator[R]:
-        return self._iterate(aiter(fn(self._async, *args, **kwargs)))
+        return self._lt.iterate(aiter(fn(self._async, *args, **kwargs)))
 
     call.__qualname__ = f"Client.{fn.__name__}"
     return call
@@ -488,17 +496,13 @@ class Client:
         """
         return Lease(self._lt.call(AsyncLease(self._async, ttl, on_lost=on_lost).grant()), self._lt)
 
-    def _iterate(self, it: AsyncIterator[R]) -> Iterator[R]:
-        try:
-            while True:
-                try:
-                    yield self._lt.call(anext(it))
-                except StopAsyncIteration:
-                    return
-        finally:
-            aclose = getattr(it, "aclose", None)
-            if aclose is not None and not self._lt.closed:
-                self._lt.call(aclose())
+    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None) -> Lock:
+        """Mutual exclusion across processes, FIFO: `with client.lock("jobs/nightly"):`."""
+        return Lock(AsyncLock(self._async, name, ttl=ttl, timeout=timeout), self._lt)
+
+    def election(self, name: str, *, ttl: float = 10) -> Election:
+        """Leader election: campaign(value), leader(), observe(), resign()."""
+        return Election(AsyncElection(self._async, name, ttl=ttl), self._lt)
 
     def close(self) -> None:
         self._closer()

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from ._loop import LoopThread
-from .errors import KVError, LeaseNotFound
+from .errors import BadRequest, Compacted, KVError, LeaseNotFound, Timeout
 
 log = logging.getLogger("kv.coordination")
 
@@ -124,3 +124,217 @@ class Lease:
 
     def __exit__(self, *exc) -> None:
         self.revoke()
+
+
+# -- locks and elections ---------------------------------------------------------------------
+#
+# Both are queues of keys under a prefix, one per contender, each attached to that
+# contender's lease, in the order they were created (their mod_index): the first key holds
+# the lock or leads. A waiter watches only the key just ahead of it (no thundering herd).
+# Its deletion — released, resigned, or its lease expired — has an index above the read that
+# saw it, and that read came after the waiter's own key was written: so watching from the
+# index the waiter last knew about, never from "now", misses nothing.
+
+
+async def _wait_until_first(store, prefix: str, my_key: str, since: int) -> None:
+    """Return once `my_key` is the oldest key under prefix. `since`: an index at or
+    before which my_key was written (every deletion that matters comes after it)."""
+    while True:
+        items = await store.scan(prefix)
+        mine = next((it for it in items if it.key == my_key), None)
+        if mine is None:
+            raise LeaseNotFound(0, f"{my_key} is gone (its lease expired or was revoked) while waiting")
+        ahead = [it for it in items if it.mod_index < mine.mod_index]
+        if not ahead:
+            return
+        pred = max(ahead, key=lambda it: it.mod_index)
+        since = max(since, pred.mod_index + 1)
+        try:
+            watch = store.watch(pred.key, start_index=since)
+            try:
+                async for ev in watch:
+                    since = max(since, ev.index + 1)
+                    if ev.key == pred.key and ev.type == "delete":
+                        break
+            finally:
+                await _close(watch)
+        except Compacted:  # waited so long that the history is gone: look again from now
+            since = await _applied_index(store)
+
+
+async def _applied_index(store) -> int:
+    """An index taken before a read that follows: changes after that read come after it."""
+    barrier = getattr(store, "read_barrier", None)  # kv.Node
+    if barrier is not None:
+        return await barrier("stale") + 1
+    return (await store.status())["applied_index"] + 1  # kv.AsyncClient
+
+
+async def _close(watch) -> None:
+    close = getattr(watch, "aclose", None) or getattr(watch, "close", None)
+    if close is not None:
+        r = close()
+        if asyncio.iscoroutine(r):
+            await r
+
+
+class AsyncLock:
+    """Mutual exclusion across processes, fair in arrival order (etcd's concurrency.Mutex):
+
+        async with client.lock("jobs/nightly", ttl=10):
+            ...   # no other holder of "jobs/nightly" anywhere until this block ends
+
+    A holder that dies frees the lock once its lease expires (ttl, plus at most the
+    election timeout and a second). `timeout` bounds the wait (kv.Timeout)."""
+
+    def __init__(self, store, name: str, *, ttl: float = 10, timeout: float | None = None, on_lost: Callable[[KVError], None] | None = None) -> None:
+        if not name or not isinstance(name, str):
+            raise BadRequest("a lock needs a name, e.g. 'jobs/nightly'")
+        self._store, self.name, self.ttl, self.timeout, self._on_lost = store, name, ttl, timeout, on_lost
+        self.lease: AsyncLease | None = None
+        self.key: str | None = None
+
+    async def acquire(self) -> AsyncLock:
+        self.lease = await AsyncLease(self._store, self.ttl, on_lost=self._on_lost).grant()
+        try:
+            self.key = f"{self.name}/{self.lease.id:016x}"
+            w = await self._store.put(self.key, b"", if_absent=True, lease=self.lease.id)
+            wait = _wait_until_first(self._store, self.name + "/", self.key, w.index)
+            if self.timeout is None:
+                await wait
+            else:
+                try:
+                    await asyncio.wait_for(wait, self.timeout)
+                except (asyncio.TimeoutError, TimeoutError):
+                    raise Timeout(f"lock {self.name!r} not acquired within {self.timeout:g}s") from None
+        except BaseException:
+            await self.release()
+            raise
+        return self
+
+    async def release(self) -> None:
+        if self.lease is not None:
+            await self.lease.revoke()  # deletes the key with it
+            self.lease = None
+
+    async def __aenter__(self) -> AsyncLock:
+        return await self.acquire()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.release()
+
+
+class AsyncElection:
+    """Leader election among processes (etcd's concurrency.Election): the oldest live
+    candidate leads; its value says who it is.
+
+        e = client.election("scheduler")
+        await e.campaign(b"host-a:9000")     # returns once elected
+        ...
+        await e.resign()
+    """
+
+    def __init__(self, store, name: str, *, ttl: float = 10) -> None:
+        if not name or not isinstance(name, str):
+            raise BadRequest("an election needs a name, e.g. 'scheduler'")
+        self._store, self.name, self.ttl = store, name, ttl
+        self.lease: AsyncLease | None = None
+        self.key: str | None = None
+
+    async def campaign(self, value: bytes, *, timeout: float | None = None) -> None:
+        lock = AsyncLock(self._store, self.name, ttl=self.ttl, timeout=timeout)
+        lock.lease = await AsyncLease(self._store, self.ttl).grant()
+        try:
+            lock.key = f"{self.name}/{lock.lease.id:016x}"
+            w = await self._store.put(lock.key, bytes(value), if_absent=True, lease=lock.lease.id)
+            await asyncio.wait_for(_wait_until_first(self._store, self.name + "/", lock.key, w.index), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            await lock.release()
+            raise Timeout(f"not elected in {self.name!r} within {timeout:g}s") from None
+        except BaseException:
+            await lock.release()
+            raise
+        self.lease, self.key = lock.lease, lock.key
+
+    async def leader(self) -> bytes | None:
+        """The current leader's value, or None when nobody leads."""
+        items = await self._store.scan(self.name + "/")
+        return min(items, key=lambda it: it.mod_index).value if items else None
+
+    async def observe(self) -> AsyncIterator[bytes | None]:
+        """The leader's value now, then each time it changes."""
+        since = await _applied_index(self._store)
+        items = await self._store.scan(self.name + "/")
+        last = object()
+        while True:
+            now = min(items, key=lambda it: it.mod_index).value if items else None
+            if now != last:
+                yield now
+                last = now
+            try:
+                watch = self._store.watch(self.name + "/", start_index=since)
+                try:
+                    async for ev in watch:
+                        since = ev.index + 1
+                        break
+                finally:
+                    await _close(watch)
+            except Compacted:
+                since = await _applied_index(self._store)
+            items = await self._store.scan(self.name + "/")
+
+    async def resign(self) -> None:
+        if self.lease is not None:
+            await self.lease.revoke()
+            self.lease = self.key = None
+
+
+class Lock:
+    """The blocking face of AsyncLock (kv.Client, kv.open): `with client.lock("jobs"):`."""
+
+    def __init__(self, lock: AsyncLock, lt: LoopThread) -> None:
+        self._lock, self._lt = lock, lt
+
+    @property
+    def key(self) -> str | None:
+        return self._lock.key
+
+    def acquire(self) -> Lock:
+        self._lt.call(self._lock.acquire())
+        return self
+
+    def release(self) -> None:
+        if not self._lt.closed:
+            self._lt.call(self._lock.release())
+
+    def __enter__(self) -> Lock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class Election:
+    """The blocking face of AsyncElection (kv.Client, kv.open)."""
+
+    def __init__(self, election: AsyncElection, lt: LoopThread) -> None:
+        self._e, self._lt = election, lt
+
+    @property
+    def name(self) -> str:
+        return self._e.name
+
+    def campaign(self, value: bytes, *, timeout: float | None = None) -> None:
+        """Block until elected (kv.Timeout after `timeout` seconds)."""
+        self._lt.call(self._e.campaign(value, timeout=timeout))
+
+    def leader(self) -> bytes | None:
+        return self._lt.call(self._e.leader())
+
+    def observe(self):
+        """The leader's value now, then each time it changes (blocking iterator)."""
+        return self._lt.iterate(self._e.observe())
+
+    def resign(self) -> None:
+        if not self._lt.closed:
+            self._lt.call(self._e.resign())

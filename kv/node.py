@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from .config import NodeConfig, check_hostport
-from .coordination import AsyncLease
+from .coordination import AsyncElection, AsyncLease, AsyncLock
 from .datadir import DataDirLock
 from .leases import LeaseClock
 from .scan import Scan
@@ -475,6 +475,14 @@ class Node:
         """A lease that keeps itself alive until revoked: `async with node.lease(10) as l`
         or `l = await node.lease(10)`; see kv.coordination.AsyncLease."""
         return AsyncLease(self, ttl, on_lost=on_lost)
+
+    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None) -> AsyncLock:
+        """Mutual exclusion across processes, FIFO: `async with node.lock("jobs"):`."""
+        return AsyncLock(self, name, ttl=ttl, timeout=timeout)
+
+    def election(self, name: str, *, ttl: float = 10) -> AsyncElection:
+        """Leader election: campaign(value), leader(), observe(), resign()."""
+        return AsyncElection(self, name, ttl=ttl)
 
     async def lease_grant(self, ttl: float, *, timeout: float | None = None) -> LeaseStatus:
         """A new lease of `ttl` seconds (more than 0, at most a year); keep it alive with

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 
 from ._loop import LoopThread
-from .coordination import AsyncLease, Lease
+from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
 from .config import NodeConfig
 from .errors import BadRequest, Unavailable
 from .node import (
@@ -189,6 +189,13 @@ class Store:
     def lease(self, ttl: float, *, on_lost=None) -> Lease:
         """A lease that keeps itself alive until revoked (a context manager)."""
         return Lease(self._call(AsyncLease(self._node, ttl, on_lost=on_lost).grant()), self._lt)
+
+    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None) -> Lock:
+        """Mutual exclusion between threads of this process: `with db.lock("jobs"):`."""
+        return Lock(AsyncLock(self._node, name, ttl=ttl, timeout=timeout), self._lt)
+
+    def election(self, name: str, *, ttl: float = 10) -> Election:
+        return Election(AsyncElection(self._node, name, ttl=ttl), self._lt)
 
     def lease_grant(self, ttl: float) -> LeaseStatus:
         return self._call(self._node.lease_grant(ttl))

@@ -1,0 +1,144 @@
+"""`kv lease grant|keepalive|revoke|info|list`, `kv lock NAME -- CMD`, `kv elect NAME VALUE`:
+coordination over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from .client import AsyncClient
+from .coordination import AsyncLock
+from .node import LeaseStatus
+
+
+def _client_options(a: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    a.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="comma-separated client URLs (default: $KV_ENDPOINTS or the local `kv cluster up` nodes)")
+    a.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="bearer token of the cluster, if it has one")
+    a.add_argument("--timeout", type=float, default=10.0, help="seconds before giving up on a request (default 10)")
+    return a
+
+
+def add_parser(sub) -> None:
+    lk = _client_options(sub.add_parser("lock", help="run a command while holding a lock", description="Run COMMAND while holding the lock NAME (FIFO across processes); without a command, hold it until Ctrl-C. The lock is freed when the command ends, or its lease expires if this process dies."))
+    lk.add_argument("name")
+    lk.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    lk.add_argument("--ttl", type=float, default=10.0, help="lease ttl in seconds: how soon a dead holder frees the lock (default 10)")
+    lk.add_argument("--wait", type=float, default=None, help="give up after this many seconds of waiting (default: wait)")
+    el = _client_options(sub.add_parser("elect", help="campaign in an election, or watch one", description="Campaign with VALUE and hold the leadership until Ctrl-C; with --listen, print the leader's value each time it changes."))
+    el.add_argument("name")
+    el.add_argument("value", nargs="?")
+    el.add_argument("--listen", action="store_true", help="only observe the election")
+    el.add_argument("--ttl", type=float, default=10.0, help="lease ttl in seconds (default 10)")
+    p = sub.add_parser("lease", help="leases: grant, keepalive, revoke, info, list", description="Leases: keys attached to one go when it expires or is revoked.")
+    acts = p.add_subparsers(dest="lease_cmd", metavar="ACTION", required=True)
+
+    def action(name: str, help_: str) -> argparse.ArgumentParser:
+        a = _client_options(acts.add_parser(name, help=help_, description=help_))
+        a.add_argument("-o", "--output", choices=["text", "json"], default="text", help="text (default) or json")
+        return a
+
+    action("grant", "grant a lease and print its id").add_argument("ttl", type=float, help="seconds it lives without a keepalive")
+    k = action("keepalive", "keep a lease alive until Ctrl-C (or renew it once with --once)")
+    k.add_argument("id", type=int)
+    k.add_argument("--once", action="store_true", help="renew it once and exit")
+    action("revoke", "revoke a lease now; its keys are deleted").add_argument("id", type=int)
+    action("info", "a lease's ttl, time left and keys").add_argument("id", type=int)
+    action("list", "every live lease")
+
+
+def _show(args: argparse.Namespace, s: LeaseStatus, *, full: bool = True) -> None:
+    if args.output == "json":
+        doc = {"id": s.id, "ttl": s.ttl, **({"remaining": s.remaining, "keys": list(s.keys)} if full else {})}
+        print(json.dumps(doc), flush=True)
+    elif full:
+        print(f"{s.id}\tttl={s.ttl:g}s\tremaining={s.remaining:g}s" + (f"\tkeys={','.join(s.keys)}" if s.keys else ""), flush=True)
+    else:
+        print(f"{s.id}\tttl={s.ttl:g}s", flush=True)
+
+
+async def _until_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def _lock(c: AsyncClient, args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    lost = asyncio.Event()
+    async with AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lambda e: lost.set()) as lock:
+        print(f"locked {args.name} ({lock.key})", file=sys.stderr, flush=True)
+        if not command:
+            await asyncio.wait([asyncio.ensure_future(_until_signal()), asyncio.ensure_future(lost.wait())], return_when=asyncio.FIRST_COMPLETED)
+            return 1 if lost.is_set() else 0
+        proc = await asyncio.create_subprocess_exec(*command)
+        done, _ = await asyncio.wait([asyncio.ensure_future(proc.wait()), asyncio.ensure_future(lost.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if proc.returncode is None:  # the lock was lost: the command must not go on alone
+            proc.terminate()
+            await proc.wait()
+            print(f"kv lock: the lock {args.name} was lost ({lock.lease.lost}); stopped the command", file=sys.stderr)
+            return 1
+        return proc.returncode
+
+
+async def _elect(c: AsyncClient, args: argparse.Namespace) -> int:
+    e = c.election(args.name, ttl=args.ttl)
+    if args.listen:
+        async for value in e.observe():
+            print("-" if value is None else value.decode(errors="backslashreplace"), flush=True)
+        return 0
+    if args.value is None:
+        print("kv elect: give the VALUE to campaign with, or --listen", file=sys.stderr)
+        return 2
+    await e.campaign(args.value.encode())
+    print(f"elected: {args.value}", flush=True)
+    try:
+        await _until_signal()
+    finally:
+        await e.resign()
+    return 0
+
+
+async def _run(args: argparse.Namespace) -> int:
+    async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout) as c:
+        if args.cmd == "lock":
+            return await _lock(c, args)
+        if args.cmd == "elect":
+            return await _elect(c, args)
+        act = args.lease_cmd
+        if act == "grant":
+            _show(args, await c.lease_grant(args.ttl), full=False)
+        elif act == "keepalive":
+            while True:
+                s = await c.lease_keepalive(args.id)
+                _show(args, s, full=False)
+                if args.once:
+                    return 0
+                await asyncio.sleep(s.ttl / 3)
+        elif act == "revoke":
+            r = await c.lease_revoke(args.id)
+            if args.output == "json":
+                print(json.dumps({"id": args.id, "index": r.index, "keys": list(r.keys)}))
+            else:
+                print(f"OK index={r.index} deleted={len(r.keys)} keys")
+        elif act == "info":
+            _show(args, await c.lease_info(args.id))
+        else:
+            leases = await c.lease_list()
+            if args.output == "json":
+                print(json.dumps({"leases": [{"id": s.id, "ttl": s.ttl, "remaining": s.remaining} for s in leases]}))
+            for s in leases if args.output == "text" else ():
+                _show(args, s)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 0
