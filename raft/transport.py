@@ -221,6 +221,8 @@ class _Link:
     def __init__(self, t: Transport, peer: str, addr: str) -> None:
         self.t, self.peer, self.addr = t, peer, addr
         self.conn: _Outbound | None = None
+        self._queued: list[bytes] = []  # frames sent this turn of the loop, written by _flush
+        self._queued_bytes = 0
         self.task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{t.node_id}-{peer}")
 
     async def _run(self) -> None:
@@ -246,13 +248,24 @@ class _Link:
             self.conn = None
 
     def send(self, frame: bytes) -> bool:
+        """Queue a frame; the frames queued in one turn of the event loop go out in one
+        socket write (a leader's appends and commits, a follower's acks)."""
         c = self.conn
         if c is None or c.transport.is_closing():
             return False
-        if c.transport.get_write_buffer_size() > WRITE_BUFFER_LIMIT:
+        if c.transport.get_write_buffer_size() + self._queued_bytes > WRITE_BUFFER_LIMIT:
             return False
-        c.transport.write(frame)
+        if not self._queued:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._queued.append(frame)
+        self._queued_bytes += len(frame)
         return True
+
+    def _flush(self) -> None:
+        frames, self._queued, self._queued_bytes = self._queued, [], 0
+        c = self.conn
+        if c is not None and not c.transport.is_closing():
+            c.transport.write(frames[0] if len(frames) == 1 else b"".join(frames))
 
     def close(self) -> None:
         self.task.cancel()
