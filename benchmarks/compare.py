@@ -52,7 +52,7 @@ async def measure(system_factory, values, targets, concurrency, seconds, repeats
                     ops = dict(await system.ops(s, nid, value))
                     for conc in concurrency:
                         for op in OPS:
-                            runs = [await closed_loop(ops[op], conc, seconds) for _ in range(repeats)]
+                            runs = [await closed_loop(ops[op], conc, seconds, cpu=system.cpu) for _ in range(repeats)]
                             rows.append(
                                 {
                                     "system": system.name,
@@ -64,11 +64,14 @@ async def measure(system_factory, values, targets, concurrency, seconds, repeats
                                     "p50_ms": statistics.median(r["p50_ms"] for r in runs),
                                     "p99_ms": statistics.median(r["p99_ms"] for r in runs),
                                     "errors": sum(r["errors"] for r in runs),
+                                    "cpu_us_per_op": statistics.median(r.get("cpu_us_per_op", 0.0) for r in runs),
+                                    "cpu_us_per_op_by_node": runs[len(runs) // 2].get("cpu_us_per_op_by_node", {}),
                                     "runs": [round(r["ops_per_s"]) for r in runs],
                                 }
                             )
                             print(f"  {system.name:28} {op:17} {vsize:5} B to {target:8} {conc:3} clients: "
-                                  f"{rows[-1]['ops_per_s']:8.0f}/s p50 {rows[-1]['p50_ms']:6.2f} p99 {rows[-1]['p99_ms']:7.2f} ms", flush=True)
+                                  f"{rows[-1]['ops_per_s']:8.0f}/s p50 {rows[-1]['p50_ms']:6.2f} p99 {rows[-1]['p99_ms']:7.2f} ms "
+                                  f"cpu {rows[-1]['cpu_us_per_op']:6.0f} us/op", flush=True)
     finally:
         system.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -82,17 +85,26 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         cells[(r["op"], r["value"], r["to"], r["clients"], r["system"])] = r
     keys = sorted({k[:4] for k in cells}, key=lambda k: (OPS.index(k[0]), k[1], k[2] != "leader", k[3]))
-    head = ["op", "value", "to", "clients"] + [f"{s} ops/s (p50/p99 ms)" for s in systems] + ["ledgerkv/etcd", "ledgerkv/PySyncObj best"]
+    head = (
+        ["op", "value", "to", "clients"]
+        + [f"{s} ops/s (p50/p99 ms) cpu µs/op" for s in systems]
+        + ["ledgerkv/etcd", "cpu/op ledgerkv/etcd", "ledgerkv/PySyncObj best"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in keys:
         row = [k[0], f"{k[1]} B", k[2], str(k[3])]
         for s in systems:
             c = cells.get(k + (s,))
-            row.append(f"{c['ops_per_s']:,.0f} ({c['p50_ms']:.1f}/{c['p99_ms']:.1f})" + (f" {c['errors']} err" if c["errors"] else "") if c else "-")
+            row.append(
+                f"{c['ops_per_s']:,.0f} ({c['p50_ms']:.1f}/{c['p99_ms']:.1f}) {c.get('cpu_us_per_op', 0):,.0f}" + (f" {c['errors']} err" if c["errors"] else "")
+                if c
+                else "-"
+            )
         ours = cells.get(k + ("ledgerkv",))
         etcd = cells.get(k + ("etcd",))
         best = max((cells[k + (s,)]["ops_per_s"] for s in pso if k + (s,) in cells), default=None)
         row.append(f"{ours['ops_per_s'] / etcd['ops_per_s']:.2f}x" if ours and etcd and etcd["ops_per_s"] else "-")
+        row.append(f"{ours['cpu_us_per_op'] / etcd['cpu_us_per_op']:.2f}x" if ours and etcd and etcd.get("cpu_us_per_op") else "-")
         row.append(f"{ours['ops_per_s'] / best:.2f}x" if ours and best else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -224,6 +236,8 @@ async def main(args) -> None:
             json.dump(rows, f, indent=1)
         return
     values, targets, conc = ((256,), ("leader",), (64,)) if args.quick else ((256, 4096), ("leader", "follower"), (1, 64, 256))
+    if args.clients:
+        conc = tuple(int(x) for x in args.clients.split(","))
     factories = [Ledgerkv, Etcd, lambda root: PySyncObj(root, True), lambda root: PySyncObj(root, False)]
     rows = []
     for f in factories:
@@ -252,6 +266,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--scale", action="store_true")
+    p.add_argument("--clients", help="comma-separated client counts, e.g. 64,1000 (default: the grid's)")
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.path.join(HERE, "results"))

@@ -26,6 +26,10 @@ class System:
 
     async def ops(self, session, nid: str, value: bytes): ...
 
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by each of the system's processes."""
+        return self.procs.cpu_seconds()
+
     def close(self) -> None: ...
 
 
@@ -34,6 +38,7 @@ class Ledgerkv(System):
 
     def __init__(self, root: str) -> None:
         self.c = ServeCluster(root, 3)
+        self.procs = self.c.procs
         self.ids = self.c.ids
         self.c.start()
 

@@ -53,6 +53,19 @@ def workdir(keep: str | None):
             shutil.rmtree(path, ignore_errors=True)
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of a process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15)
+
+
 class Procs:
     """`kv serve` processes that are always stopped."""
 
@@ -63,6 +76,10 @@ class Procs:
         os.makedirs(os.path.dirname(log), exist_ok=True)
         with open(log, "ab") as f:
             self.procs[nid] = subprocess.Popen([sys.executable, "-m", "kv", "serve", *args], stdout=f, stderr=f)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """user + system CPU seconds each live process has used so far (/proc/PID/stat)."""
+        return {nid: cpu_seconds(p.pid) for nid, p in self.procs.items() if p.poll() is None}
 
     def kill(self, nid: str) -> None:
         p = self.procs[nid]
@@ -81,8 +98,17 @@ class Procs:
                 p.kill()
 
 
-async def closed_loop(op: Callable[[int], Awaitable[None]], concurrency: int, seconds: float, warmup: float = 0.5) -> dict:
-    """Run op in `concurrency` loops for `seconds` (after a warm-up); latencies and errors."""
+async def closed_loop(
+    op: Callable[[int], Awaitable[None]],
+    concurrency: int,
+    seconds: float,
+    warmup: float = 0.5,
+    cpu: Callable[[], dict[str, float]] | None = None,
+) -> dict:
+    """Run op in `concurrency` loops for `seconds` (after a warm-up); latencies and errors.
+    With `cpu` (a callable giving CPU seconds per server process), also the servers' CPU
+    microseconds per completed operation, in total and per process: on a shared 2-core
+    machine that is the figure that holds when throughput wobbles."""
     lat: list[float] = []
     errors = 0
     stop_at = 0.0
@@ -111,17 +137,23 @@ async def closed_loop(op: Callable[[int], Awaitable[None]], concurrency: int, se
     tasks = [loop.create_task(worker()) for _ in range(concurrency)]
     await asyncio.sleep(warmup)
     measuring = True
+    cpu0 = cpu() if cpu is not None else {}
     t_start = time.perf_counter()
     stop_at = t_start + seconds
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - t_start
-    return {
+    out = {
         "ops_per_s": len(lat) / elapsed,
         "p50_ms": pct(lat, 0.5) * 1000,
         "p99_ms": pct(lat, 0.99) * 1000,
         "ops": len(lat),
         "errors": errors,
     }
+    if cpu is not None and lat:
+        used = {k: v - cpu0.get(k, 0.0) for k, v in cpu().items()}
+        out["cpu_us_per_op"] = sum(used.values()) / len(lat) * 1e6
+        out["cpu_us_per_op_by_node"] = {k: round(v / len(lat) * 1e6, 1) for k, v in sorted(used.items())}
+    return out
 
 
 def print_table(title: str, rows: list[dict], cols: list[str]) -> None:
@@ -346,13 +378,22 @@ def http_session(connections: int):
 BENCH_KEYS = 10_000
 
 
-async def preload(put, concurrency: int = 64, keys: int = BENCH_KEYS) -> None:
-    """Write every benchmark key once, so that reads find them."""
+async def preload(put, concurrency: int = 64, keys: int = BENCH_KEYS, retry_s: float = 30.0) -> None:
+    """Write every benchmark key once, so that reads find them. A failed write (a 503
+    while the cluster still elects, say) is retried for up to retry_s."""
     it = iter(range(keys))
 
     async def worker():
         for i in it:
-            await put(i)
+            give_up = time.monotonic() + retry_s
+            while True:
+                try:
+                    await put(i)
+                    break
+                except Exception:
+                    if time.monotonic() > give_up:
+                        raise
+                    await asyncio.sleep(0.05)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
@@ -391,9 +432,13 @@ async def bench_http(args) -> list[dict]:
                 ops = await http_ops(s, c.url(nid), value)
                 for conc in args.concurrency:
                     for name, op in ops:
-                        r = await closed_loop(op, conc, args.seconds)
+                        r = await closed_loop(op, conc, args.seconds, cpu=c.procs.cpu_seconds)
                         rows.append({"op": name, "to": target, "clients": conc, **r})
-    print_table(f"HTTP, {args.nodes} nodes, {args.value_bytes} B values, fsync on", rows, ["op", "to", "clients", "ops_per_s", "p50_ms", "p99_ms", "errors"])
+    print_table(
+        f"HTTP, {args.nodes} nodes, {args.value_bytes} B values, fsync on (cpu: all nodes' user+sys per op)",
+        rows,
+        ["op", "to", "clients", "ops_per_s", "p50_ms", "p99_ms", "cpu_us_per_op", "cpu_us_per_op_by_node", "errors"],
+    )
     return rows
 
 
