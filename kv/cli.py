@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("key")
     a.add_argument("value", help="the value; '-' reads it from standard input")
     a.add_argument("--if-match", type=int, help="write only if the key's mod_index is this (0: absent)")
+    a.add_argument("--lease", type=int, help="attach the key to this lease (kv lease grant)")
     a = client_cmd("get", "read a value (linearizable unless --stale)")
     a.add_argument("key")
     a.add_argument("--stale", action="store_true", help="read the node's local state without a quorum check")

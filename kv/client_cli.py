@@ -21,7 +21,7 @@ async def _run(args: argparse.Namespace) -> int:
         cmd = args.cmd
         if cmd == "put":
             value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()
-            r = await c.put(args.key, value, if_mod_index=args.if_match)
+            r = await c.put(args.key, value, if_mod_index=args.if_match, lease=args.lease)
             print(f"OK index={r.index} term={r.term}")
         elif cmd == "get":
             item = await c.get(args.key, consistency="stale" if args.stale else "linearizable")
