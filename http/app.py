@@ -81,7 +81,8 @@ def _register_metrics(c: HttpContext) -> None:
 
 
 def create_app(node: Node, *, token: str | None = None) -> web.Application:
-    c = HttpContext(node=node, token=token)
+    # A JSON body carries values base64- or JSON-escaped: room for 3x the encoded request.
+    c = HttpContext(node=node, token=token, max_json_bytes=max(4 << 20, 3 * node.config.max_request_bytes))
     app = web.Application(
         middlewares=[middleware],
         client_max_size=node.config.max_value_bytes + (1 << 20),

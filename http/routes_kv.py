@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 
 import orjson
 from aiohttp import web
@@ -15,6 +16,7 @@ from .errors import json_response, read_body
 from .keys import key_from_raw_path
 
 KV_PREFIX = "/v1/kv/"
+MAX_INDEX = (1 << 63) - 1  # a mod_index is a log index, which fits a signed 64-bit integer
 MAX_LIST = 10_000
 
 
@@ -22,14 +24,14 @@ def _consistency(request: web.Request) -> str:
     return request.query.get("consistency", "linearizable")
 
 
+_ETAG = re.compile(r'(?:W/)?"([0-9]{1,19})"')  # one quoted mod_index, ASCII digits
+
+
 def _etag_index(value: str, header: str) -> int:
-    v = value.strip()
-    if v.startswith("W/"):
-        v = v[2:]
-    v = v.strip('"')
-    if not v.isdigit():
-        raise BadRequest(f'{header} must be a quoted mod_index, e.g. {header}: "42"')
-    return int(v)
+    m = _ETAG.fullmatch(value.strip())
+    if m is None or int(m.group(1)) > MAX_INDEX:
+        raise BadRequest(f'{header} must be one quoted mod_index from 0 to {MAX_INDEX}, e.g. {header}: "42"')
+    return int(m.group(1))
 
 
 async def put_key(request: web.Request) -> web.Response:
@@ -99,7 +101,20 @@ async def list_keys(request: web.Request) -> web.Response:
 # -- transactions -----------------------------------------------------------------------------
 
 
+def _fields(d: dict, where: str, allowed: set[str]) -> None:
+    """Refuse fields a part of the transaction does not take (rather than ignore them: a
+    "mod_index" on an operation would otherwise write unconditionally)."""
+    unknown = set(d) - allowed
+    if unknown:
+        raise BadRequest(
+            f"{where}: unknown field(s) {sorted(unknown)}; it takes {sorted(allowed)} "
+            '(conditions go in "compare")'
+        )
+
+
 def _value_of(d: dict, where: str) -> bytes:
+    if "value" in d and "value_base64" in d:
+        raise BadRequest(f'{where}: give "value" or "value_base64", not both')
     if "value_base64" in d:
         try:
             return base64.b64decode(d["value_base64"], validate=True)
@@ -120,12 +135,19 @@ def _key_of(d, where: str) -> str:
     return k
 
 
+_COND_FIELDS = {"mod_index", "exists", "value", "value_base64"}
+
+
 def _parse_cond(d, where: str) -> Cond:
     key = _key_of(d, where)
+    _fields(d, where, {"key"} | _COND_FIELDS)
+    if len(_COND_FIELDS & set(d)) != 1 and not set(d) >= {"value", "value_base64"}:
+        raise BadRequest(f'{where}: compare on exactly one of "mod_index", "exists" or "value"')
     if "mod_index" in d:
-        if not isinstance(d["mod_index"], int) or d["mod_index"] < 0:
-            raise BadRequest(f"{where}: mod_index must be an integer >= 0 (0: the key must not exist)")
-        return Cond(key, "mod", d["mod_index"])
+        m = d["mod_index"]
+        if type(m) is not int or not 0 <= m <= MAX_INDEX:
+            raise BadRequest(f"{where}: mod_index must be an integer from 0 to {MAX_INDEX} (0: the key must not exist)")
+        return Cond(key, "mod", m)
     if "exists" in d:
         if not isinstance(d["exists"], bool):
             raise BadRequest(f"{where}: exists must be true or false")
@@ -139,18 +161,20 @@ def _parse_op(d, where: str):
     key = _key_of(d, where)
     op = d.get("op")
     if op == "put":
+        _fields(d, where, {"op", "key", "value", "value_base64"})
         return Put(key, _value_of(d, where))
-    if op == "delete":
-        return Delete(key)
-    if op == "get":
-        return Get(key)
+    if op in ("delete", "get"):
+        _fields(d, where, {"op", "key"})
+        return Delete(key) if op == "delete" else Get(key)
     raise BadRequest(f'{where}: "op" must be "put", "delete" or "get"')
 
 
-def _list(doc: dict, name: str, parse) -> list:
+def _list(doc: dict, name: str, parse, max_items: int) -> list:
     items = doc.get(name, [])
     if not isinstance(items, list):
         raise BadRequest(f'"{name}" must be a list')
+    if len(items) > max_items:  # before parsing them all
+        raise BadRequest(f'"{name}" has {len(items)} entries; the limit is {max_items} (--max-txn-ops): split the transaction')
     return [parse(x, f"{name}[{i}]") for i, x in enumerate(items)]
 
 
@@ -178,9 +202,10 @@ async def txn(request: web.Request) -> web.Response:
     unknown = set(doc) - {"compare", "success", "failure"}
     if unknown:
         raise BadRequest(f"unknown fields in the transaction: {sorted(unknown)}")
-    conds = _list(doc, "compare", _parse_cond)
-    ops = _list(doc, "success", _parse_op)
-    else_ops = _list(doc, "failure", _parse_op)
+    max_ops = c.node.config.max_txn_ops
+    conds = _list(doc, "compare", _parse_cond, max_ops)
+    ops = _list(doc, "success", _parse_op, max_ops)
+    else_ops = _list(doc, "failure", _parse_op, max_ops)
     r = await c.node.txn(conds, ops, else_ops)
     force_b64 = request.query.get("encoding") == "base64"
     body = {

@@ -25,6 +25,9 @@ SERVE_OPTIONS = [
     ("--snapshot-trailing", "snapshot_trailing", int, "entries kept in the ledger behind a snapshot (default 5000)"),
     ("--snapshot-keep", "snapshot_keep", int, "snapshot files kept (default 3)"),
     ("--max-value-bytes", "max_value_bytes", int, "largest value accepted (default 1048576)"),
+    ("--max-txn-ops", "max_txn_ops", int, "most compares, and operations per branch, in a transaction (default 128)"),
+    ("--max-request-bytes", "max_request_bytes", int, "largest encoded write request (default 1572864, or the largest value + 4160)"),
+    ("--max-txn-read-bytes", "max_txn_read_bytes", int, "most bytes a transaction's gets may return (default 4194304)"),
     ("--token", "token", str, "require Authorization: Bearer TOKEN on client routes"),
     ("--cluster-secret", "cluster_secret", str, "shared secret authenticating peer connections"),
     ("--join", "join", str, "URL of a cluster member: ask the cluster to add this new node"),
@@ -68,6 +71,8 @@ def serve_config(args: argparse.Namespace) -> NodeConfig:
         raise errors.BadRequest(f"kv serve needs {' and '.join('--' + m.replace('_', '-') for m in missing)}")
     if "peers" in values:
         values["peers"] = parse_peers(values["peers"])
+    # A one-off recovery step, so a flag only (never from the file or the environment).
+    values["force_new_cluster"] = args.force_new_cluster
     return NodeConfig(**values)
 
 
@@ -79,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, field, typ, help_ in SERVE_OPTIONS:
         s.add_argument(flag, dest=field, type=typ, default=None, help=help_)
     s.add_argument("--config", help="TOML file with the settings above (keys: field names, e.g. heartbeat_ms)")
+    s.add_argument(
+        "--force-new-cluster",
+        action="store_true",
+        help="the cluster lost its majority for good: start this member alone, as a one-member cluster with its "
+        "data; then add the others back (use once, restart without it)",
+    )
     s.add_argument("--tls-cert", help="serve the client API over HTTPS with this certificate (PEM)")
     s.add_argument("--tls-key", help="the certificate's private key (PEM)")
     s.add_argument("--log-level", default=os.environ.get("KV_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING (default INFO)")

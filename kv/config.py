@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 
 from .errors import BadRequest
+from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TXN_OPS, DEFAULT_MAX_TXN_READ_BYTES, REQUEST_OVERHEAD
+from .statemachine.commands import MAX_CONDS
 
 
 def parse_peers(spec: str | dict) -> dict[str, str]:
@@ -48,6 +50,10 @@ class NodeConfig:
     snapshot_trailing: int = 5_000  # entries kept in the ledger behind a snapshot
     snapshot_keep: int = 3  # snapshot files kept
     max_value_bytes: int = 1 << 20
+    max_txn_ops: int = DEFAULT_MAX_TXN_OPS  # compares, and ops per branch, of a transaction
+    max_request_bytes: int | None = None  # an encoded command; None: 1.5 MiB, or enough for the largest value
+    max_txn_read_bytes: int = DEFAULT_MAX_TXN_READ_BYTES  # what a transaction's gets may return
+    force_new_cluster: bool = False  # start as the only member, keeping the data (lost majority)
     token: str | None = None
     cluster_secret: str | None = None
     join: str | None = None
@@ -72,6 +78,16 @@ class NodeConfig:
             raise BadRequest("--join-timeout must be positive (seconds)")
         if self.max_value_bytes <= 0:
             raise BadRequest("--max-value-bytes must be positive")
+        if self.max_request_bytes is None:
+            self.max_request_bytes = max(DEFAULT_MAX_REQUEST_BYTES, self.max_value_bytes + REQUEST_OVERHEAD)
+        if self.max_request_bytes < self.max_value_bytes + REQUEST_OVERHEAD:
+            raise BadRequest(
+                f"--max-request-bytes must leave room for the largest value: at least --max-value-bytes + {REQUEST_OVERHEAD}"
+            )
+        if not 1 <= self.max_txn_ops <= MAX_CONDS:
+            raise BadRequest(f"--max-txn-ops must be between 1 and {MAX_CONDS}")
+        if self.max_txn_read_bytes <= 0:
+            raise BadRequest("--max-txn-read-bytes must be positive")
         if self.snapshot_threshold <= 0 or self.snapshot_trailing < 0 or self.snapshot_keep < 1:
             raise BadRequest("snapshot settings: --snapshot-threshold > 0, trailing >= 0, keep >= 1")
 

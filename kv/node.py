@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from . import limits
 from .config import NodeConfig, check_hostport
 from .coordination import AsyncElection, AsyncLease, AsyncLock
 from .datadir import DataDirLock
@@ -194,7 +195,7 @@ class Node:
         self.snapshots = SnapshotManager(self, c.snapshot_path, keep=c.snapshot_keep)
         loop = asyncio.get_running_loop()
         try:
-            self.sm = LevelDBStateMachine(c.state_path)
+            self.sm = LevelDBStateMachine(c.state_path, max_read_bytes=c.max_txn_read_bytes)
         except StateLocked as e:  # never damage: the lock above makes this one owner's
             raise DataDirLocked(c.data_dir) from e
         except StateCorrupt as e:
@@ -245,7 +246,7 @@ class Node:
         aside = f"{c.state_path}.damaged-{int(time.time())}"
         os.replace(c.state_path, aside)
         log.error("node %s: %s; moved it to %s and rebuilding from the snapshot and the ledger", c.id, damage, aside)
-        return LevelDBStateMachine(c.state_path)
+        return LevelDBStateMachine(c.state_path, max_read_bytes=c.max_txn_read_bytes)
 
     def _reconcile(self) -> None:
         """Bring ledger and state machine into agreement after a crash at any point."""
@@ -322,11 +323,24 @@ class Node:
         return cmds.Put(key, self._value(value), _cond(key, if_mod_index, if_absent), lease_id(lease) if lease is not None else 0)
 
     def txn_command(self, conds: Sequence[cmds.Cond], ops: Sequence, else_ops: Sequence) -> cmds.Txn:
-        limit = self.config.max_value_bytes
+        c = self.config
+        limits.check_txn_size(conds, ops, else_ops, c.max_txn_ops)
+        limit = c.max_value_bytes
         for op in (*ops, *else_ops):
             if type(op) is cmds.Put and (type(op.value) is not bytes or len(op.value) > limit):
                 self._value(op.value)  # raises with the reason (or accepts a bytearray)
+        limits.check_read_bytes(ops, else_ops, self._stored_size, c.max_txn_read_bytes)
         return cmds.Txn(tuple(conds), tuple(ops), tuple(else_ops))
+
+    def _stored_size(self, key: str) -> int:
+        """The size of key's value in this node's state (0 if absent), for read estimates."""
+        if self.sm is None:
+            return 0
+        try:
+            got = self.sm.get(validate_key(key))
+        except StateCorrupt as e:
+            raise Unavailable(f"{e}; use another member meanwhile") from e
+        return len(got[1]) if got else 0
 
     def _value(self, value: bytes) -> bytes:
         if not isinstance(value, (bytes, bytearray, memoryview)):
@@ -339,6 +353,7 @@ class Node:
         """Replicate a command and wait until it is applied here (retrying while no leader
         can take it, which is safe: nothing was appended)."""
         payload = encode_command(cmd)
+        limits.check_request_bytes(payload, self.config.max_request_bytes)
         raft = self._running()
         loop = asyncio.get_running_loop()
         wait = timeout if timeout is not None else self.config.write_timeout_s
@@ -728,6 +743,12 @@ def _raise_failed(result):
         raise PreconditionFailed(result.key, result.mod_index)
     if isinstance(result, cmds.CommandError):
         raise BadRequest(str(result))
+    if isinstance(result, cmds.ReadLimitExceeded):
+        raise ValueTooLarge(
+            f"the transaction was applied at index {result.index} ({'success' if result.succeeded else 'failure'} "
+            f"branch: its writes are in), but its gets came to more than {result.limit} bytes "
+            "(--max-txn-read-bytes), so their values are not returned: read those keys one by one"
+        )
     return result
 
 

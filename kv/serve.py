@@ -9,6 +9,7 @@ import os
 import signal
 import ssl
 import sys
+import threading
 import time
 
 from .config import NodeConfig, check_hostport
@@ -16,6 +17,9 @@ from .datadir import DataDirLock
 from .errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
 from .node import Node
 from .raft.membership import Member, Membership
+
+
+STOP_GRACE_S = 15.0  # how long stopping may take before the process exits regardless
 
 
 class _NodeFilter(logging.Filter):
@@ -158,17 +162,30 @@ async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str |
         )
         failed = asyncio.ensure_future(_watch_failure(node))
         done, _ = await asyncio.wait([asyncio.ensure_future(stop.wait()), failed], return_when=asyncio.FIRST_COMPLETED)
-        if failed in done:
+        code = 1 if failed in done else 0
+        if code:
             log.error("stopping: %s", node.raft.failure)
-            return 1
-        log.info("stopping on signal")
-        return 0
+        else:
+            log.info("stopping on signal")
+        _exit_if_stuck(loop, code)
+        return code
     finally:
         if promoting is not None:
             promoting.cancel()
         if runner is not None:
             await runner.cleanup()
         await node.stop()
+
+
+def _exit_if_stuck(loop: asyncio.AbstractEventLoop, code: int) -> None:
+    """Once the node is stopping, a signal, or a clean-up that takes too long (a thread
+    stuck after a fatal error), ends the process at once: a node that said it stops never
+    lingers with its ports open."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, os._exit, code or 1)
+    timer = threading.Timer(STOP_GRACE_S, os._exit, (code or 1,))
+    timer.daemon = True
+    timer.start()
 
 
 async def _watch_failure(node: Node) -> None:

@@ -42,6 +42,7 @@ from .statemachine import commands as cmds
 from .statemachine.leveldb import StateCorrupt
 
 LOCAL_ID = "local"
+EMBEDDED_MAX_REQUEST_BYTES = 256 << 20
 
 
 class _Slot:
@@ -86,6 +87,10 @@ class Store:
 
     def __init__(self, path: str, **options) -> None:
         options.setdefault("id", LOCAL_ID)
+        # The embedded store's only client is its own process: large batches (put_many) are
+        # fine, so the request limits of a server default to what the formats allow.
+        options.setdefault("max_txn_ops", cmds.MAX_CONDS)
+        options.setdefault("max_request_bytes", EMBEDDED_MAX_REQUEST_BYTES)
         self.config = NodeConfig(data_dir=path, **options)
         if self.config.peers:
             raise BadRequest("kv.open() is a single-node store; use kv.Node for a cluster member")

@@ -7,6 +7,9 @@ time, or the N-th time with @N. Unset, `hit()` costs one set lookup.
 Points: ledger.before_commit, ledger.after_commit, hardstate.before_save,
 hardstate.after_save, snapshot.mid_write, snapshot.after_rename, install.mid_receive,
 install.after_adopt, install.after_reset.
+
+Failure points raise InjectedFailure instead (`raise_at()`), to test how the code around
+them copes: apply.raise (the state machine fails to apply a batch of committed entries).
 """
 
 from __future__ import annotations
@@ -33,3 +36,14 @@ def hit(name: str) -> None:
         if _armed[name] <= 0:
             os.write(2, f"failpoint {name}: crashing now\n".encode())
             os._exit(EXIT_CODE)
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by an armed failure point."""
+
+
+def raise_at(name: str) -> None:
+    if name in _armed:
+        _armed[name] -= 1
+        if _armed[name] <= 0:
+            raise InjectedFailure(f"failpoint {name}")

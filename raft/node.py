@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
@@ -369,6 +369,11 @@ class RaftNode:
 
     # ======================================================================================
     # The FSM caller's side
+
+    @property
+    def awaited(self) -> Container[int]:
+        """Indexes of proposals made here whose result someone is waiting for."""
+        return self._pending.keys()
 
     def entries(self, lo: int, hi: int, max_bytes: int = 8 << 20) -> list[Entry]:
         return self.core.log.entries(lo, hi, max_bytes, 1 << 30)

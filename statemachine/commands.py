@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 COMMAND_FORMAT = 1
 MAX_KEY_BYTES = 4096
+MAX_CONDS = 0xFFFF  # the condition count is a u16
+MAX_INDEX = (1 << 63) - 1  # log indexes (and so mod_index) fit a signed 64-bit integer
 
 _OP_PUT, _OP_DELETE, _OP_TXN, _OP_GET = 1, 2, 3, 4
 _OP_PUT_LEASE, _OP_LEASE_GRANT, _OP_LEASE_REVOKE, _OP_LEASE_KEEPALIVE, _OP_LEASE_QUERY = 5, 6, 7, 8, 9
@@ -164,6 +166,15 @@ class LeaseRevoked(NamedTuple):
 
 class LeaseList(NamedTuple):
     leases: tuple[LeaseInfo, ...]  # without their keys
+class ReadLimitExceeded(NamedTuple):
+    """A transaction was applied (its writes are in) but what its gets read came to more
+    than `limit` bytes on the node answering it, so the values are not returned. Only the
+    answering node reads; the limit is checked before proposing, so this happens only when
+    values grew in between."""
+
+    index: int
+    succeeded: bool
+    limit: int
 
 
 # -- encoding ---------------------------------------------------------------------------------
@@ -189,7 +200,9 @@ def _cond(c: Cond | None) -> bytes:
     if c is None:
         return b"\x00"
     if c.kind == "mod":
-        return bytes((_COND_MOD,)) + _key(c.key) + _U64.pack(int(c.arg))
+        if type(c.arg) is not int or not 0 <= c.arg <= MAX_INDEX:
+            raise CommandError(f"a mod_index is an integer from 0 to {MAX_INDEX}, not {c.arg!r}")
+        return bytes((_COND_MOD,)) + _key(c.key) + _U64.pack(c.arg)
     if c.kind == "value":
         v = bytes(c.arg)
         return bytes((_COND_VALUE,)) + _key(c.key) + _U32.pack(len(v)) + v
@@ -262,6 +275,8 @@ def encode(cmd: Command | LocalCommand) -> bytes:
     if isinstance(cmd, Delete):
         return _HEAD + bytes((_OP_DELETE,)) + _key(cmd.key) + _cond(cmd.cond)
     if isinstance(cmd, Txn):
+        if len(cmd.conds) > MAX_CONDS:
+            raise CommandError(f"a transaction has {len(cmd.conds)} conditions; the format holds at most {MAX_CONDS}")
         parts = [_HEAD, bytes((_OP_TXN,)), _U16.pack(len(cmd.conds))]
         parts += [_cond(c) for c in cmd.conds]
         parts.append(_U32.pack(len(cmd.ops)))
@@ -415,6 +430,8 @@ def _enc_one(r) -> bytes:
         return b"V" + _U64.pack(r.index) + _keys(r.keys)
     if isinstance(r, LeaseList):
         return b"S" + _U32.pack(len(r.leases)) + b"".join(_enc_one(x) for x in r.leases)
+    if isinstance(r, ReadLimitExceeded):
+        return b"R" + _U64.pack(r.index) + bytes((int(r.succeeded),)) + _U64.pack(r.limit)
     if isinstance(r, CommandError):
         msg = str(r).encode()
         return b"E" + _U32.pack(len(msg)) + msg
@@ -460,6 +477,10 @@ def _dec_one(rd: _Reader):
         return LeaseRevoked(idx, tuple(rd.key() for _ in range(rd.u32())))
     if tag == b"S":
         return LeaseList(tuple(_dec_one(rd) for _ in range(rd.u32())))
+    if tag == b"R":
+        idx = _U64.unpack(rd.take(8))[0]
+        ok = bool(rd.byte())
+        return ReadLimitExceeded(idx, ok, _U64.unpack(rd.take(8))[0])
     if tag == b"E":
         return CommandError(rd.take(rd.u32()).decode())
     if tag == b"N":

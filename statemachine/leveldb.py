@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
 import plyvel
@@ -42,6 +42,7 @@ from .commands import (
     PreconditionFailed,
     Put,
     PutResult,
+    ReadLimitExceeded,
     Txn,
     TxnResult,
     decode,
@@ -79,8 +80,10 @@ class LevelDBStateMachine:
     """Reads verify LevelDB's block checksums: a damaged file gives an error, never wrong
     data. Corruption found while reading leaves a marker, so the next start rebuilds."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, max_read_bytes: int | None = None) -> None:
         self.path = path
+        # The most a transaction's gets may return on the node answering it (None: no limit).
+        self.max_read_bytes = max_read_bytes
         self._db = None
         if os.path.exists(os.path.join(path, DAMAGED_MARKER)):
             raise StateCorrupt(f"the state machine in {path} was found damaged while running")
@@ -167,7 +170,10 @@ class LevelDBStateMachine:
 
     # -- applying --------------------------------------------------------------------------
 
-    def apply(self, entries: Sequence[Entry]) -> list[Any]:
+    def apply(self, entries: Sequence[Entry], answering: Container[int] | None = None) -> list[Any]:
+        """Apply entries; a transaction's gets are read only for the indexes in `answering`
+        (those whose result someone waits for here; None: every entry). Gets change
+        nothing, so the other replicas skip them and never build a reply nobody reads."""
         wb = self._db.write_batch()
         overlay: dict[bytes, tuple[int, bytes] | None] = {}  # this batch's writes, by raw key
         changes: list[Change] | None = [] if self.on_changes is not None else None
@@ -204,7 +210,8 @@ class LevelDBStateMachine:
                 except CommandError as err:
                     results.append(err)  # deterministic: every replica rejects it alike
                     continue
-                results.append(self._execute(cmd, e.index, wb, overlay, changes))
+                reads = answering is None or e.index in answering
+                results.append(self._execute(cmd, e.index, wb, overlay, changes, reads))
             elif e.kind == EntryKind.CONFIG:
                 self._apply_config(e.data, wb)
                 results.append(None)
@@ -245,7 +252,7 @@ class LevelDBStateMachine:
             return None
         return PreconditionFailed(cond.key, cur[0] if cur else 0)
 
-    def _execute(self, cmd, index: int, wb, overlay: dict, changes: list | None):
+    def _execute(self, cmd, index: int, wb, overlay: dict, changes: list | None, reads: bool):
         if isinstance(cmd, Put):
             if cmd.lease and cmd.lease not in self.leases.ttl_ms:
                 return NoSuchLease(cmd.lease)
@@ -263,6 +270,7 @@ class LevelDBStateMachine:
             out = []
             put_result = PutResult(index)  # every put of the txn has the same one
             pack_index = _U64.pack(index)
+            budget = self.max_read_bytes if self.max_read_bytes is not None else float("inf")
             for op in cmd.ops if ok else cmd.else_ops:
                 t = type(op)
                 if t is Put:
@@ -275,10 +283,20 @@ class LevelDBStateMachine:
                         changes.append((index, op.key, op.value))
                     out.append(put_result)
                 elif t is Get:
+                    if not reads:
+                        out.append(None)
+                        continue
                     cur = self._current(_DATA + op.key.encode(), overlay)
+                    budget -= len(cur[1]) if cur else 0
+                    if budget < 0:
+                        reads = False  # read no more (the writes still go on); see below
+                        out.append(None)
+                        continue
                     out.append(GetResult(op.key, cur[1] if cur else None, cur[0] if cur else 0))
                 else:
                     out.append(self._delete(op, index, wb, overlay, changes))
+            if budget < 0:
+                return ReadLimitExceeded(index, ok, self.max_read_bytes)
             return TxnResult(index, ok, tuple(out))
         raise CommandError(f"unknown command {cmd!r}")
 
