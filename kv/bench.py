@@ -506,14 +506,14 @@ async def bench_snapshot(args) -> list[dict]:
         size = os.path.getsize(f.path)
         rows.append({"what": f"snapshot save, {n:,} keys of 100 B", "seconds": took, "MB_per_s": size / took / 1e6, "keys_per_s": n / took})
 
-        extra = ["--snapshot-threshold", "20", "--snapshot-trailing", "5"]
+        batch = 2000  # keys loaded per transaction: above the default --max-txn-ops, so raised
+        extra = ["--snapshot-threshold", "20", "--snapshot-trailing", "5", "--max-txn-ops", str(batch)]
         with ServeCluster(os.path.join(root, "catchup"), 3, extra) as c:
             c.start()
             async with http_session(16) as s:
                 lead = await c.leader(s)
                 lag = next(i for i in c.ids if i != lead)
                 c.procs.kill(lag)
-                batch = 2000
 
                 async def txn(i):
                     doc = {"success": [{"op": "put", "key": f"key/{i * batch + k:08d}", "value": "v" * 100} for k in range(batch)]}

@@ -44,7 +44,10 @@ from .errors import BadRequest, KVError
 
 KEY_TYPES = ("string", "binary")
 VALUE_TYPES = ("string", "binary")
-MAX_BATCH_BYTES = 1 << 20
+# A batch compares and puts every value: twice its bytes must stay within a server's
+# default --max-request-bytes (1.5 MiB), and its rows within --max-txn-ops (128).
+MAX_BATCH_BYTES = 512 << 10
+DEFAULT_BATCH = 128
 
 
 @dataclass
@@ -94,7 +97,7 @@ def write(
     *,
     key_col: str = "key",
     value_col: str = "value",
-    batch: int = 2000,
+    batch: int = DEFAULT_BATCH,
     concurrency: int = 4,
     token: str | None = None,
     retries: int = 8,

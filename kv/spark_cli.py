@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     i.add_argument("--format", choices=["parquet", "csv", "json"], help="default: from the path's extension")
     i.add_argument("--key-col", default="key")
     i.add_argument("--value-col", default="value")
-    i.add_argument("--batch", type=int, default=2000, help="rows per transaction (default 2000; batches also stop at about 1 MiB)")
+    i.add_argument("--batch", type=int, default=128, help="rows per transaction, at most the cluster's --max-txn-ops (default 128; batches also stop at about 512 KiB)")
     i.add_argument("--concurrency", type=int, default=4, help="batches in flight per partition (default 4)")
     i.add_argument("--token", default=None)
     i.add_argument("--master", default="local[2]")

@@ -120,7 +120,7 @@ def test_change_feed_exports_a_committed_log_range(spark, cluster, tmp_path):
     assert cluster.request(lead, "PUT", "/v1/kv/feed/a", b"2", {"If-Match": f'"{first["index"]}"'})[0] == 200
     assert cluster.request(lead, "DELETE", "/v1/kv/feed/a")[0] == 200
     rows = spark.range(5_000).selectExpr("concat('feed/', cast(id as string)) as key", "cast(id as string) as value")
-    assert not kvspark.write(rows, endpoints(cluster), batch=500).failures  # 10 transactions
+    assert not kvspark.write(rows, endpoints(cluster), batch=125).failures  # 40 transactions
     cluster.wait_converged()
     end = cluster.status(cluster.ids[0])["applied_index"]
     start = first["index"]
