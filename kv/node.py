@@ -597,20 +597,26 @@ class Node:
     # -- membership ------------------------------------------------------------------------
 
     async def add_member(self, member_id: str, peer: str, http: str = "", *, voter: bool = False, replace: bool = False, timeout: float | None = None) -> list[dict]:
-        """Add a member (a learner unless voter=True) that listens for peers on `peer`.
-        With replace=True an existing member's addresses change (a node moved)."""
+        """Add a member that listens for peers on `peer`. It always joins as a learner;
+        with voter=True the leader promotes it once it has caught up (a voter that cannot
+        be reached would count against the quorum). With replace=True an existing member's
+        addresses change (a node moved)."""
         if not member_id or any(ch in member_id for ch in ",= /"):
             raise BadRequest(f"bad member id {member_id!r}: a non-empty name without ',', '=', ' ' or '/'")
         check_hostport(peer, f"member {member_id}")
         cur = self._running().core.membership
         old = cur.get(member_id)
         if old is not None and not replace:
-            if (old.peer_addr, old.http_url, old.voter) == (peer, http, voter or old.voter):
+            if (old.peer_addr, old.http_url) == (peer, http) and (not voter or old.voter or old.promote):
                 return self.members()  # asked again for what is already so
             raise MemberExists(f"{member_id} is already a member (at {old.peer_addr}); remove it first, or replace its addresses")
         if old is None and replace:
             raise NotFound(f"{member_id} is not a member; add it instead")
-        await self._change(cur.with_member(Member(member_id, peer, http, voter if old is None else old.voter)), timeout)
+        if old is None:
+            new = Member(member_id, peer, http, voter=False, promote=voter)
+        else:
+            new = Member(member_id, peer, http, old.voter, old.promote)
+        await self._change(cur.with_member(new), timeout)
         return self.members()
 
     async def remove_member(self, member_id: str, *, timeout: float | None = None) -> list[dict]:
@@ -656,6 +662,8 @@ class Node:
             if m.id == raft.id:
                 d["http"] = self.config.advertise_url
             d["leader"] = m.id == core.leader_id
+            if m.promote:
+                d["promote"] = True  # a learner the leader promotes once it has caught up
             out.append(d)
         return out
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import quorum
 from .errors import ConfigChangeRefused, NotLeader, TransferInProgress
@@ -267,13 +267,20 @@ class RaftCore:
         if self._config_index > self.commit_index:
             raise ConfigChangeRefused(f"a membership change (index {self._config_index}) is still in progress; retry once it has committed")
         self._check_single_change(self.membership, new)
+        return self.term, self._append_config(new)
+
+    def _append_config(self, new: Membership) -> int:
         index = self.log.last_index() + 1
         self.log.append([Entry(index, self.term, EntryKind.CONFIG, new.encode())])
         self._config_appended(index, new)
         self._dispatch_needed = True
-        return self.term, index
+        return index
 
     def _check_single_change(self, old: Membership, new: Membership) -> None:
+        """One member changes, a new member starts as a learner, a learner is promoted only
+        once caught up, and the new voters keep a majority that is reachable and caught up
+        now (etcd's strict reconfiguration check): no change can leave the cluster without
+        a quorum it could have kept."""
         changed = {i for i in old.ids | new.ids if old.get(i) != new.get(i)}
         if len(changed) != 1:
             raise ConfigChangeRefused(f"change one member at a time (this changes {sorted(changed) or 'nothing'})")
@@ -281,11 +288,51 @@ class RaftCore:
             raise ConfigChangeRefused("the last voter cannot be removed or demoted")
         (who,) = changed
         before, after = old.get(who), new.get(who)
+        if before is None and after.voter:
+            raise ConfigChangeRefused(f"{who} must join as a learner (promote it, or let it be promoted, once it has caught up)")
         if before is not None and after is not None and after.voter and not before.voter:
             pr = self.progress.get(who)
             behind = self.log.last_index() - (pr.match if pr else 0)
             if pr is None or pr.state != DispatcherState.APPEND or behind > self.cfg.promote_max_lag:
                 raise ConfigChangeRefused(f"learner {who} is {behind} entries behind; promote it once it has caught up")
+        if new.voters != old.voters:
+            healthy = sorted(v for v in new.voters if self._healthy(v))
+            need = quorum.majority(len(new.voters))
+            if len(healthy) < need:
+                raise ConfigChangeRefused(
+                    f"refused: the {len(new.voters)} voters after this change need {need} for a majority, but only "
+                    f"{len(healthy)} of them ({', '.join(healthy) or 'none'}) are reachable and caught up; "
+                    "bring members back first, or remove an unreachable one instead"
+                )
+
+    def _healthy(self, member: str) -> bool:
+        """This leader, or a member it heard from within an election timeout and is
+        replicating to normally."""
+        if member == self.id:
+            return self.role == Role.LEADER
+        pr = self.progress.get(member)
+        return (
+            pr is not None
+            and pr.state == DispatcherState.APPEND
+            and pr.last_heard is not None
+            and self._now - pr.last_heard <= self.cfg.election_timeout_ms
+        )
+
+    def _maybe_promote(self) -> None:
+        """Promote the first learner that asked to become a voter once caught up (a member
+        added with voter=true), when no other change is in progress."""
+        if self._config_index > self.commit_index or self.transferee is not None or not self.committed_in_term():
+            return
+        cur = self.membership
+        for m in sorted(cur.members.values(), key=lambda m: m.id):
+            if m.promote and not m.voter:
+                new = cur.with_member(replace(m, voter=True, promote=False))
+                try:
+                    self._check_single_change(cur, new)
+                except ConfigChangeRefused:
+                    continue  # not caught up yet: asked again at the next tick
+                self._append_config(new)
+                return
 
     def _config_appended(self, index: int, new: Membership) -> None:
         self._configs.append((index, new))
@@ -604,6 +651,7 @@ class RaftCore:
                 pr.recent_active = False
         if self.transferee is not None and now >= self._transfer_deadline:
             self.transferee = None  # the transfer did not happen in time: abort it
+        self._maybe_promote()
         if now >= self._heartbeat_deadline:
             self._broadcast_heartbeats()
         for pr in self.progress.values():
@@ -715,6 +763,7 @@ class RaftCore:
         if pr is None:
             return
         pr.recent_active = True
+        pr.last_heard = self._now
         code = m.code
         if code == PushCode.INCONSISTENT_LEADER:
             # Another leader in our term: a bug elsewhere. Step down rather than go on.
@@ -949,6 +998,7 @@ class RaftCore:
         if m.code != HeartbeatCode.SUCCESS:
             return
         pr.recent_active = True
+        pr.last_heard = self._now
         if m.read_seq > pr.read_acked:
             pr.read_acked = m.read_seq
             self._advance_reads()

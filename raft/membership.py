@@ -18,6 +18,7 @@ class Member:
     peer_addr: str  # host:port the member listens on for peers
     http_url: str = ""  # its client URL, used to forward requests to it when it leads
     voter: bool = True
+    promote: bool = False  # a learner the leader promotes once it has caught up
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,7 @@ class Membership:
     def encode(self) -> bytes:
         return json.dumps(
             [
-                {"id": m.id, "peer": m.peer_addr, "http": m.http_url, "voter": m.voter}
+                {"id": m.id, "peer": m.peer_addr, "http": m.http_url, "voter": m.voter, **({"promote": True} if m.promote else {})}
                 for m in sorted(self.members.values(), key=lambda m: m.id)
             ],
             separators=(",", ":"),
@@ -66,7 +67,7 @@ class Membership:
         if not data:
             return cls({})
         return cls.of(
-            Member(d["id"], d["peer"], d.get("http", ""), bool(d.get("voter", True)))
+            Member(d["id"], d["peer"], d.get("http", ""), bool(d.get("voter", True)), bool(d.get("promote", False)))
             for d in json.loads(data)
         )
 

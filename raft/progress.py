@@ -50,6 +50,7 @@ class Progress:
     sent_commit: int = 0  # the highest commit index sent to this follower
     commit_due: float | None = None  # when to send a COMMIT if no APPEND carries it first
     recent_active: bool = False  # heard from within the current check-quorum period
+    last_heard: float | None = None  # when it last answered this leader (now, ms)
     read_acked: int = 0  # highest heartbeat round (read_seq) the follower answered
     # Flow-control quota (DLedger's Quota): bytes sent in the current one-second window.
     quota_window: float = 0.0

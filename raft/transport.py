@@ -52,6 +52,8 @@ def _pack_strs(*items: bytes) -> bytes:
 def _unpack_strs(body: bytes | memoryview, count: int) -> list[bytes]:
     out, o = [], 0
     for _ in range(count):
+        if len(body) < o + 2:
+            raise codec.CodecError("handshake frame is truncated")
         (n,) = struct.unpack_from(">H", body, o)
         o += 2
         item = bytes(body[o : o + n])
@@ -142,6 +144,8 @@ class _Inbound(asyncio.Protocol):
                     self._handshake(ftype, body)
         except codec.CodecError as e:
             self.close(str(e))
+        except UnicodeDecodeError:  # a handshake name or group that is not UTF-8
+            self.close("handshake frame is not UTF-8 where it must be")
 
     def _handshake(self, ftype: int, body: memoryview) -> None:
         t = self.t

@@ -334,8 +334,8 @@ class Sim:
         }
 
     def change_membership(self) -> bool:
-        """Ask the leader for one random change: add a spare (learner or voter), remove a
-        member, or promote a learner."""
+        """Ask the leader for one random change: add a spare (a learner, or one the leader
+        promotes once caught up), remove a member, or promote a learner."""
         lid = self.leader()
         if lid is None:
             return False
@@ -346,7 +346,7 @@ class Sim:
         r = self.rng.random()
         if outside and (r < 0.4 or len(cur.voters) <= 2):
             nid = self.rng.choice(outside)
-            new = cur.with_member(Member(nid, f"sim:{nid}", voter=self.rng.random() < 0.5))
+            new = cur.with_member(Member(nid, f"sim:{nid}", voter=False, promote=self.rng.random() < 0.5))
         elif learners and r < 0.7:
             nid = self.rng.choice(learners)
             new = cur.with_member(Member(nid, f"sim:{nid}", voter=True))

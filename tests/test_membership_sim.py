@@ -1,0 +1,97 @@
+"""Membership changes that cannot lose the quorum, on the pure core through the simulator:
+new members join as learners, the leader promotes those that asked once they have caught
+up, and a change whose voters would lack a reachable, caught-up majority is refused
+(etcd's strict reconfiguration check). The random schedules of test_raft_sim.py run the
+same rules under faults."""
+
+from __future__ import annotations
+
+import pytest
+from sim import Sim
+
+from kv.raft.errors import ConfigChangeRefused
+from kv.raft.membership import Member
+
+
+def elected(sim: Sim) -> str:
+    sim.run_for(5000)
+    lid = sim.leader()
+    assert lid is not None
+    return lid
+
+
+def change(sim: Sim, new) -> None:
+    """Propose a change on the leader and let it commit."""
+    lid = sim.leader()
+    sim.nodes[lid].core.propose_config(new, sim.now)
+    sim.run_for(1000)
+
+
+def membership(sim: Sim):
+    return sim.nodes[sim.leader()].core.membership
+
+
+def test_a_new_member_never_joins_as_a_voter():
+    sim = Sim(3, seed=1, spare=1)
+    lid = elected(sim)
+    core = sim.nodes[lid].core
+    with pytest.raises(ConfigChangeRefused, match="must join as a learner"):
+        core.propose_config(core.membership.with_member(Member("n4", "sim:n4", voter=True)), sim.now)
+
+
+def test_unreachable_members_asked_as_voters_stay_learners_and_the_cluster_commits():
+    # The attack that wedged a cluster: three voters added at addresses nobody answers.
+    sim = Sim(3, seed=2, spare=3)
+    for nid in ("n4", "n5", "n6"):
+        sim.crash(nid)
+    elected(sim)
+    for nid in ("n4", "n5", "n6"):
+        change(sim, membership(sim).with_member(Member(nid, f"sim:{nid}", voter=False, promote=True)))
+    sim.run_for(3000)
+    m = membership(sim)
+    assert m.voters == {"n1", "n2", "n3"} and m.learners == {"n4", "n5", "n6"}
+    before = len(sim.acked)
+    assert sim.propose(b"still-writable")
+    sim.run_for(1000)
+    assert len(sim.acked) > before
+    # One of them comes up: it catches up and the leader promotes it on its own.
+    sim.restart("n4")
+    sim.run_for(5000)
+    m = membership(sim)
+    assert m.voters == {"n1", "n2", "n3", "n4"} and not m.get("n4").promote
+    assert m.learners == {"n5", "n6"}
+    sim.check_converged()
+
+
+def test_a_removal_that_leaves_no_reachable_majority_is_refused():
+    sim = Sim(3, seed=3)
+    lid = elected(sim)
+    down, up = [i for i in sim.ids if i != lid]
+    sim.crash(down)
+    sim.run_for(2000)
+    core = sim.nodes[lid].core
+    # Voters {lid, down} would need both; only the leader answers.
+    with pytest.raises(ConfigChangeRefused, match="only 1 of them"):
+        core.propose_config(core.membership.without(up), sim.now)
+    # Removing the dead member keeps {lid, up}: both reachable.
+    change(sim, core.membership.without(down))
+    assert membership(sim).voters == {lid, up}
+    assert sim.propose(b"after")
+
+
+def test_with_a_minority_down_a_caught_up_learner_is_still_promoted_and_dead_voters_removed():
+    sim = Sim(5, seed=4, spare=1)
+    lid = elected(sim)
+    others = [i for i in sim.ids[:5] if i != lid]
+    sim.crash(others[0])
+    sim.crash(others[1])
+    change(sim, membership(sim).with_member(Member("n6", "sim:n6", voter=False, promote=True)))
+    sim.run_for(3000)
+    # 6 voters need 4: the leader, two live followers and n6 are 4.
+    assert "n6" in membership(sim).voters
+    for dead in others[:2]:
+        change(sim, membership(sim).without(dead))
+    assert membership(sim).voters == {lid, others[2], others[3], "n6"}
+    assert sim.propose(b"after")
+    sim.run_for(1000)
+    sim.check_converged()
