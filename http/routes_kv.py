@@ -67,6 +67,8 @@ async def get_key(request: web.Request) -> web.Response:
 async def delete_key(request: web.Request) -> web.Response:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
+    if "If-None-Match" in request.headers:
+        raise BadRequest("DELETE is conditional on If-Match only (a key that does not exist needs no delete)")
     if_match = request.headers.get("If-Match")
     r = await c.node.delete(key, if_mod_index=_etag_index(if_match, "If-Match") if if_match is not None else None)
     return json_response({"index": r.index, "term": r.term, "deleted": r.deleted})

@@ -86,6 +86,8 @@ class NodeConfig:
             )
         if not 1 <= self.max_txn_ops <= MAX_CONDS:
             raise BadRequest(f"--max-txn-ops must be between 1 and {MAX_CONDS}")
+        if self.force_new_cluster and self.join:
+            raise BadRequest("--force-new-cluster restarts an existing member alone; it does not go with --join")
         if self.max_txn_read_bytes <= 0:
             raise BadRequest("--max-txn-read-bytes must be positive")
         if self.snapshot_threshold <= 0 or self.snapshot_trailing < 0 or self.snapshot_keep < 1:

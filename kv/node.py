@@ -39,7 +39,7 @@ from .raft import errors as raft_errors
 from .raft.core import CoreConfig
 from .raft.ledger import Ledger, LedgerWrite
 from .raft.membership import Member, Membership
-from .raft.messages import EntryKind, ForwardCode, Role
+from .raft.messages import Entry, EntryKind, ForwardCode, Role
 from .raft.node import Applied, DeadlineExceeded, NodeStopped, OutcomeUnknown, Overloaded, RaftNode
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
@@ -201,6 +201,8 @@ class Node:
         except StateCorrupt as e:
             self.sm = await loop.run_in_executor(None, self._rebuild_state, e)
         await loop.run_in_executor(None, self._reconcile)
+        if c.force_new_cluster:
+            await loop.run_in_executor(None, self._force_new_cluster)
         membership = self._membership()
         core_cfg = CoreConfig(
             node_id=c.id,
@@ -264,6 +266,28 @@ class Node:
             idx, term = sm.applied()
             log.warning("node %s: ledger ends at %d, state at %d: resetting the ledger", self.config.id, ledger.last_index(), idx)
             ledger.write([LedgerWrite(reset_to=(idx, term))])
+
+    def _force_new_cluster(self) -> None:
+        """`--force-new-cluster`: the majority is lost for good, so make this member the
+        only one, keeping its data (etcd's flag of that name). A CONFIG entry naming only
+        this node goes at the end of its log; alone, it elects itself and commits its whole
+        log, that entry included. The old members count as removed from then on (their
+        connections are refused): each is added back from an empty data dir."""
+        c, ledger = self.config, self.ledger
+        if ledger.last_index() == 0:
+            raise BadRequest(f"--force-new-cluster recovers an existing member's data, and {c.data_dir} holds none")
+        old = self._membership()
+        me = old.get(c.id)
+        peer = c.peers.get(c.id) or (me.peer_addr if me else "")
+        alone = Membership.of([Member(c.id, peer, c.advertise_url or (me.http_url if me else ""), True)])
+        last = ledger.last_index()
+        ledger.write([LedgerWrite(entries_from=last + 1, entries=[Entry(last + 1, ledger.term(last), EntryKind.CONFIG, alone.encode())])])
+        log.warning(
+            "node %s: --force-new-cluster: now the only member of a new one-member cluster, with its data up to index "
+            "%d (members before: %s). Add the others back from empty data dirs (kv serve --join, or kv member add), "
+            "and restart this node without the flag",
+            c.id, last, ", ".join(sorted(old.ids)) or "none",
+        )
 
     def _membership(self) -> Membership:
         stored = self.sm.membership()

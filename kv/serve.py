@@ -163,8 +163,8 @@ async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str |
         failed = asyncio.ensure_future(_watch_failure(node))
         done, _ = await asyncio.wait([asyncio.ensure_future(stop.wait()), failed], return_when=asyncio.FIRST_COMPLETED)
         code = 1 if failed in done else 0
-        if code:
-            log.error("stopping: %s", node.raft.failure)
+        if code:  # the failure itself was logged where it happened
+            log.error("stopping: exit code 1 after the error above")
         else:
             log.info("stopping on signal")
         _exit_if_stuck(loop, code)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..raft import failpoints
+from ..statemachine.commands import MAX_INDEX, MAX_KEY_BYTES
 
 MAGIC = b"LKVSNAP1"
 END_MAGIC = b"LKVSEND1"
@@ -154,19 +155,55 @@ def read_header(f) -> tuple[SnapshotHeader, int]:
         raise SnapshotFormatError("snapshot file is truncated inside its header")
     try:
         d = json.loads(raw)
-        if d.get("format") != FORMAT:
-            raise SnapshotFormatError(f"snapshot format {d.get('format')} is not one this ledgerkv reads ({FORMAT})")
-        header = SnapshotHeader(
-            int(d["index"]),
-            int(d["term"]),
-            json.dumps(d.get("membership", []), separators=(",", ":")).encode(),
-            float(d.get("created", 0)),
-            str(d.get("group", "default")),
-            str(d.get("node", "")),
-        )
-    except (ValueError, KeyError, TypeError) as e:
-        raise SnapshotFormatError(f"snapshot header is not valid: {e}") from e
-    return header, len(MAGIC) + 4 + n
+    except ValueError as e:
+        raise SnapshotFormatError(f"snapshot header is not valid JSON: {e}") from e
+    return _header_of(d), len(MAGIC) + 4 + n
+
+
+def _header_of(d) -> SnapshotHeader:
+    """A header from its JSON, every field checked (the file may be crafted: a valid CRC
+    says nothing about where it came from)."""
+    if not isinstance(d, dict):
+        raise SnapshotFormatError("snapshot header is not a JSON object")
+    if type(d.get("format")) is not int or d["format"] != FORMAT:
+        raise SnapshotFormatError(f"snapshot format {d.get('format')!r} is not one this ledgerkv reads ({FORMAT})")
+    index, term = _index_field(d, "index"), _index_field(d, "term")
+    if index > 0 and term == 0:
+        raise SnapshotFormatError(f"snapshot header: index {index} with term 0")
+    created = d.get("created", 0)
+    if type(created) not in (int, float) or not 0 <= created < 1e11:
+        raise SnapshotFormatError(f"snapshot header: created must be a Unix time, not {created!r}")
+    group, node = d.get("group", "default"), d.get("node", "")
+    if type(group) is not str or not group or type(node) is not str:
+        raise SnapshotFormatError("snapshot header: group (non-empty) and node must be strings")
+    membership = d.get("membership", [])
+    _check_membership(membership)
+    return SnapshotHeader(index, term, json.dumps(membership, separators=(",", ":")).encode(), float(created), group, node)
+
+
+def _index_field(d: dict, name: str) -> int:
+    v = d.get(name)
+    if type(v) is not int or not 0 <= v <= MAX_INDEX:
+        raise SnapshotFormatError(f"snapshot header: {name} must be an integer from 0 to {MAX_INDEX}, not {v!r}")
+    return v
+
+
+_MEMBER_FIELDS = {"id": str, "peer": str, "http": str, "voter": bool, "promote": bool}
+
+
+def _check_membership(members) -> None:
+    if not isinstance(members, list):
+        raise SnapshotFormatError("snapshot header: membership must be a list of members")
+    ids = set()
+    for m in members:
+        if not isinstance(m, dict) or not {"id", "peer"} <= set(m):
+            raise SnapshotFormatError(f"snapshot header: a member must be an object with id and peer, not {m!r:.100}")
+        for k, v in m.items():
+            if k not in _MEMBER_FIELDS or type(v) is not _MEMBER_FIELDS[k]:
+                raise SnapshotFormatError(f"snapshot header: member field {k!r} is unknown or of the wrong type")
+        if not m["id"] or m["id"] in ids:
+            raise SnapshotFormatError(f"snapshot header: member id {m['id']!r} is empty or repeated")
+        ids.add(m["id"])
 
 
 def read_trailer(f) -> Trailer:
@@ -203,13 +240,41 @@ def verify(path: str) -> tuple[SnapshotHeader, Trailer]:
         if crc != trailer.crc:
             raise SnapshotFormatError("snapshot file fails its checksum: it is damaged")
         _, first_block = read_header(f)
-        n = 0
+        offsets = block_offsets(f, trailer)
+        n = blocks = 0
+        last_key = None
+        at = first_block  # where the next block starts
         for count, payload in iter_blocks(f, first_block):
-            block_columns(payload, count)  # the block's structure holds together
+            if blocks >= len(offsets) or offsets[blocks] != at:
+                raise SnapshotFormatError(f"the snapshot's block index does not match its block {blocks}")
+            blocks += 1
+            at += _BLOCK.size + len(payload)
+            last_key = _check_records(parse_block(payload, count), last_key, header.index)
             n += count
-        if n != trailer.records:
-            raise SnapshotFormatError(f"snapshot holds {n} records, its trailer says {trailer.records}")
+        if blocks != trailer.blocks or n != trailer.records:
+            raise SnapshotFormatError(
+                f"snapshot holds {n} records in {blocks} blocks; its trailer says {trailer.records} in {trailer.blocks}"
+            )
     return header, trailer
+
+
+def _check_records(columns: tuple[list[bytes], list[bytes], list[int]], last_key: bytes | None, index: int) -> bytes | None:
+    """Keys are valid UTF-8 within the key limit, strictly increasing; mod_indexes are in
+    [1, the snapshot's index]. Returns the last key."""
+    keys, _values, mods = columns
+    for k, mod in zip(keys, mods):
+        if not 0 < len(k) <= MAX_KEY_BYTES:
+            raise SnapshotFormatError(f"snapshot record: a key of {len(k)} bytes (keys are 1 to {MAX_KEY_BYTES})")
+        try:
+            k.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SnapshotFormatError(f"snapshot record: key {k[:60]!r} is not UTF-8") from None
+        if last_key is not None and k <= last_key:
+            raise SnapshotFormatError(f"snapshot record: key {k[:60]!r} is out of order")
+        if not 0 < mod <= index:
+            raise SnapshotFormatError(f"snapshot record: key {k[:60]!r} has mod_index {mod}, outside 1..{index}")
+        last_key = k
+    return last_key
 
 
 def iter_blocks(f, start: int) -> Iterator[tuple[int, bytes]]:
@@ -260,20 +325,31 @@ def block_columns(payload: bytes, n: int) -> tuple[bytes, bytes, bytes, bytes, b
     mod indexes (Arrow's layout: little-endian int32 offsets, int64 values)."""
     o = 0
     w = 4 * (n + 1)
+    if w + w + 8 * n > len(payload):
+        raise SnapshotFormatError(f"a snapshot block says it holds {n} records, more than fit in it")
     ko = payload[o : o + w]
     o += w
-    klen = _from_le("i", ko)[-1]
+    klen = _offsets_end(ko, len(payload) - o)
     kb = payload[o : o + klen]
     o += klen
     vo = payload[o : o + w]
     o += w
-    vlen = _from_le("i", vo)[-1]
+    vlen = _offsets_end(vo, len(payload) - o)
     vb = payload[o : o + vlen]
     o += vlen
     mb = payload[o : o + 8 * n]
-    if len(mb) != 8 * n or o + 8 * n != len(payload):
+    if len(vo) != w or len(mb) != 8 * n or o + 8 * n != len(payload):
         raise SnapshotFormatError("a snapshot block is malformed")
     return ko, kb, vo, vb, mb
+
+
+def _offsets_end(raw: bytes, room: int) -> int:
+    """The end of the data an offsets column points into, once it is checked: starting at
+    0, never decreasing, within the `room` left in the block."""
+    offs = _from_le("i", raw)
+    if offs[0] != 0 or offs[-1] > room or any(a > b for a, b in zip(offs, offs[1:])):
+        raise SnapshotFormatError("a snapshot block has malformed offsets")
+    return offs[-1]
 
 
 def parse_block(payload: bytes, n: int) -> tuple[list[bytes], list[bytes], list[int]]:
