@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("id", nargs="?", help="the member's id (add, remove, promote)")
     a.add_argument("peer", nargs="?", help="add: HOST:PORT the new member listens on for peers")
     a.add_argument("--http", default="", help="add: the new member's client URL")
-    a.add_argument("--voter", action="store_true", help="add: as a voter at once (default: a learner, promoted later)")
+    a.add_argument("--voter", action="store_true", help="add: the leader promotes it to a voter once it has caught up (default: a learner until kv member promote)")
     a.add_argument("--replace", action="store_true", help="add: change an existing member's addresses")
 
     snap = sub.add_parser("snapshot", help="snapshot files").add_subparsers(dest="snap_cmd", metavar="ACTION")

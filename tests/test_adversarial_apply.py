@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -245,6 +246,31 @@ def test_an_apply_failure_stops_the_node_with_one_line_and_a_non_zero_exit(clust
         c.node_env[victim] = {}
     c.start(victim)  # without the failure: it applies from the same index and catches up
     check_alive_and_intact(c, seeded)
+
+
+STUCK_STOP = r"""
+import asyncio, threading
+from kv import serve
+
+async def main():
+    serve._exit_if_stuck(asyncio.get_running_loop(), 1)
+    print("stopping", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, threading.Event().wait)  # a clean-up that never ends
+
+asyncio.run(main())
+"""
+
+
+def test_a_stopping_node_exits_on_sigterm_even_when_its_clean_up_hangs():
+    p = subprocess.Popen([sys.executable, "-c", STUCK_STOP], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "stopping"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 1
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 # -- the peer port ----------------------------------------------------------------------------
