@@ -61,7 +61,7 @@ async def _member(c: AsyncClient, args: argparse.Namespace) -> int:
     else:
         members = await c.members()
     for m in members:
-        role = "voter" if m["voter"] else "learner"
+        role = "voter" if m["voter"] else "learner (promoted once caught up)" if m.get("promote") else "learner"
         print(f"{m['id']}\t{role}{' (leader)' if m.get('leader') else ''}\tpeer={m['peer']}\thttp={m.get('http') or '-'}")
     return 0
 

@@ -63,6 +63,30 @@ def cluster(tmp_path_factory):
         c.close()
 
 
+@pytest.fixture(autouse=True)
+def peak_memory(request):
+    """Print how much each node of the shared cluster grew at its peak during the test
+    (VmHWM, reset at the start, minus VmRSS before; nodes restarted meanwhile are left
+    out)."""
+    if "cluster" not in request.fixturenames:
+        yield
+        return
+    c = request.getfixturevalue("cluster")
+    before = {}
+    for i in c.ids:
+        if c.alive(i):
+            with open(f"/proc/{c.procs[i].pid}/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS: the peak is this test's
+            before[i] = (c.procs[i].pid, proc_status(c, i, "VmRSS"))
+    yield
+    grown = {
+        i: round((proc_status(c, i, "VmHWM") - rss) / MB, 1)
+        for i, (pid, rss) in before.items()
+        if c.alive(i) and c.procs[i].pid == pid
+    }
+    print(f"\n[peak RSS growth, MB] {request.node.name}: {grown}")
+
+
 @pytest.fixture(scope="module")
 def seeded(cluster):
     """Data written before the attacks, checked after each one."""
@@ -103,7 +127,7 @@ def test_gets_of_a_1mib_key_are_refused_before_proposing_and_memory_stays_flat(c
     c = cluster
     lead = c.leader()
     follower = next(i for i in c.ids if i != lead)
-    rss = {i: proc_status(c, i, "VmRSS") for i in c.ids}
+    rss = {i: proc_status(c, i, "VmRSS") for i in c.ids}  # the fixture above reset VmHWM
     commit = c.status(lead)["commit_index"]
     # The original attack: 200 gets (6.6 KB of request, 210 MB of answer) through a follower.
     code, body = post_json(c, follower, "/v1/txn", {"success": [{"op": "get", "key": "big"}] * 200})
