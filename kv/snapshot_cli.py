@@ -12,7 +12,7 @@ from .client import AsyncClient
 from .datadir import DataDirLock
 from .errors import SnapshotError
 from .snapshot.format import SnapshotFormatError, verify
-from .snapshot.restore import RestoreError, restore
+from .snapshot.restore import RestoreError, check_file, restore
 
 
 class Progress:
@@ -71,13 +71,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from .config import parse_peers
 
         peers = parse_peers(args.peers)
-        lock = DataDirLock.acquire(args.data_dir)
+
+        def say(message: str) -> None:
+            print(message, file=sys.stderr)
+
         try:
-            summary = restore(args.file, args.data_dir, args.id, peers, group=args.group, progress=lambda m: print(m, file=sys.stderr))
+            say(f"verifying {args.file} ...")
+            checked = check_file(args.file)  # before the data dir is created or locked
+            lock = DataDirLock.acquire(args.data_dir)
+            try:
+                summary = restore(args.file, args.data_dir, args.id, peers, group=args.group, progress=say, checked=checked)
+            finally:
+                lock.release()
         except RestoreError as e:
             raise SnapshotError(str(e)) from e
-        finally:
-            lock.release()
         print(f"restored {summary['keys']} keys at index {summary['index']} (term {summary['term']}) into {summary['data_dir']} for {args.id}; members: {', '.join(summary['members'])}")
         return 0
     parser.parse_args(["snapshot", "--help"])

@@ -12,12 +12,21 @@ from ..raft.ledger import Ledger, LedgerWrite
 from ..raft.membership import Member, Membership
 from ..raft.messages import HardState
 from ..statemachine.leveldb import LevelDBStateMachine
-from .format import SnapshotFormatError, iter_records, new_header, read_header, verify
+from .format import SnapshotFormatError, SnapshotHeader, Trailer, iter_records, new_header, read_header, verify
 from .store import SnapshotStore
 
 
 class RestoreError(Exception):
     pass
+
+
+def check_file(snapshot_file: str) -> tuple[SnapshotHeader, Trailer]:
+    """Verify every byte of a snapshot file (header fields, blocks, keys, checksums): done
+    before any data dir is touched."""
+    try:
+        return verify(snapshot_file)
+    except (SnapshotFormatError, OSError) as e:
+        raise RestoreError(f"{snapshot_file} cannot be restored: {e}") from e
 
 
 def restore(
@@ -29,19 +38,20 @@ def restore(
     group: str = "default",
     http_urls: dict[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
+    checked: tuple[SnapshotHeader, Trailer] | None = None,
 ) -> dict:
-    """Create data_dir for node_id from snapshot_file; returns a summary."""
+    """Create data_dir for node_id from snapshot_file; returns a summary. `checked`: what
+    check_file(snapshot_file) returned, when the caller verified the file already."""
     say = progress or (lambda _m: None)
     if node_id not in peers:
         raise RestoreError(f"--peers must list the restored node {node_id!r}")
     # The caller may hold the data dir's lock (a file named LOCK in it): that is not content.
     if os.path.exists(data_dir) and set(os.listdir(data_dir)) - {"LOCK"}:
         raise RestoreError(f"{data_dir} is not empty: restore only seeds a new, empty data dir (pick another or remove it)")
-    say(f"verifying {snapshot_file} ...")
-    try:
-        header, trailer = verify(snapshot_file)
-    except (SnapshotFormatError, OSError) as e:
-        raise RestoreError(f"{snapshot_file} cannot be restored: {e}") from e
+    if checked is None:
+        say(f"verifying {snapshot_file} ...")
+        checked = check_file(snapshot_file)
+    header, trailer = checked
     membership = Membership.of(Member(i, addr, (http_urls or {}).get(i, "")) for i, addr in peers.items())
     os.makedirs(data_dir, exist_ok=True)
     try:
