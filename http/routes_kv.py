@@ -143,7 +143,7 @@ _COND_FIELDS = {"mod_index", "exists", "value", "value_base64"}
 def _parse_cond(d, where: str) -> Cond:
     key = _key_of(d, where)
     _fields(d, where, {"key"} | _COND_FIELDS)
-    if len(_COND_FIELDS & set(d)) != 1 and not set(d) >= {"value", "value_base64"}:
+    if len({"value" if f == "value_base64" else f for f in _COND_FIELDS & set(d)}) != 1:
         raise BadRequest(f'{where}: compare on exactly one of "mod_index", "exists" or "value"')
     if "mod_index" in d:
         m = d["mod_index"]

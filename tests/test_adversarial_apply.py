@@ -194,6 +194,8 @@ def test_malformed_conditional_headers_are_400(cluster, header, value):
         ({"compare": [{"key": "t", "mod_index": True}]}, "mod_index"),
         ({"compare": [{"key": "t", "mod_index": 1.5}]}, "mod_index"),
         ({"compare": [{"key": "t", "mod_index": 0, "exists": False}]}, "exactly one"),
+        ({"compare": [{"key": "t", "mod_index": 0, "value": "a", "value_base64": "YQ=="}]}, "exactly one"),
+        ({"compare": [{"key": "t", "value": "a", "value_base64": "YQ=="}]}, "not both"),
         ({"compare": [{"key": "t", "exists": True, "extra": 1}]}, "unknown field"),
         ({"success": [], "else": []}, "unknown fields"),
     ],
