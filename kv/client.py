@@ -268,7 +268,8 @@ class AsyncClient:
         return TxnResult(d["index"], d["term"], d["succeeded"], tuple(results))
 
     async def put_many(self, items: dict[str, bytes] | Sequence[tuple[str, bytes]]) -> TxnResult:
-        """Write many keys in one atomic transaction."""
+        """Write many keys in one atomic transaction (at most the cluster's --max-txn-ops,
+        default 128, and --max-request-bytes, default 1.5 MiB: 400/413 beyond)."""
         pairs = items.items() if isinstance(items, dict) else items
         return await self.txn(ops=[Put(k, v) for k, v in pairs])
 

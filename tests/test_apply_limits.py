@@ -66,3 +66,23 @@ async def test_a_node_refuses_oversized_transactions_before_proposing(tmp_path):
         with pytest.raises(kv.ValueTooLarge, match="--max-request-bytes"):
             await node.txn(ops=[kv.Put("a", b"x" * 1_000_000), kv.Put("b", b"x" * 1_000_000)])
         assert node.status()["commit_index"] == before + 1  # only the good transaction
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        ({"max_request_bytes": 1000}, "--max-request-bytes must leave room"),
+        ({"max_txn_ops": 0}, "--max-txn-ops"),
+        ({"max_txn_ops": 70_000}, "--max-txn-ops"),
+        ({"max_txn_read_bytes": 0}, "--max-txn-read-bytes"),
+        ({"force_new_cluster": True, "join": "http://127.0.0.1:1"}, "--force-new-cluster"),
+    ],
+)
+def test_limit_settings_are_checked(tmp_path, options, says):
+    with pytest.raises(kv.BadRequest, match=says):
+        kv.NodeConfig(id="n1", data_dir=str(tmp_path), **options)
+
+
+def test_the_request_limit_makes_room_for_the_largest_value(tmp_path):
+    assert kv.NodeConfig(id="n1", data_dir=str(tmp_path)).max_request_bytes == 1536 * 1024
+    assert kv.NodeConfig(id="n1", data_dir=str(tmp_path), max_value_bytes=8 << 20).max_request_bytes > 8 << 20

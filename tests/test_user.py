@@ -257,7 +257,7 @@ asyncio.run(main())
 
 
 def test_client_read_then_cas_over_http_from_another_process(tmp_path):
-    c = ProcCluster(str(tmp_path))
+    c = ProcCluster(str(tmp_path), extra=["--max-txn-ops", "2500"])  # put_many of 2500 keys
     try:
         c.start()
         lead = c.leader()
@@ -278,7 +278,7 @@ def test_node_scan_reads_past_a_thousand_keys(tmp_path):
         import asyncio, sys, kv
 
         async def main():
-            async with kv.Node(id="n1", data_dir=sys.argv[1]) as node:
+            async with kv.Node(id="n1", data_dir=sys.argv[1], max_txn_ops=2345) as node:
                 await node.txn(ops=[kv.Put(f"s/{i:05d}", b"x") for i in range(2345)])
                 assert len(await node.scan("s/")) == 2345
                 assert len(await node.scan("s/", limit=7)) == 7
