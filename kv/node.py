@@ -341,6 +341,12 @@ class Node:
     async def txn(self, conds: Sequence[cmds.Cond] = (), ops: Sequence = (), else_ops: Sequence = (), *, timeout: float | None = None) -> TxnResult:
         """Atomically: if every condition holds run `ops`, else `else_ops`. Ops are
         kv.Put / kv.Delete / kv.Get; conditions are kv.Cond(key, kind, arg)."""
+        raft = self._running()
+        if raft.role != Role.LEADER and any(type(op) is cmds.Get for op in (*ops, *else_ops)):
+            # What the gets would read is estimated from this node's state (the leader
+            # stops reading at the limit anyway): bring it up to date first, so that a
+            # write this follower has not applied yet cannot hide a huge value.
+            await self.read_barrier("linearizable", timeout)
         return txn_result(await self.submit(self.txn_command(conds, ops, else_ops), timeout))
 
     def put_command(self, key: str, value: bytes, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None) -> cmds.Put:

@@ -137,6 +137,18 @@ def test_gets_of_a_1mib_key_are_refused_before_proposing_and_memory_stays_flat(c
         code, body = post_json(c, via, "/v1/txn", {"success": [{"op": "get", "key": "big"}] * 100})
         assert code == 413 and "100 gets would read 104857600 bytes" in error_of(body) and "--max-txn-read-bytes" in error_of(body)
     assert c.status(lead)["commit_index"] == commit  # nothing was proposed
+    # Written while a follower was paused, asked through that follower the moment it runs
+    # again (before it has applied the write): still refused before proposing.
+    c.pause(follower)
+    try:
+        code, body = c.put(lead, "big2", b"C" * MB)
+    finally:
+        c.resume(follower)
+    assert code == 200
+    seeded["big2"] = body["index"]
+    code, body = post_json(c, follower, "/v1/txn", {"success": [{"op": "get", "key": "big2"}] * 100})
+    assert code == 413 and "would read" in error_of(body), body
+    assert c.status(lead)["commit_index"] == seeded["big2"]
     # A bounded answer is still given, through the follower too: 3 x 1 MiB.
     code, body = post_json(c, follower, "/v1/txn", {"success": [{"op": "get", "key": "big"}] * 3})
     assert code == 200 and [len(r["value"]) for r in body["results"]] == [MB] * 3
