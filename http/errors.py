@@ -23,7 +23,7 @@ def error_response(status: int, code: str, message: str, details: dict | None = 
     return json_response({"error": {"code": code, "message": message, **(details or {})}}, status, headers)
 
 
-_HTTP_CODES = {400: "BAD_REQUEST", 401: "UNAUTHORIZED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "VALUE_TOO_LARGE"}
+_HTTP_CODES = {400: "BAD_REQUEST", 401: "UNAUTHORIZED", 403: "FORBIDDEN", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "VALUE_TOO_LARGE"}
 
 
 async def run_handler(request: web.Request, handler):

@@ -49,7 +49,15 @@ class NodeConfig:
     snapshot_keep: int = 3  # snapshot files kept
     max_value_bytes: int = 1 << 20
     token: str | None = None
+    tokens: str | None = None  # file of tokens with roles (see http/auth.py)
     cluster_secret: str | None = None
+    peer_cert: str | None = None  # mutual TLS between peers: this node's certificate,
+    peer_key: str | None = None  # its key,
+    peer_ca: str | None = None  # and the CA that signs every member's certificate
+    tls_cert: str | None = None  # HTTPS for the client API
+    tls_key: str | None = None
+    http_idle_timeout_s: float = 30.0  # idle keep-alive, and the time to send a request head
+    max_http_connections: int = 10_000
     join: str | None = None
     join_timeout_s: float = 60.0  # how long --join waits through temporary refusals
     advertise_http: str | None = None
@@ -74,6 +82,8 @@ class NodeConfig:
             raise BadRequest("--max-value-bytes must be positive")
         if self.snapshot_threshold <= 0 or self.snapshot_trailing < 0 or self.snapshot_keep < 1:
             raise BadRequest("snapshot settings: --snapshot-threshold > 0, trailing >= 0, keep >= 1")
+        if self.http_idle_timeout_s <= 0 or self.max_http_connections < 1:
+            raise BadRequest("--http-idle-timeout-s must be positive and --max-http-connections at least 1")
 
     @property
     def advertise_url(self) -> str:
