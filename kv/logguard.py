@@ -9,7 +9,9 @@ the message template and the exception type):
 - lets through at most `burst` records, refilled at `per_second`, and counts the others
   (the next record that gets through says how many were left out);
 - cuts every message to `max_chars`, and replaces a traceback by its last line, cut the
-  same way, after the first one of each kind (a real bug still shows its traceback once).
+  same way, after the first one of each kind (a real bug still shows its traceback once);
+- logs a client's bad request (an exception with a 4xx `code`, as aiohttp's parser errors
+  have) as a one-line WARNING: it is the client's mistake, not the node's.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class RateLimit(logging.Filter):
             message += f" ({state[2]} more like this were not logged)"
             state[2] = 0
         if record.exc_info and record.exc_info[1] is not None:
+            code = getattr(record.exc_info[1], "code", None)
+            if isinstance(code, int) and 400 <= code < 500:
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
+                state[3] = 1
             if state[3]:
                 message += " | " + _cut(f"{exc_type}: {record.exc_info[1]}".replace("\n", " "), self.max_chars)
                 record.exc_info = None

@@ -231,6 +231,10 @@ class _Inbound(asyncio.Protocol):
             raise codec.CodecError("unexpected frame during handshake")
 
 
+class _RefusedByPeer(ConnectionError):
+    pass
+
+
 class _Outbound(asyncio.Protocol):
     """Our connection to one peer: handshake, then send only."""
 
@@ -266,7 +270,7 @@ class _Outbound(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         if not self.ready.done():
-            self.ready.set_exception(ConnectionError(f"{self.link.peer} closed the connection during the handshake"))
+            self.ready.set_exception(_RefusedByPeer(f"{self.link.peer} closed the connection during the handshake"))
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -295,7 +299,15 @@ class _Link:
             except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
                 if proto is not None and proto.transport is not None:
                     proto.transport.close()
-                log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
+                if isinstance(e, ssl.SSLError):  # a configuration error, not a network blip
+                    self.t._refusals.warn(f"TLS with {self.peer} at {self.addr} failed: {e}; check --peer-cert/--peer-key/--peer-ca on both")
+                elif isinstance(e, _RefusedByPeer):
+                    # The peer logs why; with TLS 1.3 a peer that does not trust our
+                    # certificate hangs up only after the TLS handshake, without a reason.
+                    maybe = "; with peer TLS it may not trust our certificate (--peer-cert signed by its --peer-ca?)" if self.t.ssl else ""
+                    self.t._refusals.warn(f"{e}: see its log (group, membership, cluster secret){maybe}")
+                else:
+                    log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
