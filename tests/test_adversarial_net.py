@@ -21,12 +21,13 @@ import urllib.request
 
 import orjson
 import pytest
-import trustme
 from cluster import ProcCluster
+from pki import make_pki
 from ports import free_port
 
 import kv
-from kv.raft.transport import _HELLO
+from kv.raft import codec
+from kv.raft.transport import _HELLO, MAGIC, _pack_strs
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +102,18 @@ def closed_by_server(s: socket.socket) -> bool | None:
     return data.startswith(b"HTTP/1.1 503") or None
 
 
+def spray(addr: str, payloads: list[bytes], connections: int) -> None:
+    """Open `connections` connections, one after another, each sending the next payload."""
+    host, port = addr.rsplit(":", 1)
+    for k in range(connections):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            try:
+                s.sendall(payloads[k % len(payloads)])
+                s.recv(1)
+            except (ConnectionResetError, BrokenPipeError, socket.timeout):
+                pass
+
+
 def wait_until(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -109,21 +122,30 @@ def wait_until(cond, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = AuthedCluster(
-        str(tmp_path_factory.mktemp("adversarial")),
-        extra=[
-            "--cluster-secret", SECRET, "--token", TOKEN,
-            "--http-idle-timeout-s", str(IDLE_TIMEOUT_S), "--max-http-connections", str(MAX_HTTP),
-        ],
-    )
+def seeded_cluster(root, extra: list[str]):
+    """A 3-node cluster with a cluster secret and an admin token, and 20 keys written."""
+    c = AuthedCluster(str(root), extra=["--cluster-secret", SECRET, "--token", TOKEN, *extra])
     try:
         c.start()
         c.seeds = seed(c, "seed")
         yield c
     finally:
         c.close()
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    limits = ["--http-idle-timeout-s", str(IDLE_TIMEOUT_S), "--max-http-connections", str(MAX_HTTP)]
+    yield from seeded_cluster(tmp_path_factory.mktemp("adversarial"), limits)
 
 
 # -- the peer port ------------------------------------------------------------------------
@@ -181,15 +203,8 @@ def test_a_flood_of_silent_strangers_does_not_lock_peers_out(cluster):
 def test_garbage_on_the_peer_port_keeps_the_log_small(cluster):
     c = cluster
     target = next(i for i in c.ids if i != c.leader())
-    host, port = c.listen[target].rsplit(":", 1)
     before = log_size(c, target)
-    for _ in range(200):
-        with socket.create_connection((host, int(port)), timeout=5) as s:
-            try:
-                s.sendall(b"\x00\x00\x0f\xff\x64" + os.urandom(4090) + os.urandom(60_000))
-                s.recv(1)
-            except (ConnectionResetError, BrokenPipeError, socket.timeout):
-                pass
+    spray(c.listen[target], [b"\x00\x00\x0f\xff\x64" + os.urandom(4090) + os.urandom(60_000), os.urandom(50_000)], 200)
     grew = log_size(c, target) - before
     print(f"200 garbage peer connections: log grew {grew} bytes")
     assert grew < 20_000
@@ -278,7 +293,6 @@ def test_garbage_on_the_http_port_keeps_the_log_small(cluster):
     """Before: every bad request was logged with a traceback quoting the whole buffer."""
     c = cluster
     target = c.leader()
-    host, port = c.http[target].rsplit(":", 1)
     before = log_size(c, target)
     payloads = [
         os.urandom(200_000),
@@ -286,13 +300,7 @@ def test_garbage_on_the_http_port_keeps_the_log_small(cluster):
         b"GET /" + b"x" * 100_000 + b" HTTP/1.1\r\n\r\n",
         b"GET / HTTP/1.1\r\nContent-Length: z" + b"9" * 50_000 + b"\r\n\r\n",
     ]
-    for k in range(200):
-        with socket.create_connection((host, int(port)), timeout=5) as s:
-            try:
-                s.sendall(payloads[k % len(payloads)])
-                s.recv(1)
-            except (ConnectionResetError, BrokenPipeError, socket.timeout):
-                pass
+    spray(c.http[target], payloads, 200)
     grew = log_size(c, target) - before
     print(f"200 garbage HTTP requests of up to 200 KB: log grew {grew} bytes")
     assert grew < 50_000
@@ -373,12 +381,7 @@ def test_running_out_of_descriptors_is_survived_quietly(tmp_path, loop):
     finally:
         for s in socks:
             s.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)
 
 
 # -- roles ----------------------------------------------------------------------------------
@@ -391,13 +394,7 @@ def role_cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("roles")
     tokens = root / "tokens.json"
     tokens.write_text(json.dumps(ROLE_TOKENS))
-    c = AuthedCluster(str(root), extra=["--cluster-secret", SECRET, "--token", TOKEN, "--tokens", str(tokens)])
-    try:
-        c.start()
-        c.seeds = seed(c, "seed")
-        yield c
-    finally:
-        c.close()
+    yield from seeded_cluster(root, ["--tokens", str(tokens)])
 
 
 def _as(c: ProcCluster, token: str | None, i: str, method: str, path: str, body: bytes | None = None):
@@ -476,16 +473,7 @@ def test_a_prefix_token_reaches_only_its_keys(role_cluster):
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pki")
-    ca, other = trustme.CA(), trustme.CA()
-    files = {"ca": str(d / "ca.pem")}
-    ca.cert_pem.write_to_path(files["ca"])
-    for name, issuer in (("n1", ca), ("n2", ca), ("n3", ca), ("mallory", other), ("http", ca)):
-        cert = issuer.issue_cert("127.0.0.1", "localhost")
-        files[name] = (str(d / f"{name}.pem"), str(d / f"{name}.key"))
-        cert.cert_chain_pems[0].write_to_path(files[name][0])
-        cert.private_key_pem.write_to_path(files[name][1])
-    return files
+    return make_pki(tmp_path_factory.mktemp("pki"), ["n1", "n2", "n3", "http"], foreign=["mallory"])
 
 
 def _peer_env(pki, name: str) -> dict:
@@ -508,14 +496,16 @@ def test_peers_over_mutual_tls_commit_and_refuse_a_foreign_certificate(tmp_path,
         more = seed(c, "while-n3-is-foreign", 10)
         assert c.status("n3")["applied_index"] < c.status(c.leader())["applied_index"]
         wait_until(lambda: "may not trust our certificate" in c.log("n3"), 10, "n3 says why")
-        # A plain stranger without any certificate gets nowhere either.
+        # A stranger without any certificate gets no WELCOME for a HELLO that n1 would
+        # welcome over a trusted connection (this cluster has no secret).
         host, port = c.listen["n1"].rsplit(":", 1)
         ctx = ssl.create_default_context(cafile=pki["ca"])
         ctx.check_hostname = False
+        hello = codec._frame(_HELLO, _pack_strs(MAGIC, b"default", b"n2", b"n1", b"", os.urandom(16)))
         with socket.create_connection((host, int(port)), timeout=5) as raw:
             with pytest.raises((ssl.SSLError, ConnectionError)):
                 with ctx.wrap_socket(raw) as s:
-                    s.sendall(struct.pack(">IB", 10, _HELLO) + b"x" * 9)
+                    s.sendall(hello)
                     if s.recv(1) == b"":
                         raise ConnectionError("closed")
         # With the right certificate again, n3 catches up.
@@ -552,9 +542,4 @@ def test_clients_verify_the_https_server_with_cacert(tmp_path, pki):
         with kv.Client(url, cacert=pki["ca"]) as client:
             assert client.get("secure/a").value == b"1"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc)

@@ -4,16 +4,19 @@ and total connections) and mutual TLS between peers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import ssl
 import struct
 
 import pytest
-import trustme
+from pki import make_pki
 from ports import free_port
 from test_transport import wait_for
 
 from kv.raft.messages import HeartbeatRequest
-from kv.raft.transport import _HELLO, PREAUTH_MAX_FRAME, Transport
+from kv.raft import codec
+from kv.raft.transport import _HELLO, MAGIC, PREAUTH_MAX_FRAME, Transport, _pack_strs
 from kv.tls import peer_tls
 
 
@@ -98,34 +101,36 @@ async def test_total_inbound_connections_are_capped():
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """A cluster CA with a certificate for every node, and a certificate from another CA."""
-    d = tmp_path_factory.mktemp("pki")
-    ca, other = trustme.CA(), trustme.CA()
-    files = {"ca": str(d / "ca.pem")}
-    ca.cert_pem.write_to_path(files["ca"])
-    for name, issuer in (("a", ca), ("b", ca), ("mallory", other)):
-        cert = issuer.issue_cert("127.0.0.1", f"{name}.peers.test")
-        files[name] = (str(d / f"{name}.pem"), str(d / f"{name}.key"))
-        cert.cert_chain_pems[0].write_to_path(files[name][0])
-        cert.private_key_pem.write_to_path(files[name][1])
-    return files
+    return make_pki(tmp_path_factory.mktemp("pki"), ["a", "b"], foreign=["mallory"])
 
 
-async def test_peers_talk_over_mutual_tls_and_refuse_other_certificates(pki):
+@contextlib.asynccontextmanager
+async def tls_pair(pki, cert_a: str):
+    """Transports a (with the certificate `cert_a`) and b over peer TLS, dialling each other."""
     addrs = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
     got: dict[str, list] = {"a": [], "b": []}
-    a = _transport("a", addrs["a"], got["a"], ssl=peer_tls(*pki["a"], pki["ca"]))
+    a = _transport("a", addrs["a"], got["a"], ssl=peer_tls(*pki[cert_a], pki["ca"]))
     b = _transport("b", addrs["b"], got["b"], ssl=peer_tls(*pki["b"], pki["ca"]))
     await a.start()
     await b.start()
     try:
         a.set_peers(addrs)
         b.set_peers(addrs)
+        yield a, b, got, addrs
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_peers_talk_over_mutual_tls_and_refuse_other_certificates(pki):
+    async with tls_pair(pki, "a") as (a, b, got, addrs):
         await wait_for(lambda: a.connected("b") and b.connected("a"))
         assert a.send(HeartbeatRequest("a", "b", 1, 0, 0))
         await wait_for(lambda: len(got["b"]) == 1)
         host, port = addrs["b"].split(":")
-        # A client certificate from another CA, and none at all: refused in the TLS handshake.
+        # A client certificate from another CA, and none at all: a HELLO that b would
+        # welcome over a trusted connection gets no WELCOME.
+        hello = codec._frame(_HELLO, _pack_strs(MAGIC, b"g", b"a", b"b", b"", os.urandom(16)))
         for cert in (pki["mallory"], None):
             ctx = ssl.create_default_context(cafile=pki["ca"])
             ctx.check_hostname = False
@@ -133,7 +138,7 @@ async def test_peers_talk_over_mutual_tls_and_refuse_other_certificates(pki):
                 ctx.load_cert_chain(*cert)
             with pytest.raises((ssl.SSLError, ConnectionError)):
                 r, w = await asyncio.open_connection(host, int(port), ssl=ctx)
-                w.write(struct.pack(">IB", 10, _HELLO) + b"x" * 9)
+                w.write(hello)
                 await w.drain()
                 if await r.read() == b"":  # TLS 1.3: the refusal arrives after the handshake
                     raise ConnectionError("closed")
@@ -144,24 +149,10 @@ async def test_peers_talk_over_mutual_tls_and_refuse_other_certificates(pki):
         assert await _hangs_up(r)
         w.close()
         assert len(got["b"]) == 1
-    finally:
-        await a.stop()
-        await b.stop()
 
 
 async def test_a_peer_whose_certificate_another_ca_signed_cannot_join(pki):
-    addrs = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
-    got: dict[str, list] = {"a": [], "b": []}
-    a = _transport("a", addrs["a"], got["a"], ssl=peer_tls(*pki["mallory"], pki["ca"]))
-    b = _transport("b", addrs["b"], got["b"], ssl=peer_tls(*pki["b"], pki["ca"]))
-    await a.start()
-    await b.start()
-    try:
-        a.set_peers(addrs)
-        b.set_peers(addrs)
+    async with tls_pair(pki, "mallory") as (a, b, _got, _addrs):
         await asyncio.sleep(1.0)
         assert not a.connected("b") and not b.connected("a")
         assert not a.send(HeartbeatRequest("a", "b", 1, 0, 0))
-    finally:
-        await a.stop()
-        await b.stop()
