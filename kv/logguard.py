@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
-GUARDED = ("aiohttp.server", "aiohttp.web", "asyncio")
+GUARDED = ("aiohttp.server", "aiohttp.web", "asyncio", "kv.raft.transport", "kv.http")
 
 
 def _cut(text: str, limit: int) -> str:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from . import tls
+from . import logguard, tls
 from .config import NodeConfig, check_hostport
 from .coordination import AsyncElection, AsyncLease, AsyncLock
 from .datadir import DataDirLock
@@ -192,6 +192,7 @@ class Node:
 
         c = self.config
         peer_tls = tls.peer_tls(c.peer_cert, c.peer_key, c.peer_ca)
+        logguard.guard("kv.raft.transport")  # strangers on the peer port must not flood the log
         self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync)
         self.snapshots = SnapshotManager(self, c.snapshot_path, keep=c.snapshot_keep)
         loop = asyncio.get_running_loop()

@@ -28,7 +28,8 @@ bytes (a larger length prefix closes the connection before its body is read), a 
 must finish within HANDSHAKE_TIMEOUT, at most `max_unauthenticated` connections may be
 handshaking at once (a new one evicts the oldest, so a flood of strangers cannot lock real
 peers out) and at most `max_connections` inbound connections are open (beyond that a new
-one is closed at once). With peer TLS (`ssl` = server and client contexts) both sides
+one is closed at once). What strangers make it log is rate-limited by the caller (kv
+installs kv.logguard on this logger). With peer TLS (`ssl` = server and client contexts) both sides
 present a certificate signed by the cluster's CA before the handshake even starts.
 """
 
@@ -41,7 +42,6 @@ import logging
 import os
 import ssl
 import struct
-import time
 from collections.abc import Callable
 
 from . import codec
@@ -130,23 +130,6 @@ class PeerTLS:
         self.server, self.client = server, client
 
 
-class _RateLimitedLog:
-    """At most one warning a second; the ones in between are counted, not lost."""
-
-    def __init__(self) -> None:
-        self._last = 0.0
-        self._skipped = 0
-
-    def warn(self, message: str) -> None:
-        now = time.monotonic()
-        if now - self._last < 1.0:
-            self._skipped += 1
-            return
-        more = f" ({self._skipped} more like it in the last second)" if self._skipped else ""
-        log.warning("%s%s", message, more)
-        self._last, self._skipped = now, 0
-
-
 class _Inbound(asyncio.Protocol):
     """A connection another node dialed to us: handshake, then receive messages."""
 
@@ -177,7 +160,7 @@ class _Inbound(asyncio.Protocol):
 
     def close(self, why: str) -> None:
         if self.transport and not self.transport.is_closing():
-            self.t._refusals.warn(f"closing peer connection from {self.peer or 'unknown'}: {why[:200]}")
+            log.warning("closing peer connection from %s: %s", self.peer or "unknown", why[:200])
             self.t.rejected_connections += 1
             self.transport.close()
         self.t._unauthed.pop(self, None)
@@ -300,12 +283,12 @@ class _Link:
                 if proto is not None and proto.transport is not None:
                     proto.transport.close()
                 if isinstance(e, ssl.SSLError):  # a configuration error, not a network blip
-                    self.t._refusals.warn(f"TLS with {self.peer} at {self.addr} failed: {e}; check --peer-cert/--peer-key/--peer-ca on both")
+                    log.warning("TLS with %s at %s failed: %s; check --peer-cert/--peer-key/--peer-ca on both", self.peer, self.addr, e)
                 elif isinstance(e, _RefusedByPeer):
                     # The peer logs why; with TLS 1.3 a peer that does not trust our
                     # certificate hangs up only after the TLS handshake, without a reason.
                     maybe = "; with peer TLS it may not trust our certificate (--peer-cert signed by its --peer-ca?)" if self.t.ssl else ""
-                    self.t._refusals.warn(f"{e}: see its log (group, membership, cluster secret){maybe}")
+                    log.warning("%s: see its log (group, membership, cluster secret)%s", e, maybe)
                 else:
                     log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
                 await asyncio.sleep(delay)
@@ -370,7 +353,6 @@ class Transport:
         self._unauthed: dict[_Inbound, None] = {}  # handshaking, oldest first
         self.ssl = ssl
         self.max_unauthenticated, self.max_connections = max_unauthenticated, max_connections
-        self._refusals = _RateLimitedLog()
         self._server: asyncio.base_events.Server | None = None
         self.peer_urls: dict[str, str] = {}  # client URLs peers announced in their HELLO
         self.rejected_connections = 0
@@ -394,13 +376,13 @@ class Transport:
         """A new inbound connection: within the limits, or closed (the oldest handshaking
         one makes room when too many are handshaking)."""
         if len(self._inbound) >= self.max_connections:
-            self._refusals.warn(f"refusing a peer connection: {len(self._inbound)} are open (the limit)")
+            log.warning("refusing a peer connection: %d are open (the limit)", len(self._inbound))
             self.rejected_connections += 1
             conn.transport.close()
             return
         if len(self._unauthed) >= self.max_unauthenticated:
             oldest = next(iter(self._unauthed))
-            self._refusals.warn(f"{len(self._unauthed)} peer connections are handshaking at once (the limit): closing the oldest")
+            log.warning("%d peer connections are handshaking at once (the limit): closing the oldest", len(self._unauthed))
             self._unauthed.pop(oldest)
             self.rejected_connections += 1
             oldest.transport.close()
