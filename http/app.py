@@ -8,7 +8,7 @@ import ssl
 import aiohttp
 from aiohttp import web
 
-from kv import Node
+from kv import Node, tls
 from kv.metrics import Counter, Gauge
 
 from . import routes_admin, routes_kv, routes_leases, routes_members
@@ -99,7 +99,8 @@ def create_app(node: Node, *, token: str | None = None, tokens: dict[str, Grant]
     routes_leases.add_routes(app)
 
     async def session_ctx(app: web.Application):
-        c.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        trust = tls.client_context(node.config.cacert) or True
+        c.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), connector=aiohttp.TCPConnector(ssl=trust))
         yield
         await c.session.close()
 
@@ -126,6 +127,6 @@ async def serve(
     app = create_app(node, token=token, tokens=tokens)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=idle_timeout_s)
     await runner.setup()
-    site = CappedSite(runner, host, port, max_connections=max_connections, ssl_context=ssl_context, backlog=1024)
+    site = CappedSite(runner, host, port, max_connections=max_connections, handshake_timeout_s=idle_timeout_s, ssl_context=ssl_context, backlog=1024)
     await site.start()
     return runner

@@ -40,10 +40,11 @@ class _Busy(asyncio.Protocol):
 class CappedSite(web.BaseSite):
     """A TCP site that lets at most `max_connections` client connections be open."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int, **kwargs) -> None:
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int, handshake_timeout_s: float, **kwargs) -> None:
         super().__init__(runner, **kwargs)
         self._host, self._port = host, port
         self.max_connections = max_connections
+        self.handshake_timeout_s = handshake_timeout_s  # TLS handshakes are not counted yet: keep them short
         self.refused = 0
         self._last_warning = 0.0
 
@@ -66,4 +67,5 @@ class CappedSite(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._protocol, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog, reuse_address=True)
+        tls = {"ssl": self._ssl_context, "ssl_handshake_timeout": self.handshake_timeout_s} if self._ssl_context else {}
+        self._server = await loop.create_server(self._protocol, self._host, self._port, backlog=self._backlog, reuse_address=True, **tls)

@@ -33,6 +33,7 @@ SERVE_OPTIONS = [
     ("--peer-ca", "peer_ca", str, "mutual TLS between peers: the CA every member's certificate is signed by (PEM)"),
     ("--tls-cert", "tls_cert", str, "serve the client API over HTTPS with this certificate (PEM)"),
     ("--tls-key", "tls_key", str, "the certificate's private key (PEM)"),
+    ("--cacert", "cacert", str, "CA (PEM) trusted for the other members' HTTPS: forwarding to the leader, --join"),
     ("--http-idle-timeout-s", "http_idle_timeout_s", float, "close an idle client connection, or one that has not sent a request head, after this (default 30)"),
     ("--max-http-connections", "max_http_connections", int, "open client connections at most; more get 503 and are closed (default 10000)"),
     ("--join", "join", str, "URL of a cluster member: ask the cluster to add this new node"),

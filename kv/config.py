@@ -56,6 +56,7 @@ class NodeConfig:
     peer_ca: str | None = None  # and the CA that signs every member's certificate
     tls_cert: str | None = None  # HTTPS for the client API
     tls_key: str | None = None
+    cacert: str | None = None  # CA this node trusts for other members' HTTPS (forwarding, --join)
     http_idle_timeout_s: float = 30.0  # idle keep-alive, and the time to send a request head
     max_http_connections: int = 10_000
     join: str | None = None
@@ -94,7 +95,7 @@ class NodeConfig:
         host, port = check_hostport(self.http, "--http")
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
-        return f"http://{host}:{port}"
+        return f"{'https' if self.tls_cert else 'http'}://{host}:{port}"
 
     @property
     def ledger_path(self) -> str:

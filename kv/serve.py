@@ -95,7 +95,7 @@ async def join_cluster(config: NodeConfig) -> Membership:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.join_timeout_s
     delay = 0.2
-    async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s)) as c:
+    async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s), cacert=config.cacert) as c:
         while True:
             try:
                 members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False)
@@ -120,7 +120,7 @@ async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
     from .client import AsyncClient
 
     log = logging.getLogger("kv.serve")
-    async with AsyncClient(config.join, token=config.token, timeout=10) as c:
+    async with AsyncClient(config.join, token=config.token, timeout=10, cacert=config.cacert) as c:
         while True:
             me = node.raft.core.membership.get(config.id) if node.raft else None
             if me is not None and me.voter:

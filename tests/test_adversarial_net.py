@@ -482,7 +482,12 @@ def _peer_env(pki, name: str) -> dict:
 
 
 def test_peers_over_mutual_tls_commit_and_refuse_a_foreign_certificate(tmp_path, pki):
-    c = AuthedCluster(str(tmp_path), extra=["--token", TOKEN], proxies=False)  # the proxies parse frames: not TLS
+    """Peers over mutual TLS, clients over HTTPS: writes commit; a node whose certificate
+    another CA signed is left out until it has the right one; a follower forwards an admin
+    request to the leader over HTTPS (trusting --cacert)."""
+    https = ["--tls-cert", pki["http"][0], "--tls-key", pki["http"][1], "--cacert", pki["ca"]]
+    c = AuthedCluster(str(tmp_path), extra=["--token", TOKEN, *https], proxies=False)  # the proxies parse frames: not TLS
+    c.scheme, c.ssl_context = "https", ssl.create_default_context(cafile=pki["ca"])
     try:
         for i in c.ids:
             c.node_env[i] = _peer_env(pki, i)
@@ -512,6 +517,11 @@ def test_peers_over_mutual_tls_commit_and_refuse_a_foreign_certificate(tmp_path,
         c.stop("n3")
         c.node_env["n3"] = _peer_env(pki, "n3")
         c.start("n3")
+        assert_intact(c, seeds, more)
+        lead = c.leader()
+        follower = next(i for i in c.ids if i != lead)
+        code, _, body = c.request(follower, "POST", "/v1/leader/transfer", orjson.dumps({"to": follower}))
+        assert code == 200, body
         assert_intact(c, seeds, more)
     finally:
         c.close()
