@@ -71,6 +71,7 @@ def _register_metrics(c: HttpContext) -> None:
     reg.add(Gauge("kv_ledger_fsynced_entries_total", "Entries written to the ledger.", lambda: [((), float(node.raft.stats["fsynced_entries"]))]))
     reg.add(Gauge("kv_raft_ready_total", "Ready batches the driver handled.", lambda: [((), float(node.raft.stats["ready"]))]))
     reg.add(Gauge("kv_peer_frames_sent_total", "Frames sent to peers.", lambda: [((), float(node.raft.transport.sent_frames if node.raft.transport else 0))]))
+    reg.add(Gauge("kv_peer_connections_rejected_total", "Inbound peer connections closed: bad handshake or frame, over a limit.", lambda: [((), float(node.raft.transport.rejected_connections if node.raft.transport else 0))]))
     reg.add(node.commit_latency)
     snap = node.snapshots.stats
     reg.add(Gauge("kv_snapshots_taken_total", "Snapshots taken.", lambda: [((), float(snap.taken))]))
@@ -129,4 +130,5 @@ async def serve(
     await runner.setup()
     site = CappedSite(runner, host, port, max_connections=max_connections, handshake_timeout_s=idle_timeout_s, ssl_context=ssl_context, backlog=1024)
     await site.start()
+    app[CONTEXT].registry.add(Gauge("kv_http_connections_refused_total", "Client connections answered 503 beyond --max-http-connections.", lambda: [((), float(site.refused))]))
     return runner

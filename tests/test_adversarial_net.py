@@ -181,6 +181,8 @@ def test_huge_hellos_from_strangers_cost_nothing(cluster):
     print(f"huge HELLO x16 x5: peak RSS of {target} {peak} MB, sent before hang-up {max(sent) >> 20} MiB")
     assert peak < 200
     assert "peer connection" in c.log(target)
+    metrics = c.request(target, "GET", "/metrics")[2].decode()
+    assert "kv_peer_connections_rejected_total" in metrics
     assert_intact(c, c.seeds)
 
 
@@ -251,6 +253,9 @@ def test_idle_http_connections_are_capped_and_closed(cluster):
             s.close()
     code, _, _ = c.request(target, "GET", "/v1/kv/seed/1")
     assert code == 200
+    metrics = c.request(target, "GET", "/metrics")[2].decode()
+    refused = next(line for line in metrics.splitlines() if line.startswith("kv_http_connections_refused_total"))
+    assert float(refused.split()[-1]) >= 2000 - MAX_HTTP
     assert log_size(c, target) - before < 10_000
     assert_intact(c, c.seeds)
 
