@@ -4,8 +4,11 @@ log guard that keeps what strangers can make a node log short and few."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
+from ports import free_port
 
 from kv import BadRequest
 from kv.cli import build_parser, serve_config
@@ -98,3 +101,19 @@ def test_log_guard_logs_a_clients_bad_request_as_one_warning_line():
     assert guard.filter(first) and first.exc_info is not None and first.levelno == logging.ERROR
     again = _record("Unhandled exception", exc=RuntimeError("bug"))
     assert guard.filter(again) and again.exc_info is None and "RuntimeError: bug" in again.getMessage()
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--tokens", "/nonexistent/tokens.toml"], "cannot read --tokens /nonexistent/tokens.toml"),
+        (["--peer-cert", "/nonexistent/cert.pem"], "peer TLS needs all three of --peer-cert, --peer-key and --peer-ca"),
+        (["--peer-cert", "/nonexistent/c.pem", "--peer-key", "/nonexistent/k.pem", "--peer-ca", "/nonexistent/ca.pem"], "cannot load the peer certificate"),
+        (["--tls-cert", "/nonexistent/c.pem"], "--tls-cert and --tls-key go together"),
+    ],
+)
+def test_kv_serve_refuses_bad_security_files_with_one_line(tmp_path, flags, says):
+    cmd = [sys.executable, "-m", "kv", "serve", "--id", "n1", "--data-dir", str(tmp_path / "d"), "--http", f"127.0.0.1:{free_port()}", *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert says in out.stderr and "Traceback" not in out.stderr, out.stderr
