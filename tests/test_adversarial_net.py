@@ -431,6 +431,9 @@ def test_roles_decide_what_a_token_may_do(role_cluster):
         assert _as(c, "reader-token", node, "POST", "/v1/txn", b'{"success": [{"op": "get", "key": "seed/1"}]}')[0] == 403
         assert _as(c, "writer-token", node, "PUT", f"/v1/kv/w/{node}", b"yes")[0] == 200
         assert _as(c, "writer-token", node, "POST", "/v1/txn", b'{"success": [{"op": "put", "key": "w/txn", "value": "1"}]}')[0] == 200
+        assert _as(c, "reader-token", node, "POST", "/v1/leases", b'{"ttl": 10}')[0] == 403
+        assert _as(c, "reader-token", node, "GET", "/v1/leases")[0] == 403
+        assert _as(c, "writer-token", node, "POST", "/v1/leases", b'{"ttl": 10}')[0] == 200
         for method, path, body in (
             ("POST", "/v1/leader/transfer", orjson.dumps({"to": follower})),
             ("POST", "/v1/members", orjson.dumps({"id": "n9", "peer": "127.0.0.1:1"})),
