@@ -2,38 +2,38 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import ssl
 
 import aiohttp
 from aiohttp import web
 
-from kv import Node, Unauthorized
+from kv import Node, tls
 from kv.metrics import Counter, Gauge
 
 from . import routes_admin, routes_kv, routes_leases, routes_members
+from .auth import ADMIN, Grant, authorize
 from .context import CONTEXT, HttpContext
-from .errors import error_response, run_handler
+from .errors import run_handler
+from .listener import CappedSite
 
 log = logging.getLogger("kv.http")
-
-OPEN_PATHS = frozenset({"/healthz"})  # answered without a token
 
 
 @web.middleware
 async def middleware(request: web.Request, handler):
-    """One layer for every request: the token check, the error model and the request
-    counter (one middleware instead of three: this runs on every request)."""
+    """One layer for every request: the token and role check, the error model and the
+    request counter (one middleware instead of three: this runs on every request)."""
     c = request.app[CONTEXT]
-    if c.token and request.path not in OPEN_PATHS:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {c.token}".encode()):
-            e = Unauthorized("missing or wrong token: send Authorization: Bearer <token> (the node's --token)")
-            resp = error_response(e.http_status, e.code, str(e))
-            c.requests.inc(request.match_info.route.name or "unmatched", request.method, resp.status)
-            return resp
-    resp = await run_handler(request, handler)
+    if c.grants:
+
+        async def checked(request: web.Request):
+            authorize(request, c.grants)
+            return await handler(request)
+
+        resp = await run_handler(request, checked)
+    else:
+        resp = await run_handler(request, handler)
     c.requests.inc(request.match_info.route.name or "unmatched", request.method, resp.status)
     return resp
 
@@ -71,6 +71,7 @@ def _register_metrics(c: HttpContext) -> None:
     reg.add(Gauge("kv_ledger_fsynced_entries_total", "Entries written to the ledger.", lambda: [((), float(node.raft.stats["fsynced_entries"]))]))
     reg.add(Gauge("kv_raft_ready_total", "Ready batches the driver handled.", lambda: [((), float(node.raft.stats["ready"]))]))
     reg.add(Gauge("kv_peer_frames_sent_total", "Frames sent to peers.", lambda: [((), float(node.raft.transport.sent_frames if node.raft.transport else 0))]))
+    reg.add(Gauge("kv_peer_connections_rejected_total", "Inbound peer connections closed: bad handshake or frame, over a limit.", lambda: [((), float(node.raft.transport.rejected_connections if node.raft.transport else 0))]))
     reg.add(node.commit_latency)
     snap = node.snapshots.stats
     reg.add(Gauge("kv_snapshots_taken_total", "Snapshots taken.", lambda: [((), float(snap.taken))]))
@@ -80,9 +81,14 @@ def _register_metrics(c: HttpContext) -> None:
     reg.add(Gauge("kv_snapshots_installed_total", "Snapshots installed from a leader.", lambda: [((), float(snap.installed))]))
 
 
-def create_app(node: Node, *, token: str | None = None) -> web.Application:
+def create_app(node: Node, *, token: str | None = None, tokens: dict[str, Grant] | None = None) -> web.Application:
+    """`token` is an admin token; `tokens` maps more tokens to their grants (http/auth.py).
+    With neither, every request is allowed."""
+    grants = dict(tokens or {})
+    if token:
+        grants[token] = ADMIN
     # A JSON body carries values base64- or JSON-escaped: room for 3x the encoded request.
-    c = HttpContext(node=node, token=token, max_json_bytes=max(4 << 20, 3 * node.config.max_request_bytes))
+    c = HttpContext(node=node, grants=grants, max_json_bytes=max(4 << 20, 3 * node.config.max_request_bytes))
     app = web.Application(
         middlewares=[middleware],
         client_max_size=node.config.max_value_bytes + (1 << 20),
@@ -95,7 +101,8 @@ def create_app(node: Node, *, token: str | None = None) -> web.Application:
     routes_leases.add_routes(app)
 
     async def session_ctx(app: web.Application):
-        c.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        trust = tls.client_context(node.config.cacert) or True
+        c.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), connector=aiohttp.TCPConnector(ssl=trust))
         yield
         await c.session.close()
 
@@ -103,10 +110,26 @@ def create_app(node: Node, *, token: str | None = None) -> web.Application:
     return app
 
 
-async def serve(node: Node, host: str, port: int, *, token: str | None = None, ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:
-    """Start the HTTP API of `node`; returns the runner (await runner.cleanup() to stop)."""
-    runner = web.AppRunner(create_app(node, token=token), access_log=None, handle_signals=False)
+async def serve(
+    node: Node,
+    host: str,
+    port: int,
+    *,
+    token: str | None = None,
+    tokens: dict[str, Grant] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    idle_timeout_s: float = 30.0,
+    max_connections: int = 10_000,
+) -> web.AppRunner:
+    """Start the HTTP API of `node`; returns the runner (await runner.cleanup() to stop).
+
+    aiohttp's keep-alive timer starts when a connection opens and again after each
+    response, and closes the connection if no whole request head arrived by then: so
+    `idle_timeout_s` bounds both an idle connection and a slowly sent request head."""
+    app = create_app(node, token=token, tokens=tokens)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=idle_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_address=True, backlog=1024)
+    site = CappedSite(runner, host, port, max_connections=max_connections, handshake_timeout_s=idle_timeout_s, ssl_context=ssl_context, backlog=1024)
     await site.start()
+    app[CONTEXT].registry.add(Gauge("kv_http_connections_refused_total", "Client connections answered 503 beyond --max-http-connections.", lambda: [((), float(site.refused))]))
     return runner

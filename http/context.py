@@ -10,11 +10,13 @@ from aiohttp import web
 from kv import Node
 from kv.metrics import Counter, Registry
 
+from .auth import Grant
+
 
 @dataclass
 class HttpContext:
     node: Node
-    token: str | None = None
+    grants: dict[str, Grant] = field(default_factory=dict)  # token -> grant; empty: no auth
     max_json_bytes: int = 4 << 20
     registry: Registry = field(default_factory=Registry)
     requests: Counter | None = None

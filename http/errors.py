@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import orjson
 from aiohttp import web
 
 from kv import KVError, ValueTooLarge
+
+from .context import CONTEXT
 
 log = logging.getLogger("kv.http")
 
@@ -23,7 +26,7 @@ def error_response(status: int, code: str, message: str, details: dict | None = 
     return json_response({"error": {"code": code, "message": message, **(details or {})}}, status, headers)
 
 
-_HTTP_CODES = {400: "BAD_REQUEST", 401: "UNAUTHORIZED", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 413: "VALUE_TOO_LARGE"}
+_HTTP_CODES = {400: "BAD_REQUEST", 401: "UNAUTHORIZED", 403: "FORBIDDEN", 404: "NOT_FOUND", 408: "REQUEST_TIMEOUT", 405: "METHOD_NOT_ALLOWED", 413: "VALUE_TOO_LARGE"}
 
 
 async def run_handler(request: web.Request, handler):
@@ -52,15 +55,22 @@ async def run_handler(request: web.Request, handler):
 
 async def read_body(request: web.Request, limit: int, what: str = "the body") -> bytes:
     """The whole request body, refusing (413) anything over `limit` — before reading it
-    when Content-Length says so, else as soon as more than `limit` bytes arrived."""
+    when Content-Length says so, else as soon as more than `limit` bytes arrived — and
+    (408) one that has not fully arrived within the idle timeout (--http-idle-timeout-s):
+    a slow sender would otherwise hold its connection for ever."""
     if request.content_length is not None and request.content_length > limit:
         raise ValueTooLarge(f"{what} is {request.content_length} bytes; the limit is {limit}")
     parts, size = [], 0
-    while True:
-        chunk = await request.content.readany()
-        if not chunk:
-            return b"".join(parts)
-        size += len(chunk)
-        if size > limit:
-            raise ValueTooLarge(f"{what} is larger than the limit of {limit} bytes")
-        parts.append(chunk)
+    idle_s = request.app[CONTEXT].node.config.http_idle_timeout_s
+    try:
+        async with asyncio.timeout(idle_s):
+            while True:
+                chunk = await request.content.readany()
+                if not chunk:
+                    return b"".join(parts)
+                size += len(chunk)
+                if size > limit:
+                    raise ValueTooLarge(f"{what} is larger than the limit of {limit} bytes")
+                parts.append(chunk)
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"{what} did not arrive within {idle_s:g}s (--http-idle-timeout-s); send it without pauses") from None

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from kv import BadRequest, Cond, Delete, Get, NotFound, PreconditionFailed, Put
 
+from .auth import check_keys
 from .context import ctx
 from .errors import json_response, read_body
 from .keys import key_from_raw_path
@@ -208,6 +209,7 @@ async def txn(request: web.Request) -> web.Response:
     conds = _list(doc, "compare", _parse_cond, max_ops)
     ops = _list(doc, "success", _parse_op, max_ops)
     else_ops = _list(doc, "failure", _parse_op, max_ops)
+    check_keys(request, [x.key for x in (*conds, *ops, *else_ops)])
     r = await c.node.txn(conds, ops, else_ops)
     force_b64 = request.query.get("encoding") == "base64"
     body = {

@@ -28,8 +28,17 @@ SERVE_OPTIONS = [
     ("--max-txn-ops", "max_txn_ops", int, "most compares, and operations per branch, in a transaction (default 128)"),
     ("--max-request-bytes", "max_request_bytes", int, "largest encoded write request (default 1572864, or the largest value + 4160)"),
     ("--max-txn-read-bytes", "max_txn_read_bytes", int, "most bytes a transaction's gets may return (default 4194304)"),
-    ("--token", "token", str, "require Authorization: Bearer TOKEN on client routes"),
+    ("--token", "token", str, "require Authorization: Bearer TOKEN on client routes (an admin token)"),
+    ("--tokens", "tokens", str, "TOML or JSON file of tokens with roles: TOKEN = \"read\"|\"write\"|\"admin\" or {role, prefix}"),
     ("--cluster-secret", "cluster_secret", str, "shared secret authenticating peer connections"),
+    ("--peer-cert", "peer_cert", str, "mutual TLS between peers: this node's certificate (PEM)"),
+    ("--peer-key", "peer_key", str, "mutual TLS between peers: the certificate's private key (PEM)"),
+    ("--peer-ca", "peer_ca", str, "mutual TLS between peers: the CA every member's certificate is signed by (PEM)"),
+    ("--tls-cert", "tls_cert", str, "serve the client API over HTTPS with this certificate (PEM)"),
+    ("--tls-key", "tls_key", str, "the certificate's private key (PEM)"),
+    ("--cacert", "cacert", str, "CA (PEM) trusted for the other members' HTTPS: forwarding to the leader, --join"),
+    ("--http-idle-timeout-s", "http_idle_timeout_s", float, "close an idle client connection, or one that has not sent a request head, after this (default 30)"),
+    ("--max-http-connections", "max_http_connections", int, "open client connections at most; more get 503 and are closed (default 10000)"),
     ("--join", "join", str, "URL of a cluster member: ask the cluster to add this new node"),
     ("--join-timeout", "join_timeout_s", float, "seconds --join waits through temporary refusals (default 60)"),
     ("--advertise-http", "advertise_http", str, "client URL other nodes and clients use for this node"),
@@ -90,8 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the cluster lost its majority for good: start this member alone, as a one-member cluster with its "
         "data; then add the others back (use once, restart without it)",
     )
-    s.add_argument("--tls-cert", help="serve the client API over HTTPS with this certificate (PEM)")
-    s.add_argument("--tls-key", help="the certificate's private key (PEM)")
     s.add_argument("--log-level", default=os.environ.get("KV_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING (default INFO)")
 
     c = sub.add_parser("cluster", help="local clusters").add_subparsers(dest="cluster_cmd", metavar="ACTION")
@@ -106,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         a = sub.add_parser(name, help=help_, description=help_)
         a.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help=ENDPOINTS_HELP)
         a.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="bearer token of the cluster, if it has one")
+        a.add_argument("--cacert", default=os.environ.get("KV_CACERT"), help="CA certificate (PEM) to verify https:// endpoints with")
         a.add_argument("--timeout", type=float, default=10.0, help="seconds before giving up (default 10)")
         return a
 
@@ -139,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("file")
     sv.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help=ENDPOINTS_HELP)
     sv.add_argument("--token", default=os.environ.get("KV_TOKEN"))
+    sv.add_argument("--cacert", default=os.environ.get("KV_CACERT"), help="CA certificate (PEM) to verify https:// endpoints with")
     sv.add_argument("--fresh", action="store_true", help="ask the node to take a snapshot first")
     ins = snap.add_parser("inspect", help="print a snapshot file's header, key count and checksum status")
     ins.add_argument("file")
@@ -183,7 +192,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         config = serve_config(args)
         setup_logging(config.id, args.log_level)
         install_uvloop()
-        return asyncio.run(run(config, tls_cert=args.tls_cert, tls_key=args.tls_key))
+        return asyncio.run(run(config))
     if args.cmd == "cluster":
         if args.cluster_cmd != "up":
             parser.parse_args(["cluster", "--help"])

@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 
-from . import errors
+from . import errors, tls
 from ._loop import LoopThread
 from .logstream import RecordReader
 from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
@@ -40,6 +40,7 @@ _ERRORS_BY_CODE = {c.code: c for c in (errors.MemberExists, errors.NoQuorum, err
 _ERRORS = {
     400: errors.BadRequest,
     401: errors.Unauthorized,
+    403: errors.Forbidden,
     404: errors.NotFound,
     409: errors.Conflict,
     410: errors.Compacted,
@@ -108,8 +109,12 @@ class AsyncClient:
         token: str | None = None,
         timeout: float = 10.0,
         connections: int = 256,
+        cacert: str | None = None,
     ) -> None:
+        """`cacert`: a CA certificate (PEM) that https:// endpoints are verified with, in
+        addition to the system's."""
         self.endpoints = parse_endpoints(endpoints)
+        self._ssl = tls.client_context(cacert)
         self.timeout = timeout
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._connections = connections
@@ -143,7 +148,7 @@ class AsyncClient:
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._connections, limit_per_host=self._connections),
+                connector=aiohttp.TCPConnector(limit=self._connections, limit_per_host=self._connections, ssl=self._ssl or True),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0),
                 headers=self._headers,
             )
@@ -186,6 +191,11 @@ class AsyncClient:
                     if resp.status != 503:
                         _raise_for(resp.status, body, ep)
                     last = errors.NotLeader(f"{ep}: {body[:300].decode(errors='replace')}")
+            except aiohttp.ClientConnectorCertificateError as e:
+                raise errors.Unavailable(
+                    f"{ep}: the server's TLS certificate is not trusted ({e.certificate_error}); "
+                    "give the CA that signed it: --cacert FILE, or kv.Client(cacert=FILE)"
+                ) from e
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, asyncio.TimeoutError) as e:
                 if (sent or isinstance(e, (aiohttp.ServerDisconnectedError, asyncio.TimeoutError))) and not idempotent:
                     raise errors.Timeout(f"{ep}: the connection broke after the write was sent ({e}); its outcome is unknown") from e

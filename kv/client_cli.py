@@ -17,7 +17,7 @@ def _out(data: bytes) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout) as c:
+    async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout, cacert=args.cacert) as c:
         cmd = args.cmd
         if cmd == "put":
             value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()

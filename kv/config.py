@@ -55,7 +55,16 @@ class NodeConfig:
     max_txn_read_bytes: int = DEFAULT_MAX_TXN_READ_BYTES  # what a transaction's gets may return
     force_new_cluster: bool = False  # start as the only member, keeping the data (lost majority)
     token: str | None = None
+    tokens: str | None = None  # file of tokens with roles (see http/auth.py)
     cluster_secret: str | None = None
+    peer_cert: str | None = None  # mutual TLS between peers: this node's certificate,
+    peer_key: str | None = None  # its key,
+    peer_ca: str | None = None  # and the CA that signs every member's certificate
+    tls_cert: str | None = None  # HTTPS for the client API
+    tls_key: str | None = None
+    cacert: str | None = None  # CA this node trusts for other members' HTTPS (forwarding, --join)
+    http_idle_timeout_s: float = 30.0  # idle keep-alive, and the time to send a request head
+    max_http_connections: int = 10_000
     join: str | None = None
     join_timeout_s: float = 60.0  # how long --join waits through temporary refusals
     advertise_http: str | None = None
@@ -92,6 +101,8 @@ class NodeConfig:
             raise BadRequest("--max-txn-read-bytes must be positive")
         if self.snapshot_threshold <= 0 or self.snapshot_trailing < 0 or self.snapshot_keep < 1:
             raise BadRequest("snapshot settings: --snapshot-threshold > 0, trailing >= 0, keep >= 1")
+        if self.http_idle_timeout_s <= 0 or self.max_http_connections < 1:
+            raise BadRequest("--http-idle-timeout-s must be positive and --max-http-connections at least 1")
 
     @property
     def advertise_url(self) -> str:
@@ -102,7 +113,7 @@ class NodeConfig:
         host, port = check_hostport(self.http, "--http")
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
-        return f"http://{host}:{port}"
+        return f"{'https' if self.tls_cert else 'http'}://{host}:{port}"
 
     @property
     def ledger_path(self) -> str:

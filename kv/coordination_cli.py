@@ -18,6 +18,7 @@ from .node import LeaseStatus
 def _client_options(a: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="comma-separated client URLs (default: $KV_ENDPOINTS or the local `kv cluster up` nodes)")
     a.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="bearer token of the cluster, if it has one")
+    a.add_argument("--cacert", default=os.environ.get("KV_CACERT"), help="CA certificate (PEM) to verify https:// endpoints with")
     a.add_argument("--timeout", type=float, default=10.0, help="seconds before giving up on a request (default 10)")
     return a
 
@@ -105,7 +106,7 @@ async def _elect(c: AsyncClient, args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout) as c:
+    async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout, cacert=args.cacert) as c:
         if args.cmd == "lock":
             return await _lock(c, args)
         if args.cmd == "elect":

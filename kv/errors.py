@@ -126,6 +126,12 @@ class DataDirLocked(KVError):
         super().__init__(f"the data dir {data_dir} is in use by {who}; a data dir has one owner")
 
 
+class Forbidden(KVError):
+    """The token is valid, but its role or key prefix does not allow this request."""
+
+    code, http_status = "FORBIDDEN", 403
+
+
 class Compacted(KVError):
     """What was asked for is older than what the node still keeps (compacted away)."""
 

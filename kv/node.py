@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from . import limits
+from . import limits, logguard, tls
 from .config import NodeConfig, check_hostport
 from .coordination import AsyncElection, AsyncLease, AsyncLock
 from .datadir import DataDirLock
@@ -191,6 +191,8 @@ class Node:
         from .snapshot.manager import SnapshotManager  # the snapshot layer sits above raft
 
         c = self.config
+        peer_tls = tls.peer_tls(c.peer_cert, c.peer_key, c.peer_ca)
+        logguard.guard("kv.raft.transport")  # strangers on the peer port must not flood the log
         self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync)
         self.snapshots = SnapshotManager(self, c.snapshot_path, keep=c.snapshot_keep)
         loop = asyncio.get_running_loop()
@@ -222,6 +224,7 @@ class Node:
             refuse_peer=lambda peer: peer in self.sm.removed(),
             dial=c.peers,
             serve_local=self._serve_local,
+            peer_tls=peer_tls,
         )
         self.raft.result_encoder = cmds.encode_result
         self.sm.on_changes = self._on_changes

@@ -6,12 +6,13 @@ import asyncio
 import gc
 import logging
 import os
+import resource
 import signal
-import ssl
 import sys
 import threading
 import time
 
+from . import logguard, tls
 from .config import NodeConfig, check_hostport
 from .datadir import DataDirLock
 from .errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
@@ -42,6 +43,7 @@ def setup_logging(node_id: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logguard.guard()  # what strangers can make us log is cut short and rate-limited
 
 
 def install_uvloop() -> bool:
@@ -62,14 +64,25 @@ def tune_gc() -> None:
     gc.set_threshold(100_000, 50, 100)
 
 
-def _ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
-    if not cert and not key:
-        return None
-    if not (cert and key):
-        raise SystemExit("kv serve: --tls-cert and --tls-key go together")
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert, key)
-    return ctx
+FD_RESERVE = 1536  # descriptors kept for LevelDB (up to 1000 open files), the ledger, peers
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to the hard limit; returns the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):  # an infinite hard limit may be refused: keep the soft one
+            pass
+    return soft
+
+
+def http_connection_cap(wanted: int, fd_limit: int) -> int:
+    """--max-http-connections, lowered so that client connections can never take the
+    descriptors the node needs for its files and peers."""
+    return max(64, min(wanted, fd_limit - FD_RESERVE))
 
 
 async def join_cluster(config: NodeConfig) -> Membership:
@@ -86,7 +99,7 @@ async def join_cluster(config: NodeConfig) -> Membership:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.join_timeout_s
     delay = 0.2
-    async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s)) as c:
+    async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s), cacert=config.cacert) as c:
         while True:
             try:
                 members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False)
@@ -111,7 +124,7 @@ async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
     from .client import AsyncClient
 
     log = logging.getLogger("kv.serve")
-    async with AsyncClient(config.join, token=config.token, timeout=10) as c:
+    async with AsyncClient(config.join, token=config.token, timeout=10, cacert=config.cacert) as c:
         while True:
             me = node.raft.core.membership.get(config.id) if node.raft else None
             if me is not None and me.voter:
@@ -124,11 +137,17 @@ async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
             await asyncio.sleep(1.0)
 
 
-async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str | None = None) -> int:
+async def run(config: NodeConfig) -> int:
     from .http.app import serve  # aiohttp only when serving
+    from .http.auth import load_tokens
 
     log = logging.getLogger("kv.serve")
-    sslctx = _ssl_context(tls_cert, tls_key)
+    sslctx = tls.server_context(config.tls_cert, config.tls_key)
+    tokens = load_tokens(config.tokens) if config.tokens else None
+    fd_limit = raise_fd_limit()
+    max_http = http_connection_cap(config.max_http_connections, fd_limit)
+    if max_http < config.max_http_connections:
+        log.warning("at most %d client connections (not %d): the descriptor limit is %d", max_http, config.max_http_connections, fd_limit)
     lock = DataDirLock.acquire(config.data_dir)  # before anything in it is looked at
     try:
         fresh = not os.path.exists(config.ledger_path)
@@ -144,7 +163,16 @@ async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str |
     try:
         if config.http:
             host, port = check_hostport(config.http, "--http")
-            runner = await serve(node, host, port, token=config.token, ssl_context=sslctx)
+            runner = await serve(
+                node,
+                host,
+                port,
+                token=config.token,
+                tokens=tokens,
+                ssl_context=sslctx,
+                idle_timeout_s=config.http_idle_timeout_s,
+                max_connections=max_http,
+            )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -39,7 +39,7 @@ class Progress:
 
 
 async def _save(args: argparse.Namespace) -> int:
-    async with AsyncClient(args.endpoints, token=args.token) as c:
+    async with AsyncClient(args.endpoints, token=args.token, cacert=args.cacert) as c:
         if args.fresh:
             await c.take_snapshot()
         bar = Progress("downloading")

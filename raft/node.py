@@ -46,7 +46,7 @@ from .messages import (
     SnapshotChunkAck,
     SnapshotMeta,
 )
-from .transport import Transport
+from .transport import PeerTLS, Transport
 
 log = logging.getLogger("kv.raft.node")
 
@@ -118,6 +118,7 @@ class RaftNode:
         refuse_peer: Callable[[str], bool] = lambda peer: False,
         dial: dict[str, str] | None = None,
         serve_local: Callable[[bytes], Awaitable[bytes] | None] | None = None,
+        peer_tls: PeerTLS | None = None,
     ) -> None:
         self.id = config.node_id
         self.cfg = config
@@ -132,7 +133,7 @@ class RaftNode:
         # gives (a proxy, a NAT): this node's own --peers entries for the others.
         self._dial = {k: v for k, v in (dial or {}).items() if k != config.node_id}
         self.transport: Transport | None = None
-        self._secret, self._advertise_url = secret, advertise_url
+        self._secret, self._advertise_url, self._peer_tls = secret, advertise_url, peer_tls
         self.snapshots: SnapshotHooks | None = None
         self.on_applicable: Callable[[int], None] | None = None
         self.on_snapshot: Callable[[SnapshotMeta], None] | None = None  # a snapshot replaced the log
@@ -185,6 +186,7 @@ class RaftNode:
                 secret=self._secret,
                 advertise_url=self._advertise_url,
                 on_connected=self._on_connected,
+                ssl=self._peer_tls,
             )
             await self.transport.start()
             self._update_peers()

@@ -22,6 +22,15 @@ After that every frame must carry `src` = the authenticated id and `dst` = the a
 Peers are known by id, never by address: the address dialled may be a proxy or a NAT.
 A frame that does not parse, is too large or breaks these rules closes that connection and
 nothing else.
+
+Strangers cost nothing: before authentication a frame may be at most PREAUTH_MAX_FRAME
+bytes (a larger length prefix closes the connection before its body is read), a handshake
+must finish within HANDSHAKE_TIMEOUT, at most `max_unauthenticated` connections may be
+handshaking at once (a new one evicts the oldest, so a flood of strangers cannot lock real
+peers out) and at most `max_connections` inbound connections are open (beyond that a new
+one is closed at once). What strangers make it log is rate-limited by the caller (kv
+installs kv.logguard on this logger). With peer TLS (`ssl` = server and client contexts) both sides
+present a certificate signed by the cluster's CA before the handshake even starts.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import hashlib
 import hmac
 import logging
 import os
+import ssl
 import struct
 from collections.abc import Callable
 
@@ -42,6 +52,9 @@ log = logging.getLogger("kv.raft.transport")
 MAGIC = b"LKV1"
 _HELLO, _WELCOME, _AUTH = 100, 101, 102
 HANDSHAKE_TIMEOUT = 5.0
+PREAUTH_MAX_FRAME = 4096  # HELLO and AUTH are a few hundred bytes
+MAX_UNAUTHENTICATED = 64
+MAX_CONNECTIONS = 1024
 WRITE_BUFFER_LIMIT = 64 << 20  # beyond this a peer is too slow: drop messages to it
 
 
@@ -73,29 +86,50 @@ def _mac(secret: bytes | None, *parts: bytes) -> bytes:
 
 
 class _FrameReader:
-    """Splits a byte stream into (type, body) frames."""
+    """Splits a byte stream into (type, body) frames of at most `max_frame` bytes; the
+    limit is checked on the length prefix, before the body is buffered, and may change
+    between frames (it grows once a peer has authenticated)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_frame: int = codec.MAX_FRAME) -> None:
         self._buf = bytearray()
+        self._o = 0
+        self.max_frame = max_frame
 
-    def feed(self, data: bytes) -> list[tuple[int, memoryview]]:
-        buf = self._buf
-        buf += data
-        frames = []
-        o = 0
-        hdr = codec.FRAME_HEADER
-        while len(buf) - o >= hdr.size:
-            length, ftype = hdr.unpack_from(buf, o)
-            if length < 1 or length > codec.MAX_FRAME:
-                raise codec.CodecError(f"frame length {length} out of bounds")
-            end = o + 4 + length
-            if end > len(buf):
-                break
-            frames.append((ftype, memoryview(bytes(buf[o + hdr.size : end]))))
-            o = end
-        if o:
-            del buf[:o]
-        return frames
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def next(self) -> tuple[int, memoryview] | None:
+        buf, o, hdr = self._buf, self._o, codec.FRAME_HEADER
+        if len(buf) - o < hdr.size:
+            self._compact()
+            return None
+        length, ftype = hdr.unpack_from(buf, o)
+        if length < 1 or length > self.max_frame:
+            raise codec.CodecError(f"frame length {length} out of bounds (at most {self.max_frame} here)")
+        end = o + 4 + length
+        if end > len(buf):
+            self._compact()
+            return None
+        self._o = end
+        return ftype, memoryview(bytes(buf[o + hdr.size : end]))
+
+    def _compact(self) -> None:
+        if self._o:
+            del self._buf[: self._o]
+            self._o = 0
+
+    def frames(self, data: bytes):
+        self.feed(data)
+        while (f := self.next()) is not None:
+            yield f
+
+
+class PeerTLS:
+    """Mutual TLS between peers: `server` for the connections others dial to us (it
+    requires their certificate), `client` for ours (it presents ours and checks theirs)."""
+
+    def __init__(self, server: ssl.SSLContext, client: ssl.SSLContext) -> None:
+        self.server, self.client = server, client
 
 
 class _Inbound(asyncio.Protocol):
@@ -103,7 +137,7 @@ class _Inbound(asyncio.Protocol):
 
     def __init__(self, t: Transport) -> None:
         self.t = t
-        self.reader = _FrameReader()
+        self.reader = _FrameReader(PREAUTH_MAX_FRAME)
         self.peer: str | None = None
         self.nonce_c = b""
         self.nonce_s = b""
@@ -113,7 +147,7 @@ class _Inbound(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.t._inbound.add(self)
+        self.t._admit(self)
         self._timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT, self._handshake_timeout)
 
     def _handshake_timeout(self) -> None:
@@ -122,19 +156,22 @@ class _Inbound(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.t._inbound.discard(self)
+        self.t._unauthed.pop(self, None)
         if self._timer:
             self._timer.cancel()
 
     def close(self, why: str) -> None:
         if self.transport and not self.transport.is_closing():
-            log.warning("closing peer connection from %s: %s", self.peer or "unknown", why)
+            log.warning("closing peer connection from %s: %s", self.peer or "unknown", why[:200])
             self.t.rejected_connections += 1
             self.transport.close()
+        self.t._unauthed.pop(self, None)
 
     def data_received(self, data: bytes) -> None:
         try:
-            frames = self.reader.feed(data)
-            for ftype, body in frames:
+            for ftype, body in self.reader.frames(data):
+                if self.transport.is_closing():
+                    return
                 if self.authed:
                     msg = codec.decode(ftype, body)
                     if msg.src != self.peer or msg.dst != self.t.node_id:
@@ -172,6 +209,8 @@ class _Inbound(asyncio.Protocol):
             if not hmac.compare_digest(proof, expect):
                 raise codec.CodecError(f"peer {self.peer!r} failed cluster-secret authentication")
             self.authed = True
+            self.reader.max_frame = codec.MAX_FRAME
+            self.t._unauthed.pop(self, None)
             self._timer.cancel()
             if self._url:
                 t.peer_urls[self.peer] = self._url
@@ -179,12 +218,16 @@ class _Inbound(asyncio.Protocol):
             raise codec.CodecError("unexpected frame during handshake")
 
 
+class _RefusedByPeer(ConnectionError):
+    pass
+
+
 class _Outbound(asyncio.Protocol):
     """Our connection to one peer: handshake, then send only."""
 
     def __init__(self, link: _Link) -> None:
         self.link = link
-        self.reader = _FrameReader()
+        self.reader = _FrameReader(PREAUTH_MAX_FRAME)
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -199,7 +242,7 @@ class _Outbound(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         t = self.link.t
         try:
-            for ftype, body in self.reader.feed(data):
+            for ftype, body in self.reader.frames(data):
                 if ftype != _WELCOME or self.ready.done():
                     raise codec.CodecError("peers send nothing back on this link but the handshake")
                 nonce_s, proof = _unpack_strs(body, 2)
@@ -214,7 +257,7 @@ class _Outbound(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         if not self.ready.done():
-            self.ready.set_exception(ConnectionError(f"{self.link.peer} closed the connection during the handshake"))
+            self.ready.set_exception(_RefusedByPeer(f"{self.link.peer} closed the connection during the handshake"))
         if not self.lost.done():
             self.lost.set_result(None)
 
@@ -236,12 +279,22 @@ class _Link:
             host, _, port = self.addr.rpartition(":")
             proto: _Outbound | None = None
             try:
-                _, proto = await loop.create_connection(lambda: _Outbound(self), host, int(port))
+                _, proto = await loop.create_connection(
+                    lambda: _Outbound(self), host, int(port), **self.t._dial_tls(host)
+                )
                 await asyncio.wait_for(proto.ready, HANDSHAKE_TIMEOUT)
             except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
                 if proto is not None and proto.transport is not None:
                     proto.transport.close()
-                log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
+                if isinstance(e, ssl.SSLError):  # a configuration error, not a network blip
+                    log.warning("TLS with %s at %s failed: %s; check --peer-cert/--peer-key/--peer-ca on both", self.peer, self.addr, e)
+                elif isinstance(e, _RefusedByPeer):
+                    # The peer logs why; with TLS 1.3 a peer that does not trust our
+                    # certificate hangs up only after the TLS handshake, without a reason.
+                    maybe = "; with peer TLS it may not trust our certificate (--peer-cert signed by its --peer-ca?)" if self.t.ssl else ""
+                    log.warning("%s: see its log (group, membership, cluster secret)%s", e, maybe)
+                else:
+                    log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
                 continue
@@ -289,6 +342,9 @@ class Transport:
         secret: str | None = None,
         advertise_url: str = "",
         on_connected: Callable[[str], None] | None = None,
+        ssl: PeerTLS | None = None,
+        max_unauthenticated: int = MAX_UNAUTHENTICATED,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.node_id, self.group, self.listen = node_id, group, listen
         self._on_message = on_message
@@ -298,6 +354,9 @@ class Transport:
         self._on_connected = on_connected
         self._links: dict[str, _Link] = {}
         self._inbound: set[_Inbound] = set()
+        self._unauthed: dict[_Inbound, None] = {}  # handshaking, oldest first
+        self.ssl = ssl
+        self.max_unauthenticated, self.max_connections = max_unauthenticated, max_connections
         self._server: asyncio.base_events.Server | None = None
         self.peer_urls: dict[str, str] = {}  # client URLs peers announced in their HELLO
         self.rejected_connections = 0
@@ -307,7 +366,32 @@ class Transport:
     async def start(self) -> None:
         host, _, port = self.listen.rpartition(":")
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Inbound(self), host or "127.0.0.1", int(port), reuse_address=True)
+        tls = {"ssl": self.ssl.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT} if self.ssl else {}
+        self._server = await loop.create_server(lambda: _Inbound(self), host or "127.0.0.1", int(port), reuse_address=True, **tls)
+
+    def _dial_tls(self, host: str) -> dict:
+        if self.ssl is None:
+            return {}
+        # Peers are known by id, not address (a proxy, a NAT): the certificate must be
+        # signed by the cluster's CA, its host name is not checked.
+        return {"ssl": self.ssl.client, "server_hostname": host or "127.0.0.1", "ssl_handshake_timeout": HANDSHAKE_TIMEOUT}
+
+    def _admit(self, conn: _Inbound) -> None:
+        """A new inbound connection: within the limits, or closed (the oldest handshaking
+        one makes room when too many are handshaking)."""
+        if len(self._inbound) >= self.max_connections:
+            log.warning("refusing a peer connection: %d are open (the limit)", len(self._inbound))
+            self.rejected_connections += 1
+            conn.transport.close()
+            return
+        if len(self._unauthed) >= self.max_unauthenticated:
+            oldest = next(iter(self._unauthed))
+            log.warning("%d peer connections are handshaking at once (the limit): closing the oldest", len(self._unauthed))
+            self._unauthed.pop(oldest)
+            self.rejected_connections += 1
+            oldest.transport.close()
+        self._inbound.add(conn)
+        self._unauthed[conn] = None
 
     def set_peers(self, peers: dict[str, str]) -> None:
         """Dial these peers (id -> address); stop dialling those no longer listed."""

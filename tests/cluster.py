@@ -46,6 +46,7 @@ class ProcCluster:
         self.env = env or {}
         self.node_env: dict[str, dict] = {i: {} for i in self.ids}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.scheme, self.ssl_context = "http", None  # set both for nodes serving HTTPS
         self.joining: dict[str, bool] = {}
         self.ploop = ProxyLoop() if proxies else None
         self.proxies: dict[tuple[str, str], LinkProxy] = {}
@@ -68,7 +69,7 @@ class ProcCluster:
         return ",".join(parts)
 
     def url(self, i: str) -> str:
-        return f"http://{self.http[i]}"
+        return f"{self.scheme}://{self.http[i]}"
 
     def data_dir(self, i: str) -> str:
         return os.path.join(self.root, i)
@@ -178,7 +179,7 @@ class ProcCluster:
     def request(self, i: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 5.0):
         req = urllib.request.Request(self.url(i) + path, data=body, method=method, headers=headers or {})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
+            with urllib.request.urlopen(req, timeout=timeout, context=self.ssl_context) as r:
                 return r.status, dict(r.headers), r.read()
         except urllib.error.HTTPError as e:
             return e.code, dict(e.headers), e.read()

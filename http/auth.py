@@ -1,0 +1,134 @@
+"""Who may do what: bearer tokens with a role, optionally limited to a key prefix.
+
+`--tokens FILE` (TOML or JSON) maps each token to a role, or to a table with a role and a
+prefix:
+
+    "r-9f2c..." = "read"
+    "w-77ab..." = { role = "write", prefix = "app/" }
+    "a-0c1d..." = "admin"
+
+- `read`: GET a key, scan, watch, status, readiness, the API document;
+- `write`: read, plus put, delete, transactions and leases;
+- `admin`: everything (membership, leader transfer, snapshots, the log, metrics).
+
+A token with a prefix reaches only keys that start with it: a key route, every key of a
+transaction and the prefix of a scan or a watch outside it get 403 FORBIDDEN. The single
+`--token` is an admin token. `/healthz` needs none.
+
+A follower checks the caller before it forwards: writes travel to the leader over the
+authenticated peer link as commands (no token needed there), admin requests over HTTP
+with the caller's Authorization header, which the leader checks again.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import tomllib
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from kv import BadRequest, Forbidden, Unauthorized
+
+from .keys import key_from_raw_path
+
+ROLES = ("read", "write", "admin")
+OPEN_PATHS = frozenset({"/healthz"})  # answered without a token
+_READ_PATHS = frozenset({"/v1/kv", "/v1/watch", "/v1/status", "/readyz", "/v1/openapi.json"})
+_PREFIX_PATHS = frozenset({"/v1/kv", "/v1/watch"})  # ?prefix= says which keys they reach
+GRANT = web.RequestKey("grant", object)
+
+
+@dataclass(frozen=True)
+class Grant:
+    role: str
+    prefix: str = ""
+
+    def may(self, role: str) -> bool:
+        return ROLES.index(self.role) >= ROLES.index(role)
+
+
+ADMIN = Grant("admin")
+
+
+def load_tokens(path: str) -> dict[str, Grant]:
+    """Read a tokens file; one clear line for anything wrong in it."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise BadRequest(f"cannot read --tokens {path}: {e}") from e
+    try:
+        doc = json.loads(raw) if raw.lstrip()[:1] == b"{" else tomllib.loads(raw.decode())
+    except (ValueError, tomllib.TOMLDecodeError) as e:
+        raise BadRequest(f"--tokens {path} is neither JSON nor TOML: {e}") from e
+    grants = {}
+    for token, spec in doc.items():
+        where = f"--tokens {path}, token {token[:4]}..."
+        if not token or token != token.strip():
+            raise BadRequest(f"--tokens {path}: a token is empty or has spaces around it")
+        if isinstance(spec, str):
+            spec = {"role": spec}
+        if not isinstance(spec, dict) or set(spec) - {"role", "prefix"}:
+            raise BadRequest(f'{where}: give a role ("read", "write", "admin") or {{role = "...", prefix = "..."}}')
+        role, prefix = spec.get("role"), spec.get("prefix", "")
+        if role not in ROLES or not isinstance(prefix, str):
+            raise BadRequest(f"{where}: role must be one of {', '.join(ROLES)} and prefix a string, not {role!r}, {prefix!r}")
+        grants[token] = Grant(role, prefix)
+    if not grants:
+        raise BadRequest(f"--tokens {path} lists no tokens")
+    return grants
+
+
+def grant_of(grants: dict[str, Grant], header: str) -> Grant | None:
+    """The grant of the bearer token in an Authorization header (every token is compared,
+    in constant time, so the time taken says nothing about which one nearly matched)."""
+    given = header[7:].encode() if header.startswith("Bearer ") else b""
+    found = None
+    for token, grant in grants.items():
+        if hmac.compare_digest(given, token.encode()) and given:
+            found = grant
+    return found
+
+
+def _needed(request: web.Request) -> str:
+    path = request.path
+    if path.startswith("/v1/kv/"):
+        return "read" if request.method in ("GET", "HEAD") else "write"
+    if path in _READ_PATHS:
+        return "read"
+    if path == "/v1/txn" or path == "/v1/leases" or path.startswith("/v1/leases/"):
+        return "write"
+    return "admin"  # membership, leadership, snapshots, the log, metrics, and any new route
+
+
+def authorize(request: web.Request, grants: dict[str, Grant]) -> None:
+    """Raise Unauthorized (no or unknown token) or Forbidden (the role or the prefix does
+    not allow it); remember the caller's grant for handlers that check more keys."""
+    if request.path in OPEN_PATHS:
+        return
+    grant = grant_of(grants, request.headers.get("Authorization", ""))
+    if grant is None:
+        raise Unauthorized("missing or wrong token: send Authorization: Bearer <token> (the node's --token, or one from its --tokens file)")
+    need = _needed(request)
+    if not grant.may(need):
+        raise Forbidden(f"a {grant.role} token may not {request.method} {request.path}: that needs a {need} token")
+    request[GRANT] = grant
+    if grant.prefix:
+        if request.path.startswith("/v1/kv/"):
+            check_keys(request, [key_from_raw_path(request.raw_path, "/v1/kv/")])
+        elif request.path in _PREFIX_PATHS:
+            prefix = request.query.get("prefix", "")
+            if not prefix.startswith(grant.prefix):
+                raise Forbidden(f"this token reaches only keys under {grant.prefix!r}: ask for ?prefix= starting with it, not {prefix!r}")
+
+
+def check_keys(request: web.Request, keys) -> None:
+    """403 unless the caller may reach every one of these keys (a no-op without tokens)."""
+    grant = request.get(GRANT)
+    if grant is None or not grant.prefix:
+        return
+    for key in keys:
+        if not key.startswith(grant.prefix):
+            raise Forbidden(f"this token reaches only keys under {grant.prefix!r}, not {key[:200]!r}")
