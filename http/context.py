@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 
 from kv import Node
-from kv.metrics import Counter, Registry
 
 
 @dataclass
@@ -16,8 +15,8 @@ class HttpContext:
     node: Node
     token: str | None = None
     max_json_bytes: int = 4 << 20
-    registry: Registry = field(default_factory=Registry)
-    requests: Counter | None = None
+    access_log: bool = False  # log one line per request (kv serve --access-log)
+    metrics_public: bool = False  # /metrics without the token (kv serve --metrics-public)
     session: aiohttp.ClientSession | None = None  # pooled connections to the leader
 
 

@@ -49,6 +49,7 @@ class NodeConfig:
     snapshot_keep: int = 3  # snapshot files kept
     max_value_bytes: int = 1 << 20
     token: str | None = None
+    metrics_public: bool = False  # serve /metrics without the token
     cluster_secret: str | None = None
     join: str | None = None
     join_timeout_s: float = 60.0  # how long --join waits through temporary refusals

@@ -17,7 +17,7 @@ from .coordination import AsyncElection, AsyncLease, AsyncLock
 from .datadir import DataDirLock
 from .leases import LeaseClock
 from .scan import Scan
-from .metrics import Histogram
+from .metrics import NodeMetrics, request_forwarded
 from .errors import (
     BadRequest,
     Compacted,
@@ -172,7 +172,7 @@ class Node:
         self._history: collections.deque[tuple[int, str, bytes | None]] = collections.deque(maxlen=10_000)
         self.started_at = 0.0
         self.counters = collections.Counter()
-        self.commit_latency = Histogram("kv_commit_latency_seconds", "Time from proposing a write to its apply on the leader.")
+        self.metrics = NodeMetrics(self)  # this node's own registry: GET /metrics
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -221,8 +221,11 @@ class Node:
             serve_local=self._serve_local,
         )
         self.raft.result_encoder = cmds.encode_result
+        self.raft.observe_fsync = self.metrics.fsync.observe
+        self.raft.observe_rtt = self.metrics.observe_rtt
         self.sm.on_changes = self._on_changes
         self.caller = FSMCaller(self.raft, self.sm, load_snapshot=self.snapshots.load_into_state_machine)
+        self.caller.observe_apply = self.metrics.apply.observe
         self.snapshots.attach(self.raft, self.caller)
         await self.raft.start()
         self.caller.start()
@@ -338,6 +341,13 @@ class Node:
     async def submit(self, cmd: cmds.Command, timeout: float | None = None) -> Applied:
         """Replicate a command and wait until it is applied here (retrying while no leader
         can take it, which is safe: nothing was appended)."""
+        try:
+            return await self._submit(cmd, timeout)
+        except KVError:
+            self.counters["proposals_failed"] += 1
+            raise
+
+    async def _submit(self, cmd: cmds.Command, timeout: float | None) -> Applied:
         payload = encode_command(cmd)
         raft = self._running()
         loop = asyncio.get_running_loop()
@@ -352,8 +362,9 @@ class Node:
                     (fut,) = raft.propose_many([(EntryKind.NORMAL, payload)], deadline)
                     t0 = time.perf_counter()
                     applied = await self._outcome(fut, wait)
-                    self.commit_latency.observe(time.perf_counter() - t0)
+                    self.metrics.commit_latency.observe(time.perf_counter() - t0)
                     return applied
+                request_forwarded.set(True)
                 resp = await self._outcome(raft.forward(payload, deadline), wait)
             except raft_errors.NotLeader as e:
                 # Nothing was appended (or what was appended was replaced): safe to retry

@@ -3,41 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
 import signal
+import socket
 import ssl
-import sys
-import time
 
 from .config import NodeConfig, check_hostport
 from .datadir import DataDirLock
 from .errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
+from .logs import log_term_from
 from .node import Node
 from .raft.membership import Member, Membership
-
-
-class _NodeFilter(logging.Filter):
-    def __init__(self, node_id: str) -> None:
-        super().__init__()
-        self.node_id = node_id
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.node = self.node_id
-        return True
-
-
-def setup_logging(node_id: str, level: str = "INFO") -> None:
-    """One line per event, with a timestamp, the level, the node id and the source."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(_NodeFilter(node_id))
-    fmt = logging.Formatter("%(asctime)s.%(msecs)03dZ %(levelname)s node=%(node)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S")
-    fmt.converter = time.gmtime
-    handler.setFormatter(fmt)
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def install_uvloop() -> bool:
@@ -64,8 +43,30 @@ def _ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     if not (cert and key):
         raise SystemExit("kv serve: --tls-cert and --tls-key go together")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cert, key)
+    try:
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise BadRequest(f"cannot load --tls-cert {cert} with --tls-key {key}: {getattr(e, 'strerror', None) or e}") from None
     return ctx
+
+
+class CannotListen(KVError):
+    """A port this node must listen on is taken, not on this machine, or not allowed."""
+
+    code = "CANNOT_LISTEN"
+
+
+def _listen_error(e: OSError, what: str, addr: str) -> KVError | OSError:
+    port = addr.rpartition(":")[2]
+    if e.errno == errno.EADDRINUSE:
+        return CannotListen(f"{what} {addr}: port {port} is already in use; find who holds it with `ss -ltnp 'sport = :{port}'`, stop it or choose another port")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return CannotListen(f"{what} {addr}: that address is not on this machine; use one of its addresses or 0.0.0.0")
+    if e.errno == errno.EACCES:
+        return CannotListen(f"{what} {addr}: not allowed to listen on port {port} (ports below 1024 need privileges); choose a port above 1024")
+    if isinstance(e, socket.gaierror):
+        return CannotListen(f"{what} {addr}: cannot resolve the host ({e.strerror}); check the name")
+    return e
 
 
 async def join_cluster(config: NodeConfig) -> Membership:
@@ -120,7 +121,7 @@ async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
             await asyncio.sleep(1.0)
 
 
-async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str | None = None) -> int:
+async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str | None = None, access_log: bool = False) -> int:
     from .http.app import serve  # aiohttp only when serving
 
     log = logging.getLogger("kv.serve")
@@ -133,14 +134,21 @@ async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str |
         lock.release()
         raise
     node = Node(config, initial_membership=initial, data_dir_lock=lock)
-    await node.start()
+    try:
+        await node.start()
+    except OSError as e:
+        raise _listen_error(e, "peer address (own --peers entry)", config.peers.get(config.id, "")) from e
+    log_term_from(lambda: node.raft.core.term if node.raft else None)
     tune_gc()
     runner = None
     promoting = asyncio.ensure_future(promote_when_caught_up(config, node)) if config.join else None
     try:
         if config.http:
             host, port = check_hostport(config.http, "--http")
-            runner = await serve(node, host, port, token=config.token, ssl_context=sslctx)
+            try:
+                runner = await serve(node, host, port, token=config.token, ssl_context=sslctx, access_log=access_log)
+            except OSError as e:
+                raise _listen_error(e, "--http", config.http) from e
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
