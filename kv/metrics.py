@@ -100,13 +100,13 @@ class _NodeCollector:
 
     @staticmethod
     def _peers(t) -> Iterable[Metric]:
-        if t is None:
-            return
-        yield _by_peer(CounterMetricFamily("kv_peer_sent_bytes", "Bytes of frames sent to each peer.", labels=["peer"]), t.sent_bytes.items())
-        yield _by_peer(CounterMetricFamily("kv_peer_received_bytes", "Bytes received from each peer.", labels=["peer"]), t.received_bytes.items())
-        yield _counter("kv_peer_frames_sent", "Frames sent to peers.", t.sent_frames)
-        yield _counter("kv_peer_frames_dropped", "Frames not sent: no connection, or the peer too slow.", t.dropped_frames)
-        yield _counter("kv_peer_connections_rejected", "Peer connections refused (handshake, secret, membership).", t.rejected_connections)
+        """Present on a node without peers too (all zero), so that queries find them."""
+        sent, received = (t.sent_bytes.items(), t.received_bytes.items()) if t is not None else ((), ())
+        yield _by_peer(CounterMetricFamily("kv_peer_sent_bytes", "Bytes of frames sent to each peer.", labels=["peer"]), sent)
+        yield _by_peer(CounterMetricFamily("kv_peer_received_bytes", "Bytes received from each peer.", labels=["peer"]), received)
+        yield _counter("kv_peer_frames_sent", "Frames sent to peers.", t.sent_frames if t else 0)
+        yield _counter("kv_peer_frames_dropped", "Frames not sent: no connection, or the peer too slow.", t.dropped_frames if t else 0)
+        yield _counter("kv_peer_connections_rejected", "Peer connections refused (handshake, secret, membership).", t.rejected_connections if t else 0)
 
     @staticmethod
     def _snapshots(st) -> Iterable[Metric]:

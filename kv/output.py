@@ -34,6 +34,14 @@ def emit(doc: object) -> None:
     sys.stdout.flush()
 
 
+def report(args: argparse.Namespace, doc: object, text: str) -> None:
+    """Print `doc` as JSON with -o json, else the line `text`."""
+    if wants_json(args):
+        emit(doc)
+    else:
+        print(text, flush=True)
+
+
 def value_fields(value: bytes) -> dict:
     """{"value": text} when the bytes are UTF-8, else {"value": base64, "encoding": "base64"}."""
     try:

@@ -32,6 +32,10 @@ def _os_error(e: OSError) -> str:
     name = f": {e.filename}" if e.filename else ""
     if isinstance(e, FileNotFoundError):
         return f"no such file or directory{name}; check the path"
+    if isinstance(e, FileExistsError):
+        return f"{e.filename} already exists and is in the way (a file where a directory should be?)"
+    if isinstance(e, IsADirectoryError):
+        return f"{e.filename} is a directory; give a file"
     if isinstance(e, PermissionError):
         return f"permission denied{name}; check its owner and mode, or run as the user that owns it"
     if e.errno == errno.EADDRINUSE:

@@ -56,16 +56,29 @@ class CannotListen(KVError):
     code = "CANNOT_LISTEN"
 
 
+def check_can_listen(addr: str, what: str) -> None:
+    """Refuse before anything starts when a port is taken (the node binds it moments
+    later: a port taken in between still gets the same message from run())."""
+    host, port = check_hostport(addr, what)
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(sockaddr)
+    except OSError as e:
+        raise _listen_error(e, what, addr) from None
+
+
 def _listen_error(e: OSError, what: str, addr: str) -> KVError | OSError:
     port = addr.rpartition(":")[2]
     if e.errno == errno.EADDRINUSE:
-        return CannotListen(f"{what} {addr}: port {port} is already in use; find who holds it with `ss -ltnp 'sport = :{port}'`, stop it or choose another port")
+        return CannotListen(f"{what}{addr}: port {port} is already in use; find who holds it with `ss -ltnp 'sport = :{port}'`, stop it or choose another port")
     if e.errno == errno.EADDRNOTAVAIL:
-        return CannotListen(f"{what} {addr}: that address is not on this machine; use one of its addresses or 0.0.0.0")
+        return CannotListen(f"{what}{addr}: that address is not on this machine; use one of its addresses or 0.0.0.0")
     if e.errno == errno.EACCES:
-        return CannotListen(f"{what} {addr}: not allowed to listen on port {port} (ports below 1024 need privileges); choose a port above 1024")
+        return CannotListen(f"{what}{addr}: not allowed to listen on port {port} (ports below 1024 need privileges); choose a port above 1024")
     if isinstance(e, socket.gaierror):
-        return CannotListen(f"{what} {addr}: cannot resolve the host ({e.strerror}); check the name")
+        return CannotListen(f"{what}{addr}: cannot resolve the host ({e.strerror}); check the name")
     return e
 
 
@@ -126,6 +139,10 @@ async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str |
 
     log = logging.getLogger("kv.serve")
     sslctx = _ssl_context(tls_cert, tls_key)
+    if config.id in config.peers:
+        check_can_listen(config.peers[config.id], f"--peers {config.id}=")
+    if config.http:
+        check_can_listen(config.http, "--http ")
     lock = DataDirLock.acquire(config.data_dir)  # before anything in it is looked at
     try:
         fresh = not os.path.exists(config.ledger_path)
@@ -134,10 +151,7 @@ async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str |
         lock.release()
         raise
     node = Node(config, initial_membership=initial, data_dir_lock=lock)
-    try:
-        await node.start()
-    except OSError as e:
-        raise _listen_error(e, "peer address (own --peers entry)", config.peers.get(config.id, "")) from e
+    await node.start()
     log_term_from(lambda: node.raft.core.term if node.raft else None)
     tune_gc()
     runner = None
@@ -148,7 +162,7 @@ async def run(config: NodeConfig, *, tls_cert: str | None = None, tls_key: str |
             try:
                 runner = await serve(node, host, port, token=config.token, ssl_context=sslctx, access_log=access_log)
             except OSError as e:
-                raise _listen_error(e, "--http", config.http) from e
+                raise _listen_error(e, "--http ", config.http) from e
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

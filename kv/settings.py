@@ -62,7 +62,10 @@ def _text(v: Any) -> str:
 
 
 def _hostport(v: Any) -> str:
-    check_hostport(_text(v), "it")
+    try:
+        check_hostport(_text(v), "")
+    except BadRequest:
+        raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:8001") from None
     return v
 
 
@@ -168,11 +171,12 @@ def _from_file(path: str) -> dict[str, tuple[Any, str]]:
     values = {}
     for key, v in doc.items():
         line = _toml_line(text, key)
-        where = f"{path} line {line}" if line else f"{path} (key {key})"
+        where = f"{path} line {line}" if line else path
+        where += f" ({key} = {v!r})"
         field = key.replace("-", "_")
         if field not in _BY_FIELD:
             known = ", ".join(sorted(_BY_FIELD))
-            raise BadRequest(f"{where}: unknown setting {key!r}; known: {known}")
+            raise BadRequest(f"{where}: unknown setting; known: {known}")
         values[field] = (v, where)
     return values
 
@@ -189,7 +193,7 @@ def _collect(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
     for o in SERVE_OPTIONS:
         v = getattr(args, o.field, None)
         if v is not None:
-            values[o.field] = (v, o.flag if v is True else f"{o.flag} {v}")
+            values[o.field] = (v, o.flag if v is True else f"{o.flag} {v!r}")
     return values
 
 
@@ -210,7 +214,7 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         try:
             parsed[field] = o.parse(v)
         except (ValueError, BadRequest) as e:
-            raise BadRequest(f"{where}: bad value for {o.flag} ({field}): {e}") from None
+            raise BadRequest(f"{where}: {e}") from None
     missing = [f for f in ("id", "data_dir") if f not in parsed]
     if missing:
         raise BadRequest(f"kv serve needs {' and '.join(_BY_FIELD[m].flag for m in missing)} (a flag, the --config file or KV_{missing[0].upper()})")
