@@ -176,3 +176,12 @@ def test_json_log_lines_carry_node_and_term_and_the_access_log(node):
     assert any(a["method"] == "GET" and a["path"] == "/v1/status" and a["route"] == "status" and a["status"] == 200 and a["forwarded"] is False for a in access)
     assert any(a["route"] == "status" and a["status"] == 401 for a in access)
     assert all(a["duration_ms"] >= 0 for a in access)
+
+
+def test_container_healthcheck_follows_kv_http(node):
+    check = [sys.executable, "-m", "kv.healthcheck"]
+    ok = subprocess.run(check, capture_output=True, env={**os.environ, "KV_HTTP": node.http["n1"]}, timeout=30)
+    assert ok.returncode == 0, ok.stderr  # /healthz needs no token
+    port = free_port()
+    down = subprocess.run(check, capture_output=True, env={**os.environ, "KV_HTTP": f"0.0.0.0:{port}"}, timeout=30)
+    assert down.returncode == 1 and down.stderr.decode().startswith(f"kv healthcheck: http://127.0.0.1:{port}/healthz:")
