@@ -4,9 +4,13 @@ and the access log (in-process nodes behind aiohttp's test server)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import re
 
 import pytest
+import yaml
 from aiohttp.test_utils import TestClient, TestServer
 from inproc import InprocCluster
 from prometheus_client import REGISTRY
@@ -14,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kv import Node, NodeConfig
 from kv.http.app import create_app
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TYPES = {
     "kv_has_leader": "gauge",
@@ -152,3 +158,40 @@ async def test_peer_metrics_and_the_access_log_of_a_forwarded_write(tmp_path, ca
         if client is not None:
             await client.close()
         await cluster.stop()
+
+
+def exposed_names(text: str) -> set[str]:
+    """Every series name the exposition can hold, from its # TYPE lines (a histogram with
+    no labelled child yet has no samples, but its name is real)."""
+    suffixes = {"counter": ("",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, typ = line.split()
+            names |= {name + s for s in suffixes.get(typ, ("",))}
+    return names
+
+
+def query_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b((?:kv|process|python)_[a-z0-9_]+)\b", expr))
+
+
+async def test_dashboard_and_alert_rules_query_metrics_that_exist(tmp_path):
+    node, client = await start_single(tmp_path)
+    try:
+        names = exposed_names(await (await client.get("/metrics")).text())
+    finally:
+        await client.close()
+        await node.stop()
+    with open(os.path.join(ROOT, "docker", "grafana", "ledgerkv-dashboard.json")) as f:
+        dashboard = json.load(f)
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    with open(os.path.join(ROOT, "docker", "prometheus", "alerts.yml")) as f:
+        rules = [r for g in yaml.safe_load(f)["groups"] for r in g["rules"]]
+    alerts = {r["alert"]: r["expr"] for r in rules}
+    assert {"KvNoLeader", "KvFrequentLeaderChanges", "KvSlowFsync", "KvFollowerLagging"} <= set(alerts)
+    for expr in exprs + list(alerts.values()):
+        used = query_names(expr)
+        assert used and used <= names, (expr, used - names)
+    with open(os.path.join(ROOT, "docker", "prometheus", "prometheus.yml")) as f:
+        assert yaml.safe_load(f)["rule_files"] == ["alerts.yml"]
