@@ -195,3 +195,20 @@ async def test_dashboard_and_alert_rules_query_metrics_that_exist(tmp_path):
         assert used and used <= names, (expr, used - names)
     with open(os.path.join(ROOT, "docker", "prometheus", "prometheus.yml")) as f:
         assert yaml.safe_load(f)["rule_files"] == ["alerts.yml"]
+
+
+async def test_readme_lists_metrics_that_exist(tmp_path):
+    node, client = await start_single(tmp_path)
+    try:
+        names = exposed_names(await (await client.get("/metrics")).text())
+    finally:
+        await client.close()
+        await node.stop()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("**Metrics.**"):readme.index("`docker/grafana/ledgerkv-dashboard.json`")]
+    listed = set(re.findall(r"`(kv_[a-z0-9_]+)", section))
+    histograms = {n.removesuffix("_bucket") for n in names if n.endswith("_bucket")}
+    series = {n for n in names if not n.endswith(("_bucket", "_count", "_sum"))} | histograms
+    assert len(listed) > 30 and listed <= series, listed - series
+    assert {n for n in series if n.startswith("kv_")} <= listed  # every kv_ metric is documented
