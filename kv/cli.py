@@ -35,6 +35,19 @@ def _version() -> str:
     return f"kv (ledgerkv) {v}, Python {sys.version.split()[0]}"
 
 
+def _at_least_one(raw: str) -> int:
+    if not raw.isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {raw!r}")
+    return int(raw)
+
+
+def _base_port(raw: str) -> int:
+    # n1..nN serve HTTP from here and peers from 100 higher: leave room below 65536.
+    if not raw.isdigit() or not 1 <= int(raw) <= 65000:
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65000, not {raw!r}")
+    return int(raw)
+
+
 def _all_parsers(p: argparse.ArgumentParser):
     yield p
     for action in p._actions:
@@ -64,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("cluster", help="local clusters").add_subparsers(dest="cluster_cmd", metavar="ACTION")
     up = c.add_parser("up", help="run a local cluster in the foreground; Ctrl-C stops it")
-    up.add_argument("--nodes", type=int, default=3, help="how many nodes (default 3)")
+    up.add_argument("--nodes", type=_at_least_one, default=3, help="how many nodes (default 3)")
     up.add_argument("--data-dir", default="./kvdata", help="where the nodes keep their data (default ./kvdata)")
-    up.add_argument("--base-port", type=int, default=8001, help="HTTP port of n1; peers listen 100 higher (default 8001)")
+    up.add_argument("--base-port", type=_base_port, default=8001, help="HTTP port of n1; peers listen 100 higher (default 8001)")
     up.add_argument("--heartbeat-ms", type=float, default=None)
     up.add_argument("--election-timeout-ms", type=float, default=None)
 

@@ -45,10 +45,24 @@ def _os_error(e: OSError) -> str:
     return f"{e.strerror or e}{name}"
 
 
+def _http_error(e: BaseException) -> str | None:
+    """An HTTP failure the client did not turn into a KVError (a download, a bad URL)."""
+    import aiohttp
+
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return f"cannot reach {e.host}:{e.port} ({e.os_error.strerror or e.os_error}); is a node running there? check --endpoints or KV_ENDPOINTS"
+    if isinstance(e, aiohttp.ClientError):
+        return f"HTTP request failed ({type(e).__name__}: {e}); check --endpoints or KV_ENDPOINTS (http://HOST:PORT,...)"
+    return None
+
+
 def describe(e: BaseException) -> tuple[str, int]:
     """The one line to print for `e`, and the exit status."""
+    http = _http_error(e)
     if isinstance(e, _known_errors()):
         text, code = str(e), EXIT_ERROR
+    elif http is not None:
+        text, code = http, EXIT_ERROR
     elif isinstance(e, OSError):
         text, code = _os_error(e), EXIT_ERROR
     else:

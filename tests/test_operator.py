@@ -69,6 +69,11 @@ CASES = [
     pytest.param(["snapshot", "restore", "missing.lkvs", "--data-dir", "r", "--id", "n1", "--peers", "n1=127.0.0.1:7001"], {}, {},
                  "kv snapshot restore: no such file or directory: missing.lkvs", 1, id="restore-missing"),
     pytest.param(["get", "k", "--timeout", "0.5"], {"KV_ENDPOINTS": "http://127.0.0.1:9"}, {}, "kv get: no endpoint answered", 1, id="unreachable"),
+    pytest.param(["snapshot", "save", "x.lkvs", "--endpoints", "http://127.0.0.1:9"], {}, {},
+                 "kv snapshot save: cannot reach 127.0.0.1:9 (Connect call failed ('127.0.0.1', 9)); is a node running there?", 1, id="download-unreachable"),
+    pytest.param(["put", "k", "v", "--endpoints", "ftp://x", "--timeout", "1"], {}, {}, "kv put: HTTP request failed (NonHttpUrlClientError: ftp://x/v1/kv/k); check --endpoints", 1, id="endpoint-scheme"),
+    pytest.param(["cluster", "up", "--nodes", "0", "--data-dir", "d"], {}, {}, "kv cluster up: argument --nodes: expected a whole number of at least 1, not '0'", 2, id="cluster-nodes"),
+    pytest.param(["cluster", "up", "--base-port", "99999", "--data-dir", "d"], {}, {}, "kv cluster up: argument --base-port: expected a port from 1 to 65000", 2, id="cluster-port"),
 ]
 
 
