@@ -68,6 +68,7 @@ def create_app(node: Node, *, token: str | None = None, access_log: bool = False
         client_max_size=node.config.max_value_bytes + (1 << 20),
     )
     app[CONTEXT] = c
+    node.metrics  # noqa: B018  (made now, so that it counts from the first request on)
     routes_kv.add_routes(app)
     routes_admin.add_routes(app)
     routes_members.add_routes(app)

@@ -10,20 +10,18 @@ graphs (README.md, "Metrics", lists them; docker/ has a dashboard and alert rule
 
 from __future__ import annotations
 
-import contextvars
 import os
 from collections.abc import Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .node import request_forwarded  # noqa: F401  (for kv.http: set when a request went to the leader)
+
 # Request latency, 0.5 ms .. 5 s. Disk latency as etcd buckets its WAL fsync: 1 ms doubling.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 DISK_BUCKETS = (0.0001, 0.0005) + tuple(0.001 * 2**i for i in range(14))
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-
-# Set by kv.Node when it hands a request to the leader, so that the access log can say so.
-request_forwarded: contextvars.ContextVar[bool] = contextvars.ContextVar("kv_request_forwarded", default=False)
 
 ROLES = ("follower", "pre_candidate", "candidate", "leader")
 

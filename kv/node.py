@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
 import os
 import time
@@ -17,7 +18,6 @@ from .coordination import AsyncElection, AsyncLease, AsyncLock
 from .datadir import DataDirLock
 from .leases import LeaseClock
 from .scan import Scan
-from .metrics import NodeMetrics, request_forwarded
 from .errors import (
     BadRequest,
     Compacted,
@@ -53,6 +53,10 @@ class Item(NamedTuple):
     key: str
     value: bytes
     mod_index: int
+
+
+# Set when this node hands a client's request to the leader (the access log says so).
+request_forwarded: contextvars.ContextVar[bool] = contextvars.ContextVar("kv_request_forwarded", default=False)
 
 
 class WriteResult(NamedTuple):
@@ -172,7 +176,7 @@ class Node:
         self._history: collections.deque[tuple[int, str, bytes | None]] = collections.deque(maxlen=10_000)
         self.started_at = 0.0
         self.counters = collections.Counter()
-        self.metrics = NodeMetrics(self)  # this node's own registry: GET /metrics
+        self._metrics = None  # kv.metrics.NodeMetrics, made on first use (see metrics)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -221,17 +225,35 @@ class Node:
             serve_local=self._serve_local,
         )
         self.raft.result_encoder = cmds.encode_result
-        self.raft.observe_fsync = self.metrics.fsync.observe
-        self.raft.observe_rtt = self.metrics.observe_rtt
         self.sm.on_changes = self._on_changes
         self.caller = FSMCaller(self.raft, self.sm, load_snapshot=self.snapshots.load_into_state_machine)
-        self.caller.observe_apply = self.metrics.apply.observe
         self.snapshots.attach(self.raft, self.caller)
+        self._wire_metrics()
         await self.raft.start()
         self.caller.start()
         self.leases.start()
         self.started_at = time.time()
         return self
+
+    @property
+    def metrics(self):
+        """This node's metrics (kv.metrics.NodeMetrics: its own Prometheus registry, what
+        GET /metrics serves). Made on first use: an embedded store that never reads them
+        pays neither for prometheus_client nor for the observations."""
+        if self._metrics is None:
+            from .metrics import NodeMetrics
+
+            self._metrics = NodeMetrics(self)
+            self._wire_metrics()
+        return self._metrics
+
+    def _wire_metrics(self) -> None:
+        m = self._metrics
+        if m is None or self.raft is None:
+            return
+        self.raft.observe_fsync = m.fsync.observe
+        self.raft.observe_rtt = m.observe_rtt
+        self.caller.observe_apply = m.apply.observe
 
     def _rebuild_state(self, damage: StateCorrupt) -> LevelDBStateMachine:
         """The state machine is damaged: set it aside and start an empty one, which
@@ -362,7 +384,8 @@ class Node:
                     (fut,) = raft.propose_many([(EntryKind.NORMAL, payload)], deadline)
                     t0 = time.perf_counter()
                     applied = await self._outcome(fut, wait)
-                    self.metrics.commit_latency.observe(time.perf_counter() - t0)
+                    if self._metrics is not None:
+                        self._metrics.commit_latency.observe(time.perf_counter() - t0)
                     return applied
                 request_forwarded.set(True)
                 resp = await self._outcome(raft.forward(payload, deadline), wait)
