@@ -172,17 +172,21 @@ def exposed_names(text: str) -> set[str]:
     return names
 
 
+async def names_a_node_exposes(tmp_path) -> set[str]:
+    node, client = await start_single(tmp_path)
+    try:
+        return exposed_names(await (await client.get("/metrics")).text())
+    finally:
+        await client.close()
+        await node.stop()
+
+
 def query_names(expr: str) -> set[str]:
     return set(re.findall(r"\b((?:kv|process|python)_[a-z0-9_]+)\b", expr))
 
 
 async def test_dashboard_and_alert_rules_query_metrics_that_exist(tmp_path):
-    node, client = await start_single(tmp_path)
-    try:
-        names = exposed_names(await (await client.get("/metrics")).text())
-    finally:
-        await client.close()
-        await node.stop()
+    names = await names_a_node_exposes(tmp_path)
     with open(os.path.join(ROOT, "docker", "grafana", "ledgerkv-dashboard.json")) as f:
         dashboard = json.load(f)
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
@@ -198,12 +202,7 @@ async def test_dashboard_and_alert_rules_query_metrics_that_exist(tmp_path):
 
 
 async def test_readme_lists_metrics_that_exist(tmp_path):
-    node, client = await start_single(tmp_path)
-    try:
-        names = exposed_names(await (await client.get("/metrics")).text())
-    finally:
-        await client.close()
-        await node.stop()
+    names = await names_a_node_exposes(tmp_path)
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     section = readme[readme.index("**Metrics.**"):readme.index("`docker/grafana/ledgerkv-dashboard.json`")]
