@@ -41,7 +41,7 @@ def _ssl_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     if not cert and not key:
         return None
     if not (cert and key):
-        raise SystemExit("kv serve: --tls-cert and --tls-key go together")
+        raise BadRequest("--tls-cert and --tls-key go together: give both")
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     try:
         ctx.load_cert_chain(cert, key)
