@@ -217,7 +217,7 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
             raise BadRequest(f"{where}: {e}") from None
     missing = [f for f in ("id", "data_dir") if f not in parsed]
     if missing:
-        raise BadRequest(f"kv serve needs {' and '.join(_BY_FIELD[m].flag for m in missing)} (a flag, the --config file or KV_{missing[0].upper()})")
+        raise BadRequest(f"a node needs {' and '.join(_BY_FIELD[m].flag for m in missing)} (a flag, the --config file or KV_{missing[0].upper()})")
     hb = parsed.get("heartbeat_ms", NodeConfig.heartbeat_ms)
     et = parsed.get("election_timeout_ms", NodeConfig.election_timeout_ms)
     if et < 2 * hb:

@@ -55,7 +55,7 @@ CASES = [
     pytest.param(SERVE + ["--http", "nowhere"], {}, {}, "--http 'nowhere': expected HOST:PORT", 1, id="flag-hostport"),
     pytest.param(SERVE + ["--peers", "n1=x"], {}, {}, "--peers 'n1=x': bad address 'x' for peer n1", 1, id="flag-peers"),
     pytest.param(SERVE + ["--join", "foo"], {}, {}, "--join 'foo': expected a URL such as http://10.0.0.1:8001", 1, id="flag-url"),
-    pytest.param(["serve", "--data-dir", "d"], {}, {}, "kv serve needs --id", 1, id="missing-id"),
+    pytest.param(["serve", "--data-dir", "d"], {}, {}, "kv serve: a node needs --id (a flag, the --config file or KV_ID)", 1, id="missing-id"),
     pytest.param(SERVE + ["--tls-cert", "no.pem", "--tls-key", "no.key"], {}, {}, "cannot load --tls-cert no.pem with --tls-key no.key", 1, id="tls-missing"),
     pytest.param(SERVE + ["--tls-cert", "x.pem"], {}, {}, "kv serve: --tls-cert and --tls-key go together: give both", 1, id="tls-half"),
     pytest.param(["serve", "--id", "n1", "--data-dir", "afile", "--http", "127.0.0.1:1"], {}, {"afile": "x"}, "afile already exists and is in the way", 1, id="data-dir-is-a-file"),
