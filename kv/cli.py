@@ -22,6 +22,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
 
+    def parse_args(self, args=None, namespace=None):
+        # argparse reports leftovers from the top parser ("kv: unrecognized arguments");
+        # name the command they were given to instead.
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            prog = getattr(ns, "prog_name", self.prog)
+            self.exit(2, f"{prog}: unrecognized arguments: {' '.join(extras)}; see {prog} --help\n")
+        return ns
+
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
