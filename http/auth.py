@@ -13,7 +13,7 @@ prefix:
 
 A token with a prefix reaches only keys that start with it: a key route, every key of a
 transaction and the prefix of a scan or a watch outside it get 403 FORBIDDEN. The single
-`--token` is an admin token. `/healthz` needs none.
+`--token` is an admin token. `/healthz` and `/readyz` need none (nor `/metrics` with --metrics-public).
 
 A follower checks the caller before it forwards: writes travel to the leader over the
 authenticated peer link as commands (no token needed there), admin requests over HTTP
@@ -34,7 +34,7 @@ from kv import BadRequest, Forbidden, Unauthorized
 from .keys import key_from_raw_path
 
 ROLES = ("read", "write", "admin")
-OPEN_PATHS = frozenset({"/healthz"})  # answered without a token
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # answered without a token
 _READ_PATHS = frozenset({"/v1/kv", "/v1/watch", "/v1/status", "/readyz", "/v1/openapi.json"})
 _PREFIX_PATHS = frozenset({"/v1/kv", "/v1/watch"})  # ?prefix= says which keys they reach
 GRANT = web.RequestKey("grant", object)

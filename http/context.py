@@ -8,7 +8,6 @@ import aiohttp
 from aiohttp import web
 
 from kv import Node
-from kv.metrics import Counter, Registry
 
 from .auth import Grant
 
@@ -18,8 +17,8 @@ class HttpContext:
     node: Node
     grants: dict[str, Grant] = field(default_factory=dict)  # token -> grant; empty: no auth
     max_json_bytes: int = 4 << 20
-    registry: Registry = field(default_factory=Registry)
-    requests: Counter | None = None
+    access_log: bool = False  # log one line per request (kv serve --access-log)
+    metrics_public: bool = False  # /metrics without the token (kv serve --metrics-public)
     session: aiohttp.ClientSession | None = None  # pooled connections to the leader
 
 

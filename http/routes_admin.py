@@ -10,6 +10,7 @@ from aiohttp import web
 
 from kv import BadRequest, Compacted, NotFound, NotLeader
 from kv import logstream
+from kv.metrics import CONTENT_TYPE, request_forwarded
 
 from .context import ctx
 from .errors import json_response, read_body
@@ -41,7 +42,8 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=ctx(request).registry.render(), content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
+    body = ctx(request).node.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE, "X-Content-Type-Options": "nosniff"})
 
 
 async def take_snapshot(request: web.Request) -> web.Response:
@@ -138,6 +140,7 @@ async def forward_to_leader(request: web.Request, body: bytes) -> web.Response:
     url = c.node.leader_url()
     if url is None or request.headers.get(FORWARDED):
         raise NotLeader("this node is not the leader and cannot reach it over HTTP; send the request to the leader", c.node.raft.leader_id)
+    request_forwarded.set(True)
     headers = {FORWARDED: c.node.config.id, "Content-Type": "application/json"}
     if "Authorization" in request.headers:
         headers["Authorization"] = request.headers["Authorization"]

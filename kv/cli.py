@@ -6,106 +6,93 @@ import argparse
 import asyncio
 import os
 import sys
-import tomllib
 
-from . import errors
-from .config import NodeConfig, parse_peers
+from .output import add_output_option
+from .refusal import debug_wanted, describe
+from .settings import add_serve_options, serve_config, serve_settings
 
-# (flag, NodeConfig field, type, help) for `kv serve`; each also reads from the TOML file
-# given with --config (key: the field name) and from KV_<FIELD> in the environment.
-SERVE_OPTIONS = [
-    ("--id", "id", str, "this node's id, e.g. n1 (must appear in --peers)"),
-    ("--data-dir", "data_dir", str, "directory for the ledger, state and snapshots"),
-    ("--http", "http", str, "HOST:PORT for the client API, e.g. 127.0.0.1:8001"),
-    ("--peers", "peers", str, "ID=HOST:PORT of every member, comma-separated; this node listens on its own"),
-    ("--group", "group", str, "cluster name; nodes of other groups are refused (default: default)"),
-    ("--heartbeat-ms", "heartbeat_ms", float, "leader heartbeat interval (default 100)"),
-    ("--election-timeout-ms", "election_timeout_ms", float, "follower election timeout (default 1000)"),
-    ("--snapshot-threshold", "snapshot_threshold", int, "take a snapshot every this many applied entries (default 100000)"),
-    ("--snapshot-trailing", "snapshot_trailing", int, "entries kept in the ledger behind a snapshot (default 5000)"),
-    ("--snapshot-keep", "snapshot_keep", int, "snapshot files kept (default 3)"),
-    ("--max-value-bytes", "max_value_bytes", int, "largest value accepted (default 1048576)"),
-    ("--max-txn-ops", "max_txn_ops", int, "most compares, and operations per branch, in a transaction (default 128)"),
-    ("--max-request-bytes", "max_request_bytes", int, "largest encoded write request (default 1572864, or the largest value + 4160)"),
-    ("--max-txn-read-bytes", "max_txn_read_bytes", int, "most bytes a transaction's gets may return (default 4194304)"),
-    ("--token", "token", str, "require Authorization: Bearer TOKEN on client routes (an admin token)"),
-    ("--tokens", "tokens", str, "TOML or JSON file of tokens with roles: TOKEN = \"read\"|\"write\"|\"admin\" or {role, prefix}"),
-    ("--cluster-secret", "cluster_secret", str, "shared secret authenticating peer connections"),
-    ("--peer-cert", "peer_cert", str, "mutual TLS between peers: this node's certificate (PEM)"),
-    ("--peer-key", "peer_key", str, "mutual TLS between peers: the certificate's private key (PEM)"),
-    ("--peer-ca", "peer_ca", str, "mutual TLS between peers: the CA every member's certificate is signed by (PEM)"),
-    ("--tls-cert", "tls_cert", str, "serve the client API over HTTPS with this certificate (PEM)"),
-    ("--tls-key", "tls_key", str, "the certificate's private key (PEM)"),
-    ("--cacert", "cacert", str, "CA (PEM) trusted for the other members' HTTPS: forwarding to the leader, --join"),
-    ("--http-idle-timeout-s", "http_idle_timeout_s", float, "close an idle client connection, or one that has not sent a request head, after this (default 30)"),
-    ("--max-http-connections", "max_http_connections", int, "open client connections at most; more get 503 and are closed (default 10000)"),
-    ("--join", "join", str, "URL of a cluster member: ask the cluster to add this new node"),
-    ("--join-timeout", "join_timeout_s", float, "seconds --join waits through temporary refusals (default 60)"),
-    ("--advertise-http", "advertise_http", str, "client URL other nodes and clients use for this node"),
-    ("--write-timeout-s", "write_timeout_s", float, "how long a write may wait to commit before 504 (default 5)"),
-]
+__all__ = ["build_parser", "main", "serve_config"]
 
 ENDPOINTS_HELP = "comma-separated client URLs (default: $KV_ENDPOINTS or the local `kv cluster up` nodes)"
 
 
-def _env_value(field: str):
-    return os.environ.get("KV_" + field.upper())
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line that says where to look."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse reports leftovers from the top parser ("kv: unrecognized arguments");
+        # name the command they were given to instead.
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            prog = getattr(ns, "prog_name", self.prog)
+            self.exit(2, f"{prog}: unrecognized arguments: {' '.join(extras)}; see {prog} --help\n")
+        return ns
 
 
-def serve_config(args: argparse.Namespace) -> NodeConfig:
-    """Flags, then the TOML file, then KV_* variables, then defaults."""
-    values: dict = {}
-    for _flag, field, typ, _help in SERVE_OPTIONS:
-        raw = _env_value(field)
-        if raw is not None:
-            values[field] = typ(raw)
-    if args.config:
-        try:
-            with open(args.config, "rb") as f:
-                doc = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise errors.BadRequest(f"cannot read --config {args.config}: {e}") from e
-        known = {f for _, f, _, _ in SERVE_OPTIONS}
-        for k, v in doc.items():
-            field = k.replace("-", "_")
-            if field not in known:
-                raise errors.BadRequest(f"unknown setting {k!r} in {args.config}; known: {', '.join(sorted(known))}")
-            values[field] = v
-    for _flag, field, _typ, _help in SERVE_OPTIONS:
-        v = getattr(args, field)
-        if v is not None:
-            values[field] = v
-    missing = [f for f in ("id", "data_dir") if not values.get(f)]
-    if missing:
-        raise errors.BadRequest(f"kv serve needs {' and '.join('--' + m.replace('_', '-') for m in missing)}")
-    if "peers" in values:
-        values["peers"] = parse_peers(values["peers"])
-    # A one-off recovery step, so a flag only (never from the file or the environment).
-    values["force_new_cluster"] = args.force_new_cluster
-    return NodeConfig(**values)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    try:
+        v = version("ledgerkv")
+    except PackageNotFoundError:
+        v = __version__
+    return f"kv (ledgerkv) {v}, Python {sys.version.split()[0]}"
+
+
+def _at_least_one(raw: str) -> int:
+    if not raw.isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {raw!r}")
+    return int(raw)
+
+
+def _base_port(raw: str) -> int:
+    # n1..nN serve HTTP from here and peers from 100 higher: leave room below 65536.
+    if not raw.isdigit() or not 1 <= int(raw) <= 65000:
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65000, not {raw!r}")
+    return int(raw)
+
+
+def _all_parsers(p: argparse.ArgumentParser):
+    yield p
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in {id(s): s for s in action.choices.values()}.values():
+                yield from _all_parsers(sub)
+
+
+def _add_common_options(root: argparse.ArgumentParser) -> None:
+    """--debug on every command (also before it), and the command's name for its errors."""
+    root.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors (or KV_DEBUG=1)")
+    for p in _all_parsers(root):
+        if p is not root:
+            p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        p.set_defaults(prog_name=p.prog)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kv", description="ledgerkv: a key-value store on a Raft replicated log.")
+    p = _Parser(prog="kv", description="ledgerkv: a key-value store on a Raft replicated log.")
+    p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run a node", description="Run a node: peer transport, ledger, state machine, HTTP API.")
-    for flag, field, typ, help_ in SERVE_OPTIONS:
-        s.add_argument(flag, dest=field, type=typ, default=None, help=help_)
-    s.add_argument("--config", help="TOML file with the settings above (keys: field names, e.g. heartbeat_ms)")
+    add_serve_options(s)
     s.add_argument(
         "--force-new-cluster",
         action="store_true",
         help="the cluster lost its majority for good: start this member alone, as a one-member cluster with its "
         "data; then add the others back (use once, restart without it)",
     )
-    s.add_argument("--log-level", default=os.environ.get("KV_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING (default INFO)")
 
     c = sub.add_parser("cluster", help="local clusters").add_subparsers(dest="cluster_cmd", metavar="ACTION")
     up = c.add_parser("up", help="run a local cluster in the foreground; Ctrl-C stops it")
-    up.add_argument("--nodes", type=int, default=3, help="how many nodes (default 3)")
+    up.add_argument("--nodes", type=_at_least_one, default=3, help="how many nodes (default 3)")
     up.add_argument("--data-dir", default="./kvdata", help="where the nodes keep their data (default ./kvdata)")
-    up.add_argument("--base-port", type=int, default=8001, help="HTTP port of n1; peers listen 100 higher (default 8001)")
+    up.add_argument("--base-port", type=_base_port, default=8001, help="HTTP port of n1; peers listen 100 higher (default 8001)")
     up.add_argument("--heartbeat-ms", type=float, default=None)
     up.add_argument("--election-timeout-ms", type=float, default=None)
 
@@ -115,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="bearer token of the cluster, if it has one")
         a.add_argument("--cacert", default=os.environ.get("KV_CACERT"), help="CA certificate (PEM) to verify https:// endpoints with")
         a.add_argument("--timeout", type=float, default=10.0, help="seconds before giving up (default 10)")
+        add_output_option(a)
         return a
 
     a = client_cmd("put", "write a value")
@@ -139,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("id", nargs="?", help="the member's id (add, remove, promote)")
     a.add_argument("peer", nargs="?", help="add: HOST:PORT the new member listens on for peers")
     a.add_argument("--http", default="", help="add: the new member's client URL")
-    a.add_argument("--voter", action="store_true", help="add: the leader promotes it to a voter once it has caught up (default: a learner until kv member promote)")
+    a.add_argument("--voter", action="store_true", help="add: as a voter at once (default: a learner, promoted later)")
     a.add_argument("--replace", action="store_true", help="add: change an existing member's addresses")
 
     snap = sub.add_parser("snapshot", help="snapshot files").add_subparsers(dest="snap_cmd", metavar="ACTION")
@@ -149,50 +137,56 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--token", default=os.environ.get("KV_TOKEN"))
     sv.add_argument("--cacert", default=os.environ.get("KV_CACERT"), help="CA certificate (PEM) to verify https:// endpoints with")
     sv.add_argument("--fresh", action="store_true", help="ask the node to take a snapshot first")
+    add_output_option(sv)
     ins = snap.add_parser("inspect", help="print a snapshot file's header, key count and checksum status")
     ins.add_argument("file")
+    add_output_option(ins)
     rs = snap.add_parser("restore", help="seed a node of a new cluster from a snapshot file")
     rs.add_argument("file")
     rs.add_argument("--data-dir", required=True)
     rs.add_argument("--id", required=True)
     rs.add_argument("--peers", required=True, help="the new cluster's members: ID=HOST:PORT,...")
     rs.add_argument("--group", default="default")
+    add_output_option(rs)
 
     from . import bench, coordination_cli, spark_cli
 
     bench.add_parser(sub)
     spark_cli.add_parser(sub)
     coordination_cli.add_parser(sub)
+    _add_common_options(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every refusal is one line on stderr and a non-zero exit status:
+    commands raise, and this is the one place that turns what they raise into that line."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:
         parser.print_help()
         return 2
-    from .raft.errors import LedgerError
-    from .snapshot.format import SnapshotFormatError
-    from .statemachine.leveldb import StateCorrupt
-
     try:
         return _dispatch(parser, args)
-    except (errors.KVError, LedgerError, StateCorrupt, SnapshotFormatError) as e:
-        print(f"kv {args.cmd}: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if debug_wanted(args.debug):
+            raise
+        line, code = describe(e)
+        print(f"{args.prog_name}: {line}", file=sys.stderr)
+        return code
 
 
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from .serve import install_uvloop, run, setup_logging
+    from .logs import setup_logging
+    from .serve import install_uvloop, run
 
     if args.cmd == "serve":
-        config = serve_config(args)
-        setup_logging(config.id, args.log_level)
+        s = serve_settings(args)
+        setup_logging(s.node.id, s.log_level, s.log_format)
         install_uvloop()
-        return asyncio.run(run(config))
+        return asyncio.run(run(s.node, access_log=s.access_log))
     if args.cmd == "cluster":
         if args.cluster_cmd != "up":
             parser.parse_args(["cluster", "--help"])

@@ -7,6 +7,8 @@ import asyncio
 import sys
 
 from .client import AsyncClient
+from .errors import NotFound
+from .output import emit, report, value_fields, wants_json
 
 
 def _out(data: bytes) -> None:
@@ -16,30 +18,39 @@ def _out(data: bytes) -> None:
     sys.stdout.flush()
 
 
+def _item(it) -> dict:
+    return {"key": it.key, **value_fields(it.value), "mod_index": it.mod_index}
+
+
 async def _run(args: argparse.Namespace) -> int:
+    js = wants_json(args)
     async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout, cacert=args.cacert) as c:
         cmd = args.cmd
         if cmd == "put":
             value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()
             r = await c.put(args.key, value, if_mod_index=args.if_match, lease=args.lease)
-            print(f"OK index={r.index} term={r.term}")
+            report(args, {"key": args.key, "index": r.index, "term": r.term}, f"OK index={r.index} term={r.term}")
         elif cmd == "get":
             item = await c.get(args.key, consistency="stale" if args.stale else "linearizable")
             if item is None:
-                print(f"kv get: key {args.key!r} does not exist", file=sys.stderr)
-                return 1
-            _out(item.value)
+                raise NotFound(f"key {args.key!r} does not exist")
+            if js:
+                emit(_item(item))
+            else:
+                _out(item.value)
         elif cmd == "del":
             r = await c.delete(args.key)
-            print(f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}")
+            text = f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}"
+            report(args, {"key": args.key, "index": r.index, "term": r.term, "deleted": r.deleted}, text)
         elif cmd == "scan":
             async for it in c.scan(args.prefix, limit=args.limit):
-                print(f"{it.key}\t{it.value.decode(errors='backslashreplace')}\t{it.mod_index}")
+                report(args, _item(it), f"{it.key}\t{it.value.decode(errors='backslashreplace')}\t{it.mod_index}")
         elif cmd == "status":
-            return _print_status(await c.status_all())
+            rows = await c.status_all()
+            return _emit_status(rows) if js else _print_status(rows)
         elif cmd == "leader":
             r = await c.transfer_leader(args.to)
-            print(f"OK leader={r['leader']}")
+            report(args, {"leader": r["leader"]}, f"OK leader={r['leader']}")
         elif cmd == "member":
             return await _member(c, args)
     return 0
@@ -60,10 +71,22 @@ async def _member(c: AsyncClient, args: argparse.Namespace) -> int:
         members = await c.promote_member(args.id)
     else:
         members = await c.members()
+    if wants_json(args):
+        emit({"members": members})
+        return 0
     for m in members:
         role = "voter" if m["voter"] else "learner (promoted once caught up)" if m.get("promote") else "learner"
         print(f"{m['id']}\t{role}{' (leader)' if m.get('leader') else ''}\tpeer={m['peer']}\thttp={m.get('http') or '-'}")
     return 0
+
+
+def _emit_status(rows: list) -> int:
+    nodes = [
+        {"endpoint": ep, "reachable": False, "error": str(st)} if isinstance(st, Exception) else {"endpoint": ep, "reachable": True, **st}
+        for ep, st in rows
+    ]
+    emit({"nodes": nodes})
+    return 1 if not any(n["reachable"] for n in nodes) else 0
 
 
 def _print_status(rows: list) -> int:
@@ -80,7 +103,7 @@ def _print_status(rows: list) -> int:
     widths = [max(len(r[i]) for r in table) for i in range(len(heads))]
     for r in table:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
-    return 1 if down == len(rows) else 0
+    return 1 if down == len(rows) else 0  # the same rule as _emit_status
 
 
 def run(args: argparse.Namespace) -> int:

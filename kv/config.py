@@ -56,6 +56,7 @@ class NodeConfig:
     force_new_cluster: bool = False  # start as the only member, keeping the data (lost majority)
     token: str | None = None
     tokens: str | None = None  # file of tokens with roles (see http/auth.py)
+    metrics_public: bool = False  # serve /metrics without the token
     cluster_secret: str | None = None
     peer_cert: str | None = None  # mutual TLS between peers: this node's certificate,
     peer_key: str | None = None  # its key,

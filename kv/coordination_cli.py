@@ -13,6 +13,7 @@ import sys
 from .client import AsyncClient
 from .coordination import AsyncLock
 from .node import LeaseStatus
+from .output import add_output_option
 
 
 def _client_options(a: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -39,7 +40,7 @@ def add_parser(sub) -> None:
 
     def action(name: str, help_: str) -> argparse.ArgumentParser:
         a = _client_options(acts.add_parser(name, help=help_, description=help_))
-        a.add_argument("-o", "--output", choices=["text", "json"], default="text", help="text (default) or json")
+        add_output_option(a)
         return a
 
     action("grant", "grant a lease and print its id").add_argument("ttl", type=float, help="seconds it lives without a keepalive")

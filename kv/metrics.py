@@ -1,80 +1,163 @@
-"""Prometheus text exposition without a client library: counters, gauges, histograms."""
+"""A node's metrics, through prometheus_client, in a registry of the node's own.
+
+Several kv.Node may live in one process (the tests, an embedded cluster), so nothing here
+touches prometheus_client's global default registry. Events on the hot path (a ledger
+write, an applied batch, an HTTP request) observe histograms whose labelled children are
+bound once and cached; everything else (indexes, roles, counters the layers keep as plain
+integers) is read when Prometheus scrapes. The names follow what an etcd operator already
+graphs (README.md, "Metrics", lists them; docker/ has a dashboard and alert rules).
+"""
 
 from __future__ import annotations
 
-import bisect
-from collections import defaultdict
+import os
 from collections.abc import Callable, Iterable
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from .node import request_forwarded  # noqa: F401  (for kv.http: set when a request went to the leader)
+
+# Request latency, 0.5 ms .. 5 s. Disk latency as etcd buckets its WAL fsync: 1 ms doubling.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+DISK_BUCKETS = (0.0001, 0.0005) + tuple(0.001 * 2**i for i in range(14))
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+ROLES = ("follower", "pre_candidate", "candidate", "leader")
 
 
-def _labels(names: tuple[str, ...], values: tuple) -> str:
-    if not names:
-        return ""
-    inner = ",".join(f'{n}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for n, v in zip(names, values))
-    return "{" + inner + "}"
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_size
+            except OSError:  # removed while we walked (a compaction, a snapshot rotation)
+                pass
+    return total
 
 
-class Counter:
-    def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()) -> None:
-        self.name, self.help, self.label_names = name, help, labels
-        self.values: dict[tuple, float] = defaultdict(float)
-
-    def inc(self, *labels, by: float = 1.0) -> None:
-        self.values[labels] += by
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} counter"
-        for lv, v in sorted(self.values.items()):
-            yield f"{self.name}{_labels(self.label_names, lv)} {v:g}"
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
 
 
-class Gauge:
-    """A gauge whose values are read when scraped."""
-
-    def __init__(self, name: str, help: str, read: Callable[[], Iterable[tuple[tuple, float]]], labels: tuple[str, ...] = ()) -> None:
-        self.name, self.help, self.read, self.label_names = name, help, read, labels
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} gauge"
-        for lv, v in self.read():
-            yield f"{self.name}{_labels(self.label_names, lv)} {v:g}"
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
 
 
-class Histogram:
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.name, self.help, self.buckets = name, help, buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, v)] += 1
-        self.sum += v
-        self.count += 1
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} histogram"
-        acc = 0
-        for b, c in zip(self.buckets, self.counts):
-            acc += c
-            yield f'{self.name}_bucket{{le="{b:g}"}} {acc}'
-        yield f'{self.name}_bucket{{le="+Inf"}} {self.count}'
-        yield f"{self.name}_sum {self.sum:g}"
-        yield f"{self.name}_count {self.count}"
+def _by_peer(family: GaugeMetricFamily | CounterMetricFamily, values: Iterable[tuple[str, float]]):
+    for peer, v in values:
+        family.add_metric([peer], v)
+    return family
 
 
-class Registry:
-    def __init__(self) -> None:
-        self.metrics: list = []
+class _NodeCollector:
+    """What a scrape reads from the node: its status, and the counters the layers keep."""
 
-    def add(self, metric):
-        self.metrics.append(metric)
-        return metric
+    def __init__(self, node) -> None:
+        self.node = node
 
-    def render(self) -> str:
-        return "\n".join(line for m in self.metrics for line in m.render()) + "\n"
+    def collect(self) -> Iterable[Metric]:
+        node = self.node
+        raft = node.raft
+        if raft is None:
+            return
+        s = node.status()
+        core = raft.core
+        yield _gauge("kv_has_leader", "1 if this node knows a leader.", 1.0 if s.get("leader") else 0.0)
+        yield _gauge("kv_is_leader", "1 if this node is the leader.", 1.0 if s.get("role") == "leader" else 0.0)
+        role = GaugeMetricFamily("kv_role", "1 for this node's current role.", labels=["role"])
+        for r in ROLES:
+            role.add_metric([r], 1.0 if s.get("role") == r else 0.0)
+        yield role
+        for f, doc in (
+            ("term", "Current term."),
+            ("commit_index", "Highest log index known committed."),
+            ("applied_index", "Highest log index applied to the state machine."),
+            ("ledger_begin_index", "ledgerBeforeBeginIndex: entries up to here are compacted."),
+            ("ledger_end_index", "Last index in the ledger."),
+            ("snapshot_index", "Index of the newest snapshot."),
+        ):
+            yield _gauge(f"kv_{f}", doc, float(s.get(f) or 0))
+        stats = raft.stats
+        yield _counter("kv_leader_changes", "Times this node saw a new leader.", stats["leader_changes"])
+        yield _gauge("kv_proposals_pending", "Writes proposed on this node, not yet committed or failed.", raft.pending_proposals())
+        yield _counter("kv_proposals", "Entries proposed on this node as leader.", stats["proposals"])
+        yield _counter("kv_proposals_failed", "Writes that failed: no leader in time, outcome unknown, node stopping.", node.counters["proposals_failed"])
+        yield _counter("kv_ledger_fsyncs", "Group-committed ledger writes (one fsync each).", stats["writes"])
+        yield _counter("kv_ledger_fsynced_entries", "Entries written to the ledger.", stats["fsynced_entries"])
+        yield _counter("kv_raft_ready", "Ready batches the driver handled.", stats["ready"])
+        last = core.log.last_index()
+        lag = GaugeMetricFamily("kv_replication_lag_entries", "Leader only: entries each follower is behind.", labels=["peer"])
+        yield _by_peer(lag, ((p, float(last - pr.match)) for p, pr in core.progress.items()))
+        cfg = node.config
+        yield _gauge("kv_leases", "Live leases.", len(node.sm.leases.ttl_ms))
+        yield _gauge("kv_state_size_bytes", "Bytes of the state machine (LevelDB) on disk.", _dir_bytes(cfg.state_path))
+        yield _gauge("kv_ledger_size_bytes", "Bytes of the ledger (LMDB) on disk.", _dir_bytes(cfg.ledger_path))
+        yield from self._peers(raft.transport)
+        yield from self._snapshots(node.snapshots.stats)
+
+    @staticmethod
+    def _peers(t) -> Iterable[Metric]:
+        """Present on a node without peers too (all zero), so that queries find them."""
+        sent, received = (t.sent_bytes.items(), t.received_bytes.items()) if t is not None else ((), ())
+        yield _by_peer(CounterMetricFamily("kv_peer_sent_bytes", "Bytes of frames sent to each peer.", labels=["peer"]), sent)
+        yield _by_peer(CounterMetricFamily("kv_peer_received_bytes", "Bytes received from each peer.", labels=["peer"]), received)
+        yield _counter("kv_peer_frames_sent", "Frames sent to peers.", t.sent_frames if t else 0)
+        yield _counter("kv_peer_frames_dropped", "Frames not sent: no connection, or the peer too slow.", t.dropped_frames if t else 0)
+        yield _counter("kv_peer_connections_rejected", "Peer connections refused (handshake, secret, membership).", t.rejected_connections if t else 0)
+
+    @staticmethod
+    def _snapshots(st) -> Iterable[Metric]:
+        yield _counter("kv_snapshot_saves", "Snapshots taken.", st.taken)
+        yield _counter("kv_snapshot_save_seconds", "Seconds spent writing snapshots.", st.take_seconds)
+        yield _gauge("kv_snapshot_last_save_seconds", "Duration of the last snapshot.", st.last_take_seconds)
+        yield _counter("kv_snapshot_sends", "Snapshots streamed to followers.", st.sent)
+        yield _counter("kv_snapshot_send_failures", "Snapshot streams to followers that failed.", st.send_failures)
+        yield _counter("kv_snapshot_installs", "Snapshots installed from a leader.", st.installed)
+        yield _counter("kv_snapshot_install_rejections", "Snapshots from a leader refused (damaged, out of date).", st.install_rejected)
+        yield _counter("kv_snapshot_compactions", "Ledger compactions after a snapshot.", st.compactions)
+
+
+class _ReadCounter:
+    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
+        self.name, self.doc, self.read = name, doc, read
+
+    def collect(self) -> Iterable[Metric]:
+        yield _counter(self.name, self.doc, self.read())
+
+
+class NodeMetrics:
+    """The metrics of one kv.Node; `render()` is the text GET /metrics serves."""
+
+    def __init__(self, node) -> None:
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        r.register(_NodeCollector(node))
+        self.commit_latency = Histogram("kv_commit_latency_seconds", "Time from proposing a write to its apply on the leader.", buckets=LATENCY_BUCKETS, registry=r)
+        self.fsync = Histogram("kv_ledger_fsync_duration_seconds", "Seconds per group-committed ledger write, fsync included.", buckets=DISK_BUCKETS, registry=r)
+        self.apply = Histogram("kv_apply_duration_seconds", "Seconds to apply one batch of committed entries to the state machine.", buckets=DISK_BUCKETS, registry=r)
+        self._http = Histogram("kv_http_request_duration_seconds", "HTTP requests by route and status.", ["route", "status"], buckets=LATENCY_BUCKETS, registry=r)
+        self._rtt = Histogram("kv_peer_round_trip_time_seconds", "Heartbeat round trip to each peer.", ["peer"], buckets=LATENCY_BUCKETS, registry=r)
+        # Connections the HTTP listener refused: kv serve points this at its listener.
+        self.http_refused: Callable[[], float] = lambda: 0
+        r.register(_ReadCounter("kv_http_connections_refused", "Client connections answered 503 beyond --max-http-connections.", lambda: self.http_refused()))
+        self._http_children: dict[tuple[str, int], Histogram] = {}
+        self._rtt_children: dict[str, Histogram] = {}
+
+    def observe_http(self, route: str, status: int, seconds: float) -> None:
+        child = self._http_children.get((route, status))
+        if child is None:
+            child = self._http_children[(route, status)] = self._http.labels(route, str(status))
+        child.observe(seconds)
+
+    def observe_rtt(self, peer: str, seconds: float) -> None:
+        child = self._rtt_children.get(peer)
+        if child is None:
+            child = self._rtt_children[peer] = self._rtt.labels(peer)
+        child.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import logging
 import os
 import time
@@ -18,7 +19,6 @@ from .coordination import AsyncElection, AsyncLease, AsyncLock
 from .datadir import DataDirLock
 from .leases import LeaseClock
 from .scan import Scan
-from .metrics import Histogram
 from .errors import (
     BadRequest,
     Compacted,
@@ -54,6 +54,10 @@ class Item(NamedTuple):
     key: str
     value: bytes
     mod_index: int
+
+
+# Set when this node hands a client's request to the leader (the access log says so).
+request_forwarded: contextvars.ContextVar[bool] = contextvars.ContextVar("kv_request_forwarded", default=False)
 
 
 class WriteResult(NamedTuple):
@@ -173,7 +177,7 @@ class Node:
         self._history: collections.deque[tuple[int, str, bytes | None]] = collections.deque(maxlen=10_000)
         self.started_at = 0.0
         self.counters = collections.Counter()
-        self.commit_latency = Histogram("kv_commit_latency_seconds", "Time from proposing a write to its apply on the leader.")
+        self._metrics = None  # kv.metrics.NodeMetrics, made on first use (see metrics)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -230,11 +234,32 @@ class Node:
         self.sm.on_changes = self._on_changes
         self.caller = FSMCaller(self.raft, self.sm, load_snapshot=self.snapshots.load_into_state_machine)
         self.snapshots.attach(self.raft, self.caller)
+        self._wire_metrics()
         await self.raft.start()
         self.caller.start()
         self.leases.start()
         self.started_at = time.time()
         return self
+
+    @property
+    def metrics(self):
+        """This node's metrics (kv.metrics.NodeMetrics: its own Prometheus registry, what
+        GET /metrics serves). Made on first use: an embedded store that never reads them
+        pays neither for prometheus_client nor for the observations."""
+        if self._metrics is None:
+            from .metrics import NodeMetrics
+
+            self._metrics = NodeMetrics(self)
+            self._wire_metrics()
+        return self._metrics
+
+    def _wire_metrics(self) -> None:
+        m = self._metrics
+        if m is None or self.raft is None:
+            return
+        self.raft.observe_fsync = m.fsync.observe
+        self.raft.observe_rtt = m.observe_rtt
+        self.caller.observe_apply = m.apply.observe
 
     def _rebuild_state(self, damage: StateCorrupt) -> LevelDBStateMachine:
         """The state machine is damaged: set it aside and start an empty one, which
@@ -385,6 +410,13 @@ class Node:
     async def submit(self, cmd: cmds.Command, timeout: float | None = None) -> Applied:
         """Replicate a command and wait until it is applied here (retrying while no leader
         can take it, which is safe: nothing was appended)."""
+        try:
+            return await self._submit(cmd, timeout)
+        except KVError:
+            self.counters["proposals_failed"] += 1
+            raise
+
+    async def _submit(self, cmd: cmds.Command, timeout: float | None) -> Applied:
         payload = encode_command(cmd)
         limits.check_request_bytes(payload, self.config.max_request_bytes)
         raft = self._running()
@@ -400,8 +432,10 @@ class Node:
                     (fut,) = raft.propose_many([(EntryKind.NORMAL, payload)], deadline)
                     t0 = time.perf_counter()
                     applied = await self._outcome(fut, wait)
-                    self.commit_latency.observe(time.perf_counter() - t0)
+                    if self._metrics is not None:
+                        self._metrics.commit_latency.observe(time.perf_counter() - t0)
                     return applied
+                request_forwarded.set(True)
                 resp = await self._outcome(raft.forward(payload, deadline), wait)
             except raft_errors.NotLeader as e:
                 # Nothing was appended (or what was appended was replaced): safe to retry

@@ -3,47 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import os
 import resource
 import signal
-import sys
 import threading
-import time
+import socket
 
-from . import logguard, tls
+from . import tls
 from .config import NodeConfig, check_hostport
 from .datadir import DataDirLock
 from .errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
+from .logs import log_term_from
 from .node import Node
 from .raft.membership import Member, Membership
 
 
 STOP_GRACE_S = 15.0  # how long stopping may take before the process exits regardless
-
-
-class _NodeFilter(logging.Filter):
-    def __init__(self, node_id: str) -> None:
-        super().__init__()
-        self.node_id = node_id
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.node = self.node_id
-        return True
-
-
-def setup_logging(node_id: str, level: str = "INFO") -> None:
-    """One line per event, with a timestamp, the level, the node id and the source."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(_NodeFilter(node_id))
-    fmt = logging.Formatter("%(asctime)s.%(msecs)03dZ %(levelname)s node=%(node)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S")
-    fmt.converter = time.gmtime
-    handler.setFormatter(fmt)
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    logguard.guard()  # what strangers can make us log is cut short and rate-limited
 
 
 def install_uvloop() -> bool:
@@ -83,6 +61,38 @@ def http_connection_cap(wanted: int, fd_limit: int) -> int:
     """--max-http-connections, lowered so that client connections can never take the
     descriptors the node needs for its files and peers."""
     return max(64, min(wanted, fd_limit - FD_RESERVE))
+
+
+class CannotListen(KVError):
+    """A port this node must listen on is taken, not on this machine, or not allowed."""
+
+    code = "CANNOT_LISTEN"
+
+
+def check_can_listen(addr: str, what: str) -> None:
+    """Refuse before anything starts when a port is taken (the node binds it moments
+    later: a port taken in between still gets the same message from run())."""
+    host, port = check_hostport(addr, what)
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(sockaddr)
+    except OSError as e:
+        raise _listen_error(e, what, addr) from None
+
+
+def _listen_error(e: OSError, what: str, addr: str) -> KVError | OSError:
+    port = addr.rpartition(":")[2]
+    if e.errno == errno.EADDRINUSE:
+        return CannotListen(f"{what}{addr}: port {port} is already in use; find who holds it with `ss -ltnp 'sport = :{port}'`, stop it or choose another port")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return CannotListen(f"{what}{addr}: that address is not on this machine; use one of its addresses or 0.0.0.0")
+    if e.errno == errno.EACCES:
+        return CannotListen(f"{what}{addr}: not allowed to listen on port {port} (ports below 1024 need privileges); choose a port above 1024")
+    if isinstance(e, socket.gaierror):
+        return CannotListen(f"{what}{addr}: cannot resolve the host ({e.strerror}); check the name")
+    return e
 
 
 async def join_cluster(config: NodeConfig) -> Membership:
@@ -137,7 +147,7 @@ async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
             await asyncio.sleep(1.0)
 
 
-async def run(config: NodeConfig) -> int:
+async def run(config: NodeConfig, *, access_log: bool = False) -> int:
     from .http.app import serve  # aiohttp only when serving
     from .http.auth import load_tokens
 
@@ -148,6 +158,10 @@ async def run(config: NodeConfig) -> int:
     max_http = http_connection_cap(config.max_http_connections, fd_limit)
     if max_http < config.max_http_connections:
         log.warning("at most %d client connections (not %d): the descriptor limit is %d", max_http, config.max_http_connections, fd_limit)
+    if config.id in config.peers:
+        check_can_listen(config.peers[config.id], f"--peers {config.id}=")
+    if config.http:
+        check_can_listen(config.http, "--http ")
     lock = DataDirLock.acquire(config.data_dir)  # before anything in it is looked at
     try:
         fresh = not os.path.exists(config.ledger_path)
@@ -157,22 +171,27 @@ async def run(config: NodeConfig) -> int:
         raise
     node = Node(config, initial_membership=initial, data_dir_lock=lock)
     await node.start()
+    log_term_from(lambda: node.raft.core.term if node.raft else None)
     tune_gc()
     runner = None
     promoting = asyncio.ensure_future(promote_when_caught_up(config, node)) if config.join else None
     try:
         if config.http:
             host, port = check_hostport(config.http, "--http")
-            runner = await serve(
-                node,
-                host,
-                port,
-                token=config.token,
-                tokens=tokens,
-                ssl_context=sslctx,
-                idle_timeout_s=config.http_idle_timeout_s,
-                max_connections=max_http,
-            )
+            try:
+                runner = await serve(
+                    node,
+                    host,
+                    port,
+                    token=config.token,
+                    tokens=tokens,
+                    ssl_context=sslctx,
+                    idle_timeout_s=config.http_idle_timeout_s,
+                    max_connections=max_http,
+                    access_log=access_log,
+                )
+            except OSError as e:
+                raise _listen_error(e, "--http ", config.http) from e
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
+import os
 import sys
 import time
 
 from .client import AsyncClient
 from .datadir import DataDirLock
 from .errors import SnapshotError
+from .output import emit, report, wants_json
 from .snapshot.format import SnapshotFormatError, verify
 from .snapshot.restore import RestoreError, check_file, restore
 
@@ -45,20 +48,28 @@ async def _save(args: argparse.Namespace) -> int:
         bar = Progress("downloading")
         info = await c.download_snapshot(args.file, progress=bar)
         bar.done()
-    print(f"saved {args.file}: index {info['index']}, term {info['term']}, {info['bytes']} bytes, from {info['endpoint']}")
+    report(args, {"file": args.file, **info}, f"saved {args.file}: index {info['index']}, term {info['term']}, {info['bytes']} bytes, from {info['endpoint']}")
     return 0
 
 
-def _inspect(path: str) -> int:
+def _readable(path: str) -> None:
+    """A missing file is "no such file", not a failed checksum."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    path = args.file
     try:
         header, trailer = verify(path)
-        status = "ok"
-    except (SnapshotFormatError, OSError) as e:
-        print(f"{path}: checksum/format check FAILED: {e}")
-        return 1
+    except SnapshotFormatError as e:
+        raise SnapshotError(f"{path} is not a valid ledgerkv snapshot: {e}; save a new one with kv snapshot save") from e
     out = header.to_json()
-    out.update({"keys": trailer.records, "blocks": trailer.blocks, "checksum": f"crc32:{trailer.crc:08x}", "checksum_status": status})
-    print(json.dumps(out, indent=2))
+    out.update({"keys": trailer.records, "blocks": trailer.blocks, "checksum": f"crc32:{trailer.crc:08x}", "checksum_status": "ok"})
+    if wants_json(args):
+        emit(out)
+    else:
+        print(json.dumps(out, indent=2))
     return 0
 
 
@@ -66,10 +77,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.snap_cmd == "save":
         return asyncio.run(_save(args))
     if args.snap_cmd == "inspect":
-        return _inspect(args.file)
+        return _inspect(args)
     if args.snap_cmd == "restore":
         from .config import parse_peers
 
+        _readable(args.file)
         peers = parse_peers(args.peers)
 
         def say(message: str) -> None:
@@ -85,7 +97,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 lock.release()
         except RestoreError as e:
             raise SnapshotError(str(e)) from e
-        print(f"restored {summary['keys']} keys at index {summary['index']} (term {summary['term']}) into {summary['data_dir']} for {args.id}; members: {', '.join(summary['members'])}")
+        text = f"restored {summary['keys']} keys at index {summary['index']} (term {summary['term']}) into {summary['data_dir']} for {args.id}; members: {', '.join(summary['members'])}"
+        report(args, summary, text)
         return 0
     parser.parse_args(["snapshot", "--help"])
     return 2

@@ -26,8 +26,8 @@ def server_context(cert: str | None, key: str | None) -> ssl.SSLContext | None:
     if not cert and not key:
         return None
     if not (cert and key):
-        raise BadRequest("--tls-cert and --tls-key go together")
-    return _load(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), "the HTTP certificate", cert, key)
+        raise BadRequest("--tls-cert and --tls-key go together: give both")
+    return _load(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), "--tls-cert/--tls-key", cert, key)
 
 
 def peer_tls(cert: str | None, key: str | None, ca: str | None) -> PeerTLS | None:

@@ -40,6 +40,8 @@ from .messages import (
     ForwardCode,
     ForwardRequest,
     ForwardResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
     Message,
     Role,
     SnapshotChunk,
@@ -139,6 +141,12 @@ class RaftNode:
         self.on_snapshot: Callable[[SnapshotMeta], None] | None = None  # a snapshot replaced the log
         self.on_role_change: Callable[[RaftNode], None] | None = None
         self.on_membership_change: Callable[[RaftNode], None] | None = None
+        # Metrics (kv sets them): the seconds of each ledger write (called from the writer
+        # thread), and the round trip of a heartbeat to a peer.
+        self.observe_fsync: Callable[[float], None] | None = None
+        self.observe_rtt: Callable[[str, float], None] | None = None
+        self._heartbeat_sent: dict[str, float] = {}  # peer -> when the oldest unanswered heartbeat left
+        self._last_leader: str | None = None
         # Encodes an apply result for a follower that forwarded the command (kv sets it).
         self.result_encoder: Callable[[Any], bytes] = lambda r: b""
         self._forwards: dict[int, asyncio.Future] = {}
@@ -164,7 +172,7 @@ class RaftNode:
         self._stopped = False
         self.failure: BaseException | None = None
         self.leader_changed = asyncio.Event()
-        self.stats = {"proposals": 0, "writes": 0, "fsynced_entries": 0, "ready": 0}
+        self.stats = {"proposals": 0, "writes": 0, "fsynced_entries": 0, "ready": 0, "leader_changes": 0}
 
     @staticmethod
     def _clock() -> float:
@@ -259,7 +267,7 @@ class RaftNode:
             raise NotLeader(core.leader_id)
         if core.transferee is not None:
             raise TransferInProgress(core.transferee)
-        if len(self._pending) + len(self._proposals) >= self.max_pending:
+        if self.pending_proposals() >= self.max_pending:
             raise Overloaded(f"{self.max_pending} writes are already waiting to commit on {self.id}; retry shortly")
         self._proposals.extend(items)
         if deadline is not None:
@@ -437,6 +445,10 @@ class RaftNode:
             if self.snapshots is not None:
                 self.snapshots.on_message(msg)
             return
+        if t is HeartbeatResponse and self.observe_rtt is not None:
+            sent = self._heartbeat_sent.pop(msg.src, None)
+            if sent is not None:
+                self.observe_rtt(msg.src, time.monotonic() - sent)
         self._inbox.append(msg)
         self._kick()
 
@@ -514,6 +526,8 @@ class RaftNode:
         t = self.transport
         if t is not None:
             for m in rd.messages:
+                if type(m) is HeartbeatRequest and self.observe_rtt is not None:
+                    self._heartbeat_sent_now(m.dst)
                 t.send(m)
         if rd.must_persist or rd.persisted_messages:
             self._persist_queue.append(rd)
@@ -535,9 +549,19 @@ class RaftNode:
                 else:
                     self.core.report_snapshot(s.peer, s.seq, False, self._clock())
 
+    def _heartbeat_sent_now(self, peer: str) -> None:
+        """Time the oldest unanswered heartbeat; one lost over a second ago is forgotten."""
+        now = time.monotonic()
+        sent = self._heartbeat_sent.get(peer)
+        if sent is None or now - sent > 1.0:
+            self._heartbeat_sent[peer] = now
+
     def _role_changed(self) -> None:
         c = self.core
         log.info("node %s: %s in term %d, leader %s", self.id, c.role.label, c.term, c.leader_id)
+        if c.leader_id is not None and c.leader_id != self._last_leader:
+            self.stats["leader_changes"] += 1
+        self._last_leader = c.leader_id
         self.leader_changed.set()
         self.leader_changed = asyncio.Event()
         if self.on_role_change is not None:
@@ -578,7 +602,10 @@ class RaftNode:
                 reset = (rd.snapshot.index, rd.snapshot.term) if rd.snapshot is not None else None
                 writes.append(LedgerWrite(rd.hard_state, reset, rd.entries_from, rd.entries))
         if writes:
+            t0 = time.perf_counter()
             self.ledger.write(writes)
+            if self.observe_fsync is not None:
+                self.observe_fsync(time.perf_counter() - t0)
 
     def _written(self, batch: list[Ready], fut: asyncio.Future) -> None:
         self._writing = False
@@ -602,6 +629,10 @@ class RaftNode:
 
     # ======================================================================================
     # Status
+
+    def pending_proposals(self) -> int:
+        """Writes proposed here that have not committed or failed yet."""
+        return len(self._pending) + len(self._proposals)
 
     def status(self) -> dict:
         s = self.core.status()

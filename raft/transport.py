@@ -36,6 +36,7 @@ present a certificate signed by the cluster's CA before the handshake even start
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import hmac
 import logging
@@ -168,6 +169,8 @@ class _Inbound(asyncio.Protocol):
         self.t._unauthed.pop(self, None)
 
     def data_received(self, data: bytes) -> None:
+        if self.peer is not None:
+            self.t.received_bytes[self.peer] += len(data)
         try:
             for ftype, body in self.reader.frames(data):
                 if self.transport.is_closing():
@@ -362,6 +365,8 @@ class Transport:
         self.rejected_connections = 0
         self.sent_frames = 0
         self.dropped_frames = 0
+        self.sent_bytes: collections.Counter[str] = collections.Counter()  # peer -> bytes of frames sent
+        self.received_bytes: collections.Counter[str] = collections.Counter()  # peer -> bytes received
 
     async def start(self) -> None:
         host, _, port = self.listen.rpartition(":")
@@ -406,9 +411,12 @@ class Transport:
         """Queue a message for its destination; False if it was dropped (no connection,
         or the peer is too slow). Raft copes with lost messages: re-push and heartbeats."""
         link = self._links.get(msg.dst)
-        if link is not None and link.send(codec.encode(msg)):
-            self.sent_frames += 1
-            return True
+        if link is not None:
+            frame = codec.encode(msg)
+            if link.send(frame):
+                self.sent_frames += 1
+                self.sent_bytes[msg.dst] += len(frame)
+                return True
         self.dropped_frames += 1
         return False
 

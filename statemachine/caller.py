@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 
 from ..raft import failpoints
@@ -40,6 +41,7 @@ class FSMCaller:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self.after_apply: list[Callable[[int], None]] = []  # e.g. the snapshot policy
+        self.observe_apply: Callable[[float], None] | None = None  # seconds per applied batch (metrics)
         self.failure: BaseException | None = None
         node.on_applicable = self._on_applicable
         node.on_snapshot = self._on_snapshot
@@ -81,7 +83,10 @@ class FSMCaller:
                     hi = min(self._target, self.applied + self.batch_entries)
                     entries = self.node.entries(self.applied + 1, hi + 1, self.batch_bytes)
                     failpoints.raise_at("apply.raise")
+                    t0 = time.perf_counter()
                     results = self.sm.apply(entries, self.node.awaited)
+                    if self.observe_apply is not None:
+                        self.observe_apply(time.perf_counter() - t0)
                     self.applied = entries[-1].index
                     self.node.applied(entries, results)
                     for hook in self.after_apply:

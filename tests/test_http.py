@@ -159,7 +159,7 @@ async def test_status_health_and_metrics(api):
     assert (await (await api.get("/readyz")).json())["ready"] is True
     await api.put("/v1/kv/m", data=b"1")
     text = await (await api.get("/metrics")).text()
-    for metric in ("kv_role{role=\"leader\"} 1", "kv_commit_index", "kv_commit_latency_seconds_count 1", 'kv_http_requests_total{route="kv_put",method="PUT",status="200"} 1'):
+    for metric in ("kv_role{role=\"leader\"} 1", "kv_commit_index", "kv_commit_latency_seconds_count 1.0", 'kv_http_request_duration_seconds_count{route="kv_put",status="200"} 1.0'):
         assert metric in text
 
 

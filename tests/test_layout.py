@@ -87,5 +87,10 @@ def test_wheel_puts_only_kv_at_the_top(tmp_path):
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"kv"}
-    for must in ("kv/raft/core.py", "kv/statemachine/leveldb.py", "kv/snapshot/format.py", "kv/http/app.py", "kv/http/openapi.json"):
+    for must in ("kv/raft/core.py", "kv/statemachine/leveldb.py", "kv/snapshot/format.py", "kv/http/app.py", "kv/http/openapi.json", "kv/py.typed"):
         assert must in names
+    (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")]
+    assert "Apache License" in zipfile.ZipFile(tmp_path / wheel).read(license_file).decode()
+    meta = zipfile.ZipFile(tmp_path / wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Classifier: License :: OSI Approved :: Apache Software License" in meta and "Project-URL:" in meta
+    assert "Requires-Dist: prometheus_client" in meta.replace("prometheus-client", "prometheus_client")

@@ -108,7 +108,7 @@ def test_replace_a_dead_node_with_a_new_one_on_a_new_address(tmp_path):
         c.wait_converged()
         st = c.status("n4")
         assert st["snapshot_index"] > 0  # it caught up by install-snapshot
-        assert b"kv_snapshots_installed_total 1" in c.request("n4", "GET", "/metrics")[2]
+        assert b"kv_snapshot_installs_total 1.0" in c.request("n4", "GET", "/metrics")[2]
         check_acked(c, w.acked, c.ids)
     finally:
         c.close()

@@ -1,0 +1,50 @@
+"""`-o json` / `--output json` for every `kv` command that prints something.
+
+A command prints one JSON document on one line, or, for a stream (scan, watch), one
+document per line (NDJSON). Values appear as in the HTTP API: UTF-8 text, or base64 with
+`"encoding": "base64"` when they are not text. Field names are documented in README.md
+("Machine-readable output") and are part of the contract.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import sys
+
+import orjson
+
+FORMATS = ("text", "json")
+
+
+def add_output_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-o", "--output", choices=FORMATS, default="text",
+        help="text (default) or json: one JSON document, or one per line for streams",
+    )
+
+
+def wants_json(args: argparse.Namespace) -> bool:
+    return getattr(args, "output", "text") == "json"
+
+
+def emit(doc: object) -> None:
+    """One JSON document on one line of standard output."""
+    sys.stdout.buffer.write(orjson.dumps(doc) + b"\n")
+    sys.stdout.flush()
+
+
+def report(args: argparse.Namespace, doc: object, text: str) -> None:
+    """Print `doc` as JSON with -o json, else the line `text`."""
+    if wants_json(args):
+        emit(doc)
+    else:
+        print(text, flush=True)
+
+
+def value_fields(value: bytes) -> dict:
+    """{"value": text} when the bytes are UTF-8, else {"value": base64, "encoding": "base64"}."""
+    try:
+        return {"value": value.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {"value": base64.b64encode(value).decode(), "encoding": "base64"}

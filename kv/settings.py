@@ -1,0 +1,250 @@
+"""`kv serve`'s settings: from flags, a TOML file (`--config`) and `KV_*` variables.
+
+Precedence: flags, then the file, then the environment, then the defaults. Every value is
+checked here, before anything starts, and a bad one is refused with its source named: the
+flag, the file and line, or the variable (`KV_HEARTBEAT_MS=abc: ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .config import NodeConfig, check_hostport, parse_peers
+from .errors import BadRequest
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
+
+
+def _number(what: str, minimum: float, exclusive: bool = True) -> Callable[[Any], float]:
+    def parse(v: Any) -> float:
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                raise ValueError(f"expected a number of {what}") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"expected a number of {what}")
+        if v < minimum or (exclusive and v == minimum):
+            raise ValueError(f"expected a number of {what} {'above' if exclusive else 'of at least'} {minimum:g}")
+        return float(v)
+
+    return parse
+
+
+def _integer(minimum: int) -> Callable[[Any], int]:
+    def parse(v: Any) -> int:
+        if isinstance(v, str):
+            try:
+                v = int(v)
+            except ValueError:
+                raise ValueError("expected a whole number") from None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError("expected a whole number")
+        if v < minimum:
+            raise ValueError(f"expected a whole number of at least {minimum}")
+        return v
+
+    return parse
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError("expected a non-empty string")
+    return v
+
+
+def _hostport(v: Any) -> str:
+    try:
+        check_hostport(_text(v), "")
+    except BadRequest:
+        raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:8001") from None
+    return v
+
+
+def _url(v: Any) -> str:
+    if not re.match(r"^https?://[^/\s]+", _text(v)):
+        raise ValueError("expected a URL such as http://10.0.0.1:8001")
+    return v
+
+
+def _peers(v: Any) -> dict[str, str]:
+    if not isinstance(v, (str, dict)):
+        raise ValueError("expected ID=HOST:PORT,... (or a TOML table id = \"HOST:PORT\")")
+    return parse_peers(v)
+
+
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in _TRUE | _FALSE:
+        return v.lower() in _TRUE
+    raise ValueError("expected true or false (1/0, yes/no)")
+
+
+def _choice(choices: tuple[str, ...], fold: Callable[[str], str]) -> Callable[[Any], str]:
+    def parse(v: Any) -> str:
+        if isinstance(v, str) and fold(v) in choices:
+            return fold(v)
+        raise ValueError(f"expected one of {', '.join(choices)}")
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    field: str
+    parse: Callable[[Any], Any]
+    help: str
+    node: bool = True  # a NodeConfig field; else a setting of the `kv serve` process only
+
+    @property
+    def env(self) -> str:
+        return "KV_" + self.field.upper()
+
+
+SERVE_OPTIONS = [
+    Option("--id", "id", _text, "this node's id, e.g. n1 (must appear in --peers)"),
+    Option("--data-dir", "data_dir", _text, "directory for the ledger, state and snapshots"),
+    Option("--http", "http", _hostport, "HOST:PORT for the client API, e.g. 127.0.0.1:8001"),
+    Option("--peers", "peers", _peers, "ID=HOST:PORT of every member, comma-separated; this node listens on its own"),
+    Option("--group", "group", _text, "cluster name; nodes of other groups are refused (default: default)"),
+    Option("--heartbeat-ms", "heartbeat_ms", _number("milliseconds", 0), "leader heartbeat interval (default 100)"),
+    Option("--election-timeout-ms", "election_timeout_ms", _number("milliseconds", 0), "follower election timeout (default 1000)"),
+    Option("--snapshot-threshold", "snapshot_threshold", _integer(1), "take a snapshot every this many applied entries (default 100000)"),
+    Option("--snapshot-trailing", "snapshot_trailing", _integer(0), "entries kept in the ledger behind a snapshot (default 5000)"),
+    Option("--snapshot-keep", "snapshot_keep", _integer(1), "snapshot files kept (default 3)"),
+    Option("--max-value-bytes", "max_value_bytes", _integer(1), "largest value accepted (default 1048576)"),
+    Option("--max-txn-ops", "max_txn_ops", _integer(1), "most compares, and operations per branch, in a transaction (default 128)"),
+    Option("--max-request-bytes", "max_request_bytes", _integer(1), "largest encoded write request (default 1572864, or the largest value + 4160)"),
+    Option("--max-txn-read-bytes", "max_txn_read_bytes", _integer(1), "most bytes a transaction's gets may return (default 4194304)"),
+    Option("--token", "token", _text, "require Authorization: Bearer TOKEN on client routes (an admin token)"),
+    Option("--tokens", "tokens", _text, "TOML or JSON file of tokens with roles: TOKEN = \"read\"|\"write\"|\"admin\" or {role, prefix}"),
+    Option("--cluster-secret", "cluster_secret", _text, "shared secret authenticating peer connections"),
+    Option("--peer-cert", "peer_cert", _text, "mutual TLS between peers: this node's certificate (PEM)"),
+    Option("--peer-key", "peer_key", _text, "mutual TLS between peers: the certificate's private key (PEM)"),
+    Option("--peer-ca", "peer_ca", _text, "mutual TLS between peers: the CA every member's certificate is signed by (PEM)"),
+    Option("--tls-cert", "tls_cert", _text, "serve the client API over HTTPS with this certificate (PEM)"),
+    Option("--tls-key", "tls_key", _text, "the certificate's private key (PEM)"),
+    Option("--cacert", "cacert", _text, "CA (PEM) trusted for the other members' HTTPS: forwarding to the leader, --join"),
+    Option("--http-idle-timeout-s", "http_idle_timeout_s", _number("seconds", 0), "close an idle client connection, or one that has not sent a request head, after this (default 30)"),
+    Option("--max-http-connections", "max_http_connections", _integer(1), "open client connections at most; more get 503 and are closed (default 10000)"),
+    Option("--join", "join", _url, "URL of a cluster member: ask the cluster to add this new node"),
+    Option("--join-timeout", "join_timeout_s", _number("seconds", 0), "seconds --join waits through temporary refusals (default 60)"),
+    Option("--advertise-http", "advertise_http", _url, "client URL other nodes and clients use for this node"),
+    Option("--write-timeout-s", "write_timeout_s", _number("seconds", 0), "how long a write may wait to commit before 504 (default 5)"),
+    Option("--metrics-public", "metrics_public", _bool, "serve /metrics without the token (default: it needs the token)"),
+    Option("--log-level", "log_level", _choice(LOG_LEVELS, str.upper), "DEBUG, INFO, WARNING or ERROR (default INFO)", node=False),
+    Option("--log-format", "log_format", _choice(LOG_FORMATS, str.lower), "text or json, one object per line (default text)", node=False),
+    Option("--access-log", "access_log", _bool, "log one line per HTTP request (method, route, status, duration)", node=False),
+]
+BOOL_FIELDS = {o.field for o in SERVE_OPTIONS if o.parse is _bool}
+_BY_FIELD = {o.field: o for o in SERVE_OPTIONS}
+
+
+def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of `kv serve`: raw strings here, checked in serve_settings() with their source."""
+    for o in SERVE_OPTIONS:
+        if o.field in BOOL_FIELDS:
+            parser.add_argument(o.flag, dest=o.field, action="store_const", const=True, default=None, help=o.help)
+        else:
+            parser.add_argument(o.flag, dest=o.field, default=None, help=o.help)
+    parser.add_argument("--config", help="TOML file with the settings above (keys: field names, e.g. heartbeat_ms)")
+
+
+def _toml_line(text: str, key: str) -> int | None:
+    for n, line in enumerate(text.splitlines(), 1):
+        if re.match(rf'^\s*["\']?{re.escape(key)}["\']?\s*=', line):
+            return n
+    return None
+
+
+def _from_file(path: str) -> dict[str, tuple[Any, str]]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise BadRequest(f"--config {path}: no such file") from None
+    except OSError as e:
+        raise BadRequest(f"--config {path}: cannot read it: {e.strerror}") from None
+    try:
+        text = raw.decode()
+        doc = tomllib.loads(text)
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise BadRequest(f"--config {path}: not valid TOML: {e}") from None
+    values = {}
+    for key, v in doc.items():
+        line = _toml_line(text, key)
+        where = f"{path} line {line}" if line else path
+        where += f" ({key} = {v!r})"
+        field = key.replace("-", "_")
+        if field not in _BY_FIELD:
+            known = ", ".join(sorted(_BY_FIELD))
+            raise BadRequest(f"{where}: unknown setting; known: {known}")
+        values[field] = (v, where)
+    return values
+
+
+def _collect(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """field -> (raw value, where it came from), the highest-precedence source winning."""
+    values: dict[str, tuple[Any, str]] = {}
+    for o in SERVE_OPTIONS:
+        raw = os.environ.get(o.env)
+        if raw is not None:
+            values[o.field] = (raw, f"{o.env}={raw!r}")
+    if getattr(args, "config", None):
+        values.update(_from_file(args.config))
+    for o in SERVE_OPTIONS:
+        v = getattr(args, o.field, None)
+        if v is not None:
+            values[o.field] = (v, o.flag if v is True else f"{o.flag} {v!r}")
+    return values
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    node: NodeConfig
+    log_level: str = "INFO"
+    log_format: str = "text"
+    access_log: bool = False
+
+
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    """Every setting of `kv serve`, checked; BadRequest names the source of a bad one."""
+    raw = _collect(args)
+    parsed: dict[str, Any] = {}
+    for field, (v, where) in raw.items():
+        o = _BY_FIELD[field]
+        try:
+            parsed[field] = o.parse(v)
+        except (ValueError, BadRequest) as e:
+            raise BadRequest(f"{where}: {e}") from None
+    missing = [f for f in ("id", "data_dir") if f not in parsed]
+    if missing:
+        raise BadRequest(f"a node needs {' and '.join(_BY_FIELD[m].flag for m in missing)} (a flag, the --config file or KV_{missing[0].upper()})")
+    hb = parsed.get("heartbeat_ms", NodeConfig.heartbeat_ms)
+    et = parsed.get("election_timeout_ms", NodeConfig.election_timeout_ms)
+    if et < 2 * hb:
+        def src(f: str) -> str:
+            return raw[f][1] if f in raw else "the default"
+
+        raise BadRequest(
+            f"--election-timeout-ms ({et:g}, from {src('election_timeout_ms')}) must be at least twice "
+            f"--heartbeat-ms ({hb:g}, from {src('heartbeat_ms')}): raise the timeout or lower the heartbeat"
+        )
+    extra = {k: parsed.pop(k) for k in [f for f in parsed if not _BY_FIELD[f].node]}
+    # A one-off recovery step, so a flag only (never from the file or the environment).
+    parsed["force_new_cluster"] = bool(getattr(args, "force_new_cluster", False))
+    return ServeSettings(NodeConfig(**parsed), **extra)
+
+
+def serve_config(args: argparse.Namespace) -> NodeConfig:
+    return serve_settings(args).node

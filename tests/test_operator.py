@@ -1,0 +1,193 @@
+"""The `kv` command as an operator meets it, run as a subprocess: every refusal is one line
+that names its source and exits non-zero; --debug shows the traceback; --version; -o json;
+ports in use; JSON logs that carry the node and the term, and the access log."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import orjson
+import pytest
+from cluster import ProcCluster
+from ports import free_port
+
+KV = [sys.executable, "-m", "kv"]
+
+
+def run_kv(*argv: str, env: dict | None = None, cwd: str | None = None, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KV_")}
+    return subprocess.run(KV + list(argv), capture_output=True, env={**full_env, **(env or {})}, cwd=cwd, input=stdin, timeout=60)
+
+
+def refusal(r: subprocess.CompletedProcess) -> str:
+    """The one line a refusal prints; fails unless that is all it printed."""
+    err = r.stderr.decode()
+    assert r.returncode != 0, err
+    assert "Traceback" not in err, err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert r.stdout == b"", r.stdout
+    return err.strip()
+
+
+SERVE = ["serve", "--id", "n1", "--data-dir", "d"]
+
+# (argv, environment, files to write first, what the line must say, exit status)
+CASES = [
+    pytest.param(SERVE + ["--config", "bad.toml"], {}, {"bad.toml": 'group = "g"\nheartbeat_ms = "fast"\n'},
+                 "bad.toml line 2 (heartbeat_ms = 'fast'): expected a number of milliseconds", 1, id="toml-type"),
+    pytest.param(SERVE + ["--config", "rel.toml"], {}, {"rel.toml": "\nelection_timeout_ms = 150\n"},
+                 "--election-timeout-ms (150, from rel.toml line 2 (election_timeout_ms = 150)) must be at least twice --heartbeat-ms (100, from the default)", 1, id="toml-relation"),
+    pytest.param(SERVE + ["--config", "unk.toml"], {}, {"unk.toml": "heartbeat = 1\n"}, "unk.toml line 1 (heartbeat = 1): unknown setting; known:", 1, id="toml-unknown"),
+    pytest.param(SERVE + ["--config", "junk.toml"], {}, {"junk.toml": "heartbeat_ms = = 3\n"}, "--config junk.toml: not valid TOML", 1, id="toml-junk"),
+    pytest.param(SERVE + ["--config", "missing.toml"], {}, {}, "--config missing.toml: no such file", 1, id="toml-missing"),
+    pytest.param(SERVE, {"KV_HEARTBEAT_MS": "abc"}, {}, "KV_HEARTBEAT_MS='abc': expected a number of milliseconds", 1, id="env-number"),
+    pytest.param(SERVE, {"KV_SNAPSHOT_KEEP": "0"}, {}, "KV_SNAPSHOT_KEEP='0': expected a whole number of at least 1", 1, id="env-range"),
+    pytest.param(SERVE, {"KV_METRICS_PUBLIC": "maybe"}, {}, "KV_METRICS_PUBLIC='maybe': expected true or false", 1, id="env-bool"),
+    pytest.param(SERVE, {"KV_LOG_LEVEL": "loud"}, {}, "KV_LOG_LEVEL='loud': expected one of DEBUG, INFO, WARNING, ERROR", 1, id="env-log-level"),
+    pytest.param(SERVE + ["--log-level", "LOUD"], {}, {}, "--log-level 'LOUD': expected one of DEBUG, INFO, WARNING, ERROR", 1, id="log-level"),
+    pytest.param(SERVE + ["--log-format", "xml"], {}, {}, "--log-format 'xml': expected one of text, json", 1, id="log-format"),
+    pytest.param(SERVE + ["--heartbeat-ms", "-5"], {}, {}, "--heartbeat-ms '-5': expected a number of milliseconds above 0", 1, id="flag-range"),
+    pytest.param(SERVE + ["--heartbeat-ms", "600"], {"KV_ELECTION_TIMEOUT_MS": "1000"}, {},
+                 "--election-timeout-ms (1000, from KV_ELECTION_TIMEOUT_MS='1000') must be at least twice --heartbeat-ms (600, from --heartbeat-ms '600')", 1, id="flag-relation"),
+    pytest.param(SERVE + ["--http", "nowhere"], {}, {}, "--http 'nowhere': expected HOST:PORT", 1, id="flag-hostport"),
+    pytest.param(SERVE + ["--peers", "n1=x"], {}, {}, "--peers 'n1=x': bad address 'x' for peer n1", 1, id="flag-peers"),
+    pytest.param(SERVE + ["--join", "foo"], {}, {}, "--join 'foo': expected a URL such as http://10.0.0.1:8001", 1, id="flag-url"),
+    pytest.param(["serve", "--data-dir", "d"], {}, {}, "kv serve: a node needs --id (a flag, the --config file or KV_ID)", 1, id="missing-id"),
+    pytest.param(SERVE + ["--tls-cert", "no.pem", "--tls-key", "no.key"], {}, {}, "cannot load --tls-cert/--tls-key from no.pem, no.key", 1, id="tls-missing"),
+    pytest.param(SERVE + ["--tls-cert", "x.pem"], {}, {}, "kv serve: --tls-cert and --tls-key go together: give both", 1, id="tls-half"),
+    pytest.param(["serve", "--id", "n1", "--data-dir", "afile", "--http", "127.0.0.1:1"], {}, {"afile": "x"}, "afile already exists and is in the way", 1, id="data-dir-is-a-file"),
+    pytest.param(SERVE + ["--bogus"], {}, {}, "kv serve: unrecognized arguments: --bogus; see kv serve --help", 2, id="unknown-flag"),
+    pytest.param(["get", "k", "--timeout", "abc"], {}, {}, "kv get: argument --timeout: invalid float value: 'abc'; see kv get --help", 2, id="bad-flag-value"),
+    pytest.param(["get"], {}, {}, "kv get: the following arguments are required: key", 2, id="missing-arg"),
+    pytest.param(["frobnicate"], {}, {}, "kv: argument COMMAND: invalid choice: 'frobnicate'", 2, id="unknown-command"),
+    pytest.param(["get", "k", "-o", "yaml"], {}, {}, "argument -o/--output: invalid choice: 'yaml'", 2, id="bad-output"),
+    pytest.param(["snapshot", "inspect", "missing.lkvs"], {}, {}, "kv snapshot inspect: no such file or directory: missing.lkvs", 1, id="snapshot-missing"),
+    pytest.param(["snapshot", "inspect", "junk.lkvs"], {}, {"junk.lkvs": "junk"}, "kv snapshot inspect: junk.lkvs is not a valid ledgerkv snapshot", 1, id="snapshot-junk"),
+    pytest.param(["snapshot", "inspect", "."], {}, {}, "kv snapshot inspect: . is a directory; give a file", 1, id="snapshot-dir"),
+    pytest.param(["snapshot", "restore", "missing.lkvs", "--data-dir", "r", "--id", "n1", "--peers", "n1=127.0.0.1:7001"], {}, {},
+                 "kv snapshot restore: no such file or directory: missing.lkvs", 1, id="restore-missing"),
+    pytest.param(["get", "k", "--timeout", "0.5"], {"KV_ENDPOINTS": "http://127.0.0.1:9"}, {}, "kv get: no endpoint answered", 1, id="unreachable"),
+    pytest.param(["snapshot", "save", "x.lkvs", "--endpoints", "http://127.0.0.1:9"], {}, {},
+                 "kv snapshot save: cannot reach 127.0.0.1:9 (Connect call failed ('127.0.0.1', 9)); is a node running there?", 1, id="download-unreachable"),
+    pytest.param(["put", "k", "v", "--endpoints", "ftp://x", "--timeout", "1"], {}, {}, "kv put: HTTP request failed (NonHttpUrlClientError: ftp://x/v1/kv/k); check --endpoints", 1, id="endpoint-scheme"),
+    pytest.param(["cluster", "up", "--nodes", "0", "--data-dir", "d"], {}, {}, "kv cluster up: argument --nodes: expected a whole number of at least 1, not '0'", 2, id="cluster-nodes"),
+    pytest.param(["cluster", "up", "--base-port", "99999", "--data-dir", "d"], {}, {}, "kv cluster up: argument --base-port: expected a port from 1 to 65000", 2, id="cluster-port"),
+]
+
+
+@pytest.mark.parametrize("argv, env, files, says, status", CASES)
+def test_refusal_is_one_line_naming_its_source(tmp_path, argv, env, files, says, status):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    r = run_kv(*argv, env=env, cwd=str(tmp_path))
+    line = refusal(r)
+    assert says in line, line
+    assert r.returncode == status
+    assert not (tmp_path / "d").exists()  # refused before anything started
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    (tmp_path / "junk.lkvs").write_text("junk")
+    for argv, env in ((["--debug", "snapshot", "inspect", "junk.lkvs"], {}), (["snapshot", "inspect", "junk.lkvs", "--debug"], {}), (["snapshot", "inspect", "junk.lkvs"], {"KV_DEBUG": "1"})):
+        r = run_kv(*argv, env=env, cwd=str(tmp_path))
+        assert r.returncode != 0 and b"Traceback" in r.stderr and b"SnapshotError" in r.stderr, argv
+
+
+def test_version():
+    r = run_kv("--version")
+    assert r.returncode == 0 and r.stdout.decode().startswith("kv (ledgerkv) 0.")
+
+
+def test_ports_in_use_are_named(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        free = free_port()
+        r = run_kv("serve", "--id", "n1", "--data-dir", str(tmp_path / "a"), "--http", f"127.0.0.1:{port}", "--peers", f"n1=127.0.0.1:{free}")
+        assert refusal(r) == (
+            f"kv serve: --http 127.0.0.1:{port}: port {port} is already in use; "
+            f"find who holds it with `ss -ltnp 'sport = :{port}'`, stop it or choose another port"
+        )
+        r = run_kv("serve", "--id", "n1", "--data-dir", str(tmp_path / "b"), "--http", f"127.0.0.1:{free}", "--peers", f"n1=127.0.0.1:{port}")
+        assert f"kv serve: --peers n1=127.0.0.1:{port}: port {port} is already in use" in refusal(r)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    """One `kv serve` with a token, JSON logs and the access log."""
+    c = ProcCluster(str(tmp_path_factory.mktemp("op")), n=1, proxies=False, extra=["--log-format", "json", "--access-log"], env={"KV_TOKEN": "s3cret"})
+    try:
+        c.node_env["n1"]["KV_METRICS_PUBLIC"] = "1"
+        c.start()
+        yield c
+    finally:
+        c.close()
+
+
+def kv_json(c: ProcCluster, *argv: str, stdin: bytes | None = None) -> list:
+    r = run_kv(*argv, "--endpoints", c.url("n1"), "-o", "json", env={"KV_TOKEN": "s3cret"}, stdin=stdin)
+    assert r.returncode == 0, r.stderr
+    return [orjson.loads(line) for line in r.stdout.splitlines()]
+
+
+def test_json_output_of_every_command(node, tmp_path):
+    c = node
+    [put] = kv_json(c, "put", "j/text", "hello")
+    assert set(put) == {"key", "index", "term"} and put["key"] == "j/text"
+    kv_json(c, "put", "j/bin", "-", stdin=b"\xff\x00")
+    [got] = kv_json(c, "get", "j/text")
+    assert got["key"] == "j/text" and got["value"] == "hello" and "mod_index" in got and "encoding" not in got
+    [got] = kv_json(c, "get", "j/bin")
+    assert got["value"] == "/wA=" and got["encoding"] == "base64"
+    scanned = kv_json(c, "scan", "j/")  # a stream: one document per line
+    assert [d["key"] for d in scanned] == ["j/bin", "j/text"]
+    [deleted] = kv_json(c, "del", "j/bin")
+    assert deleted["deleted"] is True and deleted["key"] == "j/bin"
+    [status] = kv_json(c, "status")
+    [n1] = status["nodes"]
+    assert n1["reachable"] is True and n1["id"] == "n1" and n1["role"] == "leader" and n1["endpoint"] == c.url("n1")
+    [members] = kv_json(c, "member", "list")
+    assert [m["id"] for m in members["members"]] == ["n1"] and members["members"][0]["voter"] is True
+    assert kv_json(c, "leader", "transfer", "n1") == [{"leader": "n1"}]
+    snap = str(tmp_path / "s.lkvs")
+    [saved] = kv_json(c, "snapshot", "save", snap, "--fresh")
+    assert saved["file"] == snap and saved["index"] > 0
+    r = run_kv("snapshot", "inspect", snap, "-o", "json")
+    info = orjson.loads(r.stdout)
+    assert r.stdout.count(b"\n") == 1 and info["keys"] == 1 and info["checksum_status"] == "ok"
+    r = run_kv("snapshot", "restore", snap, "--data-dir", str(tmp_path / "r"), "--id", "n1", "--peers", "n1=127.0.0.1:1", "-o", "json")
+    assert orjson.loads(r.stdout)["keys"] == 1
+
+
+def test_status_json_marks_unreachable_nodes(node):
+    r = run_kv("status", "--endpoints", f"{node.url('n1')},http://127.0.0.1:9", "-o", "json", "--timeout", "1", env={"KV_TOKEN": "s3cret"})
+    nodes = orjson.loads(r.stdout)["nodes"]
+    assert r.returncode == 0 and [n["reachable"] for n in nodes] == [True, False] and nodes[1]["error"]
+
+
+def test_json_log_lines_carry_node_and_term_and_the_access_log(node):
+    code, _, _ = node.request("n1", "GET", "/v1/status", headers={"Authorization": "Bearer s3cret"})
+    assert code == 200
+    assert node.request("n1", "GET", "/metrics")[0] == 200  # KV_METRICS_PUBLIC=1: no token needed
+    assert node.request("n1", "GET", "/v1/status")[0] == 401
+    lines = [orjson.loads(line) for line in node.log("n1").splitlines() if line.strip()]
+    assert lines and all(d["node"] == "n1" and "term" in d and d["level"] and d["ts"].endswith("Z") for d in lines)
+    assert any(d["logger"] == "kv.serve" and d["msg"].startswith("ready") and d["term"] >= 1 for d in lines)
+    access = [d["http"] for d in lines if d["logger"] == "kv.access"]
+    assert any(a["method"] == "GET" and a["path"] == "/v1/status" and a["route"] == "status" and a["status"] == 200 and a["forwarded"] is False for a in access)
+    assert any(a["route"] == "status" and a["status"] == 401 for a in access)
+    assert all(a["duration_ms"] >= 0 for a in access)
+
+
+def test_container_healthcheck_follows_kv_http(node):
+    check = [sys.executable, "-m", "kv.healthcheck"]
+    ok = subprocess.run(check, capture_output=True, env={**os.environ, "KV_HTTP": node.http["n1"]}, timeout=30)
+    assert ok.returncode == 0, ok.stderr  # /healthz needs no token
+    port = free_port()
+    down = subprocess.run(check, capture_output=True, env={**os.environ, "KV_HTTP": f"0.0.0.0:{port}"}, timeout=30)
+    assert down.returncode == 1 and down.stderr.decode().startswith(f"kv healthcheck: http://127.0.0.1:{port}/healthz:")
