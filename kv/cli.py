@@ -31,6 +31,8 @@ SERVE_OPTIONS = [
     ("--join-timeout", "join_timeout_s", float, "seconds --join waits through temporary refusals (default 60)"),
     ("--advertise-http", "advertise_http", str, "client URL other nodes and clients use for this node"),
     ("--write-timeout-s", "write_timeout_s", float, "how long a write may wait to commit before 504 (default 5)"),
+    ("--watch-buffer-bytes", "watch_buffer_bytes", int, "changes a watch stream may fall behind before it is ended (default 4 MiB)"),
+    ("--watch-progress-ms", "watch_progress_ms", float, "how often an idle watch stream sends a progress line (default 5000)"),
 ]
 
 ENDPOINTS_HELP = "comma-separated client URLs (default: $KV_ENDPOINTS or the local `kv cluster up` nodes)"

@@ -100,9 +100,8 @@ def entry_rows(e: Entry) -> Iterator[Row]:
     except cmds.CommandError as exc:
         raise LogStreamError(f"entry {e.index} (term {e.term}) is not a command this version can read: {exc}") from None
     if isinstance(cmd, cmds.Txn):
-        branches = (("then", cmd.ops), ("else", cmd.else_ops)) if cmd.conds else ((None, cmd.ops),)
         wrote = False
-        for branch, ops in branches:
+        for branch, ops in cmds.txn_branches(cmd):
             for op in ops:
                 if not isinstance(op, cmds.Get):
                     wrote = True

@@ -140,6 +140,7 @@ class SnapshotManager:
         def compact() -> tuple[int, int]:
             self.kv.sm.sync()  # what the ledger drops must be durable in the state first
             ledger.compact(upto)
+            self.kv.sm.forget_effects(ledger.before_begin_index)  # the watch history of what was dropped
             return ledger.before_begin_index, ledger.before_begin_term
 
         index, term = await self.raft.run_in_writer(compact)
