@@ -12,7 +12,7 @@ from aiohttp import web
 from kv import Node, Unauthorized
 from kv.metrics import Counter, Gauge
 
-from . import routes_admin, routes_kv, routes_leases, routes_members
+from . import routes_admin, routes_kv, routes_leases, routes_members, routes_watch
 from .context import CONTEXT, HttpContext
 from .errors import error_response, run_handler
 
@@ -72,6 +72,8 @@ def _register_metrics(c: HttpContext) -> None:
     reg.add(Gauge("kv_raft_ready_total", "Ready batches the driver handled.", lambda: [((), float(node.raft.stats["ready"]))]))
     reg.add(Gauge("kv_peer_frames_sent_total", "Frames sent to peers.", lambda: [((), float(node.raft.transport.sent_frames if node.raft.transport else 0))]))
     reg.add(node.commit_latency)
+    reg.add(Gauge("kv_watches", "Open watches on this node (in-process and streams).", lambda: [((), float(node.watches.stats()[0]))]))
+    reg.add(Gauge("kv_watch_buffered_bytes", "Bytes of changes buffered for watches that have not taken them yet.", lambda: [((), float(node.watches.stats()[1]))]))
     snap = node.snapshots.stats
     reg.add(Gauge("kv_snapshots_taken_total", "Snapshots taken.", lambda: [((), float(snap.taken))]))
     reg.add(Gauge("kv_snapshot_seconds_total", "Seconds spent writing snapshots.", lambda: [((), snap.take_seconds)]))
@@ -92,6 +94,7 @@ def create_app(node: Node, *, token: str | None = None) -> web.Application:
     routes_admin.add_routes(app)
     routes_members.add_routes(app)
     routes_leases.add_routes(app)
+    routes_watch.add_routes(app)
 
     async def session_ctx(app: web.Application):
         c.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))

@@ -19,6 +19,7 @@ class HttpContext:
     registry: Registry = field(default_factory=Registry)
     requests: Counter | None = None
     session: aiohttp.ClientSession | None = None  # pooled connections to the leader
+    watch_streams: set = field(default_factory=set)  # the open GET /v1/watch streams' watches
 
 
 CONTEXT = web.AppKey("context", HttpContext)

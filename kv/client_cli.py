@@ -1,12 +1,16 @@
-"""`kv put|get|del|scan|status|leader`: client commands over HTTP."""
+"""`kv put|get|del|scan|watch|status|leader|member`: client commands over HTTP."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import sys
 
+import orjson
+
 from .client import AsyncClient
+from .errors import BadRequest
 
 
 def _out(data: bytes) -> None:
@@ -35,6 +39,8 @@ async def _run(args: argparse.Namespace) -> int:
         elif cmd == "scan":
             async for it in c.scan(args.prefix, limit=args.limit):
                 print(f"{it.key}\t{it.value.decode(errors='backslashreplace')}\t{it.mod_index}")
+        elif cmd == "watch":
+            await _watch(c, args)
         elif cmd == "status":
             return _print_status(await c.status_all())
         elif cmd == "leader":
@@ -64,6 +70,25 @@ async def _member(c: AsyncClient, args: argparse.Namespace) -> int:
         role = "voter" if m["voter"] else "learner"
         print(f"{m['id']}\t{role}{' (leader)' if m.get('leader') else ''}\tpeer={m['peer']}\thttp={m.get('http') or '-'}")
     return 0
+
+
+async def _watch(c: AsyncClient, args: argparse.Namespace) -> None:
+    if args.from_index is not None and args.from_index < 1:
+        raise BadRequest("--from is a log index: 1 or more")
+    out = sys.stdout.buffer
+    async for ev in c.watch(args.prefix, args.from_index):
+        if args.output == "json":
+            d = {"type": ev.type, "key": ev.key, "mod_index": ev.mod_index, "index": ev.index}
+            if ev.value is not None:
+                try:
+                    d["value"] = ev.value.decode()
+                except UnicodeDecodeError:
+                    d["value"], d["encoding"] = base64.b64encode(ev.value).decode(), "base64"
+            out.write(orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE))
+        else:
+            value = "" if ev.value is None else ev.value.decode(errors="backslashreplace")
+            out.write(f"{ev.index}\t{ev.type}\t{ev.key}\t{value}\n".encode())
+        out.flush()
 
 
 def _print_status(rows: list) -> int:

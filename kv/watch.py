@@ -122,7 +122,7 @@ class Watch:
         self._buf.append(ev)
         self._bytes += size
         self._notify()
-        if self._bytes <= self._limit:
+        if self._bytes <= self._limit or len(self._buf) == 1:  # one change larger than the bound still passes
             return True
         self._live = False
         self._buf, self._bytes = [], 0
@@ -161,6 +161,7 @@ class Watch:
             if not self._live:
                 events = self._hub.catch_up(self)
                 if events or not self._live:
+                    await asyncio.sleep(0)  # a long catch-up lets the rest of the node run
                     return events, self.cursor - 1
                 continue
             loop = asyncio.get_running_loop()
