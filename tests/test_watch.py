@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import random
 
+import orjson
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from inproc import InprocCluster
 
 import kv
 from kv import Cond, Delete, Get, Node, NodeConfig, Put
+from kv.http.app import create_app
 
 
 @pytest.fixture
@@ -131,3 +134,21 @@ def test_kv_open_watches_from_further_back_than_memory(tmp_path):
         got = [next(events) for _ in range(12_000)]
         events.close()
     assert got[0].key == "h/0/0" and got[0].index == first and got[-1].key == "h/11/999"
+
+
+async def test_a_stream_needs_the_token_and_ends_with_a_line_when_the_node_stops(tmp_path):
+    n = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), token="s3cret"))
+    await n.start()
+    client = TestClient(TestServer(create_app(n, token="s3cret")))
+    await client.start_server()
+    try:
+        r = await client.get("/v1/watch")
+        assert r.status == 401 and (await r.json())["error"]["code"] == "UNAUTHORIZED"
+        r = await client.get("/v1/watch", params={"prefix": "t/"}, headers={"Authorization": "Bearer s3cret"})
+        assert r.status == 200 and orjson.loads(await r.content.readline())["type"] == "progress"
+        await client.server.runner.shutdown()  # what kv serve does on SIGTERM, before it stops the node
+        last = orjson.loads(await asyncio.wait_for(r.content.readline(), 10))
+        assert last["type"] == "error" and last["code"] == "UNAVAILABLE" and "resume from index" in last["message"]
+    finally:
+        await client.close()
+        await n.stop()

@@ -230,3 +230,15 @@ def dechunk(data: bytes) -> bytes:
         out.append(data[eol + 2 : eol + 2 + size])
         pos = eol + 2 + size + 2
 
+
+
+def test_the_sync_client_lists_then_watches(cluster):
+    lead, (f, _) = roles(cluster)
+    with kv.Client([cluster.url(f)]) as c:
+        c.put("sy/0", b"before")
+        page = c.scan_page("sy/")
+        assert [i.key for i in page.items] == ["sy/0"] and page.index >= 1
+        events = c.watch("sy/", page.index + 1)
+        writes = [cluster.put(lead, f"sy/{i}", b"after")[1]["index"] for i in range(1, 4)]
+        assert [next(events).index for _ in range(3)] == writes
+        events.close()
