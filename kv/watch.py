@@ -247,7 +247,7 @@ class WatchHub:
             self._add(w)
             return []
         entries = node.log_entries(w.cursor, last + 1, HISTORY_CHUNK_BYTES)
-        if not entries:  # the log was replaced under us by a snapshot
+        if not entries or entries[0].index != w.cursor:  # compacted or replaced (a snapshot) under us
             raise WatchCompacted(f"index {w.cursor} is no longer in this node's log (it installed a snapshot); resume on another node", node.log_range()[0] - 1)
         effects = node.sm.effects(entries[0].index, entries[-1].index + 1)
         w.cursor = entries[-1].index + 1

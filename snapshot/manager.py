@@ -140,11 +140,13 @@ class SnapshotManager:
         def compact() -> tuple[int, int]:
             self.kv.sm.sync()  # what the ledger drops must be durable in the state first
             ledger.compact(upto)
-            self.kv.sm.forget_effects(ledger.before_begin_index)  # the watch history of what was dropped
             return ledger.before_begin_index, ledger.before_begin_term
 
         index, term = await self.raft.run_in_writer(compact)
         self.raft.core.compacted(index, term)
+        # The watch history's records of what was dropped; here, not in the writer thread, so
+        # that a watch reading history sees either the old floor and its records or the new floor.
+        self.kv.sm.forget_effects(index)
         self.stats.compactions += 1
 
     # -- loading ---------------------------------------------------------------------------
