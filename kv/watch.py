@@ -4,8 +4,8 @@ any index the node's ledger still holds.
 A watch starts at an index (its cursor). While the cursor is at or below the applied index
 it reads history: the ledger's entries (the rows of kv.logstream.entry_rows), minus the
 mutations that did not take effect (a compare-and-set whose condition failed, the branch of a
-transaction that did not run, a delete of a missing key), which the state machine recorded
-when it applied them. Once it has caught up it joins the live fan-out: the state machine hands
+transaction that did not run, a delete of a missing key), plus the keys a lease's revoke
+deleted — what the state machine recorded when it applied them. Once it has caught up it joins the live fan-out: the state machine hands
 each applied batch's changes to the WatchHub, which finds the watches whose prefix matches
 (one dictionary probe per distinct prefix length, however many watches there are) and appends
 the event to their buffers. Going from history to live happens without an await in between,
@@ -19,6 +19,7 @@ a stream (HTTP) ends with SlowWatcher, and its client resumes from the last inde
 from __future__ import annotations
 
 import asyncio
+import json
 import weakref
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .errors import Compacted, KVError
 from .logstream import LogStreamError, entry_rows
 from .raft.messages import Entry, EntryKind
+from .statemachine.leveldb import EFFECT_DELETED
 
 if TYPE_CHECKING:
     from .node import Node
@@ -83,7 +85,11 @@ def history_events(entries: list[Entry], effects: dict[int, bytes], prefix: str)
             rows = list(entry_rows(e))
         except LogStreamError:
             continue  # a command no replica could decode changed nothing
-        took = effects.get(e.index)
+        record = effects.get(e.index)
+        if record is not None and record[:1] == EFFECT_DELETED:  # a lease's revoke
+            out += [Event(e.index, key, None) for key in json.loads(record[1:]) if key.startswith(prefix)]
+            continue
+        took = record[1:] if record is not None else None  # EFFECT_MASK: a byte per mutation
         i = 0
         for row in rows:
             op, key = row[2], row[3]

@@ -7,13 +7,13 @@ Layout:
     b"\\x00restoring"   present while a snapshot is being loaded: the state is incomplete
     b"k" + key         mod_index (u64) + value
     b"k\x00..."        reserved records: leases and the keys attached to them (leases.py)
-    b"\\x00fx" + index  which mutations of that entry took effect, when not all did
+    b"\\x00fx" + index  what that entry changed, when its log rows do not say (effect_record)
     b"\\x00effects_from" the first index with effect records (the watch history's floor)
 
 The effect records let a watch replay history from the ledger: an entry's mutations are
 in the log, but whether a compare-and-set's condition held, which branch of a transaction
-ran, or whether a delete found its key was decided here. An entry whose mutations all took
-effect (every unconditional put) has no record. Records are dropped with the ledger prefix
+ran, whether a delete found its key, and which keys a lease's revoke deleted were decided
+here. An entry whose mutations all took effect (every unconditional put) has no record. Records are dropped with the ledger prefix
 they describe (`forget_effects`).
 
 Every applied batch is one WriteBatch that also moves the applied index, so a crash never
@@ -248,8 +248,8 @@ class LevelDBStateMachine:
         self._membership = data
 
     def effects(self, lo: int, hi: int) -> dict[int, bytes]:
-        """The effect records of entries [lo, hi): index -> one byte per mutation, 1 if it
-        took effect (see effect_record). Entries without one had every mutation take effect."""
+        """The effect records of entries [lo, hi), by index (see effect_record). Entries
+        without one had every mutation in their log rows take effect."""
         out = {}
         with self._db.iterator(start=_EFFECTS + _U64.pack(lo), stop=_EFFECTS + _U64.pack(hi)) as it:
             for k, v in it:
@@ -419,11 +419,19 @@ class LevelDBStateMachine:
             self._db.close()
 
 
+EFFECT_MASK, EFFECT_DELETED = b"m", b"d"
+
+
 def effect_record(cmd, result) -> bytes | None:
-    """Which mutations of an applied command took effect, in the order of the log's rows
-    (kv.logstream.entry_rows): one byte each, 1 or 0. None when all of them did."""
+    """What an applied command changed, where the log does not say it: for a put, delete or
+    transaction which of its mutations took effect, in the order of the log's rows
+    (kv.logstream.entry_rows): EFFECT_MASK + one byte each, 1 or 0 (None when all did); for
+    a lease's revoke, the keys it deleted: EFFECT_DELETED + a JSON list (None if none)."""
+    if isinstance(cmd, LeaseRevoke):
+        keys = result.keys if isinstance(result, LeaseRevoked) else ()
+        return EFFECT_DELETED + json.dumps(list(keys)).encode() if keys else None
     if isinstance(cmd, Put):
-        took = [not isinstance(result, PreconditionFailed)]
+        took = [isinstance(result, PutResult)]  # not a failed condition, nor an unknown lease
     elif isinstance(cmd, Delete):
         took = [isinstance(result, DeleteResult) and result.deleted]
     elif isinstance(cmd, Txn) and isinstance(result, TxnResult):
@@ -437,7 +445,7 @@ def effect_record(cmd, result) -> bytes | None:
                     took.append(ran and (type(op) is Put or r.deleted))
     else:
         return None
-    return None if all(took) else bytes(took)
+    return None if all(took) else EFFECT_MASK + bytes(took)
 
 
 class LevelDBView:

@@ -43,7 +43,19 @@ async def drain(w: kv.Watch, until_index: int) -> list[kv.Event]:
 
 async def mixed_workload(n: Node, rng: random.Random, ops: int) -> None:
     keys = [f"w/{i}" for i in range(6)] + ["other/1"]
+    lease = None
     for _ in range(ops):
+        if rng.random() < 0.1:  # keys attached to a lease, deleted with its revoke
+            if lease is None:
+                lease = (await n.lease_grant(60)).id
+                for k in rng.sample(keys, 3):
+                    await n.put(k, b"leased", lease=lease)
+            else:
+                await n.lease_revoke(lease)
+                lease = None
+            with pytest.raises(kv.LeaseNotFound):  # an unknown lease: nothing written
+                await n.put(rng.choice(keys), b"no", lease=123456789)
+            continue
         k, k2 = rng.choice(keys), rng.choice(keys)
         cur = await n.get(k, consistency="stale")
         roll = rng.random()
