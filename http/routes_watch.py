@@ -57,7 +57,7 @@ async def watch(request: web.Request) -> web.StreamResponse:
             try:
                 got = await w.next_batch(progress_s)
             except KVError as e:  # fell behind, or the history it needed is gone
-                await resp.write(orjson.dumps({"type": "error", "code": e.code, "message": str(e)}, option=orjson.OPT_APPEND_NEWLINE))
+                await resp.write(orjson.dumps({"type": "error", "code": e.code, "message": str(e), **e.details()}, option=orjson.OPT_APPEND_NEWLINE))
                 break
             if got is None:
                 message = f"the node is stopping; resume from index {w.cursor} on another node"

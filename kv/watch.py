@@ -61,7 +61,9 @@ class WatchCompacted(Compacted):
     def __init__(self, message: str, ledger_begin_index: int) -> None:
         super().__init__(message)
         self.ledger_begin_index = ledger_begin_index
-        self.extra = {"ledger_begin_index": ledger_begin_index}  # in the HTTP error body
+
+    def details(self) -> dict:
+        return {"ledger_begin_index": self.ledger_begin_index}
 
 
 class SlowWatcher(KVError):
@@ -72,6 +74,9 @@ class SlowWatcher(KVError):
     def __init__(self, message: str, resume_index: int) -> None:
         super().__init__(message)
         self.resume_index = resume_index
+
+    def details(self) -> dict:
+        return {"resume_index": self.resume_index}
 
 
 def history_events(entries: list[Entry], effects: dict[int, bytes], prefix: str) -> list[Event]:

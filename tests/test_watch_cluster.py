@@ -197,7 +197,7 @@ def test_a_start_below_the_compacted_ledger_is_410(tmp_path):
         assert begin > 1
         code, _, body = c.request("n1", "GET", "/v1/watch?prefix=c/&from=1")
         err = orjson.loads(body)
-        assert code == 410 and err["error"]["code"] == "COMPACTED" and err["ledger_begin_index"] == begin
+        assert code == 410 and err["error"]["code"] == "COMPACTED" and err["error"]["ledger_begin_index"] == begin
         assert "watch from" in err["error"]["message"]
 
         async def check():
