@@ -28,7 +28,7 @@ from .routes_kv import _encode_value
 # After sending a batch a stream waits this long before taking the next, so that the changes
 # of many small applied batches go out in one write (one wake-up and one syscall per stream,
 # not per batch); a change after a quiet spell still goes out at once.
-LINGER_S = 0.005
+LINGER_S = 0.01
 
 
 @functools.lru_cache(maxsize=8192)  # every stream that sends an event sends the same line

@@ -90,8 +90,9 @@ async def watch(client: AsyncClient, prefix: str, start_index: int | None, idle_
                     async for chunk in resp.content.iter_any():
                         lines = (rest + chunk).split(b"\n")
                         rest = lines.pop()
-                        for line in lines:
-                            d = orjson.loads(line)
+                        if not lines:
+                            continue
+                        for d in orjson.loads(b"[" + b",".join(lines) + b"]"):  # one parse a chunk
                             t = d["type"]
                             if t == "progress":
                                 pos.progress(d["index"])
