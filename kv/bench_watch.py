@@ -178,6 +178,9 @@ async def _idle(s, c: ServeCluster, lead: str, watchers: int, seconds: float) ->
 
 
 async def bench_watch(args) -> list[dict]:
+    from .serve import tune_gc
+
+    tune_gc()  # as the README advises a busy client: the latency run keeps 100,000s of samples
     with workdir(args.keep) as root, ServeCluster(os.path.join(root, "cluster"), 3) as c:
         c.start()
         async with http_session(256) as s:
