@@ -91,7 +91,7 @@ async def _live(writer: AsyncClient, wc: AsyncClient, seconds: float) -> dict:
     return {"what": "1 watcher, following live writes (txns of 100 puts)", "events": len(stamps), "events_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
 
 
-async def _latency(s, lead_url: str, wc: AsyncClient, url: str, watchers: int, rate: int, seconds: float) -> dict:
+async def _latency(s, lead_url: str, wc: AsyncClient, url: str, where: str, watchers: int, rate: int, seconds: float) -> dict:
     start = (await wc.scan_page("lat/", limit=1)).index + 1
     n = int(rate * seconds)
     sent: list[float] = [0.0] * n
@@ -137,7 +137,7 @@ async def _latency(s, lead_url: str, wc: AsyncClient, url: str, watchers: int, r
     from_ack = [max(0.0, t - acked[i]) for got in delivered for i, t in got if acked[i]]
     from_send = [t - sent[i] for got in delivered for i, t in got if acked[i]]
     return {
-        "what": f"{watchers} watchers on a follower, {rate} puts/s to the leader",
+        "what": f"{watchers} watchers on the {where}, {rate} puts/s to the leader",
         "events": len(from_ack),
         "put_errors": errors,
         "puts_per_s": (n - errors) / took,
@@ -185,12 +185,12 @@ async def bench_watch(args) -> list[dict]:
         c.start()
         async with http_session(256) as s:
             lead = await c.leader(s)
-            follower = next(i for i in c.ids if i != lead)
+            follower = next(i for i in c.ids if i != lead) if args.on == "follower" else lead
             async with AsyncClient(c.url(lead), connections=64) as writer, AsyncClient(c.url(follower), connections=args.watchers + 16) as wc:
                 rate = [await _replay(writer, wc, args.events), await _live(writer, wc, args.seconds)]
-                lat = [await _latency(s, c.url(lead), wc, c.url(follower), args.watchers, args.rate, args.seconds)]
+                lat = [await _latency(s, c.url(lead), wc, c.url(follower), args.on, args.watchers, args.rate, args.seconds)]
             idle = await _idle(s, c, lead, args.idle, args.seconds)
-    print_table("One watcher (kv.AsyncClient.watch on a follower)", rate, ["what", "events", "events_per_s"])
+    print_table(f"One watcher (kv.AsyncClient.watch on the {args.on})", rate, ["what", "events", "events_per_s"])
     print_table("Commit-to-delivery (ms): from the put's acknowledgement / from its sending", lat, ["what", "events", "put_errors", "puts_per_s", "ack_p50_ms", "ack_p99_ms", "send_p50_ms", "send_p99_ms"])
     print_table("Idle watchers, side by side (closed loop, 16 writers)", idle, ["what", "puts_per_s", "p99_ms", "rss_mb", "extra_rss_mb"])
     return rate + lat + idle
@@ -198,6 +198,7 @@ async def bench_watch(args) -> list[dict]:
 
 def add_arguments(p) -> None:
     p.add_argument("--events", type=int, default=200_000, help="changes replayed by one watcher (default 200000)")
-    p.add_argument("--watchers", type=int, default=100, help="watchers on the follower in the latency run (default 100)")
+    p.add_argument("--watchers", type=int, default=100, help="watchers in the latency run (default 100)")
+    p.add_argument("--on", choices=["follower", "leader"], default="follower", help="the node the watchers watch (default: a follower)")
     p.add_argument("--rate", type=int, default=1000, help="puts/s in the latency run (default 1000)")
     p.add_argument("--idle", type=int, default=1000, help="idle watchers on the leader (default 1000)")
