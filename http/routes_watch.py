@@ -13,7 +13,6 @@ line. Either way the client resumes from the last index it saw + 1.
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import orjson
 from aiohttp import web
@@ -31,13 +30,27 @@ from .routes_kv import _encode_value
 LINGER_S = 0.01
 
 
-@functools.lru_cache(maxsize=8192)  # every stream that sends an event sends the same line
+# Every stream that sends a change sends the same line: the small ones are encoded once.
+# At most LINE_CACHE lines of at most LINE_CACHE_BYTES each (emptied when full).
+LINE_CACHE, LINE_CACHE_BYTES = 4096, 4096
+_lines: dict[tuple, bytes] = {}
+
+
 def event_line(ev, force_b64: bool) -> bytes:
+    k = (ev, force_b64)  # the whole change: one transaction may write a key twice
+    line = _lines.get(k)
+    if line is not None:
+        return line
     if ev.value is None:
         d = {"type": "delete", "key": ev.key, "mod_index": ev.index, "index": ev.index}
     else:
         d = {"type": "put", "key": ev.key, **_encode_value(ev.value, force_b64), "mod_index": ev.index, "index": ev.index}
-    return orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
+    line = orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
+    if len(line) <= LINE_CACHE_BYTES:
+        if len(_lines) >= LINE_CACHE:
+            _lines.clear()
+        _lines[k] = line
+    return line
 
 
 async def watch(request: web.Request) -> web.StreamResponse:
