@@ -59,7 +59,7 @@ async def test_a_follower_streams_the_changes_written_through_other_nodes(cluste
         await writer.put("f/seed", b"0")
         page = await wc.scan_page("f/")  # list, then watch from the index it read at
         assert [i.key for i in page.items] == ["f/seed"]
-        watching = asyncio.ensure_future(collect(wc.watch("f/", page.index + 1), 44))
+        watching = asyncio.ensure_future(collect(wc.watch("f/", page.index + 1), 46))
         expected = []
         for i in range(40):
             r = await writer.put(f"f/{i % 7}", b"v%d" % i)
@@ -69,6 +69,8 @@ async def test_a_follower_streams_the_changes_written_through_other_nodes(cluste
         await writer.put("elsewhere", b"x")
         t = await writer.txn([kv.Cond("f/1", "exists", True)], [kv.Put("f/a", b"A"), kv.Delete("f/1"), kv.Delete("f/missing")], [kv.Put("f/no", b"!")])
         expected += [(t.index, "f/a", b"A"), (t.index, "f/1", None)]
+        t = await writer.txn(ops=[kv.Put("f/dup", b"one"), kv.Put("f/dup", b"two")])  # one key twice at one index
+        expected += [(t.index, "f/dup", b"one"), (t.index, "f/dup", b"two")]
         d = await writer.delete("f/2")
         expected.append((d.index, "f/2", None))
         d2 = await writer.delete("f/never")  # deleting nothing is no change
