@@ -20,6 +20,7 @@ class HttpContext:
     access_log: bool = False  # log one line per request (kv serve --access-log)
     metrics_public: bool = False  # /metrics without the token (kv serve --metrics-public)
     session: aiohttp.ClientSession | None = None  # pooled connections to the leader
+    watch_streams: set = field(default_factory=set)  # the open GET /v1/watch streams' watches
 
 
 CONTEXT = web.AppKey("context", HttpContext)

@@ -59,10 +59,10 @@ async def put_key(request: web.Request) -> web.Response:
 async def get_key(request: web.Request) -> web.Response:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
-    item = await c.node.get(key, consistency=_consistency(request))
+    item, index = await c.node.get_at(key, consistency=_consistency(request))
     if item is None:
         raise NotFound(f"key {key!r} does not exist")
-    return web.Response(body=item.value, content_type="application/octet-stream", headers={"ETag": f'"{item.mod_index}"'})
+    return web.Response(body=item.value, content_type="application/octet-stream", headers={"ETag": f'"{item.mod_index}"', "X-Kv-Index": str(index)})
 
 
 async def delete_key(request: web.Request) -> web.Response:
@@ -94,11 +94,11 @@ async def list_keys(request: web.Request) -> web.Response:
     if not 0 < limit <= MAX_LIST:
         raise BadRequest(f"limit must be between 1 and {MAX_LIST}")
     force_b64 = q.get("encoding") == "base64"
-    items = await c.node.scan(q.get("prefix", ""), after=q.get("after"), limit=limit + 1, page=limit + 1, consistency=_consistency(request))
+    items, index = await c.node.scan_page(q.get("prefix", ""), after=q.get("after"), limit=limit + 1, consistency=_consistency(request))
     more = len(items) > limit
     items = items[:limit]
     out = [{"key": it.key, **_encode_value(it.value, force_b64), "mod_index": it.mod_index} for it in items]
-    return json_response({"items": out, "next": items[-1].key if more else None})
+    return json_response({"items": out, "next": items[-1].key if more else None, "index": index})
 
 
 # -- transactions -----------------------------------------------------------------------------

@@ -47,9 +47,10 @@ from .errors import (  # noqa: E402
     Unavailable,
     ValueTooLarge,
 )
-from .node import DeleteResult, Event, Item, LeaseStatus, Node, RevokeResult, TxnResult, Watch, WatchCompacted, WriteResult  # noqa: E402
+from .node import DeleteResult, Item, LeaseStatus, Node, Page, RevokeResult, TxnResult, WriteResult  # noqa: E402
 from .statemachine.commands import Cond, Delete, Get, Put  # noqa: E402
 from .store import Store, open  # noqa: E402,A004
+from .watch import Event, SlowWatcher, Watch, WatchCompacted  # noqa: E402
 
 __all__ = [
     "AsyncClient",
@@ -74,9 +75,11 @@ __all__ = [
     "NoQuorum",
     "NotFound",
     "NotLeader",
+    "Page",
     "PreconditionFailed",
     "Put",
     "RevokeResult",
+    "SlowWatcher",
     "SnapshotError",
     "Store",
     "Timeout",

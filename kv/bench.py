@@ -7,6 +7,8 @@
     kv bench http      a `kv serve` cluster driven over HTTP by closed-loop aiohttp clients
     kv bench failover  kill -9 of the leader to the first commit on a new leader
     kv bench snapshot  snapshot save rate; catch-up of a follower far behind
+    kv bench watch     watch streams: one watcher's events/s, commit-to-delivery with 100
+                       watchers, 1,000 idle watchers' memory and effect on writes
 
 Figures are printed as a table and can be written as JSON (--json FILE). The machine may
 be shared and noisy: compare figures taken side by side in one run.
@@ -634,13 +636,19 @@ def add_parser(sub) -> None:
     h.add_argument("--nodes", type=int, default=3)
     h.add_argument("--value-bytes", type=int, default=100)
     h.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[64])
+    from .bench_watch import add_arguments
+
+    add_arguments(common(bs.add_parser("watch", help="watch streams: events/s, delivery latency, idle watchers")))
 
 
 def run(args) -> int:
     from .serve import install_uvloop
 
+    from .bench_watch import bench_watch
+
     install_uvloop()
     fn = {
+        "watch": bench_watch,
         "commit": bench_commit,
         "http": bench_http,
         "store": bench_store,

@@ -28,10 +28,11 @@ from . import errors, tls
 from ._loop import LoopThread
 from .logstream import RecordReader
 from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
-from .node import DeleteResult, Item, LeaseStatus, RevokeResult, TxnResult, WriteResult, lease_id
+from .node import DeleteResult, Item, LeaseStatus, Page, RevokeResult, TxnResult, WriteResult, lease_id
 from .scan import Scan
 from .raft.messages import Entry
 from .statemachine.commands import Cond, Delete, Get, Put
+from .watch import Event
 
 DEFAULT_ENDPOINTS = ("http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003")
 
@@ -261,6 +262,22 @@ class AsyncClient:
 
         return Scan(fetch, after=after, limit=limit, page=page)
 
+    async def scan_page(self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable") -> Page:
+        """One page of keys under prefix and the applied index it was read at: watch from
+        index + 1 to see every later change, none twice."""
+        params = {"prefix": prefix, "limit": str(limit), "consistency": consistency, **({"after": after} if after is not None else {})}
+        d = await self._json("GET", "/v1/kv", params=params)
+        return Page([Item(it["key"], _decode_value(it), it["mod_index"]) for it in d["items"]], d["index"])
+
+    def watch(self, prefix: str = "", start_index: int | None = None, *, idle_timeout: float = 15.0) -> AsyncIterator[Event]:
+        """Every change under prefix from start_index (default: the next commit), as kv.Event;
+        on a broken stream it resumes on another endpoint without gap or repeat. Raises
+        Compacted when no endpoint still holds the start. idle_timeout: seconds without a byte
+        (the node sends progress every 5 s) before the node is taken for dead."""
+        from .client_watch import watch
+
+        return watch(self, prefix, start_index, idle_timeout)
+
     async def txn(self, conds: Sequence[Cond] = (), ops: Sequence = (), else_ops: Sequence = ()) -> TxnResult:
         """Atomically: if every kv.Cond holds run `ops`, else `else_ops` (kv.Put, kv.Delete,
         kv.Get). `succeeded` says which ran; results has one entry per op."""
@@ -489,6 +506,8 @@ class Client:
     take_snapshot = _blocking(AsyncClient.take_snapshot)
     download_snapshot = _blocking(AsyncClient.download_snapshot)
     read_log = _blocking_iter(AsyncClient.read_log)
+    scan_page = _blocking(AsyncClient.scan_page)
+    watch = _blocking_iter(AsyncClient.watch)
     members = _blocking(AsyncClient.members)
     lease_grant = _blocking(AsyncClient.lease_grant)
     lease_keepalive = _blocking(AsyncClient.lease_keepalive)

@@ -1,13 +1,16 @@
-"""`kv put|get|del|scan|status|leader`: client commands over HTTP."""
+"""`kv put|get|del|scan|watch|status|leader|member`: client commands over HTTP."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import sys
 
+import orjson
+
 from .client import AsyncClient
-from .errors import NotFound
+from .errors import BadRequest, NotFound
 from .output import emit, report, value_fields, wants_json
 
 
@@ -45,6 +48,8 @@ async def _run(args: argparse.Namespace) -> int:
         elif cmd == "scan":
             async for it in c.scan(args.prefix, limit=args.limit):
                 report(args, _item(it), f"{it.key}\t{it.value.decode(errors='backslashreplace')}\t{it.mod_index}")
+        elif cmd == "watch":
+            await _watch(c, args)
         elif cmd == "status":
             rows = await c.status_all()
             return _emit_status(rows) if js else _print_status(rows)
@@ -87,6 +92,25 @@ def _emit_status(rows: list) -> int:
     ]
     emit({"nodes": nodes})
     return 1 if not any(n["reachable"] for n in nodes) else 0
+
+
+async def _watch(c: AsyncClient, args: argparse.Namespace) -> None:
+    if args.from_index is not None and args.from_index < 1:
+        raise BadRequest("--from is a log index: 1 or more")
+    out = sys.stdout.buffer
+    async for ev in c.watch(args.prefix, args.from_index):
+        if args.output == "json":
+            d = {"type": ev.type, "key": ev.key, "mod_index": ev.mod_index, "index": ev.index}
+            if ev.value is not None:
+                try:
+                    d["value"] = ev.value.decode()
+                except UnicodeDecodeError:
+                    d["value"], d["encoding"] = base64.b64encode(ev.value).decode(), "base64"
+            out.write(orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE))
+        else:
+            value = "" if ev.value is None else ev.value.decode(errors="backslashreplace")
+            out.write(f"{ev.index}\t{ev.type}\t{ev.key}\t{value}\n".encode())
+        out.flush()
 
 
 def _print_status(rows: list) -> int:

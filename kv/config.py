@@ -73,6 +73,8 @@ class NodeConfig:
     read_timeout_s: float = 5.0
     fsync: bool = True
     ledger_map_size: int = 32 << 30
+    watch_buffer_bytes: int = 4 << 20  # changes a watcher may fall behind before it is cut off
+    watch_progress_ms: float = 5000.0  # an idle watch stream says how far it has seen this often
 
     def __post_init__(self) -> None:
         self.peers = parse_peers(self.peers)
@@ -104,6 +106,8 @@ class NodeConfig:
             raise BadRequest("snapshot settings: --snapshot-threshold > 0, trailing >= 0, keep >= 1")
         if self.http_idle_timeout_s <= 0 or self.max_http_connections < 1:
             raise BadRequest("--http-idle-timeout-s must be positive and --max-http-connections at least 1")
+        if self.watch_buffer_bytes <= 0 or self.watch_progress_ms <= 0:
+            raise BadRequest("--watch-buffer-bytes and --watch-progress-ms must be positive")
 
     @property
     def advertise_url(self) -> str:

@@ -16,7 +16,7 @@ does no decoding, the reader (a Spark task, say) does.
 branch): one per mutation. A conditional mutation (a compare-and-set, or an operation of a
 transaction with conditions) is what was asked; whether its condition held was decided
 when it was applied and is not in the log. Entries without a mutation still get one row
-(op "noop", "config" or "read"), so every index of the range appears.
+(op "noop", "config", "read" or "lease"), so every index of the range appears.
 """
 
 from __future__ import annotations
@@ -99,10 +99,13 @@ def entry_rows(e: Entry) -> Iterator[Row]:
         cmd = cmds.decode(e.data)
     except cmds.CommandError as exc:
         raise LogStreamError(f"entry {e.index} (term {e.term}) is not a command this version can read: {exc}") from None
+    if isinstance(cmd, (cmds.LeaseGrant, cmds.LeaseRevoke)):
+        # Which keys a revoke deletes was decided when it was applied: it is not in the log.
+        yield (e.index, e.term, "lease", None, None, False, None)
+        return
     if isinstance(cmd, cmds.Txn):
-        branches = (("then", cmd.ops), ("else", cmd.else_ops)) if cmd.conds else ((None, cmd.ops),)
         wrote = False
-        for branch, ops in branches:
+        for branch, ops in cmds.txn_branches(cmd):
             for op in ops:
                 if not isinstance(op, cmds.Get):
                     wrote = True

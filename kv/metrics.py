@@ -92,6 +92,9 @@ class _NodeCollector:
         yield _by_peer(lag, ((p, float(last - pr.match)) for p, pr in core.progress.items()))
         cfg = node.config
         yield _gauge("kv_leases", "Live leases.", len(node.sm.leases.ttl_ms))
+        watches, buffered = node.watches.stats()
+        yield _gauge("kv_watches", "Open watches on this node (in-process and streams).", watches)
+        yield _gauge("kv_watch_buffered_bytes", "Bytes of changes buffered for watches that have not taken them yet.", buffered)
         yield _gauge("kv_state_size_bytes", "Bytes of the state machine (LevelDB) on disk.", _dir_bytes(cfg.state_path))
         yield _gauge("kv_ledger_size_bytes", "Bytes of the ledger (LMDB) on disk.", _dir_bytes(cfg.ledger_path))
         yield from self._peers(raft.transport)

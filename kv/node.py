@@ -44,6 +44,7 @@ from .raft.node import Applied, DeadlineExceeded, NodeStopped, OutcomeUnknown, O
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
 from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt, StateLocked
+from .watch import Watch, WatchHub
 
 log = logging.getLogger("kv.node")
 
@@ -93,51 +94,12 @@ class RevokeResult(NamedTuple):
     keys: tuple[str, ...]  # deleted with the lease
 
 
-class Event(NamedTuple):
-    """One change seen by a watch: value None means the key was deleted."""
+class Page(NamedTuple):
+    """One page of a scan, and the applied index it was read at: watch from index + 1 to
+    see every change after it, none twice."""
 
+    items: list[Item]
     index: int
-    key: str
-    value: bytes | None
-
-    @property
-    def type(self) -> str:
-        return "delete" if self.value is None else "put"
-
-
-class WatchCompacted(Compacted):
-    """The changes asked for are older than the watch history kept in memory."""
-
-
-class Watch:
-    """An async iterator of Events under a prefix, in commit order. Close it when done."""
-
-    def __init__(self, node: Node, prefix: str) -> None:
-        self.node, self.prefix = node, prefix
-        self._queue: asyncio.Queue[Event | None] = asyncio.Queue()
-
-    def _offer(self, ev: Event) -> None:
-        if ev.key.startswith(self.prefix):
-            self._queue.put_nowait(ev)
-
-    def __aiter__(self) -> Watch:
-        return self
-
-    async def __anext__(self) -> Event:
-        ev = await self._queue.get()
-        if ev is None:
-            raise StopAsyncIteration
-        return ev
-
-    def close(self) -> None:
-        self.node._watches.discard(self)
-        self._queue.put_nowait(None)
-
-    async def __aenter__(self) -> Watch:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
 
 
 class Node:
@@ -172,9 +134,7 @@ class Node:
         self.caller: FSMCaller | None = None
         self.snapshots = None  # snapshot.manager.SnapshotManager, set in start()
         self.leases = LeaseClock(self)
-        self._watches: set[Watch] = set()
-        # Recent changes as (index, key, value) for watches that start in the past.
-        self._history: collections.deque[tuple[int, str, bytes | None]] = collections.deque(maxlen=10_000)
+        self.watches = WatchHub(self)
         self.started_at = 0.0
         self.counters = collections.Counter()
         self._metrics = None  # kv.metrics.NodeMetrics, made on first use (see metrics)
@@ -231,8 +191,9 @@ class Node:
             peer_tls=peer_tls,
         )
         self.raft.result_encoder = cmds.encode_result
-        self.sm.on_changes = self._on_changes
+        self.sm.on_changes = self.watches.publish
         self.caller = FSMCaller(self.raft, self.sm, load_snapshot=self.snapshots.load_into_state_machine)
+        self.caller.after_load.append(self.watches.snapshot_loaded)
         self.snapshots.attach(self.raft, self.caller)
         self._wire_metrics()
         await self.raft.start()
@@ -335,8 +296,7 @@ class Node:
             await self.raft.stop()
         if self.caller is not None:
             await self.caller.stop()
-        for w in list(self._watches):
-            w.close()
+        self.watches.close_all()
         if self.sm is not None:
             self.sm.close()
         if self.ledger is not None:
@@ -525,13 +485,17 @@ class Node:
                 raise Unavailable(str(e)) from e
 
     async def get(self, key: str, *, consistency: str = "linearizable", timeout: float | None = None) -> Item | None:
+        return (await self.get_at(key, consistency=consistency, timeout=timeout))[0]
+
+    async def get_at(self, key: str, *, consistency: str = "linearizable", timeout: float | None = None) -> tuple[Item | None, int]:
+        """get, and the applied index the read was at."""
         validate_key(key)
-        await self.read_barrier(consistency, timeout)
+        index = await self.read_barrier(consistency, timeout)
         try:
-            got = self.sm.get(key)
+            got = self.sm.get(key)  # no await since the barrier: the state is at `index`
         except StateCorrupt as e:
             raise Unavailable(f"{e}; read from another member meanwhile") from e
-        return Item(key, got[1], got[0]) if got else None
+        return (Item(key, got[1], got[0]) if got else None), index
 
     def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", timeout: float | None = None, page: int = 1000) -> Scan:
         """Every key under a prefix in key order (strictly after `after`; at most `limit`):
@@ -550,6 +514,16 @@ class Node:
             return [Item(k, v, m) for k, v, m in rows], len(rows) == n
 
         return Scan(fetch, after=after, limit=limit, page=page)
+
+    async def scan_page(self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", timeout: float | None = None) -> Page:
+        """scan, and the applied index the page was read at (list, then watch from index + 1)."""
+        if limit <= 0:
+            raise BadRequest("limit must be positive")
+        index = await self.read_barrier(consistency, timeout)
+        try:
+            return Page([Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit)], index)
+        except StateCorrupt as e:
+            raise Unavailable(f"{e}; read from another member meanwhile") from e
 
     # -- leases ----------------------------------------------------------------------------
 
@@ -592,33 +566,17 @@ class Node:
 
     # -- watch -----------------------------------------------------------------------------
 
-    def watch(self, prefix: str = "", *, start_index: int | None = None) -> Watch:
+    def watch(self, prefix: str = "", *, start_index: int | None = None, buffer_bytes: int | None = None, resume_when_behind: bool = True) -> Watch:
         """Every change under prefix in commit order, from start_index (default: the next
-        one applied). Changes are kept in memory for a while; asking for older ones raises
-        WatchCompacted: scan, then watch from the index the scan saw."""
-        w = Watch(self, prefix)
-        if start_index is not None:
-            applied = self._running().applied_index
-            if start_index <= applied:
-                oldest = self._history[0][0] if self._history else applied + 1
-                if start_index < oldest:
-                    raise WatchCompacted(
-                        f"changes before index {oldest} are no longer kept; scan the prefix and watch from "
-                        f"{applied + 1}"
-                    )
-                for change in self._history:
-                    if change[0] >= start_index:
-                        w._offer(Event(*change))
-        self._watches.add(w)
-        return w
-
-    def _on_changes(self, changes) -> None:
-        self._history.extend(changes)
-        if self._watches:
-            for change in changes:
-                ev = Event(*change)
-                for w in self._watches:
-                    w._offer(ev)
+        one applied), as far back as this node's ledger goes; older raises WatchCompacted:
+        scan_page the prefix, then watch from its index + 1. A watch more than buffer_bytes
+        behind the live changes reads on from the ledger (resume_when_behind), or ends with
+        SlowWatcher (for a stream whose client resumes)."""
+        self._running()
+        if start_index is not None and (type(start_index) is not int or start_index < 1):
+            raise BadRequest(f"start_index must be a log index (an integer >= 1), not {start_index!r}")
+        size = buffer_bytes if buffer_bytes is not None else self.config.watch_buffer_bytes
+        return self.watches.open(prefix, start_index, size, resume_when_behind)
 
     # -- the committed log -----------------------------------------------------------------
 

@@ -141,6 +141,8 @@ SERVE_OPTIONS = [
     Option("--join-timeout", "join_timeout_s", _number("seconds", 0), "seconds --join waits through temporary refusals (default 60)"),
     Option("--advertise-http", "advertise_http", _url, "client URL other nodes and clients use for this node"),
     Option("--write-timeout-s", "write_timeout_s", _number("seconds", 0), "how long a write may wait to commit before 504 (default 5)"),
+    Option("--watch-buffer-bytes", "watch_buffer_bytes", _integer(1), "changes a watch stream may fall behind before it is ended (default 4 MiB)"),
+    Option("--watch-progress-ms", "watch_progress_ms", _number("milliseconds", 0), "how often an idle watch stream sends a progress line (default 5000)"),
     Option("--metrics-public", "metrics_public", _bool, "serve /metrics without the token (default: it needs the token)"),
     Option("--log-level", "log_level", _choice(LOG_LEVELS, str.upper), "DEBUG, INFO, WARNING or ERROR (default INFO)", node=False),
     Option("--log-format", "log_format", _choice(LOG_FORMATS, str.lower), "text or json, one object per line (default text)", node=False),

@@ -21,7 +21,6 @@ from .config import NodeConfig
 from .errors import BadRequest, Unavailable
 from .node import (
     DeleteResult,
-    Event,
     Item,
     LeaseStatus,
     Node,
@@ -40,6 +39,7 @@ from .raft.messages import EntryKind
 from .raft.node import NodeStopped, OutcomeUnknown
 from .statemachine import commands as cmds
 from .statemachine.leveldb import StateCorrupt
+from .watch import Event
 
 LOCAL_ID = "local"
 EMBEDDED_MAX_REQUEST_BYTES = 256 << 20

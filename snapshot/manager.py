@@ -144,6 +144,9 @@ class SnapshotManager:
 
         index, term = await self.raft.run_in_writer(compact)
         self.raft.core.compacted(index, term)
+        # The watch history's records of what was dropped; here, not in the writer thread, so
+        # that a watch reading history sees either the old floor and its records or the new floor.
+        self.kv.sm.forget_effects(index)
         self.stats.compactions += 1
 
     # -- loading ---------------------------------------------------------------------------

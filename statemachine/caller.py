@@ -42,6 +42,7 @@ class FSMCaller:
         self._stopping = False
         self.after_apply: list[Callable[[int], None]] = []  # e.g. the snapshot policy
         self.observe_apply: Callable[[float], None] | None = None  # seconds per applied batch (metrics)
+        self.after_load: list[Callable[[int], None]] = []  # a snapshot replaced the state up to this index
         self.failure: BaseException | None = None
         node.on_applicable = self._on_applicable
         node.on_snapshot = self._on_snapshot
@@ -79,6 +80,8 @@ class FSMCaller:
                         self.applied = meta.index
                         self._target = max(self._target, meta.index)
                         self.node.reset_applied(meta.index)
+                        for hook in self.after_load:
+                            hook(meta.index)
                 while self.applied < self._target and not self._stopping and not self._snapshots:
                     hi = min(self._target, self.applied + self.batch_entries)
                     entries = self.node.entries(self.applied + 1, hi + 1, self.batch_bytes)

@@ -115,6 +115,13 @@ Command = Put | Delete | Txn | LeaseGrant | LeaseRevoke
 LocalCommand = LeaseKeepAlive | LeaseQuery  # what a follower forwards but nobody logs
 
 
+def txn_branches(txn: Txn) -> tuple[tuple[str | None, tuple], ...]:
+    """A transaction's branches in the order its mutations are listed wherever they are
+    listed one by one (the log's audit rows, the watch history's effect records): ("then",
+    ops) and ("else", else_ops) when it has conditions, else (None, ops) alone."""
+    return (("then", txn.ops), ("else", txn.else_ops)) if txn.conds else ((None, txn.ops),)
+
+
 # -- results (what apply hands back to the proposer) ------------------------------------------
 
 

@@ -7,6 +7,14 @@ Layout:
     b"\\x00restoring"   present while a snapshot is being loaded: the state is incomplete
     b"k" + key         mod_index (u64) + value
     b"k\x00..."        reserved records: leases and the keys attached to them (leases.py)
+    b"\\x00fx" + index  what that entry changed, when its log rows do not say (effect_record)
+    b"\\x00effects_from" the first index with effect records (the watch history's floor)
+
+The effect records let a watch replay history from the ledger: an entry's mutations are
+in the log, but whether a compare-and-set's condition held, which branch of a transaction
+ran, whether a delete found its key, and which keys a lease's revoke deleted were decided
+here. An entry whose mutations all took effect (every unconditional put) has no record. Records are dropped with the ledger prefix
+they describe (`forget_effects`).
 
 Every applied batch is one WriteBatch that also moves the applied index, so a crash never
 applies an entry twice or skips one: on restart the node replays the ledger from the
@@ -46,6 +54,7 @@ from .commands import (
     Txn,
     TxnResult,
     decode,
+    txn_branches,
 )
 from .leases import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
 
@@ -54,6 +63,8 @@ _MEMBERSHIP = b"\x00membership"
 _RESTORING = b"\x00restoring"
 _SYNC = b"\x00sync"
 _REMOVED = b"\x00removed"  # ids removed from the cluster (JSON list): their peers are refused
+_EFFECTS = b"\x00fx"
+_EFFECTS_FROM = b"\x00effects_from"
 _DATA = b"k"
 _USER_DATA = _DATA + b"\x01"  # where user keys start: the reserved ones sort before
 _TWO_U64 = struct.Struct(">QQ")
@@ -103,6 +114,11 @@ class LevelDBStateMachine:
         self._removed = set(json.loads(self._db.get(_REMOVED) or b"[]"))
         self.leases = LeaseTable()
         self._load_leases()
+        raw_from = self._db.get(_EFFECTS_FROM)
+        if raw_from is None:  # a new state, or one from a version that kept no records
+            raw_from = _U64.pack(self._applied[0] + 1)
+            self._db.put(_EFFECTS_FROM, raw_from)
+        self.effects_from = _U64.unpack(raw_from)[0]
         # Called with the changes of each applied batch, when someone watches.
         self.on_changes: Callable[[list[Change]], None] | None = None
 
@@ -211,7 +227,11 @@ class LevelDBStateMachine:
                     results.append(err)  # deterministic: every replica rejects it alike
                     continue
                 reads = answering is None or e.index in answering
-                results.append(self._execute(cmd, e.index, wb, overlay, changes, reads))
+                result = self._execute(cmd, e.index, wb, overlay, changes, reads)
+                took = effect_record(cmd, result)
+                if took is not None:
+                    wb.put(_EFFECTS + pack(e.index), took)
+                results.append(result)
             elif e.kind == EntryKind.CONFIG:
                 self._apply_config(e.data, wb)
                 results.append(None)
@@ -233,6 +253,23 @@ class LevelDBStateMachine:
         wb.put(_MEMBERSHIP, data)
         wb.put(_REMOVED, json.dumps(sorted(self._removed)).encode())
         self._membership = data
+
+    def effects(self, lo: int, hi: int) -> dict[int, bytes]:
+        """The effect records of entries [lo, hi), by index (see effect_record). Entries
+        without one had every mutation in their log rows take effect."""
+        out = {}
+        with self._db.iterator(start=_EFFECTS + _U64.pack(lo), stop=_EFFECTS + _U64.pack(hi)) as it:
+            for k, v in it:
+                out[_U64.unpack_from(k, len(_EFFECTS))[0]] = v
+        return out
+
+    def forget_effects(self, upto: int) -> None:
+        """Drop the effect records of entries up to `upto` (the ledger no longer has them)."""
+        wb = self._db.write_batch()
+        with self._db.iterator(start=_EFFECTS + _U64.pack(0), stop=_EFFECTS + _U64.pack(upto + 1), include_value=False) as it:
+            for k in it:
+                wb.delete(k)
+        wb.write()
 
     def removed(self) -> frozenset[str]:
         """Ids that were members and were removed (a re-added id leaves this set)."""
@@ -376,6 +413,8 @@ class LevelDBStateMachine:
         fin.put(_APPLIED, _TWO_U64.pack(index, term))
         self._membership = membership
         fin.delete(_RESTORING)
+        fin.put(_EFFECTS_FROM, _U64.pack(index + 1))  # the records before it were not loaded
+        self.effects_from = index + 1
         fin.write()
         self._applied = (index, term)
         self.incomplete = False
@@ -396,6 +435,35 @@ class LevelDBStateMachine:
     def close(self) -> None:
         if self._db is not None and not self._db.closed:
             self._db.close()
+
+
+EFFECT_MASK, EFFECT_DELETED = b"m", b"d"
+
+
+def effect_record(cmd, result) -> bytes | None:
+    """What an applied command changed, where the log does not say it: for a put, delete or
+    transaction which of its mutations took effect, in the order of the log's rows
+    (kv.logstream.entry_rows): EFFECT_MASK + one byte each, 1 or 0 (None when all did); for
+    a lease's revoke, the keys it deleted: EFFECT_DELETED + a JSON list (None if none)."""
+    if isinstance(cmd, LeaseRevoke):
+        keys = result.keys if isinstance(result, LeaseRevoked) else ()
+        return EFFECT_DELETED + json.dumps(list(keys)).encode() if keys else None
+    if isinstance(cmd, Put):
+        took = [isinstance(result, PutResult)]  # not a failed condition, nor an unknown lease
+    elif isinstance(cmd, Delete):
+        took = [isinstance(result, DeleteResult) and result.deleted]
+    elif isinstance(cmd, Txn) and isinstance(result, TxnResult):
+        took = []
+        for branch, ops in txn_branches(cmd):
+            ran = (branch == "else") != result.succeeded
+            outcomes = iter(result.results if ran else ())
+            for op in ops:
+                r = next(outcomes, None)
+                if type(op) is not Get:
+                    took.append(ran and (type(op) is Put or r.deleted))
+    else:
+        return None
+    return None if all(took) else EFFECT_MASK + bytes(took)
 
 
 class LevelDBView:

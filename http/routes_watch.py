@@ -1,0 +1,103 @@
+"""GET /v1/watch: every committed change under a prefix, as newline-delimited JSON.
+
+    {"type": "put", "key", "value", "mod_index", "index"}     (value as in a scan)
+    {"type": "delete", "key", "mod_index", "index"}
+    {"type": "progress", "index": N}      every change up to N has been sent (when idle)
+    {"type": "error", "code", "message"}  the last line when the node ends the stream
+
+A start below the node's ledger is refused (410) before the stream begins; a failure later
+(the watcher fell too far behind, the node is stopping) can only travel in-band, as the last
+line. Either way the client resumes from the last index it saw + 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from aiohttp import web
+
+from kv import KVError
+
+from .context import CONTEXT, ctx
+from .routes_admin import _index_param
+from .routes_kv import _encode_value
+
+
+# After sending a batch a stream waits this long before taking the next, so that the changes
+# of many small applied batches go out in one write (one wake-up and one syscall per stream,
+# not per batch); a change after a quiet spell still goes out at once.
+LINGER_S = 0.01
+
+
+# Every stream that sends a change sends the same line: the small ones are encoded once.
+# At most LINE_CACHE lines of at most LINE_CACHE_BYTES each (emptied when full).
+LINE_CACHE, LINE_CACHE_BYTES = 4096, 4096
+_lines: dict[tuple, bytes] = {}
+
+
+def event_line(ev, force_b64: bool) -> bytes:
+    k = (ev, force_b64)  # the whole change: one transaction may write a key twice
+    line = _lines.get(k)
+    if line is not None:
+        return line
+    if ev.value is None:
+        d = {"type": "delete", "key": ev.key, "mod_index": ev.index, "index": ev.index}
+    else:
+        d = {"type": "put", "key": ev.key, **_encode_value(ev.value, force_b64), "mod_index": ev.index, "index": ev.index}
+    line = orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
+    if len(line) <= LINE_CACHE_BYTES:
+        if len(_lines) >= LINE_CACHE:
+            _lines.clear()
+        _lines[k] = line
+    return line
+
+
+async def watch(request: web.Request) -> web.StreamResponse:
+    c = ctx(request)
+    node = c.node
+    start = _index_param(request, "from", 0) or None
+    force_b64 = request.query.get("encoding") == "base64"
+    w = node.watch(request.query.get("prefix", ""), start_index=start, resume_when_behind=False)  # 410 before any byte
+    c.watch_streams.add(w)
+    progress_s = node.config.watch_progress_ms / 1000
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-store"})
+    try:
+        await resp.prepare(request)
+        # Where the stream starts, so that a client that has seen nothing yet can resume.
+        await resp.write(orjson.dumps({"type": "progress", "index": w.cursor - 1}, option=orjson.OPT_APPEND_NEWLINE))
+        while True:
+            try:
+                got = await w.next_batch(progress_s)
+            except KVError as e:  # fell behind, or the history it needed is gone
+                await resp.write(orjson.dumps({"type": "error", "code": e.code, "message": str(e), **e.details()}, option=orjson.OPT_APPEND_NEWLINE))
+                break
+            if got is None:
+                message = f"the node is stopping; resume from index {w.cursor} on another node"
+                await resp.write(orjson.dumps({"type": "error", "code": "UNAVAILABLE", "message": message}, option=orjson.OPT_APPEND_NEWLINE))
+                break
+            events, seen = got
+            if events:
+                await resp.write(b"".join([event_line(ev, force_b64) for ev in events]))
+                await asyncio.sleep(LINGER_S)
+            else:
+                await resp.write(orjson.dumps({"type": "progress", "index": seen}, option=orjson.OPT_APPEND_NEWLINE))
+        await resp.write_eof()
+    except ConnectionError:
+        pass  # the client went away
+    finally:
+        w.close()
+        c.watch_streams.discard(w)
+    return resp
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/watch", watch, name="watch")
+
+    async def end_streams(app: web.Application) -> None:
+        # A stream would hold a graceful shutdown up for its whole timeout: end them first,
+        # each with its last line saying where to resume.
+        for w in list(app[CONTEXT].watch_streams):
+            w.close()
+
+    app.on_shutdown.append(end_streams)
