@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -11,14 +12,23 @@ def add_parser(sub) -> None:
     p = sub.add_parser("spark", help="bulk import and export through Spark (pip install ledgerkv[spark])")
     sp = p.add_subparsers(dest="spark_cmd", metavar="ACTION")
     i = sp.add_parser("import", help="write a Parquet, CSV or JSON dataset of key/value rows into a cluster")
-    i.add_argument("source", help="a path Spark can read (a file or a directory)")
-    i.add_argument("--endpoints", required=True, help="client URLs of the cluster, comma-separated")
-    i.add_argument("--format", choices=["parquet", "csv", "json"], help="default: from the path's extension")
+    i.add_argument("source", help="a path Spark can read (a file, a directory or a glob)")
+    i.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster, comma-separated (default $KV_ENDPOINTS)")
+    i.add_argument("--format", help="parquet, csv or json (default: from the path's extension)")
+    i.add_argument("--option", action="append", default=[], metavar="K=V", help="an option for Spark's reader, e.g. --option sep=';' (repeatable); CSV defaults: header, RFC 4180 quoting, multiLine")
     i.add_argument("--key-col", default="key")
     i.add_argument("--value-col", default="value")
-    i.add_argument("--batch", type=int, default=2000, help="rows per transaction (default 2000; batches also stop at about 1 MiB)")
-    i.add_argument("--concurrency", type=int, default=4, help="batches in flight per partition (default 4)")
-    i.add_argument("--token", default=None)
+    i.add_argument("--key-expr", help="the key as a Spark SQL expression, e.g. \"concat_ws('/', 'flights', year, month, day, carrier, flight)\"")
+    i.add_argument("--value-expr", help="the value as a Spark SQL expression, e.g. 'to_json(struct(*))'")
+    i.add_argument("--on-duplicate", choices=["refuse", "last"], default="refuse", help="a key that occurs more than once: refuse the import (default) or keep its last row")
+    i.add_argument("--max-value-bytes", type=int, default=1 << 20, help="the cluster's --max-value-bytes (default 1048576): larger values are refused before writing")
+    i.add_argument("--partitions", type=int, default=None, help="write tasks (default: 2 per core)")
+    i.add_argument("--batch", type=int, default=5000, help="rows per transaction at most (default 5000)")
+    i.add_argument("--batch-bytes", type=int, default=1 << 20, help="bytes per transaction on the wire at most (default 1 MiB)")
+    i.add_argument("--concurrency", type=int, default=4, help="transactions in flight per task (default 4)")
+    i.add_argument("--errors", metavar="PATH", help="write the rows that failed here, one JSON line each: {\"key\", \"error\"}")
+    i.add_argument("--timeout", type=float, default=None, help="give up after this many seconds overall; rows not written by then fail")
+    i.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     i.add_argument("--master", default="local[2]")
     e = sp.add_parser("export", help="write a snapshot's records as Parquet (or any Spark format)")
     e.add_argument("out", help="output path")
@@ -42,21 +52,49 @@ def add_parser(sub) -> None:
     g.add_argument("--master", default="local[2]")
 
 
+def _options(pairs: list[str]) -> dict[str, str]:
+    from .errors import BadRequest
+
+    out = {}
+    for p in pairs:
+        k, eq, v = p.partition("=")
+        if not eq or not k:
+            raise BadRequest(f"--option {p!r}: give KEY=VALUE, e.g. --option sep=;")
+        out[k.strip()] = v
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    from . import spark as kvspark
+    """Errors (ours and Spark's) end as one line on stderr and a non-zero exit."""
+    from pyspark.errors import PySparkException
+    from py4j.protocol import Py4JError
+
+    from .spark_import import spark_error
 
     if args.spark_cmd not in ("import", "export", "export-log"):
         print("kv spark: choose import, export or export-log (kv spark --help)", file=sys.stderr)
         return 2
+    try:
+        return _run(args)
+    except (PySparkException, Py4JError) as e:
+        print(f"kv spark {args.spark_cmd}: {spark_error(e)}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from . import spark as kvspark
+    from .errors import BadRequest
+    from .spark_import import source_format
+
+    if getattr(args, "endpoints", "") is None and not getattr(args, "snapshot", None):
+        raise BadRequest("no cluster given: --endpoints URL,URL,... (or set KV_ENDPOINTS)")
+    if args.spark_cmd == "import":
+        source_format(args.source, args.format)  # a missing path fails before Spark starts
+        options = _options(args.option)
     s = kvspark.session(args.master)
     try:
         if args.spark_cmd == "import":
-            df = kvspark.load(s, args.source, args.format)
-            report = kvspark.write(df, args.endpoints, key_col=args.key_col, value_col=args.value_col, batch=args.batch, concurrency=args.concurrency, token=args.token)
-            print(report.summary())
-            for f in report.failures[:20]:
-                print(f"  failed: {f}", file=sys.stderr)
-            return 1 if report.failures else 0
+            return _import(s, args, options)
         t0 = time.monotonic()
         if args.spark_cmd == "export-log":
             df = kvspark.read_log(s, args.endpoints, args.start, args.end, partitions=args.partitions, token=args.token)
@@ -72,3 +110,26 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         s.stop()
+
+
+def _import(s, args: argparse.Namespace, options: dict[str, str]) -> int:
+    from . import spark as kvspark
+
+    df = kvspark.load(s, args.source, args.format, options)
+    report = kvspark.write(
+        df, args.endpoints, key_col=args.key_col, value_col=args.value_col, key_expr=args.key_expr, value_expr=args.value_expr,
+        on_duplicate=args.on_duplicate, max_value_bytes=args.max_value_bytes, partitions=args.partitions, batch_rows=args.batch,
+        batch_bytes=args.batch_bytes, concurrency=args.concurrency, token=args.token, timeout=args.timeout,
+    )
+    print(report.summary())
+    if args.errors:
+        import orjson
+
+        with open(args.errors, "wb") as f:
+            for key, error in report.failures:
+                f.write(orjson.dumps({"key": key, "error": error}) + b"\n")
+    for key, error in report.failures[:10]:
+        print(f"  failed: {key!r}: {error}", file=sys.stderr)
+    if len(report.failures) > 10:
+        print(f"  ... and {len(report.failures) - 10} more" + (f" (all in {args.errors})" if args.errors else " (--errors PATH lists them all)"), file=sys.stderr)
+    return 1 if report.failures else 0
