@@ -29,11 +29,15 @@ the snapshot for the state before them.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
 from .errors import BadRequest, KVError
+from .snapshot.format import read_header
 from .spark_import import ImportReport, load, write  # noqa: F401  (the import half, re-exported)
+
+VALUE_TYPES = ("binary", "string")
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -48,15 +52,89 @@ def snapshot_schema():
 def fetch_snapshot(endpoints: str, token: str | None = None, directory: str | None = None, *, fresh: bool = False) -> str:
     """Download the newest snapshot of a node (with fresh, it takes one first, so the
     export holds everything applied so far); returns the local path."""
+    return download_snapshot(endpoints, token, directory, fresh=fresh)["path"]
+
+
+def download_snapshot(endpoints: str, token: str | None, directory: str | None = None, *, fresh: bool = True) -> dict:
+    """Take a snapshot on the leader (or, failing that, the next node that answers) and
+    download it: {"path", "index", "term", "endpoint"}. Taken on the leader, it holds every
+    write acknowledged before the call."""
     from .client import Client
+    from .spark_import import live_endpoints
 
     path = os.path.join(directory or tempfile.mkdtemp(prefix="kv-export-"), "snapshot.lkvs")
+    errors = []
     with Client(endpoints, token=token) as c:
-        endpoint = c.endpoints[0]
-        if fresh:
-            c.take_snapshot(endpoint)
-        c.download_snapshot(path, endpoint=endpoint)
-    return path
+        for ep, _ in live_endpoints(endpoints, token):
+            try:
+                if fresh:
+                    c.take_snapshot(ep)
+                return {**c.download_snapshot(path, endpoint=ep), "path": path}
+            except KVError as e:  # the next node, then
+                errors.append(f"{ep}: {e}")
+    raise KVError("no node gave a snapshot: " + "; ".join(errors))
+
+
+def export_snapshot(
+    spark,
+    out: str,
+    *,
+    endpoints: str | None = None,
+    snapshot: str | None = None,
+    token: str | None = None,
+    prefix: str | None = None,
+    fmt: str = "parquet",
+    partitions: int | None = None,
+    overwrite: bool = False,
+    value_type: str = "binary",
+    json_schema: str | None = None,
+) -> dict:
+    """Write the records of a snapshot file, or of a fresh snapshot of a cluster, to `out`;
+    returns {"rows", "index", "term", "source"}, which also goes to out/_ledgerkv.json.
+    `out` must not exist unless overwrite; the downloaded snapshot is removed, also on failure."""
+    import shutil
+
+    if value_type not in VALUE_TYPES:
+        raise BadRequest(f"--value-type must be one of {', '.join(VALUE_TYPES)}")
+    if os.path.exists(out) and not overwrite:
+        raise BadRequest(f"{out} exists: choose another path, or replace it with --overwrite")
+    tmp = None
+    try:
+        if snapshot is None:
+            tmp = tempfile.mkdtemp(prefix="kv-export-")
+            got = download_snapshot(endpoints, token, tmp)
+            path, source = got["path"], got["endpoint"]
+        else:
+            path, source = snapshot, snapshot
+        with open(path, "rb") as f:
+            header, _ = read_header(f)
+        df = with_value_type(read_snapshot(spark, path, prefix=prefix, partitions=partitions), value_type, json_schema)
+        df.write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    meta = {"rows": spark.read.format(fmt).load(out).count(), "index": header.index, "term": header.term, "source": source, "prefix": prefix}
+    if os.path.isdir(out):
+        with open(os.path.join(out, "_ledgerkv.json"), "w") as f:  # Spark readers skip "_" files
+            json.dump(meta, f)
+    return meta
+
+
+def with_value_type(df, value_type: str, json_schema: str | None):
+    """The value column as text, or its JSON exploded into typed columns (a Spark DDL schema,
+    e.g. "year int, carrier string")."""
+    from pyspark.errors import PySparkException
+    from pyspark.sql import functions as F
+
+    if json_schema:
+        try:
+            parsed = df.withColumn("value", F.from_json(F.col("value").cast("string"), json_schema))
+            return parsed.select("key", "mod_index", "value.*")
+        except PySparkException as e:
+            from .spark_import import spark_error
+
+            raise BadRequest(f"--json-schema {json_schema!r}: {spark_error(e)}") from None
+    return df.withColumn("value", F.col("value").cast("string")) if value_type == "string" else df
 
 
 def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: int | None = None):

@@ -30,25 +30,27 @@ def add_parser(sub) -> None:
     i.add_argument("--timeout", type=float, default=None, help="give up after this many seconds overall; rows not written by then fail")
     i.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     i.add_argument("--master", default="local[2]")
-    e = sp.add_parser("export", help="write a snapshot's records as Parquet (or any Spark format)")
-    e.add_argument("out", help="output path")
-    src = e.add_mutually_exclusive_group(required=True)
+    e = sp.add_parser("export", help="write a cluster's (or a snapshot file's) records as Parquet (or any Spark format)")
+    e.add_argument("out", help="output path (refused if it exists, unless --overwrite)")
+    src = e.add_mutually_exclusive_group()
     src.add_argument("--snapshot", help="a snapshot file (kv snapshot save)")
-    src.add_argument("--endpoints", help="download the newest snapshot of a node of this cluster")
-    e.add_argument("--fresh", action="store_true", help="with --endpoints: have the node take a snapshot first")
+    src.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="the cluster as of now: its leader takes a snapshot, which is exported (default $KV_ENDPOINTS)")
     e.add_argument("--prefix", default=None, help="only keys under this prefix")
     e.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     e.add_argument("--partitions", type=int, default=None)
-    e.add_argument("--token", default=None)
+    e.add_argument("--overwrite", action="store_true", help="replace what is at the output path")
+    e.add_argument("--value-type", choices=["binary", "string"], default="binary", help="the value column's type (default binary)")
+    e.add_argument("--json-schema", help="explode JSON values into typed columns, a Spark DDL schema, e.g. 'year int, carrier string'")
+    e.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     e.add_argument("--master", default="local[2]")
     g = sp.add_parser("export-log", help="write the committed log range [--from, --to] of a cluster (for audit)")
     g.add_argument("out", help="output path")
-    g.add_argument("--endpoints", required=True, help="client URLs of the cluster; the first that answers is read")
+    g.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster; the first that answers is read (default $KV_ENDPOINTS)")
     g.add_argument("--from", dest="start", type=int, default=None, help="first index (default: the oldest the node still holds)")
     g.add_argument("--to", dest="end", type=int, default=None, help="last index (default: the node's applied index)")
     g.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     g.add_argument("--partitions", type=int, default=None)
-    g.add_argument("--token", default=None)
+    g.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     g.add_argument("--master", default="local[2]")
 
 
@@ -86,25 +88,29 @@ def _run(args: argparse.Namespace) -> int:
     from .errors import BadRequest
     from .spark_import import source_format
 
-    if getattr(args, "endpoints", "") is None and not getattr(args, "snapshot", None):
+    if not args.endpoints and not getattr(args, "snapshot", None):
         raise BadRequest("no cluster given: --endpoints URL,URL,... (or set KV_ENDPOINTS)")
     if args.spark_cmd == "import":
         source_format(args.source, args.format)  # a missing path fails before Spark starts
         options = _options(args.option)
+    if args.spark_cmd == "export" and os.path.exists(args.out) and not args.overwrite:
+        raise BadRequest(f"{args.out} exists: choose another path, or replace it with --overwrite")
     s = kvspark.session(args.master)
     try:
         if args.spark_cmd == "import":
             return _import(s, args, options)
         t0 = time.monotonic()
-        if args.spark_cmd == "export-log":
+        if args.spark_cmd == "export":
+            meta = kvspark.export_snapshot(
+                s, args.out, endpoints=args.endpoints, snapshot=args.snapshot, token=args.token, prefix=args.prefix, fmt=args.format,
+                partitions=args.partitions, overwrite=args.overwrite, value_type=args.value_type, json_schema=args.json_schema,
+            )
+            rows, source = meta["rows"], f"{meta['source']} as of index {meta['index']} (term {meta['term']})"
+        else:
             df = kvspark.read_log(s, args.endpoints, args.start, args.end, partitions=args.partitions, token=args.token)
             source = f"the log of {args.endpoints}"
-        else:
-            path = args.snapshot or kvspark.fetch_snapshot(args.endpoints, args.token, fresh=args.fresh)
-            df = kvspark.read_snapshot(s, path, prefix=args.prefix, partitions=args.partitions)
-            source = path
-        df.write.mode("overwrite").format(args.format).save(args.out)
-        rows = s.read.format(args.format).load(args.out).count()
+            df.write.mode("overwrite").format(args.format).save(args.out)
+            rows = s.read.format(args.format).load(args.out).count()
         took = time.monotonic() - t0
         print(f"exported {rows} rows from {source} to {args.out} ({args.format}) in {took:.1f}s ({rows / took:,.0f} rows/s)")
         return 0

