@@ -184,7 +184,11 @@ class _Writer:
             if status == 200:
                 self.out.written += len(rows)
                 return
-            rows = self._settle(rows, orjson.loads(body)["results"], unknown)
+            again = self._settle(rows, orjson.loads(body)["results"], unknown)
+            if len(again) == len(rows):  # a 412 that no key explains: report, do not loop
+                self.out.failed += [(r.key, "the cluster refused the comparison on mod_index (412) though the key was unchanged") for r in rows]
+                return
+            rows = again
 
     def _settle(self, rows: list[_Row], results: list[dict], unknown: bool) -> list[_Row]:
         """After a 412: what each key holds now decides its row; returns the rows to resend."""
