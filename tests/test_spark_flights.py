@@ -250,3 +250,12 @@ def test_export_is_current_refuses_an_existing_path_and_leaves_no_temp_files(spa
     (row,) = spark.read.parquet(out).collect()
     assert row.key == "ap/JFK" and json.loads(row.value)["name"] == jfk["name"]
     assert list(tmp.iterdir()) == []
+
+
+def test_rows_left_when_the_timeout_passes_fail_at_once(cluster):
+    import time
+
+    rows = [[(f"late/{i:03d}", b"v")] for i in range(100)]
+    out = asyncio.run(bulk.write_chunks(rows, bulk.Settings([cluster.url(cluster.leader())], deadline=time.time() - 1)))
+    assert (out.written, out.transactions, len(out.failed)) == (0, 0, 100) and "--timeout passed" in out.failed[0][1]
+    assert cluster.get(cluster.ids[0], "late/000")[0] == 404
