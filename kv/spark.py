@@ -1,15 +1,10 @@
 """The data pipeline on Spark (pip install ledgerkv[spark]).
 
 Import — write a DataFrame (or a Parquet/CSV/JSON path) of key and value columns into a
-running cluster:
+running cluster (kv.spark_import: every row is checked before the first write; kv.bulk:
+each task reads its key range back and proposes only what differs, compared on mod_index):
 
     report = kv.spark.write(df, "http://127.0.0.1:8001,http://127.0.0.1:8002")
-
-Each partition sends its rows in batches, as transactions, to any node (followers forward
-to the leader), several batches in flight at once. A batch compares every key with its
-new value: when all already hold it nothing is written, otherwise the batch's puts run.
-So re-running an import changes nothing, and retrying a batch after a 503 or a 504 (its
-outcome unknown) is safe.
 
 Export — read a snapshot file (or the newest snapshot of a node) as a DataFrame of
 (key, value, mod_index):
@@ -34,153 +29,15 @@ the snapshot for the state before them.
 
 from __future__ import annotations
 
-import asyncio
+import json
 import os
 import tempfile
-import time
-from dataclasses import dataclass, field
 
 from .errors import BadRequest, KVError
+from .snapshot.format import read_header
+from .spark_import import ImportReport, load, write  # noqa: F401  (the import half, re-exported)
 
-KEY_TYPES = ("string", "binary")
-VALUE_TYPES = ("string", "binary")
-# A batch compares and puts every value: twice its bytes must stay within a server's
-# default --max-request-bytes (1.5 MiB), and its rows within --max-txn-ops (128).
-MAX_BATCH_BYTES = 512 << 10
-DEFAULT_BATCH = 128
-
-
-@dataclass
-class ImportReport:
-    rows: int = 0
-    batches: int = 0
-    written_batches: int = 0  # batches that changed something (the others already matched)
-    retries: int = 0
-    failures: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def summary(self) -> str:
-        rate = self.rows / self.seconds if self.seconds else 0.0
-        return (
-            f"imported {self.rows} rows in {self.batches} batches ({self.written_batches} wrote, "
-            f"{self.batches - self.written_batches} already matched), {self.retries} retries, "
-            f"{len(self.failures)} failures, {self.seconds:.1f}s ({rate:,.0f} rows/s)"
-        )
-
-
-# -- import -----------------------------------------------------------------------------------
-
-
-def load(spark, path: str, fmt: str | None = None):
-    """A DataFrame from a Parquet, CSV (with a header line) or JSON-lines path."""
-    fmt = fmt or os.path.splitext(path.rstrip("/"))[1].lstrip(".").lower() or "parquet"
-    if fmt not in ("parquet", "csv", "json"):
-        raise BadRequest(f"cannot tell the format of {path!r}: give --format parquet, csv or json")
-    reader = spark.read.format(fmt)
-    if fmt == "csv":
-        reader = reader.option("header", "true")
-    return reader.load(path)
-
-
-def _check_columns(df, key_col: str, value_col: str) -> None:
-    types = dict(df.dtypes)
-    for col, allowed in ((key_col, KEY_TYPES), (value_col, VALUE_TYPES)):
-        if col not in types:
-            raise BadRequest(f"the DataFrame has no column {col!r}; its columns are {', '.join(types)}")
-        if types[col] not in allowed:
-            raise BadRequest(f"column {col!r} is of type {types[col]}; it must be {' or '.join(allowed)} (cast it first)")
-
-
-def write(
-    df,
-    endpoints: str,
-    *,
-    key_col: str = "key",
-    value_col: str = "value",
-    batch: int = DEFAULT_BATCH,
-    concurrency: int = 4,
-    token: str | None = None,
-    retries: int = 8,
-) -> ImportReport:
-    """Write the key and value columns of df into the cluster; returns the report."""
-    _check_columns(df, key_col, value_col)
-    if batch < 1 or concurrency < 1:
-        raise BadRequest("batch and concurrency must be at least 1")
-    settings = {"endpoints": endpoints, "batch": batch, "concurrency": concurrency, "token": token, "retries": retries}
-    t0 = time.monotonic()
-    parts = df.select(key_col, value_col).rdd.mapPartitionsWithIndex(lambda i, rows: [_import_partition(i, rows, settings)]).collect()
-    report = ImportReport(seconds=time.monotonic() - t0)
-    for p in parts:
-        report.rows += p["rows"]
-        report.batches += p["batches"]
-        report.written_batches += p["written"]
-        report.retries += p["retries"]
-        report.failures += p["failures"]
-    return report
-
-
-def _batches(part: int, rows, size: int):
-    """Rows -> lists of (key, value bytes), at most `size` rows and about 1 MiB each."""
-    out, nbytes = [], 0
-    for n, row in enumerate(rows):
-        key, value = row[0], row[1]
-        if key is None or value is None:
-            raise BadRequest(f"partition {part}, row {n}: the {'key' if key is None else 'value'} is null")
-        if isinstance(key, (bytes, bytearray)):
-            try:
-                key = bytes(key).decode("utf-8")
-            except UnicodeDecodeError:
-                raise BadRequest(f"partition {part}, row {n}: the key is not UTF-8") from None
-        if isinstance(value, str):
-            value = value.encode("utf-8")
-        out.append((key, bytes(value)))
-        nbytes += len(key) + len(value)
-        if len(out) >= size or nbytes >= MAX_BATCH_BYTES:
-            yield out
-            out, nbytes = [], 0
-    if out:
-        yield out
-
-
-def _import_partition(part: int, rows, s: dict) -> dict:
-    return asyncio.run(_import_async(part, rows, s))
-
-
-async def _import_async(part: int, rows, s: dict) -> dict:
-    from . import Cond, Put
-    from .client import AsyncClient
-
-    stats = {"rows": 0, "batches": 0, "written": 0, "retries": 0, "failures": []}
-    gate = asyncio.Semaphore(s["concurrency"])
-
-    async def send(c: AsyncClient, items: list[tuple[str, bytes]]) -> None:
-        conds = [Cond(k, "value", v) for k, v in items]
-        puts = [Put(k, v) for k, v in items]
-        try:
-            for attempt in range(s["retries"] + 1):
-                try:
-                    r = await c.txn(conds, (), puts)  # all equal: nothing to do; else write
-                    stats["batches"] += 1
-                    stats["rows"] += len(items)
-                    stats["written"] += 0 if r.succeeded else 1
-                    return
-                except KVError as e:
-                    if e.http_status not in (503, 504) or attempt == s["retries"]:
-                        raise
-                    stats["retries"] += 1  # safe: the batch is idempotent
-                    await asyncio.sleep(min(0.1 * 2**attempt, 5.0))
-        except Exception as e:  # reported, not raised: the other batches go on
-            stats["failures"].append(f"partition {part}, batch starting at key {items[0][0]!r}: {e}")
-        finally:
-            gate.release()
-
-    async with AsyncClient(s["endpoints"], token=s["token"], timeout=30, connections=s["concurrency"]) as c:
-        tasks = []
-        for items in _batches(part, rows, s["batch"]):
-            await gate.acquire()
-            tasks.append(asyncio.ensure_future(send(c, items)))
-        await asyncio.gather(*tasks)
-    return stats
+VALUE_TYPES = ("binary", "string")
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -195,15 +52,89 @@ def snapshot_schema():
 def fetch_snapshot(endpoints: str, token: str | None = None, directory: str | None = None, *, fresh: bool = False) -> str:
     """Download the newest snapshot of a node (with fresh, it takes one first, so the
     export holds everything applied so far); returns the local path."""
+    return download_snapshot(endpoints, token, directory, fresh=fresh)["path"]
+
+
+def download_snapshot(endpoints: str, token: str | None, directory: str | None = None, *, fresh: bool = True) -> dict:
+    """Take a snapshot on the leader (or, failing that, the next node that answers) and
+    download it: {"path", "index", "term", "endpoint"}. Taken on the leader, it holds every
+    write acknowledged before the call."""
     from .client import Client
+    from .spark_import import live_endpoints
 
     path = os.path.join(directory or tempfile.mkdtemp(prefix="kv-export-"), "snapshot.lkvs")
+    errors = []
     with Client(endpoints, token=token) as c:
-        endpoint = c.endpoints[0]
-        if fresh:
-            c.take_snapshot(endpoint)
-        c.download_snapshot(path, endpoint=endpoint)
-    return path
+        for ep, _ in live_endpoints(endpoints, token):
+            try:
+                if fresh:
+                    c.take_snapshot(ep)
+                return {**c.download_snapshot(path, endpoint=ep), "path": path}
+            except KVError as e:  # the next node, then
+                errors.append(f"{ep}: {e}")
+    raise KVError("no node gave a snapshot: " + "; ".join(errors))
+
+
+def export_snapshot(
+    spark,
+    out: str,
+    *,
+    endpoints: str | None = None,
+    snapshot: str | None = None,
+    token: str | None = None,
+    prefix: str | None = None,
+    fmt: str = "parquet",
+    partitions: int | None = None,
+    overwrite: bool = False,
+    value_type: str = "binary",
+    json_schema: str | None = None,
+) -> dict:
+    """Write the records of a snapshot file, or of a fresh snapshot of a cluster, to `out`;
+    returns {"rows", "index", "term", "source"}, which also goes to out/_ledgerkv.json.
+    `out` must not exist unless overwrite; the downloaded snapshot is removed, also on failure."""
+    import shutil
+
+    if value_type not in VALUE_TYPES:
+        raise BadRequest(f"--value-type must be one of {', '.join(VALUE_TYPES)}")
+    if os.path.exists(out) and not overwrite:
+        raise BadRequest(f"{out} exists: choose another path, or replace it with --overwrite")
+    tmp = None
+    try:
+        if snapshot is None:
+            tmp = tempfile.mkdtemp(prefix="kv-export-")
+            got = download_snapshot(endpoints, token, tmp)
+            path, source = got["path"], got["endpoint"]
+        else:
+            path, source = snapshot, snapshot
+        with open(path, "rb") as f:
+            header, _ = read_header(f)
+        df = with_value_type(read_snapshot(spark, path, prefix=prefix, partitions=partitions), value_type, json_schema)
+        df.write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    meta = {"rows": spark.read.format(fmt).load(out).count(), "index": header.index, "term": header.term, "source": source, "prefix": prefix}
+    if os.path.isdir(out):
+        with open(os.path.join(out, "_ledgerkv.json"), "w") as f:  # Spark readers skip "_" files
+            json.dump(meta, f)
+    return meta
+
+
+def with_value_type(df, value_type: str, json_schema: str | None):
+    """The value column as text, or its JSON exploded into typed columns (a Spark DDL schema,
+    e.g. "year int, carrier string")."""
+    from pyspark.errors import PySparkException
+    from pyspark.sql import functions as F
+
+    if json_schema:
+        try:
+            parsed = df.withColumn("value", F.from_json(F.col("value").cast("string"), json_schema))
+            return parsed.select("key", "mod_index", "value.*")
+        except PySparkException as e:
+            from .spark_import import spark_error
+
+            raise BadRequest(f"--json-schema {json_schema!r}: {spark_error(e)}") from None
+    return df.withColumn("value", F.col("value").cast("string")) if value_type == "string" else df
 
 
 def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: int | None = None):
@@ -377,7 +308,7 @@ def session(master: str = "local[2]", app: str = "ledgerkv"):
     return (
         SparkSession.builder.master(master)
         .appName(app)
-        .config("spark.ui.showConsoleProgress", "true")
+        .config("spark.ui.showConsoleProgress", str(sys.stderr.isatty()).lower())  # a progress bar on a terminal
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .getOrCreate()
     )

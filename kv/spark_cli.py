@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -11,64 +12,130 @@ def add_parser(sub) -> None:
     p = sub.add_parser("spark", help="bulk import and export through Spark (pip install ledgerkv[spark])")
     sp = p.add_subparsers(dest="spark_cmd", metavar="ACTION")
     i = sp.add_parser("import", help="write a Parquet, CSV or JSON dataset of key/value rows into a cluster")
-    i.add_argument("source", help="a path Spark can read (a file or a directory)")
-    i.add_argument("--endpoints", required=True, help="client URLs of the cluster, comma-separated")
-    i.add_argument("--format", choices=["parquet", "csv", "json"], help="default: from the path's extension")
+    i.add_argument("source", help="a path Spark can read (a file, a directory or a glob)")
+    i.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster, comma-separated (default $KV_ENDPOINTS)")
+    i.add_argument("--format", help="parquet, csv or json (default: from the path's extension)")
+    i.add_argument("--option", action="append", default=[], metavar="K=V", help="an option for Spark's reader, e.g. --option sep=';' (repeatable); CSV defaults: header, RFC 4180 quoting, multiLine")
     i.add_argument("--key-col", default="key")
     i.add_argument("--value-col", default="value")
-    i.add_argument("--batch", type=int, default=128, help="rows per transaction, at most the cluster's --max-txn-ops (default 128; batches also stop at about 512 KiB)")
-    i.add_argument("--concurrency", type=int, default=4, help="batches in flight per partition (default 4)")
-    i.add_argument("--token", default=None)
+    i.add_argument("--key-expr", help="the key as a Spark SQL expression, e.g. \"concat_ws('/', 'flights', year, month, day, carrier, flight)\"")
+    i.add_argument("--value-expr", help="the value as a Spark SQL expression, e.g. 'to_json(struct(*))'")
+    i.add_argument("--on-duplicate", choices=["refuse", "last"], default="refuse", help="a key that occurs more than once: refuse the import (default) or keep its last row")
+    i.add_argument("--max-value-bytes", type=int, default=1 << 20, help="the cluster's --max-value-bytes (default 1048576): larger values are refused before writing")
+    i.add_argument("--partitions", type=int, default=None, help="write tasks (default: 2 per core)")
+    i.add_argument("--batch", type=int, default=128, help="rows per transaction at most: no more than the cluster's --max-txn-ops (default 128)")
+    i.add_argument("--batch-bytes", type=int, default=1 << 20, help="bytes per transaction on the wire at most (default 1 MiB)")
+    i.add_argument("--concurrency", type=int, default=4, help="transactions in flight per task (default 4)")
+    i.add_argument("--errors", metavar="PATH", help="write the rows that failed here, one JSON line each: {\"key\", \"error\"}")
+    i.add_argument("--timeout", type=float, default=None, help="give up after this many seconds overall; rows not written by then fail")
+    i.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     i.add_argument("--master", default="local[2]")
-    e = sp.add_parser("export", help="write a snapshot's records as Parquet (or any Spark format)")
-    e.add_argument("out", help="output path")
-    src = e.add_mutually_exclusive_group(required=True)
+    e = sp.add_parser("export", help="write a cluster's (or a snapshot file's) records as Parquet (or any Spark format)")
+    e.add_argument("out", help="output path (refused if it exists, unless --overwrite)")
+    src = e.add_mutually_exclusive_group()
     src.add_argument("--snapshot", help="a snapshot file (kv snapshot save)")
-    src.add_argument("--endpoints", help="download the newest snapshot of a node of this cluster")
-    e.add_argument("--fresh", action="store_true", help="with --endpoints: have the node take a snapshot first")
+    src.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="the cluster as of now: its leader takes a snapshot, which is exported (default $KV_ENDPOINTS)")
     e.add_argument("--prefix", default=None, help="only keys under this prefix")
     e.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     e.add_argument("--partitions", type=int, default=None)
-    e.add_argument("--token", default=None)
+    e.add_argument("--overwrite", action="store_true", help="replace what is at the output path")
+    e.add_argument("--value-type", choices=["binary", "string"], default="binary", help="the value column's type (default binary)")
+    e.add_argument("--json-schema", help="explode JSON values into typed columns, a Spark DDL schema, e.g. 'year int, carrier string'")
+    e.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     e.add_argument("--master", default="local[2]")
     g = sp.add_parser("export-log", help="write the committed log range [--from, --to] of a cluster (for audit)")
     g.add_argument("out", help="output path")
-    g.add_argument("--endpoints", required=True, help="client URLs of the cluster; the first that answers is read")
+    g.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster; the first that answers is read (default $KV_ENDPOINTS)")
     g.add_argument("--from", dest="start", type=int, default=None, help="first index (default: the oldest the node still holds)")
     g.add_argument("--to", dest="end", type=int, default=None, help="last index (default: the node's applied index)")
     g.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     g.add_argument("--partitions", type=int, default=None)
-    g.add_argument("--token", default=None)
+    g.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     g.add_argument("--master", default="local[2]")
 
 
+def _options(pairs: list[str]) -> dict[str, str]:
+    from .errors import BadRequest
+
+    out = {}
+    for p in pairs:
+        k, eq, v = p.partition("=")
+        if not eq or not k:
+            raise BadRequest(f"--option {p!r}: give KEY=VALUE, e.g. --option sep=;")
+        out[k.strip()] = v
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    from . import spark as kvspark
+    """Errors (ours and Spark's) end as one line on stderr and a non-zero exit."""
+    from pyspark.errors import PySparkException
+    from py4j.protocol import Py4JError
+
+    from .spark_import import spark_error
 
     if args.spark_cmd not in ("import", "export", "export-log"):
         print("kv spark: choose import, export or export-log (kv spark --help)", file=sys.stderr)
         return 2
+    try:
+        return _run(args)
+    except (PySparkException, Py4JError) as e:
+        print(f"kv spark {args.spark_cmd}: {spark_error(e)}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from . import spark as kvspark
+    from .errors import BadRequest
+    from .spark_import import source_format
+
+    if not args.endpoints and not getattr(args, "snapshot", None):
+        raise BadRequest("no cluster given: --endpoints URL,URL,... (or set KV_ENDPOINTS)")
+    if args.spark_cmd == "import":
+        source_format(args.source, args.format)  # a missing path fails before Spark starts
+        options = _options(args.option)
+    if args.spark_cmd == "export" and os.path.exists(args.out) and not args.overwrite:
+        raise BadRequest(f"{args.out} exists: choose another path, or replace it with --overwrite")
     s = kvspark.session(args.master)
     try:
         if args.spark_cmd == "import":
-            df = kvspark.load(s, args.source, args.format)
-            report = kvspark.write(df, args.endpoints, key_col=args.key_col, value_col=args.value_col, batch=args.batch, concurrency=args.concurrency, token=args.token)
-            print(report.summary())
-            for f in report.failures[:20]:
-                print(f"  failed: {f}", file=sys.stderr)
-            return 1 if report.failures else 0
+            return _import(s, args, options)
         t0 = time.monotonic()
-        if args.spark_cmd == "export-log":
+        if args.spark_cmd == "export":
+            meta = kvspark.export_snapshot(
+                s, args.out, endpoints=args.endpoints, snapshot=args.snapshot, token=args.token, prefix=args.prefix, fmt=args.format,
+                partitions=args.partitions, overwrite=args.overwrite, value_type=args.value_type, json_schema=args.json_schema,
+            )
+            rows, source = meta["rows"], f"{meta['source']} as of index {meta['index']} (term {meta['term']})"
+        else:
             df = kvspark.read_log(s, args.endpoints, args.start, args.end, partitions=args.partitions, token=args.token)
             source = f"the log of {args.endpoints}"
-        else:
-            path = args.snapshot or kvspark.fetch_snapshot(args.endpoints, args.token, fresh=args.fresh)
-            df = kvspark.read_snapshot(s, path, prefix=args.prefix, partitions=args.partitions)
-            source = path
-        df.write.mode("overwrite").format(args.format).save(args.out)
-        rows = s.read.format(args.format).load(args.out).count()
+            df.write.mode("overwrite").format(args.format).save(args.out)
+            rows = s.read.format(args.format).load(args.out).count()
         took = time.monotonic() - t0
         print(f"exported {rows} rows from {source} to {args.out} ({args.format}) in {took:.1f}s ({rows / took:,.0f} rows/s)")
         return 0
     finally:
         s.stop()
+
+
+def _import(s, args: argparse.Namespace, options: dict[str, str]) -> int:
+    from . import spark as kvspark
+
+    df = kvspark.load(s, args.source, args.format, options)
+    report = kvspark.write(
+        df, args.endpoints, key_col=args.key_col, value_col=args.value_col, key_expr=args.key_expr, value_expr=args.value_expr,
+        on_duplicate=args.on_duplicate, max_value_bytes=args.max_value_bytes, partitions=args.partitions, batch_rows=args.batch,
+        batch_bytes=args.batch_bytes, concurrency=args.concurrency, token=args.token, timeout=args.timeout,
+    )
+    print(report.summary())
+    if args.errors:
+        import orjson
+
+        with open(args.errors, "wb") as f:
+            for key, error in report.failures:
+                f.write(orjson.dumps({"key": key, "error": error}) + b"\n")
+    for key, error in report.failures[:10]:
+        print(f"  failed: {key!r}: {error}", file=sys.stderr)
+    if len(report.failures) > 10:
+        print(f"  ... and {len(report.failures) - 10} more" + (f" (all in {args.errors})" if args.errors else " (--errors PATH lists them all)"), file=sys.stderr)
+    return 1 if report.failures else 0
