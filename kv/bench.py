@@ -9,6 +9,7 @@
     kv bench snapshot  snapshot save rate; catch-up of a follower far behind
     kv bench watch     watch streams: one watcher's events/s, commit-to-delivery with 100
                        watchers, 1,000 idle watchers' memory and effect on writes
+    kv bench lease     the leader's CPU with 10,000 leases kept alive; lock hand-over time
 
 Figures are printed as a table and can be written as JSON (--json FILE). The machine may
 be shared and noisy: compare figures taken side by side in one run.
@@ -667,16 +668,21 @@ def add_parser(sub) -> None:
     from .bench_watch import add_arguments
 
     add_arguments(common(bs.add_parser("watch", help="watch streams: events/s, delivery latency, idle watchers")))
+    from .bench_lease import add_arguments as lease_arguments
+
+    lease_arguments(common(bs.add_parser("lease", help="leases kept alive: the leader's CPU; lock hand-over latency")))
 
 
 def run(args) -> int:
     from .serve import install_uvloop
 
+    from .bench_lease import bench_lease
     from .bench_watch import bench_watch
 
     install_uvloop()
     fn = {
         "watch": bench_watch,
+        "lease": bench_lease,
         "commit": bench_commit,
         "http": bench_http,
         "store": bench_store,

@@ -38,9 +38,10 @@ class AsyncLease:
 
     async def grant(self) -> AsyncLease:
         if self.id is None:
+            sent = asyncio.get_running_loop().time()
             status = await self._store.lease_grant(self.ttl)
             self.id = status.id
-            self._task = asyncio.get_running_loop().create_task(self._keep_alive(), name=f"lease-{self.id}")
+            self._task = asyncio.get_running_loop().create_task(self._keep_alive(sent + self.ttl), name=f"lease-{self.id}")
         return self
 
     def __await__(self):
@@ -52,22 +53,25 @@ class AsyncLease:
     async def __aexit__(self, *exc) -> None:
         await self.revoke()
 
-    async def _keep_alive(self) -> None:
+    async def _keep_alive(self, good_until: float) -> None:
+        # good_until: the send time of the last keepalive that got an answer, plus ttl. The
+        # leader renewed it on receipt, later, so the lease lives at least that long; past
+        # it, the lease may be gone and the holder must hear so at once, not a retry later.
         loop = asyncio.get_running_loop()
-        good_until = loop.time() + self.ttl
         every = self.ttl / 3
         while True:
-            await asyncio.sleep(every)
+            await asyncio.sleep(max(0.0, min(every, good_until - loop.time())))
+            sent = loop.time()
+            if sent >= good_until:
+                return self._lose(KVError(f"lease {self.id}: no keepalive got through for its whole ttl ({self.ttl:g}s)"))
             try:
-                await self._store.lease_keepalive(self.id)
-                good_until, every = loop.time() + self.ttl, self.ttl / 3
+                await asyncio.wait_for(self._store.lease_keepalive(self.id), good_until - sent)
+                good_until, every = sent + self.ttl, self.ttl / 3
             except LeaseNotFound as e:
                 return self._lose(e)
-            except KVError as e:
-                if loop.time() >= good_until:
-                    return self._lose(KVError(f"lease {self.id}: no keepalive got through for its whole ttl ({e})"))
+            except (KVError, asyncio.TimeoutError) as e:
                 every = min(self.ttl / 10, 1.0)  # try again sooner while time is left
-                log.info("lease %d: keepalive failed (%s); retrying", self.id, e)
+                log.info("lease %d: keepalive failed (%s); retrying", self.id, e or "no answer in time")
 
     def _lose(self, e: KVError) -> None:
         self.lost = e

@@ -25,12 +25,54 @@ log = logging.getLogger("kv.leases")
 SWEEP_S = 0.25  # how often the leader looks for expired leases
 
 
-class LeaseClock:
-    def __init__(self, node) -> None:
-        self._node = node
-        self._deadlines: dict[int, float] = {}  # lease -> when it expires, on the leader's clock
+class LeaseDeadlines:
+    """When each lease expires, on the leader's clock: pure (the caller passes the time and
+    the role), so the simulator can drive it through leader changes (tests/test_lease_sim.py).
+
+    `sync` follows the role and the lease table; `expired` says which leases the leader
+    should revoke now; `renew` answers a keepalive. A lease past its deadline is treated as
+    gone even before its revoke commits: renewing it then would tell its holder it has a
+    whole ttl left while the revoke already in flight deletes its keys."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, float] = {}  # lease -> when it expires
         self._term = -1  # the term these deadlines were counted in (-1: not leading)
         self._version = -1  # the lease table's version they reflect
+
+    def sync(self, leading: bool, term: int, table, now: float) -> bool:
+        """Bring the deadlines up to date; False when this node does not lead."""
+        if not leading:
+            self._term, self.at = -1, {}
+            return False
+        if self._term != term:  # newly leading: every lease counts as renewed now
+            self._term, self._version = term, table.version
+            self.at = {lease: now + ttl / 1000 for lease, ttl in table.ttl_ms.items()}
+        elif self._version != table.version:
+            self._version = table.version
+            self.at = {lease: self.at.get(lease, now + ttl / 1000) for lease, ttl in table.ttl_ms.items()}
+        return True
+
+    def expired(self, now: float) -> list[int]:
+        return [lease for lease, at in self.at.items() if at <= now]
+
+    def renew(self, lease: int, ttl_ms: int, now: float) -> bool:
+        """A keepalive, on the leader after sync: False if the lease has expired."""
+        if self.at.get(lease, now) <= now:
+            return False
+        self.at[lease] = now + ttl_ms / 1000
+        return True
+
+    def left_ms(self, lease: int, now: float) -> int:
+        return max(0, int((self.at.get(lease, now) - now) * 1000))
+
+
+class LeaseClock:
+    """Runs LeaseDeadlines on a node: sweeps for expired leases and commits their revokes,
+    and answers keepalives and queries."""
+
+    def __init__(self, node) -> None:
+        self._node = node
+        self._deadlines = LeaseDeadlines()
         self._revoking: set[int] = set()
         self._task: asyncio.Task | None = None
 
@@ -46,31 +88,17 @@ class LeaseClock:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_S)
-            for lease in self._expired():
-                self._revoking.add(lease)
-                asyncio.get_running_loop().create_task(self._revoke(lease))
+            now = asyncio.get_running_loop().time()
+            if not self._sync(now):
+                continue
+            for lease in self._deadlines.expired(now):
+                if lease not in self._revoking:
+                    self._revoking.add(lease)
+                    asyncio.get_running_loop().create_task(self._revoke(lease))
 
     def _sync(self, now: float) -> bool:
-        """Bring the deadlines up to date with the role and the lease table; False when
-        this node does not lead."""
         raft = self._node.raft
-        if raft.role != Role.LEADER:
-            self._term, self._deadlines = -1, {}
-            return False
-        table = self._node.sm.leases
-        if self._term != raft.term:  # newly leading: every lease counts as renewed now
-            self._term, self._version = raft.term, table.version
-            self._deadlines = {lease: now + ttl / 1000 for lease, ttl in table.ttl_ms.items()}
-        elif self._version != table.version:
-            self._version = table.version
-            self._deadlines = {lease: self._deadlines.get(lease, now + ttl / 1000) for lease, ttl in table.ttl_ms.items()}
-        return True
-
-    def _expired(self) -> list[int]:
-        now = asyncio.get_running_loop().time()
-        if not self._sync(now):
-            return []
-        return [lease for lease, at in self._deadlines.items() if at <= now and lease not in self._revoking]
+        return self._deadlines.sync(raft.role == Role.LEADER, raft.term, self._node.sm.leases, now)
 
     async def _revoke(self, lease: int) -> None:
         try:
@@ -84,19 +112,15 @@ class LeaseClock:
     async def answer(self, cmd: cmds.LeaseKeepAlive | cmds.LeaseQuery):
         """A keepalive or a query, on the leader (after confirming it leads)."""
         await self._node.read_barrier("linearizable")
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = asyncio.get_running_loop().time()
         if not self._sync(now):
             raise NotLeader(self._node.raft.leader_id)
-        table = self._node.sm.leases
+        table, d = self._node.sm.leases, self._deadlines
         if type(cmd) is cmds.LeaseQuery and not cmd.lease:
-            return cmds.LeaseList(tuple(cmds.LeaseInfo(lease, ttl, self._left(lease, now)) for lease, ttl in sorted(table.ttl_ms.items())))
+            return cmds.LeaseList(tuple(cmds.LeaseInfo(lease, ttl, d.left_ms(lease, now)) for lease, ttl in sorted(table.ttl_ms.items())))
         ttl = table.ttl_ms.get(cmd.lease)
         if ttl is None:
             return cmds.NoSuchLease(cmd.lease)
-        if type(cmd) is cmds.LeaseKeepAlive:
-            self._deadlines[cmd.lease] = now + ttl / 1000
-        return cmds.LeaseInfo(cmd.lease, ttl, self._left(cmd.lease, now), tuple(sorted(table.keys[cmd.lease])))
-
-    def _left(self, lease: int, now: float) -> int:
-        return max(0, int((self._deadlines[lease] - now) * 1000))
+        if type(cmd) is cmds.LeaseKeepAlive and not d.renew(cmd.lease, ttl, now):
+            return cmds.NoSuchLease(cmd.lease)  # expired; its revoke is on its way
+        return cmds.LeaseInfo(cmd.lease, ttl, d.left_ms(cmd.lease, now), tuple(sorted(table.keys[cmd.lease])))
