@@ -41,13 +41,14 @@ class LoopThread:
             raise Unavailable("closed")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def iterate(self, it: AsyncIterator[T]) -> Iterator[T]:
-        """A blocking iterator over an async iterator that lives on the loop."""
+    def iterate(self, it: AsyncIterator[T], timeout: float | None = None) -> Iterator[T]:
+        """A blocking iterator over an async iterator that lives on the loop; it ends when
+        no item came for `timeout` seconds (None: waits)."""
         try:
             while True:
                 try:
-                    yield self.call(anext(it))
-                except StopAsyncIteration:
+                    yield self.call(asyncio.wait_for(anext(it), timeout))
+                except (StopAsyncIteration, asyncio.TimeoutError):
                     return
         finally:
             aclose = getattr(it, "aclose", None)

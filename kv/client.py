@@ -507,7 +507,10 @@ class Client:
     download_snapshot = _blocking(AsyncClient.download_snapshot)
     read_log = _blocking_iter(AsyncClient.read_log)
     scan_page = _blocking(AsyncClient.scan_page)
-    watch = _blocking_iter(AsyncClient.watch)
+    def watch(self, prefix: str = "", start_index: int | None = None, *, timeout: float | None = None, idle_timeout: float = 15.0) -> Iterator[Event]:
+        """AsyncClient.watch, blocking; like kv.open's, `timeout` ends a wait with no change
+        for that many seconds (None: waits)."""
+        return self._lt.iterate(aiter(self._async.watch(prefix, start_index, idle_timeout=idle_timeout)), timeout)
     members = _blocking(AsyncClient.members)
     lease_grant = _blocking(AsyncClient.lease_grant)
     lease_keepalive = _blocking(AsyncClient.lease_keepalive)

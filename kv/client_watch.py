@@ -114,7 +114,7 @@ async def watch(client: AsyncClient, prefix: str, start_index: int | None, idle_
         now = time.monotonic()
         failing_since = failing_since or now
         if now - failing_since > client.timeout:
-            raise errors.Unavailable(f"no endpoint served the watch for {client.timeout:.0f}s ({', '.join(eps)}): {last_error}")
+            raise errors.Unavailable(f"no endpoint served the watch for {client.timeout:g}s ({', '.join(eps)}): {last_error}")
         if client._next % len(eps) == 0:  # a whole round failed: back off before the next
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)

@@ -6,7 +6,6 @@ a listener sees every change."""
 
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import subprocess

@@ -56,3 +56,20 @@ def test_ci_runs_the_readme_test_command():
     assert f"pip install -e '.[test]' && {command}" in README
     assert command in open(os.path.join(ROOT, ".ci", "run")).read()
     assert ".venv/bin/kv cluster up" in README
+
+
+def test_metadata_store_example_runs_unchanged_against_a_cluster_with_kv_client(tmp_path):
+    """The same example with `kv.open(...)` swapped for `kv.Client(endpoints)`: one API."""
+    from cluster import ProcCluster
+
+    assert "kv.open(tempfile.mkdtemp())" in BLOCKS[0]
+    c = ProcCluster(str(tmp_path / "cluster"), proxies=False)
+    try:
+        c.start()
+        c.leader()
+        code = BLOCKS[0].replace("kv.open(tempfile.mkdtemp())", f"kv.Client({','.join(c.url(i) for i in c.ids)!r})")
+        r = run_python(code, str(tmp_path))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "refused:" in r.stdout and "delete hosts/7" in r.stdout, r.stdout
+    finally:
+        c.close()
