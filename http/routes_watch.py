@@ -5,6 +5,9 @@
     {"type": "progress", "index": N}      every change up to N has been sent (when idle)
     {"type": "error", "code", "message"}  the last line when the node ends the stream
 
+With `to=N` the stream is bounded: it sends the changes of indexes up to N, then
+{"type": "progress", "index": N} and ends (a range of the change feed: kv spark export-log).
+
 A start below the node's ledger is refused (410) before the stream begins; a failure later
 (the watcher fell too far behind, the node is stopping) can only travel in-band, as the last
 line. Either way the client resumes from the last index it saw + 1.
@@ -17,7 +20,7 @@ import asyncio
 import orjson
 from aiohttp import web
 
-from kv import KVError
+from kv import BadRequest, KVError
 
 from .context import CONTEXT, ctx
 from .routes_admin import _index_param
@@ -57,6 +60,9 @@ async def watch(request: web.Request) -> web.StreamResponse:
     c = ctx(request)
     node = c.node
     start = _index_param(request, "from", 0) or None
+    end = _index_param(request, "to", 0) or None
+    if end is not None and start is not None and end < start - 1:
+        raise BadRequest(f"to ({end}) is before from ({start}): the range is empty")
     force_b64 = request.query.get("encoding") == "base64"
     w = node.watch(request.query.get("prefix", ""), start_index=start, resume_when_behind=False)  # 410 before any byte
     c.watch_streams.add(w)
@@ -77,11 +83,18 @@ async def watch(request: web.Request) -> web.StreamResponse:
                 await resp.write(orjson.dumps({"type": "error", "code": "UNAVAILABLE", "message": message}, option=orjson.OPT_APPEND_NEWLINE))
                 break
             events, seen = got
+            done = end is not None and (seen >= end or (events and events[-1].index > end))
+            if done:
+                events = [ev for ev in events if ev.index <= end]
             if events:
                 await resp.write(b"".join([event_line(ev, force_b64) for ev in events]))
-                await asyncio.sleep(LINGER_S)
-            else:
+                if not done:
+                    await asyncio.sleep(LINGER_S)
+            elif not done:
                 await resp.write(orjson.dumps({"type": "progress", "index": seen}, option=orjson.OPT_APPEND_NEWLINE))
+            if done:
+                await resp.write(orjson.dumps({"type": "progress", "index": end}, option=orjson.OPT_APPEND_NEWLINE))
+                break
         await resp.write_eof()
     except ConnectionError:
         pass  # the client went away

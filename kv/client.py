@@ -269,14 +269,15 @@ class AsyncClient:
         d = await self._json("GET", "/v1/kv", params=params)
         return Page([Item(it["key"], _decode_value(it), it["mod_index"]) for it in d["items"]], d["index"])
 
-    def watch(self, prefix: str = "", start_index: int | None = None, *, idle_timeout: float = 15.0) -> AsyncIterator[Event]:
+    def watch(self, prefix: str = "", start_index: int | None = None, *, end_index: int | None = None, idle_timeout: float = 15.0) -> AsyncIterator[Event]:
         """Every change under prefix from start_index (default: the next commit), as kv.Event;
         on a broken stream it resumes on another endpoint without gap or repeat. Raises
-        Compacted when no endpoint still holds the start. idle_timeout: seconds without a byte
-        (the node sends progress every 5 s) before the node is taken for dead."""
+        Compacted when no endpoint still holds the start. end_index: stop after the changes
+        of that index (a bounded range of the change feed). idle_timeout: seconds without a
+        byte (the node sends progress every 5 s) before the node is taken for dead."""
         from .client_watch import watch
 
-        return watch(self, prefix, start_index, idle_timeout)
+        return watch(self, prefix, start_index, idle_timeout, end_index)
 
     async def txn(self, conds: Sequence[Cond] = (), ops: Sequence = (), else_ops: Sequence = ()) -> TxnResult:
         """Atomically: if every kv.Cond holds run `ops`, else `else_ops` (kv.Put, kv.Delete,
@@ -507,10 +508,12 @@ class Client:
     download_snapshot = _blocking(AsyncClient.download_snapshot)
     read_log = _blocking_iter(AsyncClient.read_log)
     scan_page = _blocking(AsyncClient.scan_page)
-    def watch(self, prefix: str = "", start_index: int | None = None, *, timeout: float | None = None, idle_timeout: float = 15.0) -> Iterator[Event]:
+    def watch(
+        self, prefix: str = "", start_index: int | None = None, *, end_index: int | None = None, timeout: float | None = None, idle_timeout: float = 15.0
+    ) -> Iterator[Event]:
         """AsyncClient.watch, blocking; like kv.open's, `timeout` ends a wait with no change
         for that many seconds (None: waits)."""
-        return self._lt.iterate(aiter(self._async.watch(prefix, start_index, idle_timeout=idle_timeout)), timeout)
+        return self._lt.iterate(aiter(self._async.watch(prefix, start_index, end_index=end_index, idle_timeout=idle_timeout)), timeout)
     members = _blocking(AsyncClient.members)
     lease_grant = _blocking(AsyncClient.lease_grant)
     lease_keepalive = _blocking(AsyncClient.lease_keepalive)

@@ -63,8 +63,9 @@ def _event(d: dict) -> Event:
     return Event(d["index"], d["key"], base64.b64decode(v) if d.get("encoding") == "base64" else v.encode())
 
 
-async def watch(client: AsyncClient, prefix: str, start_index: int | None, idle_timeout: float) -> AsyncIterator[Event]:
+async def watch(client: AsyncClient, prefix: str, start_index: int | None, idle_timeout: float, end_index: int | None = None) -> AsyncIterator[Event]:
     pos = _Position(start_index)
+    bound = {"to": str(end_index)} if end_index is not None else {}
     eps = client.endpoints
     compacted: set[str] = set()
     last_error: Exception | str = ""
@@ -72,7 +73,7 @@ async def watch(client: AsyncClient, prefix: str, start_index: int | None, idle_
     failing_since: float | None = None
     while True:
         ep = eps[client._next % len(eps)]
-        params = {"prefix": prefix, **pos.resume()}
+        params = {"prefix": prefix, **pos.resume(), **bound}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=idle_timeout)
         try:
             async with client._sess().get(ep + "/v1/watch", params=params, timeout=timeout) as resp:
@@ -96,6 +97,8 @@ async def watch(client: AsyncClient, prefix: str, start_index: int | None, idle_
                             t = d["type"]
                             if t == "progress":
                                 pos.progress(d["index"])
+                                if end_index is not None and d["index"] >= end_index:
+                                    return  # the bounded range is complete
                             elif t == "error":
                                 last_error = f"{ep} ended the stream: {d.get('code')}: {d.get('message')}"
                                 if d.get("code") == "COMPACTED":

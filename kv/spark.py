@@ -228,9 +228,9 @@ def log_bounds(endpoints: str, token: str | None = None) -> tuple[str, int, int]
     raise KVError("no node answered: " + "; ".join(f"{ep}: {s}" for ep, s in answers))
 
 
-def read_log(spark, endpoints: str, start: int | None = None, end: int | None = None, *, partitions: int | None = None, token: str | None = None):
-    """A DataFrame of the committed log entries [start, end] (default: all that the first
-    node that answers still holds), read from that node in parallel index ranges."""
+def _ranges(spark, endpoints: str, start: int | None, end: int | None, partitions: int | None, token: str | None):
+    """The committed range [start, end] (default: all the first node that answers still
+    holds), checked against that node, split into index ranges: (endpoint, lo, hi) each."""
     from .errors import Compacted
 
     ep, first, last = log_bounds(endpoints, token)
@@ -247,11 +247,68 @@ def read_log(spark, endpoints: str, start: int | None = None, end: int | None = 
     count = end - start + 1
     n = max(1, min(count, partitions or spark.sparkContext.defaultParallelism * 2))
     bounds = [start + count * i // n for i in range(n + 1)]
-    plan = spark.createDataFrame(
-        [(ep, bounds[i], bounds[i + 1] - 1, token or "") for i in range(n)],
-        "endpoint string, lo long, hi long, token string",
+    return [(ep, bounds[i], bounds[i + 1] - 1) for i in range(n)]
+
+
+def _plan(spark, rows: list[tuple], schema: str):
+    """A DataFrame of work items, one partition each (mapInArrow then runs one per task)."""
+    return spark.createDataFrame(rows, schema).repartition(len(rows))
+
+
+def read_log(spark, endpoints: str, start: int | None = None, end: int | None = None, *, partitions: int | None = None, token: str | None = None):
+    """A DataFrame of the committed log entries [start, end] as they were proposed (the raw
+    log: index, term, op, key, value, conditional, branch), read from the first node that
+    answers in parallel index ranges."""
+    ranges = _ranges(spark, endpoints, start, end, partitions, token)
+    plan = _plan(spark, [(ep, lo, hi, token or "") for ep, lo, hi in ranges], "endpoint string, lo long, hi long, token string")
+    return plan.mapInArrow(_read_log_ranges, log_schema())
+
+
+def changes_schema():
+    from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType
+
+    return StructType(
+        [
+            StructField("index", LongType(), False),
+            StructField("type", StringType(), False),
+            StructField("key", StringType(), False),
+            StructField("value", BinaryType(), True),
+            StructField("mod_index", LongType(), False),
+        ]
     )
-    return plan.repartition(n).mapInArrow(_read_log_ranges, log_schema())
+
+
+def read_changes(
+    spark, endpoints: str, start: int | None = None, end: int | None = None, *, prefix: str = "", partitions: int | None = None, token: str | None = None
+):
+    """A DataFrame of the effective changes of the committed range [start, end]: what a
+    watch would have seen — one row per key a committed entry changed (index, type put or
+    delete, key, value, the mod_index it produced), a transaction's branch resolved, writes
+    that changed nothing left out. After `export_snapshot` at index N, `read_changes(...,
+    start=N + 1)` continues it with no gap and no repeat (a CDC bootstrap)."""
+    ranges = _ranges(spark, endpoints, start, end, partitions, token)
+    # Each range is watched on the node that was planned first, on the others if it fails.
+    rows = [(",".join([ep] + [e for e in endpoints.split(",") if e.strip() and e.strip() != ep]), lo, hi, prefix, token or "") for ep, lo, hi in ranges]
+    plan = _plan(spark, rows, "endpoints string, lo long, hi long, prefix string, token string")
+    return plan.mapInArrow(_read_change_ranges, changes_schema())
+
+
+def _read_change_ranges(batches):
+    """mapInArrow: each input row names an index range; watches it and yields its changes
+    as Arrow batches."""
+    from .client import Client
+
+    for plan in batches:
+        for eps, lo, hi, prefix, token in zip(*(plan.column(i).to_pylist() for i in range(5))):
+            rows = []
+            with Client(eps, token=token or None, timeout=60) as c:
+                for ev in c.watch(prefix, lo, end_index=hi):
+                    rows.append((ev.index, ev.type, ev.key, ev.value, ev.index))
+                    if len(rows) >= 65536:
+                        yield _arrow(rows, changes_schema())
+                        rows = []
+            if rows:
+                yield _arrow(rows, changes_schema())
 
 
 def _read_log_ranges(batches):
@@ -276,7 +333,7 @@ def _stream_range(ep: str, lo: int, hi: int, token: str | None):
                     expected += 1
                     rows.extend(entry_rows(e))
                 if len(rows) >= 65536:
-                    yield _log_batch(rows)
+                    yield _arrow(rows, log_schema())
                     rows = []
         except LogStreamError:
             raise
@@ -285,16 +342,16 @@ def _stream_range(ep: str, lo: int, hi: int, token: str | None):
     if expected != hi + 1:
         raise LogStreamError(f"log range [{lo}, {hi}] from {ep}: the stream ended at index {expected - 1}")
     if rows:
-        yield _log_batch(rows)
+        yield _arrow(rows, log_schema())
 
 
-def _log_batch(rows: list):
+def _arrow(rows: list[tuple], schema):
+    """Rows (tuples in the schema's column order) as one Arrow record batch."""
     import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
 
-    from .logstream import COLUMNS
-
-    types = (pa.int64(), pa.int64(), pa.string(), pa.string(), pa.binary(), pa.bool_(), pa.string())
-    return pa.RecordBatch.from_arrays([pa.array(col, t) for col, t in zip(zip(*rows), types)], names=list(COLUMNS))
+    a = to_arrow_schema(schema)
+    return pa.RecordBatch.from_arrays([pa.array(col, f.type) for col, f in zip(zip(*rows), a)], schema=a)
 
 
 def session(master: str = "local[2]", app: str = "ledgerkv"):

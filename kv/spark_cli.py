@@ -43,11 +43,16 @@ def add_parser(sub) -> None:
     e.add_argument("--json-schema", help="explode JSON values into typed columns, a Spark DDL schema, e.g. 'year int, carrier string'")
     e.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     e.add_argument("--master", default="local[2]")
-    g = sp.add_parser("export-log", help="write the committed log range [--from, --to] of a cluster (for audit)")
+    g = sp.add_parser(
+        "export-log",
+        help="write the changes of the committed range [--from, --to] (what a watch saw; --raw: the log entries as proposed)",
+    )
     g.add_argument("out", help="output path")
     g.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster; the first that answers is read (default $KV_ENDPOINTS)")
     g.add_argument("--from", dest="start", type=int, default=None, help="first index (default: the oldest the node still holds)")
     g.add_argument("--to", dest="end", type=int, default=None, help="last index (default: the node's applied index)")
+    g.add_argument("--prefix", default="", help="only changes of keys under this prefix (not with --raw)")
+    g.add_argument("--raw", action="store_true", help="the log entries as proposed (term, op, conditional, branch), for audit")
     g.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     g.add_argument("--partitions", type=int, default=None)
     g.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
@@ -107,8 +112,13 @@ def _run(args: argparse.Namespace) -> int:
             )
             rows, source = meta["rows"], f"{meta['source']} as of index {meta['index']} (term {meta['term']})"
         else:
-            df = kvspark.read_log(s, args.endpoints, args.start, args.end, partitions=args.partitions, token=args.token)
-            source = f"the log of {args.endpoints}"
+            if args.raw:
+                if args.prefix:
+                    raise BadRequest("--prefix selects changes; the raw log (--raw) is exported whole")
+                df = kvspark.read_log(s, args.endpoints, args.start, args.end, partitions=args.partitions, token=args.token)
+            else:
+                df = kvspark.read_changes(s, args.endpoints, args.start, args.end, prefix=args.prefix, partitions=args.partitions, token=args.token)
+            source = f"the {'log' if args.raw else 'changes'} of {args.endpoints}"
             df.write.mode("overwrite").format(args.format).save(args.out)
             rows = s.read.format(args.format).load(args.out).count()
         took = time.monotonic() - t0

@@ -11,6 +11,7 @@ from cluster import ProcCluster
 
 pyspark = pytest.importorskip("pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')")
 
+import kv  # noqa: E402
 import kv.spark as kvspark  # noqa: E402
 from kv import BadRequest  # noqa: E402
 
@@ -109,7 +110,7 @@ def test_export_a_100k_key_snapshot_to_parquet(spark, cluster, tmp_path):
     assert os.path.getsize(snap) > 0
 
 
-def test_change_feed_exports_a_committed_log_range(spark, cluster, tmp_path):
+def test_change_feed_exports_a_committed_log_range_raw(spark, cluster, tmp_path):
     lead = cluster.leader()
     code, first = cluster.put(lead, "feed/a", b"1")
     assert code == 200
@@ -134,7 +135,7 @@ def test_change_feed_exports_a_committed_log_range(spark, cluster, tmp_path):
 
     out = str(tmp_path / "feed.parquet")
     r = subprocess.run(
-        [sys.executable, "-m", "kv", "spark", "export-log", out, "--endpoints", endpoints(cluster), "--from", str(start), "--to", str(end)],
+        [sys.executable, "-m", "kv", "spark", "export-log", out, "--raw", "--endpoints", endpoints(cluster), "--from", str(start), "--to", str(end)],
         capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
@@ -145,3 +146,51 @@ def test_change_feed_exports_a_committed_log_range(spark, cluster, tmp_path):
         kvspark.read_log(spark, endpoints(cluster), 0, 5)
     with pytest.raises(BadRequest, match="is not applied on"):
         kvspark.read_log(spark, endpoints(cluster), start, end + 1_000_000)
+
+
+def test_export_then_changes_is_a_gapless_cdc_bootstrap(spark, cluster, tmp_path):
+    """export at index N, then the effective changes from N + 1: the exported state with the
+    changes applied in order is the cluster's state — nothing missed, nothing twice, and
+    writes that changed nothing (a failed compare-and-set, the branch not taken) absent."""
+    eps = endpoints(cluster)
+    with kv.Client(eps) as c:
+        c.put_many({f"cdc/{i}": b"v0" for i in range(100)})
+        c.put("other/x", b"1")
+    snap = str(tmp_path / "cdc.parquet")
+    meta = kvspark.export_snapshot(spark, snap, endpoints=eps, prefix="cdc/")
+    n = meta["index"]
+    with kv.Client(eps) as c:
+        c.put("cdc/1", b"v1")
+        c.delete("cdc/2")
+        c.put("cdc/new", b"n")
+        c.txn([kv.Cond("cdc/3", "exists", True)], [kv.Put("cdc/3", b"t"), kv.Delete("cdc/4")], [kv.Put("cdc/never", b"x")])
+        c.txn([kv.Cond("cdc/missing", "exists", True)], [kv.Put("cdc/never2", b"x")], [kv.Put("cdc/else", b"e")])
+        with pytest.raises(kv.PreconditionFailed):
+            c.cas("cdc/5", 1, b"stale")
+        c.put("other/y", b"2")
+        end = c.put("cdc/1", b"v2").index  # the last write; nothing writes after it
+        final = {it.key: it.value for it in c.scan("cdc/")}
+
+    changes = kvspark.read_changes(spark, eps, n + 1, end, prefix="cdc/", partitions=3).collect()
+    changes.sort(key=lambda r: r["index"])  # ranges come back in any order; a stable sort keeps one index's changes in theirs
+    state = {r["key"]: bytes(r["value"]) for r in spark.read.parquet(snap).collect()}
+    assert len(state) == 100
+    for r in changes:
+        assert r["mod_index"] == r["index"] and n < r["index"] <= end
+        if r["type"] == "put":
+            state[r["key"]] = bytes(r["value"])
+        else:
+            del state[r["key"]]
+    assert state == final
+    keys = [r["key"] for r in changes]
+    assert "cdc/never" not in keys and "cdc/never2" not in keys and "cdc/5" not in keys and "cdc/else" in keys
+    assert keys.count("cdc/1") == 2 and not any(k.startswith("other/") for k in keys)
+
+    out = str(tmp_path / "changes.parquet")
+    r = subprocess.run(
+        [sys.executable, "-m", "kv", "spark", "export-log", out, "--endpoints", eps, "--from", str(n + 1), "--to", str(end), "--prefix", "cdc/"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"exported {len(changes)} rows" in r.stdout
+    assert spark.read.parquet(out).filter("type = 'delete'").count() == 2

@@ -244,3 +244,25 @@ def test_the_sync_client_lists_then_watches(cluster):
         writes = [cluster.put(lead, f"sy/{i}", b"after")[1]["index"] for i in range(1, 4)]
         assert [next(events).index for _ in range(3)] == writes
         events.close()
+
+
+async def test_a_bounded_range_ends_after_its_last_index(cluster):
+    """`to=N`: the changes up to N, a last progress line at N, then the stream ends."""
+    lead, (f, _) = roles(cluster)
+    async with kv.AsyncClient(cluster.url(lead)) as writer:
+        first = (await writer.put("range/a", b"1")).index
+        await writer.put("range/b", b"2")
+        mid = (await writer.delete("range/a")).index
+        await writer.put("range/c", b"3")
+    cluster.wait_converged()
+    async with aiohttp.ClientSession() as s:
+        async with s.get(cluster.url(f) + "/v1/watch", params={"prefix": "range/", "from": str(first), "to": str(mid)}) as r:
+            assert r.status == 200
+            lines = [orjson.loads(x) for x in (await asyncio.wait_for(r.read(), 10)).splitlines()]
+        assert [(d["type"], d.get("key")) for d in lines[1:]] == [("put", "range/a"), ("put", "range/b"), ("delete", "range/a"), ("progress", None)]
+        assert lines[-1]["index"] == mid
+        async with s.get(cluster.url(f) + "/v1/watch", params={"from": str(mid), "to": str(first)}) as r:
+            assert r.status == 400
+    async with kv.AsyncClient([cluster.url(i) for i in cluster.ids]) as c:
+        got = [ev async for ev in c.watch("range/", first, end_index=mid)]
+        assert [(ev.type, ev.key) for ev in got] == [("put", "range/a"), ("put", "range/b"), ("delete", "range/a")]
