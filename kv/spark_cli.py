@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import sys
+import threading
 import time
 
 
@@ -43,6 +46,7 @@ def add_parser(sub) -> None:
     e.add_argument("--json-schema", help="explode JSON values into typed columns, a Spark DDL schema, e.g. 'year int, carrier string'")
     e.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     e.add_argument("--master", default="local[2]")
+    e.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (the output is then removed)")
     g = sp.add_parser(
         "export-log",
         help="write the changes of the committed range [--from, --to] (what a watch saw; --raw: the log entries as proposed)",
@@ -55,8 +59,10 @@ def add_parser(sub) -> None:
     g.add_argument("--raw", action="store_true", help="the log entries as proposed (term, op, conditional, branch), for audit")
     g.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     g.add_argument("--partitions", type=int, default=None)
+    g.add_argument("--overwrite", action="store_true", help="replace what is at the output path")
     g.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     g.add_argument("--master", default="local[2]")
+    g.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (the output is then removed)")
 
 
 def _options(pairs: list[str]) -> dict[str, str]:
@@ -98,34 +104,69 @@ def _run(args: argparse.Namespace) -> int:
     if args.spark_cmd == "import":
         source_format(args.source, args.format)  # a missing path fails before Spark starts
         options = _options(args.option)
-    if args.spark_cmd == "export" and os.path.exists(args.out) and not args.overwrite:
+    if args.spark_cmd != "import" and os.path.exists(args.out) and not args.overwrite:
         raise BadRequest(f"{args.out} exists: choose another path, or replace it with --overwrite")
     s = kvspark.session(args.master)
     try:
         if args.spark_cmd == "import":
             return _import(s, args, options)
-        t0 = time.monotonic()
-        if args.spark_cmd == "export":
-            meta = kvspark.export_snapshot(
-                s, args.out, endpoints=args.endpoints, snapshot=args.snapshot, token=args.token, prefix=args.prefix, fmt=args.format,
-                partitions=args.partitions, overwrite=args.overwrite, value_type=args.value_type, json_schema=args.json_schema,
-            )
-            rows, source = meta["rows"], f"{meta['source']} as of index {meta['index']} (term {meta['term']})"
-        else:
-            if args.raw:
-                if args.prefix:
-                    raise BadRequest("--prefix selects changes; the raw log (--raw) is exported whole")
-                df = kvspark.read_log(s, args.endpoints, args.start, args.end, partitions=args.partitions, token=args.token)
-            else:
-                df = kvspark.read_changes(s, args.endpoints, args.start, args.end, prefix=args.prefix, partitions=args.partitions, token=args.token)
-            source = f"the {'log' if args.raw else 'changes'} of {args.endpoints}"
-            df.write.mode("overwrite").format(args.format).save(args.out)
-            rows = s.read.format(args.format).load(args.out).count()
-        took = time.monotonic() - t0
-        print(f"exported {rows} rows from {source} to {args.out} ({args.format}) in {took:.1f}s ({rows / took:,.0f} rows/s)")
-        return 0
+        with _deadline(s, args):
+            return _export(kvspark, s, args)
     finally:
         s.stop()
+
+
+@contextlib.contextmanager
+def _deadline(s, args: argparse.Namespace):
+    """--timeout for an export: cancel Spark's jobs when it passes, remove what was written."""
+    from .errors import Timeout
+
+    if not args.timeout:
+        yield
+        return
+    passed = threading.Event()
+
+    def give_up():
+        passed.set()
+        s.sparkContext.cancelAllJobs()
+
+    timer = threading.Timer(args.timeout, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception as e:
+        if not passed.is_set():
+            raise
+        shutil.rmtree(args.out, ignore_errors=True)
+        raise Timeout(f"gave up after {args.timeout:g}s (--timeout); nothing was left at {args.out}") from e
+    finally:
+        timer.cancel()
+
+
+def _export(kvspark, s, args: argparse.Namespace) -> int:
+    from .errors import BadRequest
+
+    t0 = time.monotonic()
+    if args.spark_cmd == "export":
+        meta = kvspark.export_snapshot(
+            s, args.out, endpoints=args.endpoints, snapshot=args.snapshot, token=args.token, prefix=args.prefix, fmt=args.format,
+            partitions=args.partitions, overwrite=args.overwrite, value_type=args.value_type, json_schema=args.json_schema,
+        )
+        rows, source = meta["rows"], f"{meta['source']} as of index {meta['index']} (term {meta['term']})"
+    else:
+        if args.raw:
+            if args.prefix:
+                raise BadRequest("--prefix selects changes; the raw log (--raw) is exported whole")
+            df = kvspark.read_log(s, args.endpoints, args.start, args.end, partitions=args.partitions, token=args.token)
+        else:
+            df = kvspark.read_changes(s, args.endpoints, args.start, args.end, prefix=args.prefix, partitions=args.partitions, token=args.token)
+        source = f"the {'log' if args.raw else 'changes'} of {args.endpoints}"
+        df.write.mode("overwrite" if args.overwrite else "errorifexists").format(args.format).save(args.out)
+        rows = s.read.format(args.format).load(args.out).count()
+    took = time.monotonic() - t0
+    print(f"exported {rows} rows from {source} to {args.out} ({args.format}) in {took:.1f}s ({rows / took:,.0f} rows/s)")
+    return 0
 
 
 def _import(s, args: argparse.Namespace, options: dict[str, str]) -> int:

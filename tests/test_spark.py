@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from cluster import ProcCluster
@@ -194,3 +195,27 @@ def test_export_then_changes_is_a_gapless_cdc_bootstrap(spark, cluster, tmp_path
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"exported {len(changes)} rows" in r.stdout
     assert spark.read.parquet(out).filter("type = 'delete'").count() == 2
+    again = subprocess.run([sys.executable, "-m", "kv", "spark", "export-log", out, "--endpoints", eps], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and "exists" in again.stderr and "--overwrite" in again.stderr, again.stderr[-2000:]
+    assert spark.read.parquet(out).count() == len(changes)  # left as it was
+
+
+def test_export_timeout_cancels_the_job_and_removes_the_output(spark, tmp_path):
+    """--timeout on kv spark export/export-log: a job still running then is cancelled, what
+    it wrote removed, and the error says so (one line, kv.Timeout)."""
+    import argparse
+
+    from kv.spark_cli import _deadline
+
+    out = tmp_path / "out.parquet"
+    args = argparse.Namespace(timeout=2.0, out=str(out))
+    t0 = time.monotonic()
+    with pytest.raises(kv.Timeout, match="gave up after 2s"):
+        with _deadline(spark, args):
+            out.mkdir()
+            (out / "part-0").write_bytes(b"partial")
+            spark.range(10**13).selectExpr("sum(id)").collect()  # hours of work
+    assert time.monotonic() - t0 < 60
+    assert not out.exists()
+    with _deadline(spark, argparse.Namespace(timeout=60.0, out=str(out))):  # in time: nothing happens
+        assert spark.range(10).count() == 10
