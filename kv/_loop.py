@@ -39,7 +39,15 @@ class LoopThread:
         if self.closed:
             coro.close()
             raise Unavailable("closed")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result()
+        except BaseException:  # KeyboardInterrupt while waiting: stop the coroutine too
+            if not fut.done():
+                fut.cancel()  # cancels the task on the loop
+                with contextlib.suppress(BaseException):
+                    fut.result(5)  # let it unwind before the caller cleans up after it
+            raise
 
     def iterate(self, it: AsyncIterator[T], timeout: float | None = None) -> Iterator[T]:
         """A blocking iterator over an async iterator that lives on the loop; it ends when

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from ._loop import LoopThread
@@ -31,17 +32,20 @@ class AsyncLease:
         self.id: int | None = None
         self.lost: KVError | None = None
         self._task: asyncio.Task | None = None
+        self._good_until = 0.0  # monotonic: the lease lives at least until then
 
     @property
     def alive(self) -> bool:
-        return self.id is not None and self.lost is None
+        """False once the lease is lost — or may be: past the deadline its last answered
+        keepalive gave, even before the keepalive loop (paused, say) has noticed."""
+        return self.id is not None and self.lost is None and time.monotonic() < self._good_until
 
     async def grant(self) -> AsyncLease:
         if self.id is None:
-            sent = asyncio.get_running_loop().time()
+            sent = time.monotonic()
             status = await self._store.lease_grant(self.ttl)
-            self.id = status.id
-            self._task = asyncio.get_running_loop().create_task(self._keep_alive(sent + self.ttl), name=f"lease-{self.id}")
+            self.id, self._good_until = status.id, sent + self.ttl
+            self._task = asyncio.get_running_loop().create_task(self._keep_alive(), name=f"lease-{self.id}")
         return self
 
     def __await__(self):
@@ -53,20 +57,19 @@ class AsyncLease:
     async def __aexit__(self, *exc) -> None:
         await self.revoke()
 
-    async def _keep_alive(self, good_until: float) -> None:
-        # good_until: the send time of the last keepalive that got an answer, plus ttl. The
+    async def _keep_alive(self) -> None:
+        # _good_until: the send time of the last keepalive that got an answer, plus ttl. The
         # leader renewed it on receipt, later, so the lease lives at least that long; past
         # it, the lease may be gone and the holder must hear so at once, not a retry later.
-        loop = asyncio.get_running_loop()
         every = self.ttl / 3
         while True:
-            await asyncio.sleep(max(0.0, min(every, good_until - loop.time())))
-            sent = loop.time()
-            if sent >= good_until:
+            await asyncio.sleep(max(0.0, min(every, self._good_until - time.monotonic())))
+            sent = time.monotonic()
+            if sent >= self._good_until:
                 return self._lose(KVError(f"lease {self.id}: no keepalive got through for its whole ttl ({self.ttl:g}s)"))
             try:
-                await asyncio.wait_for(self._store.lease_keepalive(self.id), good_until - sent)
-                good_until, every = sent + self.ttl, self.ttl / 3
+                await asyncio.wait_for(self._store.lease_keepalive(self.id), self._good_until - sent)
+                self._good_until, every = sent + self.ttl, self.ttl / 3
             except LeaseNotFound as e:
                 return self._lose(e)
             except (KVError, asyncio.TimeoutError) as e:

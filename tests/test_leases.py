@@ -61,6 +61,7 @@ def test_kept_alive_across_a_leader_kill_then_expired_everywhere(cluster):
         wait_until(lambda: not any(on_every_node(c, "svc/api")), ttl + ELECTION_S + 1 + 3, "the key gone on every node")
         gone_after = time.monotonic() - last
         assert gone_after >= ttl * 0.9, gone_after
+        assert not lease.alive, "the holder still believes in a lease whose deadline passed"
         assert all(c.get(i, "svc/plain", consistency="stale")[0] == 200 for i in c.ids)
         with pytest.raises(kv.LeaseNotFound):
             client.lease_keepalive(lease.id)

@@ -343,3 +343,24 @@ def test_join_gives_up_on_a_permanent_refusal_and_after_its_timeout(tmp_path):
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "did not add n9 within 3s" in r.stderr.strip().splitlines()[-1]  # after its log lines of retrying
+
+
+WATCH_UNTIL_CTRL_C = """
+import os, signal, sys, threading, kv
+with kv.Client(sys.argv[1]) as c:
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    for ev in c.watch("nothing/"):
+        print(ev)
+"""
+
+
+def test_ctrl_c_on_a_watch_loop_is_a_plain_keyboard_interrupt(tmp_path):
+    c = ProcCluster(str(tmp_path / "cluster"), proxies=False)
+    try:
+        c.start()
+        c.leader()
+        r = run_py(WATCH_UNTIL_CTRL_C, c.url(c.ids[0]), timeout=60)
+        assert r.returncode == -signal.SIGINT, r.stderr
+        assert r.stderr.rstrip().endswith("KeyboardInterrupt") and "During handling" not in r.stderr, r.stderr
+    finally:
+        c.close()
