@@ -73,6 +73,8 @@ def _raise_for(status: int, body: bytes, endpoint: str):
     except (orjson.JSONDecodeError, AttributeError):
         err = {}
     msg = f"{endpoint}: {err.get('message') or body[:200].decode(errors='replace') or status}"
+    if status == 401:  # the server's words are for HTTP; say where a client's token goes
+        msg += " — with kv: --token or $KV_TOKEN, or kv.Client(token=...)"
     if status == 412:
         raise errors.PreconditionFailed(str(err.get("key", "")), int(err.get("mod_index") or 0), msg)
     if err.get("code") == errors.LeaseNotFound.code:
@@ -206,7 +208,10 @@ class AsyncClient:
             if time.monotonic() + delay > deadline or (endpoint is not None and tries > 3):
                 if isinstance(last, errors.KVError):
                     raise last
-                raise errors.Unavailable(f"no endpoint answered in {self.timeout:.0f}s ({', '.join(self.endpoints)}): {last}")
+                hint = ""
+                if isinstance(last, aiohttp.ClientConnectorError) and isinstance(last.os_error, ConnectionRefusedError):
+                    hint = " — nothing listens there: is the cluster running (kv cluster up), and are these its client URLs (--endpoints, $KV_ENDPOINTS)?"
+                raise errors.Unavailable(f"no endpoint answered in {self.timeout:g}s ({', '.join(self.endpoints)}): {last}{hint}")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
