@@ -23,7 +23,7 @@ import orjson
 import pytest
 from cluster import ProcCluster
 from pki import make_pki
-from ports import free_port
+from kv.harness import free_port
 
 import kv
 from kv.raft import codec
@@ -320,7 +320,7 @@ def test_garbage_on_the_http_port_keeps_the_log_small(cluster):
 
 FD_HARD_LIMIT = 120
 # `kv serve` on the plain asyncio event loop instead of uvloop (their accept() differs).
-PLAIN_ASYNCIO = "import sys, kv.serve; kv.serve.install_uvloop = lambda: False; from kv.cli import main; sys.exit(main())"
+PLAIN_ASYNCIO = "import sys, kv.cli.serve; kv.cli.serve.install_uvloop = lambda: False; from kv.cli import main; sys.exit(main())"
 
 
 def _low_fd_limit():

@@ -6,22 +6,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
 
-from .client import AsyncClient
-from .coordination import AsyncLock
-from .node import LeaseStatus
+from ..node import LeaseStatus
+from .options import client_options, with_client
 from .output import add_output_option
 
 
 def _client_options(a: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    a.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="comma-separated client URLs (default: $KV_ENDPOINTS or the local `kv cluster up` nodes)")
-    a.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="bearer token of the cluster, if it has one")
-    a.add_argument("--cacert", default=os.environ.get("KV_CACERT"), help="CA certificate (PEM) to verify https:// endpoints with")
-    a.add_argument("--timeout", type=float, default=10.0, help="seconds before giving up on a request (default 10)")
-    return a
+    a.set_defaults(run=run)
+    return client_options(a, timeout_help="seconds before giving up on a request (default 10)")
 
 
 def add_parser(sub) -> None:
@@ -36,6 +31,7 @@ def add_parser(sub) -> None:
     el.add_argument("--listen", action="store_true", help="only observe the election")
     el.add_argument("--ttl", type=float, default=10.0, help="lease ttl in seconds (default 10)")
     p = sub.add_parser("lease", help="leases: grant, keepalive, revoke, info, list", description="Leases: keys attached to one go when it expires or is revoked.")
+    p.set_defaults(run=run)
     acts = p.add_subparsers(dest="lease_cmd", metavar="ACTION", required=True)
 
     def action(name: str, help_: str) -> argparse.ArgumentParser:
@@ -70,8 +66,10 @@ async def _until_signal() -> None:
     await stop.wait()
 
 
-async def _lock(c: AsyncClient, args: argparse.Namespace) -> int:
+async def _lock(c, args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    from ..coordination import AsyncLock
+
     lost = asyncio.Event()
     async with AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lambda e: lost.set()) as lock:
         print(f"locked {args.name} ({lock.key})", file=sys.stderr, flush=True)
@@ -88,7 +86,7 @@ async def _lock(c: AsyncClient, args: argparse.Namespace) -> int:
         return proc.returncode
 
 
-async def _elect(c: AsyncClient, args: argparse.Namespace) -> int:
+async def _elect(c, args: argparse.Namespace) -> int:
     e = c.election(args.name, ttl=args.ttl)
     if args.listen:
         async for value in e.observe():
@@ -106,41 +104,40 @@ async def _elect(c: AsyncClient, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _run(args: argparse.Namespace) -> int:
-    async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout, cacert=args.cacert) as c:
-        if args.cmd == "lock":
-            return await _lock(c, args)
-        if args.cmd == "elect":
-            return await _elect(c, args)
-        act = args.lease_cmd
-        if act == "grant":
-            _show(args, await c.lease_grant(args.ttl), full=False)
-        elif act == "keepalive":
-            while True:
-                s = await c.lease_keepalive(args.id)
-                _show(args, s, full=False)
-                if args.once:
-                    return 0
-                await asyncio.sleep(s.ttl / 3)
-        elif act == "revoke":
-            r = await c.lease_revoke(args.id)
-            if args.output == "json":
-                print(json.dumps({"id": args.id, "index": r.index, "keys": list(r.keys)}))
-            else:
-                print(f"OK index={r.index} deleted={len(r.keys)} keys")
-        elif act == "info":
-            _show(args, await c.lease_info(args.id))
+async def _run(c, args: argparse.Namespace) -> int:
+    if args.cmd == "lock":
+        return await _lock(c, args)
+    if args.cmd == "elect":
+        return await _elect(c, args)
+    act = args.lease_cmd
+    if act == "grant":
+        _show(args, await c.lease_grant(args.ttl), full=False)
+    elif act == "keepalive":
+        while True:
+            s = await c.lease_keepalive(args.id)
+            _show(args, s, full=False)
+            if args.once:
+                return 0
+            await asyncio.sleep(s.ttl / 3)
+    elif act == "revoke":
+        r = await c.lease_revoke(args.id)
+        if args.output == "json":
+            print(json.dumps({"id": args.id, "index": r.index, "keys": list(r.keys)}))
         else:
-            leases = await c.lease_list()
-            if args.output == "json":
-                print(json.dumps({"leases": [{"id": s.id, "ttl": s.ttl, "remaining": s.remaining} for s in leases]}))
-            for s in leases if args.output == "text" else ():
-                _show(args, s)
+            print(f"OK index={r.index} deleted={len(r.keys)} keys")
+    elif act == "info":
+        _show(args, await c.lease_info(args.id))
+    else:
+        leases = await c.lease_list()
+        if args.output == "json":
+            print(json.dumps({"leases": [{"id": s.id, "ttl": s.ttl, "remaining": s.remaining} for s in leases]}))
+        for s in leases if args.output == "text" else ():
+            _show(args, s)
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return asyncio.run(_run(args))
+        return with_client(args, _run)
     except KeyboardInterrupt:
         return 0
