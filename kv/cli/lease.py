@@ -58,12 +58,14 @@ def _show(args: argparse.Namespace, s: LeaseStatus, *, full: bool = True) -> Non
         print(f"{s.id}\tttl={s.ttl:g}s", flush=True)
 
 
-async def _until_signal() -> None:
+def _stop_on_signal() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM: installed before the line that tells the caller it
+    may send one, so that a signal sent on reading that line is never the default's kill."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
 async def _lock(c, args: argparse.Namespace) -> int:
@@ -72,9 +74,10 @@ async def _lock(c, args: argparse.Namespace) -> int:
 
     lost = asyncio.Event()
     async with AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lambda e: lost.set()) as lock:
+        stop = None if command else _stop_on_signal()
         print(f"locked {args.name} ({lock.key})", file=sys.stderr, flush=True)
-        if not command:
-            await asyncio.wait([asyncio.ensure_future(_until_signal()), asyncio.ensure_future(lost.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if stop is not None:
+            await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())], return_when=asyncio.FIRST_COMPLETED)
             return 1 if lost.is_set() else 0
         proc = await asyncio.create_subprocess_exec(*command)
         done, _ = await asyncio.wait([asyncio.ensure_future(proc.wait()), asyncio.ensure_future(lost.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -96,9 +99,10 @@ async def _elect(c, args: argparse.Namespace) -> int:
         print("kv elect: give the VALUE to campaign with, or --listen", file=sys.stderr)
         return 2
     await e.campaign(args.value.encode())
+    stop = _stop_on_signal()
     print(f"elected: {args.value}", flush=True)
     try:
-        await _until_signal()
+        await stop.wait()
     finally:
         await e.resign()
     return 0

@@ -12,11 +12,17 @@ from .output import add_output_option
 ENDPOINTS_HELP = "comma-separated client URLs (default: $KV_ENDPOINTS or the local `kv cluster up` nodes)"
 
 
-def client_options(a: argparse.ArgumentParser, timeout_help: str = "seconds before giving up (default 10)") -> argparse.ArgumentParser:
+def client_options(
+    a: argparse.ArgumentParser,
+    timeout_help: str | None = "seconds before giving up (default 10)",
+    token_help: str | None = "bearer token of the cluster, if it has one",
+) -> argparse.ArgumentParser:
+    """--endpoints, --token, --cacert and (unless timeout_help is None) --timeout."""
     a.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help=ENDPOINTS_HELP)
-    a.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="bearer token of the cluster, if it has one")
+    a.add_argument("--token", default=os.environ.get("KV_TOKEN"), help=token_help)
     a.add_argument("--cacert", default=os.environ.get("KV_CACERT"), help="CA certificate (PEM) to verify https:// endpoints with")
-    a.add_argument("--timeout", type=float, default=10.0, help=timeout_help)
+    if timeout_help is not None:
+        a.add_argument("--timeout", type=float, default=10.0, help=timeout_help)
     return a
 
 

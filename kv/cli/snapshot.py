@@ -14,7 +14,7 @@ from ..datadir import DataDirLock
 from ..errors import SnapshotError
 from ..snapshot.format import SnapshotFormatError, verify
 from ..snapshot.restore import RestoreError, check_file, restore
-from .options import ENDPOINTS_HELP
+from .options import client_options
 from .output import add_output_option, emit, report, wants_json
 
 
@@ -24,9 +24,7 @@ def add_parser(sub) -> None:
     snap = p.add_subparsers(dest="snap_cmd", metavar="ACTION")
     sv = snap.add_parser("save", help="download the newest snapshot of a node")
     sv.add_argument("file")
-    sv.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help=ENDPOINTS_HELP)
-    sv.add_argument("--token", default=os.environ.get("KV_TOKEN"))
-    sv.add_argument("--cacert", default=os.environ.get("KV_CACERT"), help="CA certificate (PEM) to verify https:// endpoints with")
+    client_options(sv, timeout_help=None, token_help=None)
     sv.add_argument("--fresh", action="store_true", help="ask the node to take a snapshot first")
     add_output_option(sv)
     ins = snap.add_parser("inspect", help="print a snapshot file's header, key count and checksum status")
