@@ -21,7 +21,7 @@ import urllib.request
 
 import orjson
 import pytest
-from cluster import ProcCluster
+from cluster import ProcCluster, wait_until
 from pki import make_pki
 from kv.harness import free_port
 
@@ -116,14 +116,6 @@ def spray(addr: str, payloads: list[bytes], connections: int) -> None:
                 s.recv(1)
             except (ConnectionResetError, BrokenPipeError, socket.timeout):
                 pass
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.1)
 
 
 def seeded_cluster(root, extra: list[str]):
