@@ -21,17 +21,15 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
+from systems import Etcd, Ledgerkv, PySyncObj  # benchmarks/ is the script's folder, first on sys.path
+
+from kv.bench.measure import closed_loop, http_ops, http_session, preload
+from kv.harness import ServeCluster
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
-
-from systems import Etcd, Ledgerkv, PySyncObj  # noqa: E402
-
-from kv.bench import closed_loop, http_ops, http_session, preload  # noqa: E402
 
 OPS = ("PUT", "GET linearizable", "GET stale")
 
@@ -135,8 +133,6 @@ def plot(rows: list[dict], path: str) -> None:
 
 async def scale(seconds: float) -> list[dict]:
     """ledgerkv: value size and cluster size; and a million keys: RSS, disk, restart."""
-    from kv.bench import ServeCluster
-
     rows = []
     for nodes in (3, 5):
         root = tempfile.mkdtemp(prefix="kvscale-")
@@ -179,8 +175,6 @@ def du(path: str) -> int:
 
 async def million_keys(n: int = 1_000_000) -> list[dict]:
     import orjson
-
-    from kv.bench import ServeCluster
 
     rows = []
     root = tempfile.mkdtemp(prefix="kvmillion-")
@@ -271,7 +265,7 @@ if __name__ == "__main__":
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     a = p.parse_args()
-    from kv.serve import install_uvloop
+    from kv.cli.serve import install_uvloop
 
     install_uvloop()
     asyncio.run(main(a))

@@ -3,17 +3,15 @@ the HTTP operations (put, linearizable get, stale get) against one node of it.""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import os
 import subprocess
 import sys
-import time
+
+from kv.bench.measure import http_ops
+from kv.harness import Procs, ServeCluster, find_node, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from kv.bench import Procs, ServeCluster, free_port, http_ops  # noqa: E402
 
 
 class System:
@@ -76,25 +74,18 @@ class Etcd(System):
                 "--initial-cluster", cluster, "--initial-cluster-state", "new", "--initial-cluster-token", "bench",
                 "--logger", "zap", "--log-level", "error",
             ]
-            with open(os.path.join(root, f"{i}.log"), "ab") as f:
-                self.procs.procs[i] = subprocess.Popen(["etcd", *args], stdout=f, stderr=f)
+            self.procs.spawn(i, ["etcd", *args], os.path.join(root, f"{i}.log"))
 
     def url(self, nid):
         return f"http://127.0.0.1:{self.client[nid]}"
 
     async def leader(self, session):
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for i in self.ids:
-                try:
-                    async with session.post(self.url(i) + "/v3/maintenance/status", data=b"{}") as r:
-                        st = await r.json()
-                    if st.get("leader") and st.get("leader") == st.get("header", {}).get("member_id"):
-                        return i
-                except Exception:
-                    pass
-            await asyncio.sleep(0.1)
-        raise RuntimeError("etcd elected no leader")
+        async def leads(i):
+            async with session.post(self.url(i) + "/v3/maintenance/status", data=b"{}") as r:
+                st = await r.json()
+            return st.get("leader") and st.get("leader") == st.get("header", {}).get("member_id")
+
+        return await find_node(self.ids, leads, timeout=30, interval=0.1, error="etcd elected no leader")
 
     async def ops(self, session, nid, value, keys: int = 10_000):
         url = self.url(nid)
@@ -137,24 +128,17 @@ class PySyncObj(System):
         for i in self.ids:
             partners = ",".join(raft[j] for j in self.ids if j != i)
             cmd = [sys.executable, os.path.join(HERE, "pysyncobj_server.py"), raft[i], partners, str(self.http[i]), os.path.join(root, f"{i}.journal"), "on" if batch else "off"]
-            with open(os.path.join(root, f"{i}.log"), "ab") as f:
-                self.procs.procs[i] = subprocess.Popen(cmd, stdout=f, stderr=f)
+            self.procs.spawn(i, cmd, os.path.join(root, f"{i}.log"))
 
     def url(self, nid):
         return f"http://127.0.0.1:{self.http[nid]}"
 
     async def leader(self, session):
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            for i in self.ids:
-                try:
-                    async with session.get(self.url(i) + "/status") as r:
-                        if (await r.json())["leader"]:
-                            return i
-                except Exception:
-                    pass
-            await asyncio.sleep(0.1)
-        raise RuntimeError("pysyncobj elected no leader")
+        async def leads(i):
+            async with session.get(self.url(i) + "/status") as r:
+                return (await r.json())["leader"]
+
+        return await find_node(self.ids, leads, timeout=30, interval=0.1, error="pysyncobj elected no leader")
 
     async def ops(self, session, nid, value):
         return await http_ops(session, self.url(nid), value)

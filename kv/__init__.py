@@ -6,7 +6,7 @@ Layering, bottom up (each layer imports only the ones below it):
                       the asyncio driver that ties them together.
 - ``kv.statemachine`` KV commands, the LevelDB state machine and the FSM caller.
 - ``kv.snapshot``     snapshot files, the snapshot directory, install-snapshot, restore.
-- ``kv``              the public face: ``kv.open``, ``kv.Node``, ``kv.Client``, the CLI.
+- ``kv``              the public face: ``kv.open``, ``kv.Node``, ``kv.Client``; ``kv.cli`` the command line.
 - ``kv.http``         the aiohttp application; it uses the public ``kv`` API only.
 """
 

@@ -1,7 +1,7 @@
 """Node configuration: one dataclass read by kv.Node, `kv serve` and the tests.
 
 `kv serve` fills it from flags, a TOML file (`--config`) and `KV_*` environment variables,
-in that precedence (see kv/cli.py).
+in that precedence (see kv/cli/settings.py).
 """
 
 from __future__ import annotations

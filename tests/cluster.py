@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import urllib.error
@@ -20,20 +18,12 @@ import urllib.request
 
 import orjson
 from netproxy import LinkProxy, ProxyLoop
-from ports import free_port
+
+from kv.harness import Procs, free_port, leader_of, wait_until
+
+__all__ = ["FAST", "ProcCluster", "wait_until"]
 
 FAST = ["--heartbeat-ms", "50", "--election-timeout-ms", "500"]
-
-
-def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
-    """Poll cond (a check of another process's state) until it is truthy; returns it."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached in {timeout}s")
 
 
 class ProcCluster:
@@ -45,7 +35,7 @@ class ProcCluster:
         self.extra = FAST + (extra or [])
         self.env = env or {}
         self.node_env: dict[str, dict] = {i: {} for i in self.ids}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs = Procs()
         self.scheme, self.ssl_context = "http", None  # set both for nodes serving HTTPS
         self.joining: dict[str, bool] = {}
         self.ploop = ProxyLoop() if proxies else None
@@ -87,16 +77,13 @@ class ProcCluster:
             if i in self.procs and self.procs[i].poll() is None:
                 continue
             os.makedirs(self.data_dir(i), exist_ok=True)
-            log = open(os.path.join(self.root, f"{i}.log"), "ab")
             if self.joining.get(i):
                 via = join_via or next(j for j in self.ids if j != i and self.alive(j))
                 peers_arg = ["--peers", f"{i}={self.listen[i]}", "--join", self.url(via)]
             else:
                 peers_arg = ["--peers", self.peers_for(i)]
-            cmd = [sys.executable, "-m", "kv", "serve", "--id", i, "--data-dir", self.data_dir(i), "--http", self.http[i], *peers_arg, *self.extra]
-            env = {**os.environ, **self.env, **self.node_env[i]}
-            self.procs[i] = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
-            log.close()
+            args = ["--id", i, "--data-dir", self.data_dir(i), "--http", self.http[i], *peers_arg, *self.extra]
+            self.procs.start(i, args, os.path.join(self.root, f"{i}.log"), env={**os.environ, **self.env, **self.node_env[i]})
         if wait:
             for i in ids or self.ids:
                 self.wait_http(i)
@@ -118,16 +105,11 @@ class ProcCluster:
             return f.read()
 
     def signal(self, i: str, sig: int) -> None:
-        p = self.procs.get(i)
-        if p is not None and p.poll() is None:
-            p.send_signal(sig)
+        self.procs.signal(i, sig)
 
     def kill(self, *ids: str) -> None:
         """kill -9: no chance to flush or say goodbye."""
-        for i in ids or list(self.procs):
-            self.signal(i, signal.SIGKILL)
-            if i in self.procs:
-                self.procs[i].wait(10)
+        self.procs.kill(*ids)
 
     def pause(self, i: str) -> None:
         self.signal(i, signal.SIGSTOP)
@@ -136,19 +118,10 @@ class ProcCluster:
         self.signal(i, signal.SIGCONT)
 
     def stop(self, *ids: str) -> None:
-        for i in ids or list(self.procs):
-            p = self.procs.get(i)
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.terminate()
-                try:
-                    p.wait(15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
+        self.procs.stop(*ids)
 
     def alive(self, i: str) -> bool:
-        return i in self.procs and self.procs[i].poll() is None
+        return self.procs.alive(i)
 
     def close(self) -> None:
         self.stop()
@@ -201,12 +174,9 @@ class ProcCluster:
                         views[i] = self.status(i)
                     except OSError:
                         pass
-            for i, st in views.items():
-                if i in among and st["role"] == "leader" and st["applied_index"] >= 1:
-                    voters = [i] + [p for p, info in st["peers"].items() if info.get("voter")]
-                    agree = sum(1 for v in voters if views.get(v, {}).get("leader") == i and views[v]["term"] == st["term"])
-                    if agree * 2 > len(voters):
-                        return i
+            found = leader_of(views, among)
+            if found:
+                return found
             time.sleep(0.05)
         raise AssertionError(f"no leader among {among} within {timeout}s")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from ports import free_port
+from kv.harness import free_port
 
 from kv import Node, NodeConfig
 from kv.raft.messages import Role

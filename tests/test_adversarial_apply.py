@@ -23,7 +23,7 @@ import zlib
 import orjson
 import pytest
 from cluster import ProcCluster, wait_until
-from ports import free_port
+from kv.harness import free_port
 
 from kv.snapshot import format as fmt
 
@@ -288,7 +288,7 @@ def test_an_apply_failure_stops_the_node_with_one_line_and_a_non_zero_exit(clust
 
 STUCK_STOP = r"""
 import asyncio, threading
-from kv import serve
+from kv.cli import serve
 
 async def main():
     serve._exit_if_stuck(asyncio.get_running_loop(), 1)

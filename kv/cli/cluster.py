@@ -7,16 +7,51 @@ reports leader changes and nodes that exit, until Ctrl-C stops them all.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
-import sys
 import time
 
-import aiohttp
+from ..datadir import DataDirLock
+from ..errors import BadRequest
+from ..harness import SERVE, statuses
 
-from .datadir import DataDirLock
-from .errors import BadRequest
+
+def _at_least_one(raw: str) -> int:
+    if not raw.isdigit() or int(raw) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {raw!r}")
+    return int(raw)
+
+
+def _base_port(raw: str) -> int:
+    # n1..nN serve HTTP from here and peers from 100 higher: leave room below 65536.
+    if not raw.isdigit() or not 1 <= int(raw) <= 65000:
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65000, not {raw!r}")
+    return int(raw)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("cluster", help="local clusters")
+    p.set_defaults(run=run, usage=p)
+    c = p.add_subparsers(dest="cluster_cmd", metavar="ACTION")
+    up = c.add_parser("up", help="run a local cluster in the foreground; Ctrl-C stops it")
+    up.add_argument("--nodes", type=_at_least_one, default=3, help="how many nodes (default 3)")
+    up.add_argument("--data-dir", default="./kvdata", help="where the nodes keep their data (default ./kvdata)")
+    up.add_argument("--base-port", type=_base_port, default=8001, help="HTTP port of n1; peers listen 100 higher (default 8001)")
+    up.add_argument("--heartbeat-ms", type=float, default=None)
+    up.add_argument("--election-timeout-ms", type=float, default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.cluster_cmd != "up":
+        args.usage.parse_args(["--help"])
+    extra = []
+    if args.heartbeat_ms:
+        extra += ["--heartbeat-ms", str(args.heartbeat_ms)]
+    if args.election_timeout_ms:
+        extra += ["--election-timeout-ms", str(args.election_timeout_ms)]
+    return asyncio.run(up(args.nodes, args.data_dir, args.base_port, extra))
 
 
 def layout(nodes: int, base_port: int, host: str = "127.0.0.1") -> list[dict]:
@@ -51,7 +86,7 @@ async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> i
         os.makedirs(ndir, exist_ok=True)
         logs[n["id"]] = open(os.path.join(ndir, "serve.log"), "ab")
         procs[n["id"]] = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kv", "serve", "--id", n["id"], "--data-dir", ndir, "--http", n["http"], "--peers", n["peers"], *extra,
+            *SERVE, "--id", n["id"], "--data-dir", ndir, "--http", n["http"], "--peers", n["peers"], *extra,
             stdout=logs[n["id"]], stderr=logs[n["id"]], start_new_session=True,
         )
     stop = asyncio.Event()
@@ -102,17 +137,13 @@ def _last_line(path: str) -> str:
 async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: dict[str, str]) -> list[str]:
     """Report leader changes and nodes that exit until `stop` is set or every node has
     exited; returns the ids of the nodes that exited on their own."""
+    import aiohttp
+
     leader = None
     exited: list[str] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
         while not stop.is_set():
-            seen = {}
-            for n in plan:
-                try:
-                    async with s.get(n["url"] + "/v1/status") as r:
-                        seen[n["id"]] = await r.json()
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                    pass
+            seen = await statuses(s, {n["id"]: n["url"] for n in plan})
             leaders = {st["leader"] for st in seen.values() if st.get("leader")}
             now = next(iter(leaders)) if len(leaders) == 1 else None
             if now and now != leader:

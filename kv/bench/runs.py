@@ -1,176 +1,14 @@
-"""`kv bench`: rerunnable benchmarks. Every cluster runs on loopback with fsync on.
-
-    kv bench commit    replication path: in-process leader + 2 `kv serve` follower
-                       processes; concurrent proposers of 100-byte entries
-    kv bench store     kv.open (single node, in-process): puts, txn batches, gets;
-                       and a 3-node in-process cluster
-    kv bench http      a `kv serve` cluster driven over HTTP by closed-loop aiohttp clients
-    kv bench failover  kill -9 of the leader to the first commit on a new leader
-    kv bench snapshot  snapshot save rate; catch-up of a follower far behind
-    kv bench watch     watch streams: one watcher's events/s, commit-to-delivery with 100
-                       watchers, 1,000 idle watchers' memory and effect on writes
-    kv bench lease     the leader's CPU with 10,000 leases kept alive; lock hand-over time
-
-Figures are printed as a table and can be written as JSON (--json FILE). The machine may
-be shared and noisy: compare figures taken side by side in one run.
-"""
+"""The benchmarks of `kv bench` (see kv/cli/bench.py for the list). Every cluster runs on
+loopback with fsync on."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import contextmanager
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(len(s) * p))]
-
-
-@contextmanager
-def workdir(keep: str | None):
-    path = keep or tempfile.mkdtemp(prefix="kvbench-")
-    os.makedirs(path, exist_ok=True)
-    try:
-        yield path
-    finally:
-        if keep is None:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU seconds of a process (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15)
-
-
-class Procs:
-    """`kv serve` processes that are always stopped."""
-
-    def __init__(self) -> None:
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, nid: str, args: list[str], log: str) -> None:
-        os.makedirs(os.path.dirname(log), exist_ok=True)
-        with open(log, "ab") as f:
-            self.procs[nid] = subprocess.Popen([sys.executable, "-m", "kv", "serve", *args], stdout=f, stderr=f)
-
-    def cpu_seconds(self) -> dict[str, float]:
-        """user + system CPU seconds each live process has used so far (/proc/PID/stat)."""
-        return {nid: cpu_seconds(p.pid) for nid, p in self.procs.items() if p.poll() is None}
-
-    def kill(self, nid: str) -> None:
-        p = self.procs[nid]
-        if p.poll() is None:
-            p.send_signal(signal.SIGKILL)
-            p.wait()
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-async def closed_loop(
-    op: Callable[[int], Awaitable[None]],
-    concurrency: int,
-    seconds: float,
-    warmup: float = 0.5,
-    cpu: Callable[[], dict[str, float]] | None = None,
-) -> dict:
-    """Run op in `concurrency` loops for `seconds` (after a warm-up); latencies and errors.
-    With `cpu` (a callable giving CPU seconds per server process), also the servers' CPU
-    microseconds per completed operation, in total and per process: on a shared 2-core
-    machine that is the figure that holds when throughput wobbles."""
-    lat: list[float] = []
-    errors = 0
-    stop_at = 0.0
-    measuring = False
-    counter = iter(range(1 << 62))
-
-    async def worker() -> None:
-        nonlocal errors
-        while True:
-            i = next(counter)
-            t0 = time.perf_counter()
-            try:
-                await op(i)
-                t1 = time.perf_counter()
-                if measuring:
-                    lat.append(t1 - t0)
-            except Exception:
-                if measuring:
-                    errors += 1
-                await asyncio.sleep(0.01)
-                t1 = time.perf_counter()
-            if stop_at and t1 >= stop_at:
-                return
-
-    loop = asyncio.get_running_loop()
-    tasks = [loop.create_task(worker()) for _ in range(concurrency)]
-    await asyncio.sleep(warmup)
-    measuring = True
-    cpu0 = cpu() if cpu is not None else {}
-    t_start = time.perf_counter()
-    stop_at = t_start + seconds
-    await asyncio.gather(*tasks)
-    elapsed = time.perf_counter() - t_start
-    out = {
-        "ops_per_s": len(lat) / elapsed,
-        "p50_ms": pct(lat, 0.5) * 1000,
-        "p99_ms": pct(lat, 0.99) * 1000,
-        "ops": len(lat),
-        "errors": errors,
-    }
-    if cpu is not None and lat:
-        used = {k: v - cpu0.get(k, 0.0) for k, v in cpu().items()}
-        out["cpu_us_per_op"] = sum(used.values()) / len(lat) * 1e6
-        out["cpu_us_per_op_by_node"] = {k: round(v / len(lat) * 1e6, 1) for k, v in sorted(used.items())}
-    return out
-
-
-def print_table(title: str, rows: list[dict], cols: list[str]) -> None:
-    print(f"\n{title}")
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
-
-
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:,.0f}" if v >= 100 else f"{v:.2f}"
-    return "" if v is None else str(v)
+from ..harness import Procs, ServeCluster, free_port, peer_spec
+from .measure import closed_loop, http_ops, http_session, pct, preload, print_table, workdir
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,20 +16,19 @@ def _fmt(v) -> str:
 
 
 async def bench_commit(args) -> list[dict]:
-    from .config import NodeConfig
-    from .node import Node
-    from .raft.messages import EntryKind, Role
+    from ..config import NodeConfig
+    from ..node import Node
+    from ..raft.messages import EntryKind, Role
 
     rows = []
     with workdir(args.keep) as root:
         ids = ["n1", "n2", "n3"]
         peers = {i: f"127.0.0.1:{free_port()}" for i in ids}
-        peer_spec = ",".join(f"{k}={v}" for k, v in peers.items())
         procs = Procs()
         try:
             for i in ids[1:]:
                 # Followers time out slowly so that the in-process node leads.
-                procs.start(i, ["--id", i, "--data-dir", os.path.join(root, i), "--peers", peer_spec, "--heartbeat-ms", "100", "--election-timeout-ms", "5000"], os.path.join(root, f"{i}.log"))
+                procs.start(i, ["--id", i, "--data-dir", os.path.join(root, i), "--peers", peer_spec(peers), "--heartbeat-ms", "100", "--election-timeout-ms", "5000"], os.path.join(root, f"{i}.log"))
             node = Node(NodeConfig(id="n1", data_dir=os.path.join(root, "n1"), peers=peers, heartbeat_ms=100, election_timeout_ms=300, snapshot_threshold=1 << 40))
             await node.start()
             while not (node.raft.role == Role.LEADER and node.raft.core.committed_in_term()):
@@ -249,8 +86,8 @@ def _threads(fn, threads: int, seconds: float) -> dict:
 
 
 def bench_store_sync(args, root: str) -> list[dict]:
-    from . import Put
-    from .store import open as kv_open
+    from .. import Put
+    from ..store import open as kv_open
 
     rows = []
     value = b"x" * 100
@@ -271,8 +108,8 @@ def bench_store_sync(args, root: str) -> list[dict]:
 
 async def bench_store_async(args, root: str) -> list[dict]:
     """The same single node driven by asyncio tasks (kv.Node): no thread hand-offs."""
-    from .config import NodeConfig
-    from .node import Node
+    from ..config import NodeConfig
+    from ..node import Node
 
     node = Node(NodeConfig(id="local", data_dir=os.path.join(root, "single-async"), snapshot_threshold=1 << 40))
     await node.start()
@@ -291,9 +128,9 @@ async def bench_store_async(args, root: str) -> list[dict]:
 
 
 async def bench_store_cluster(args, root: str) -> list[dict]:
-    from .config import NodeConfig
-    from .node import Node
-    from .raft.messages import Role
+    from ..config import NodeConfig
+    from ..node import Node
+    from ..raft.messages import Role
 
     peers = {i: f"127.0.0.1:{free_port()}" for i in ("n1", "n2", "n3")}
     nodes = [Node(NodeConfig(id=i, data_dir=os.path.join(root, i), peers=peers, snapshot_threshold=1 << 40)) for i in peers]
@@ -331,95 +168,6 @@ async def bench_store(args) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------
 # http: a `kv serve` cluster over HTTP
-
-
-class ServeCluster:
-    """n `kv serve` processes on loopback; stopped on exit."""
-
-    def __init__(self, root: str, n: int, extra: list[str] | None = None) -> None:
-        self.root, self.ids = root, [f"n{i}" for i in range(1, n + 1)]
-        self.peer = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
-        self.http = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
-        self.extra = extra or []
-        self.procs = Procs()
-
-    def url(self, i: str) -> str:
-        return f"http://{self.http[i]}"
-
-    def start(self, *ids: str) -> None:
-        spec = ",".join(f"{k}={v}" for k, v in self.peer.items())
-        for i in ids or self.ids:
-            self.procs.start(i, ["--id", i, "--data-dir", os.path.join(self.root, i), "--http", self.http[i], "--peers", spec, *self.extra], os.path.join(self.root, f"{i}.log"))
-
-    async def leader(self, session, timeout: float = 20.0, among: list[str] | None = None) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for i in among or self.ids:
-                try:
-                    async with session.get(self.url(i) + "/v1/status") as r:
-                        st = await r.json()
-                    if st["role"] == "leader" and st["applied_index"] >= 1:
-                        return i
-                except Exception:
-                    pass
-            await asyncio.sleep(0.05)
-        raise RuntimeError("no leader")
-
-    def __enter__(self) -> ServeCluster:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.procs.stop()
-
-
-def http_session(connections: int):
-    import aiohttp
-
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections, limit_per_host=connections), timeout=aiohttp.ClientTimeout(total=10))
-
-
-BENCH_KEYS = 10_000
-
-
-async def preload(put, concurrency: int = 64, keys: int = BENCH_KEYS, retry_s: float = 30.0) -> None:
-    """Write every benchmark key once, so that reads find them. A failed write (a 503
-    while the cluster still elects, say) is retried for up to retry_s."""
-    it = iter(range(keys))
-
-    async def worker():
-        for i in it:
-            give_up = time.monotonic() + retry_s
-            while True:
-                try:
-                    await put(i)
-                    break
-                except Exception:
-                    if time.monotonic() > give_up:
-                        raise
-                    await asyncio.sleep(0.05)
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-
-
-async def http_ops(session, url: str, value: bytes, keys: int = BENCH_KEYS):
-    """The three HTTP operations the benchmarks drive: (name, op) pairs."""
-
-    async def put(i):
-        async with session.put(f"{url}/v1/kv/bench/{i % keys}", data=value) as r:
-            if r.status != 200:
-                raise RuntimeError(r.status)
-            await r.read()
-
-    def get(consistency):
-        async def op(i):
-            async with session.get(f"{url}/v1/kv/bench/{i % keys}?consistency={consistency}") as r:
-                if r.status != 200:
-                    raise RuntimeError(r.status)
-                await r.read()
-
-        return op
-
-    return [("PUT", put), ("GET linearizable", get("linearizable")), ("GET stale", get("stale"))]
 
 
 async def bench_http(args) -> list[dict]:
@@ -490,9 +238,9 @@ async def bench_failover(args) -> list[dict]:
 async def bench_snapshot(args) -> list[dict]:
     import orjson
 
-    from .snapshot.format import new_header
-    from .snapshot.store import SnapshotStore
-    from .statemachine.leveldb import LevelDBStateMachine
+    from ..snapshot.format import new_header
+    from ..snapshot.store import SnapshotStore
+    from ..statemachine.leveldb import LevelDBStateMachine
 
     rows = []
     n = args.keys
@@ -574,10 +322,10 @@ def flights_parquet(sess, root: str, limit: int):
 
 
 async def bench_spark(args) -> list[dict]:
-    from . import spark as kvspark
-    from .snapshot.format import new_header
-    from .snapshot.store import SnapshotStore
-    from .spark_import import live_endpoints
+    from .. import spark as kvspark
+    from ..snapshot.format import new_header
+    from ..snapshot.store import SnapshotStore
+    from ..spark_import import live_endpoints
 
     rows = []
     with workdir(args.keep) as root:
@@ -634,68 +382,4 @@ async def bench_spark(args) -> list[dict]:
     print_table("Spark pipeline (local mode, fsync on)", rows, ["what", "rows_per_s", "seconds", "failures"])
     return rows
 
-
-# ---------------------------------------------------------------------------------------------
-
-
-def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="run a benchmark (see kv bench --help)", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bs = b.add_subparsers(dest="bench_cmd", metavar="BENCH")
-
-    def common(p):
-        p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per cell (default 5)")
-        p.add_argument("--json", help="also write the figures to this JSON file")
-        p.add_argument("--keep", help="use this directory and keep it (default: a temporary one)")
-        return p
-
-    c = common(bs.add_parser("commit", help="replication path: concurrent proposers on a 3-node cluster"))
-    c.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
-    common(bs.add_parser("store", help="kv.open: puts (1 and 64 threads), txn batches, gets; 3-node in-process cluster"))
-    f = common(bs.add_parser("failover", help="kill -9 of the leader to the first commit on a new leader"))
-    f.add_argument("--runs", type=int, default=5)
-    f.add_argument("--heartbeat-ms", type=int, default=100)
-    f.add_argument("--election-timeout-ms", type=int, default=1000)
-    sn = common(bs.add_parser("snapshot", help="snapshot save rate; a follower a million keys behind catching up"))
-    sn.add_argument("--keys", type=int, default=1_000_000)
-    sk = common(bs.add_parser("spark", help="Spark import into a 3-node cluster and export from a snapshot (needs the spark extra)"))
-    sk.add_argument("--rows", type=int, default=0, help="import the first ROWS flights (default: all 336,776)")
-    sk.add_argument("--keys", type=int, default=1_000_000)
-    sk.add_argument("--master", default="local[2]")
-    h = common(bs.add_parser("http", help="a kv serve cluster over HTTP: PUT, linearizable and stale GET"))
-    h.add_argument("--nodes", type=int, default=3)
-    h.add_argument("--value-bytes", type=int, default=100)
-    h.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[64])
-    from .bench_watch import add_arguments
-
-    add_arguments(common(bs.add_parser("watch", help="watch streams: events/s, delivery latency, idle watchers")))
-    from .bench_lease import add_arguments as lease_arguments
-
-    lease_arguments(common(bs.add_parser("lease", help="leases kept alive: the leader's CPU; lock hand-over latency")))
-
-
-def run(args) -> int:
-    from .serve import install_uvloop
-
-    from .bench_lease import bench_lease
-    from .bench_watch import bench_watch
-
-    install_uvloop()
-    fn = {
-        "watch": bench_watch,
-        "lease": bench_lease,
-        "commit": bench_commit,
-        "http": bench_http,
-        "store": bench_store,
-        "failover": bench_failover,
-        "snapshot": bench_snapshot,
-        "spark": bench_spark,
-    }.get(args.bench_cmd)
-    if fn is None:
-        print("kv bench: choose a benchmark; see kv bench --help", file=sys.stderr)
-        return 2
-    rows = asyncio.run(fn(args))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": args.bench_cmd, "rows": rows, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=1)
-    return 0
 

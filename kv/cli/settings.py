@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .config import NodeConfig, check_hostport, parse_peers
-from .errors import BadRequest
+from ..config import NodeConfig, check_hostport, parse_peers
+from ..errors import BadRequest
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

@@ -13,6 +13,7 @@ import time
 
 def add_parser(sub) -> None:
     p = sub.add_parser("spark", help="bulk import and export through Spark (pip install ledgerkv[spark])")
+    p.set_defaults(run=run)
     sp = p.add_subparsers(dest="spark_cmd", metavar="ACTION")
     i = sp.add_parser("import", help="write a Parquet, CSV or JSON dataset of key/value rows into a cluster")
     i.add_argument("source", help="a path Spark can read (a file, a directory or a glob)")
@@ -66,7 +67,7 @@ def add_parser(sub) -> None:
 
 
 def _options(pairs: list[str]) -> dict[str, str]:
-    from .errors import BadRequest
+    from ..errors import BadRequest
 
     out = {}
     for p in pairs:
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from pyspark.errors import PySparkException
     from py4j.protocol import Py4JError
 
-    from .spark_import import spark_error
+    from ..spark_import import spark_error
 
     if args.spark_cmd not in ("import", "export", "export-log"):
         print("kv spark: choose import, export or export-log (kv spark --help)", file=sys.stderr)
@@ -95,9 +96,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import spark as kvspark
-    from .errors import BadRequest
-    from .spark_import import source_format
+    from .. import spark as kvspark
+    from ..errors import BadRequest
+    from ..spark_import import source_format
 
     if not args.endpoints and not getattr(args, "snapshot", None):
         raise BadRequest("no cluster given: --endpoints URL,URL,... (or set KV_ENDPOINTS)")
@@ -170,7 +171,7 @@ def _export(kvspark, s, args: argparse.Namespace) -> int:
 
 
 def _import(s, args: argparse.Namespace, options: dict[str, str]) -> int:
-    from . import spark as kvspark
+    from .. import spark as kvspark
 
     df = kvspark.load(s, args.source, args.format, options)
     report = kvspark.write(

@@ -14,8 +14,9 @@ import asyncio
 import os
 import time
 
-from .bench import ServeCluster, cpu_seconds, http_session, pct, print_table, workdir
-from .client import AsyncClient
+from ..harness import ServeCluster, cpu_seconds
+from .measure import http_session, pct, print_table, workdir
+from ..client import AsyncClient
 
 
 async def _cpu_share(pid: int, seconds: float) -> float:

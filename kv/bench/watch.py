@@ -16,9 +16,10 @@ import os
 import re
 import time
 
-from .bench import ServeCluster, closed_loop, http_ops, http_session, pct, print_table, workdir
-from .client import AsyncClient
-from .statemachine.commands import Put
+from ..harness import ServeCluster
+from .measure import closed_loop, http_ops, http_session, pct, print_table, workdir
+from ..client import AsyncClient
+from ..statemachine.commands import Put
 
 
 async def _metric(s, url: str, name: str) -> float:
@@ -178,7 +179,7 @@ async def _idle(s, c: ServeCluster, lead: str, watchers: int, seconds: float) ->
 
 
 async def bench_watch(args) -> list[dict]:
-    from .serve import tune_gc
+    from ..cli.serve import tune_gc
 
     tune_gc()  # as the README advises a busy client: the latency run keeps 100,000s of samples
     with workdir(args.keep) as root, ServeCluster(os.path.join(root, "cluster"), 3) as c:

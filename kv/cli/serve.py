@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import errno
 import gc
@@ -12,13 +13,33 @@ import signal
 import threading
 import socket
 
-from . import tls
-from .config import NodeConfig, check_hostport
-from .datadir import DataDirLock
-from .errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
-from .logs import log_term_from
-from .node import Node
-from .raft.membership import Member, Membership
+from .. import tls
+from ..config import NodeConfig, check_hostport
+from ..datadir import DataDirLock
+from ..errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
+from ..logs import log_term_from, setup_logging
+from ..node import Node
+from ..raft.membership import Member, Membership
+from .settings import add_serve_options, serve_settings
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="run a node", description="Run a node: peer transport, ledger, state machine, HTTP API.")
+    add_serve_options(s)
+    s.add_argument(
+        "--force-new-cluster",
+        action="store_true",
+        help="the cluster lost its majority for good: start this member alone, as a one-member cluster with its "
+        "data; then add the others back (use once, restart without it)",
+    )
+    s.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    s = serve_settings(args)
+    setup_logging(s.node.id, s.log_level, s.log_format)
+    install_uvloop()
+    return asyncio.run(serve_node(s.node, access_log=s.access_log))
 
 
 STOP_GRACE_S = 15.0  # how long stopping may take before the process exits regardless
@@ -71,7 +92,7 @@ class CannotListen(KVError):
 
 def check_can_listen(addr: str, what: str) -> None:
     """Refuse before anything starts when a port is taken (the node binds it moments
-    later: a port taken in between still gets the same message from run())."""
+    later: a port taken in between still gets the same message from serve_node())."""
     host, port = check_hostport(addr, what)
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -101,7 +122,7 @@ async def join_cluster(config: NodeConfig) -> Membership:
     progress, no leader, the member not reachable yet) are waited out with backoff until
     --join-timeout; a permanent one (the id is a member with other addresses, a bad token,
     a bad request) ends it at once."""
-    from .client import AsyncClient
+    from ..client import AsyncClient
 
     if config.id not in config.peers:
         raise BadRequest(f"with --join, --peers must still give this node's own peer address ({config.id}=HOST:PORT)")
@@ -131,7 +152,7 @@ async def join_cluster(config: NodeConfig) -> Membership:
 
 async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
     """A joined learner asks to become a voter until the leader agrees it has caught up."""
-    from .client import AsyncClient
+    from ..client import AsyncClient
 
     log = logging.getLogger("kv.serve")
     async with AsyncClient(config.join, token=config.token, timeout=10, cacert=config.cacert) as c:
@@ -147,9 +168,9 @@ async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
             await asyncio.sleep(1.0)
 
 
-async def run(config: NodeConfig, *, access_log: bool = False) -> int:
-    from .http.app import serve  # aiohttp only when serving
-    from .http.auth import load_tokens
+async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
+    from ..http.app import serve  # aiohttp only when serving
+    from ..http.auth import load_tokens
 
     log = logging.getLogger("kv.serve")
     sslctx = tls.server_context(config.tls_cert, config.tls_key)

@@ -1,7 +1,7 @@
 """How the `kv` command refuses: one line on stderr that says what went wrong and what to
 do, and a non-zero exit — never a traceback (unless `--debug` or `KV_DEBUG=1` asks for it).
 
-main() in kv/cli.py hands every exception here; commands just raise.
+main() in kv/cli/__init__.py hands every exception here; commands just raise.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 
-from . import errors
+from .. import errors
 
 EXIT_ERROR = 1
 EXIT_BUG = 70  # EX_SOFTWARE: something we did not foresee
@@ -20,10 +20,10 @@ def debug_wanted(flag: bool) -> bool:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from .raft.errors import LedgerError
-    from .snapshot.format import SnapshotFormatError
-    from .snapshot.restore import RestoreError
-    from .statemachine.leveldb import StateCorrupt
+    from ..raft.errors import LedgerError
+    from ..snapshot.format import SnapshotFormatError
+    from ..snapshot.restore import RestoreError
+    from ..statemachine.leveldb import StateCorrupt
 
     return (errors.KVError, LedgerError, StateCorrupt, SnapshotFormatError, RestoreError)
 

@@ -1,0 +1,94 @@
+"""The `kv` command line (also `python -m kv`).
+
+One module per command group, each with `add_parser(sub)` (which registers its commands and
+sets `run` as their default) and `run(args)`; this module builds the parser from them and is
+the one place that turns what a command raises into a one-line refusal."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .refusal import debug_wanted, describe
+from .settings import serve_config
+
+__all__ = ["build_parser", "main", "serve_config"]
+
+# The command groups: kv/cli/<group>.py.
+GROUPS = ("serve", "cluster", "data", "member", "snapshot", "bench", "spark", "lease")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line that says where to look."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse reports leftovers from the top parser ("kv: unrecognized arguments");
+        # name the command they were given to instead.
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            prog = getattr(ns, "prog_name", self.prog)
+            self.exit(2, f"{prog}: unrecognized arguments: {' '.join(extras)}; see {prog} --help\n")
+        return ns
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    try:
+        v = version("ledgerkv")
+    except PackageNotFoundError:
+        v = __version__
+    return f"kv (ledgerkv) {v}, Python {sys.version.split()[0]}"
+
+
+def _all_parsers(p: argparse.ArgumentParser):
+    yield p
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in {id(s): s for s in action.choices.values()}.values():
+                yield from _all_parsers(sub)
+
+
+def _add_common_options(root: argparse.ArgumentParser) -> None:
+    """--debug on every command (also before it), and the command's name for its errors."""
+    root.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors (or KV_DEBUG=1)")
+    for p in _all_parsers(root):
+        if p is not root:
+            p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        p.set_defaults(prog_name=p.prog)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="kv", description="ledgerkv: a key-value store on a Raft replicated log.")
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    for group in GROUPS:  # in this order in `kv --help`
+        importlib.import_module(f"{__name__}.{group}").add_parser(sub)
+    _add_common_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command. Every refusal is one line on stderr and a non-zero exit status:
+    commands raise, and this is the one place that turns what they raise into that line."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if debug_wanted(args.debug):
+            raise
+        line, code = describe(e)
+        print(f"{args.prog_name}: {line}", file=sys.stderr)
+        return code

@@ -1,0 +1,92 @@
+"""`kv put|get|del|scan|watch`: reading and writing keys over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import sys
+
+import orjson
+
+from ..errors import BadRequest, NotFound
+from .options import client_command, with_client
+from .output import emit, report, value_fields, wants_json
+
+
+def add_parser(sub) -> None:
+    a = client_command(sub, "put", "write a value", run)
+    a.add_argument("key")
+    a.add_argument("value", help="the value; '-' reads it from standard input")
+    a.add_argument("--if-match", type=int, help="write only if the key's mod_index is this (0: absent)")
+    a.add_argument("--lease", type=int, help="attach the key to this lease (kv lease grant)")
+    a = client_command(sub, "get", "read a value (linearizable unless --stale)", run)
+    a.add_argument("key")
+    a.add_argument("--stale", action="store_true", help="read the node's local state without a quorum check")
+    a = client_command(sub, "del", "delete a key", run)
+    a.add_argument("key")
+    a = client_command(sub, "scan", "list keys under a prefix", run)
+    a.add_argument("prefix", nargs="?", default="")
+    a.add_argument("--limit", type=int, default=None)
+    a = client_command(sub, "watch", "print every change under a prefix as it commits (Ctrl-C stops)", run)
+    a.add_argument("prefix", nargs="?", default="")
+    a.add_argument("--from", dest="from_index", type=int, default=None, help="start at this log index (default: the next commit)")
+
+
+def run(args: argparse.Namespace) -> int:
+    return with_client(args, _run)
+
+
+def _out(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    if sys.stdout.isatty() and not data.endswith(b"\n"):
+        sys.stdout.buffer.write(b"\n")
+    sys.stdout.flush()
+
+
+def _item(it) -> dict:
+    return {"key": it.key, **value_fields(it.value), "mod_index": it.mod_index}
+
+
+async def _run(c, args: argparse.Namespace) -> int:
+    cmd = args.cmd
+    if cmd == "put":
+        value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()
+        r = await c.put(args.key, value, if_mod_index=args.if_match, lease=args.lease)
+        report(args, {"key": args.key, "index": r.index, "term": r.term}, f"OK index={r.index} term={r.term}")
+    elif cmd == "get":
+        item = await c.get(args.key, consistency="stale" if args.stale else "linearizable")
+        if item is None:
+            raise NotFound(f"key {args.key!r} does not exist")
+        if wants_json(args):
+            emit(_item(item))
+        else:
+            _out(item.value)
+    elif cmd == "del":
+        r = await c.delete(args.key)
+        text = f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}"
+        report(args, {"key": args.key, "index": r.index, "term": r.term, "deleted": r.deleted}, text)
+    elif cmd == "scan":
+        async for it in c.scan(args.prefix, limit=args.limit):
+            report(args, _item(it), f"{it.key}\t{it.value.decode(errors='backslashreplace')}\t{it.mod_index}")
+    elif cmd == "watch":
+        await _watch(c, args)
+    return 0
+
+
+async def _watch(c, args: argparse.Namespace) -> None:
+    if args.from_index is not None and args.from_index < 1:
+        raise BadRequest("--from is a log index: 1 or more")
+    out = sys.stdout.buffer
+    async for ev in c.watch(args.prefix, args.from_index):
+        if args.output == "json":
+            d = {"type": ev.type, "key": ev.key, "mod_index": ev.mod_index, "index": ev.index}
+            if ev.value is not None:
+                try:
+                    d["value"] = ev.value.decode()
+                except UnicodeDecodeError:
+                    d["value"], d["encoding"] = base64.b64encode(ev.value).decode(), "base64"
+            out.write(orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE))
+        else:
+            value = "" if ev.value is None else ev.value.decode(errors="backslashreplace")
+            out.write(f"{ev.index}\t{ev.type}\t{ev.key}\t{value}\n".encode())
+        out.flush()
