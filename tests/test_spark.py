@@ -205,7 +205,7 @@ def test_export_timeout_cancels_the_job_and_removes_the_output(spark, tmp_path):
     it wrote removed, and the error says so (one line, kv.Timeout)."""
     import argparse
 
-    from kv.spark_cli import _deadline
+    from kv.cli.spark import _deadline
 
     out = tmp_path / "out.parquet"
     args = argparse.Namespace(timeout=2.0, out=str(out))
