@@ -158,7 +158,7 @@ class Node:
         peer_tls = tls.peer_tls(c.peer_cert, c.peer_key, c.peer_ca)
         logguard.guard("kv.raft.transport")  # strangers on the peer port must not flood the log
         self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync)
-        self.snapshots = SnapshotManager(self, c.snapshot_path, keep=c.snapshot_keep)
+        self.snapshots = SnapshotManager(_SnapshotHost(self), c.snapshot_path, keep=c.snapshot_keep)
         loop = asyncio.get_running_loop()
         try:
             self.sm = LevelDBStateMachine(c.state_path, max_read_bytes=c.max_txn_read_bytes)
@@ -176,6 +176,15 @@ class Node:
             election_timeout_ms=c.election_timeout_ms,
             push_timeout_ms=max(1000.0, c.election_timeout_ms),
         )
+        if not self.sm.membership() and self.ledger.last_index() == 0:
+            self.sm.set_membership(membership.encode())  # bootstrap
+        self.sm.on_changes = self.watches.publish
+        self.caller = FSMCaller(
+            self.sm,
+            load_snapshot=self.snapshots.load_into_state_machine,
+            after_apply=[self.snapshots.after_apply],
+            after_load=[self.watches.snapshot_loaded],
+        )
         self.raft = RaftNode(
             core_cfg,
             self.ledger,
@@ -189,15 +198,15 @@ class Node:
             dial=c.peers,
             serve_local=self._serve_local,
             peer_tls=peer_tls,
+            on_apply=self.caller.on_apply,
+            on_snapshot=self.caller.on_snapshot,
+            snapshots=self.snapshots,
+            result_encoder=cmds.encode_result,
         )
-        self.raft.result_encoder = cmds.encode_result
-        self.sm.on_changes = self.watches.publish
-        self.caller = FSMCaller(self.raft, self.sm, load_snapshot=self.snapshots.load_into_state_machine)
-        self.caller.after_load.append(self.watches.snapshot_loaded)
-        self.snapshots.attach(self.raft, self.caller)
+        self.snapshots.attach(self.raft)
         self._wire_metrics()
         await self.raft.start()
-        self.caller.start()
+        self.caller.start(self.raft)
         self.leases.start()
         self.started_at = time.time()
         return self
@@ -584,7 +593,7 @@ class Node:
         """(first, last): the indexes of the committed entries this node's ledger still
         holds (last is its applied index; first - 1 is ledgerBeforeBeginIndex)."""
         raft = self._running()
-        return raft.core.log.before_index + 1, raft.applied_index
+        return raft.log_range()
 
     def log_entries(self, lo: int, hi: int, max_bytes: int = 1 << 20):
         """Committed entries [lo, hi) (hi clipped to the applied index), about max_bytes."""
@@ -602,8 +611,9 @@ class Node:
         """Hand leadership to member `to` (it is caught up first; writes are refused while
         the transfer runs). Returns the leader afterwards. Raises NotLeader on a follower."""
         raft = self._running()
-        if to not in raft.core.membership.voters:
-            raise BadRequest(f"{to!r} is not a voting member; voters: {sorted(raft.core.membership.voters)}")
+        voters = raft.membership.voters
+        if to not in voters:
+            raise BadRequest(f"{to!r} is not a voting member; voters: {sorted(voters)}")
         if raft.role != Role.LEADER:
             raise NotLeader("only the leader can hand leadership over", raft.leader_id)
         if to == raft.id:
@@ -629,7 +639,7 @@ class Node:
         if not member_id or any(ch in member_id for ch in ",= /"):
             raise BadRequest(f"bad member id {member_id!r}: a non-empty name without ',', '=', ' ' or '/'")
         check_hostport(peer, f"member {member_id}")
-        cur = self._running().core.membership
+        cur = self._running().membership
         old = cur.get(member_id)
         if old is not None and not replace:
             if (old.peer_addr, old.http_url) == (peer, http) and (not voter or old.voter or old.promote):
@@ -645,7 +655,7 @@ class Node:
         return self.members()
 
     async def remove_member(self, member_id: str, *, timeout: float | None = None) -> list[dict]:
-        cur = self._running().core.membership
+        cur = self._running().membership
         if member_id not in cur:
             raise NotFound(f"{member_id} is not a member; members: {', '.join(sorted(cur.ids))}")
         if cur.voters == {member_id}:
@@ -655,7 +665,7 @@ class Node:
 
     async def promote_member(self, member_id: str, *, timeout: float | None = None) -> list[dict]:
         """Make a learner a voter (refused with Conflict until it has caught up)."""
-        cur = self._running().core.membership
+        cur = self._running().membership
         m = cur.get(member_id)
         if m is None:
             raise NotFound(f"{member_id} is not a member; add it as a learner first")
@@ -680,13 +690,13 @@ class Node:
 
     def members(self) -> list[dict]:
         raft = self._running()
-        core = raft.core
+        leader = raft.leader_id
         out = []
-        for m in sorted(core.membership.members.values(), key=lambda m: m.id):
-            d = {"id": m.id, "peer": m.peer_addr, "http": m.http_url or (raft.transport.peer_urls.get(m.id, "") if raft.transport else ""), "voter": m.voter}
+        for m in sorted(raft.membership.members.values(), key=lambda m: m.id):
+            d = {"id": m.id, "peer": m.peer_addr, "http": m.http_url or raft.peer_url(m.id), "voter": m.voter}
             if m.id == raft.id:
                 d["http"] = self.config.advertise_url
-            d["leader"] = m.id == core.leader_id
+            d["leader"] = m.id == leader
             if m.promote:
                 d["promote"] = True  # a learner the leader promotes once it has caught up
             out.append(d)
@@ -703,32 +713,64 @@ class Node:
         raft = self._running() if self.raft is not None else None
         if raft is None:
             return {"id": self.config.id, "role": "stopped"}
-        core = raft.core
+        r = raft.metrics()
         snap = self.snapshots.newest_meta() if self.snapshots else None
         return {
             "id": self.config.id,
-            "role": core.role.label,
-            "term": core.term,
-            "leader": core.leader_id,
-            "commit_index": core.commit_index,
-            "applied_index": raft.applied_index,
-            "ledger_begin_index": core.log.before_index,
-            "ledger_end_index": core.log.last_index(),
+            "role": r.role.label,
+            "term": r.term,
+            "leader": r.leader,
+            "commit_index": r.commit_index,
+            "applied_index": r.applied_index,
+            "ledger_begin_index": r.ledger_begin_index,
+            "ledger_end_index": r.ledger_end_index,
             "snapshot_index": snap.index if snap else 0,
             "peers": {
                 m.id: {
                     "address": m.peer_addr,
                     "voter": m.voter,
-                    **(
-                        {"match_index": core.progress[m.id].match, "state": core.progress[m.id].state.value}
-                        if m.id in core.progress
-                        else {}
-                    ),
+                    **({"match_index": r.peers[m.id].match, "state": r.peers[m.id].state} if m.id in r.peers else {}),
                 }
-                for m in core.membership.members.values()
+                for m in raft.membership.members.values()
                 if m.id != self.config.id
             },
         }
+
+
+class _SnapshotHost:
+    """The node as the snapshot layer sees it (snapshot.manager.SnapshotHost): read late,
+    because the state machine is opened (or rebuilt) after the manager is made."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    @property
+    def node_id(self) -> str:
+        return self.node.config.id
+
+    @property
+    def group(self) -> str:
+        return self.node.config.group
+
+    @property
+    def snapshot_threshold(self) -> int:
+        return self.node.config.snapshot_threshold
+
+    @property
+    def snapshot_trailing(self) -> int:
+        return self.node.config.snapshot_trailing
+
+    def capture(self):
+        return self.node.sm.capture()
+
+    def sync_state(self) -> None:
+        self.node.sm.sync()
+
+    def forget_effects(self, index: int) -> None:
+        self.node.sm.forget_effects(index)
+
+    def load_state(self, index: int, term: int, membership: bytes, records) -> int:
+        return self.node.sm.restore(index, term, membership, records)
 
 
 def encode_command(cmd: cmds.Command) -> bytes:
