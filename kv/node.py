@@ -35,7 +35,7 @@ from .errors import (
     Unavailable,
     ValueTooLarge,
 )
-from .raft import errors as raft_errors
+from .raft.errors import ConfigChangeRefused, TransferInProgress
 from .raft.core import CoreConfig
 from .raft.ledger import Ledger, LedgerWrite
 from .raft.membership import Member, Membership
@@ -366,7 +366,7 @@ class Node:
         try:
             got = self.sm.get(validate_key(key))
         except StateCorrupt as e:
-            raise Unavailable(f"{e}; use another member meanwhile") from e
+            raise public_error(e, fix="use another member meanwhile") from e
         return len(got[1]) if got else 0
 
     def _value(self, value: bytes) -> bytes:
@@ -406,16 +406,18 @@ class Node:
                     return applied
                 request_forwarded.set(True)
                 resp = await self._outcome(raft.forward(payload, deadline), wait)
-            except raft_errors.NotLeader as e:
+            except NoQuorum:
+                raise  # a read barrier (a lease keepalive's) gave up already: so does this
+            except NotLeader as e:
                 # Nothing was appended (or what was appended was replaced): safe to retry
                 # once a leader is known.
                 await self._await_leader(deadline, e)
                 continue
-            except raft_errors.TransferInProgress as e:
+            except TransferInProgress as e:
                 await self._await_leader(deadline, e, force_wait=True)
                 continue
             except (Overloaded, NodeStopped) as e:  # refused before anything was appended
-                raise Unavailable(str(e)) from e
+                raise public_error(e) from e
             if resp.code == ForwardCode.OK:
                 return Applied(resp.index, resp.term, cmds.decode_result(resp.payload))
             if resp.code in (ForwardCode.NOT_LEADER, ForwardCode.TRANSFERRING):
@@ -433,7 +435,7 @@ class Node:
         try:
             return cmds.encode_result(await self.leases.answer(cmds.decode(payload)))
         except KVError as e:  # no quorum to confirm the leadership: the follower retries
-            raise raft_errors.NotLeader(None, str(e)) from e
+            raise NotLeader(str(e)) from e
 
     @staticmethod
     async def _outcome(waiting, wait: float):
@@ -441,7 +443,7 @@ class Node:
         try:
             return await waiting
         except (OutcomeUnknown, NodeStopped) as e:
-            raise unknown_outcome(e, wait) from e
+            raise public_error(e, written=True, wait=wait) from e
 
     async def _await_leader(self, deadline: float, cause: Exception, force_wait: bool = False) -> None:
         """Wait for a (new) leader, or raise NotLeader when the deadline passes."""
@@ -485,13 +487,13 @@ class Node:
                     "could not confirm a read with a majority in time (no leader, or it cannot reach a quorum); "
                     "retry, or read with consistency=stale", raft.leader_id
                 ) from None
-            except raft_errors.NotLeader as e:
+            except NotLeader as e:
                 try:
                     await self._await_leader(deadline, e, force_wait=raft.leader_id is not None)
                 except NotLeader as nl:
                     raise NoQuorum(str(nl), raft.leader_id) from None
             except NodeStopped as e:
-                raise Unavailable(str(e)) from e
+                raise public_error(e) from e
 
     async def get(self, key: str, *, consistency: str = "linearizable", timeout: float | None = None) -> Item | None:
         return (await self.get_at(key, consistency=consistency, timeout=timeout))[0]
@@ -503,7 +505,7 @@ class Node:
         try:
             got = self.sm.get(key)  # no await since the barrier: the state is at `index`
         except StateCorrupt as e:
-            raise Unavailable(f"{e}; read from another member meanwhile") from e
+            raise public_error(e) from e
         return (Item(key, got[1], got[0]) if got else None), index
 
     def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", timeout: float | None = None, page: int = 1000) -> Scan:
@@ -519,7 +521,7 @@ class Node:
             try:
                 rows = self.sm.scan(prefix, after, n)
             except StateCorrupt as e:
-                raise Unavailable(f"{e}; read from another member meanwhile") from e
+                raise public_error(e) from e
             return [Item(k, v, m) for k, v, m in rows], len(rows) == n
 
         return Scan(fetch, after=after, limit=limit, page=page)
@@ -532,7 +534,7 @@ class Node:
         try:
             return Page([Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit)], index)
         except StateCorrupt as e:
-            raise Unavailable(f"{e}; read from another member meanwhile") from e
+            raise public_error(e) from e
 
     # -- leases ----------------------------------------------------------------------------
 
@@ -681,12 +683,10 @@ class Node:
         deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else self.config.write_timeout_s)
         try:
             await raft.change_membership(new, deadline)
-        except raft_errors.ConfigChangeRefused as e:
-            raise Conflict(str(e)) from None
-        except raft_errors.TransferInProgress as e:
-            raise Conflict(str(e)) from None
+        except (ConfigChangeRefused, TransferInProgress) as e:
+            raise public_error(e) from None
         except (OutcomeUnknown, NodeStopped) as e:
-            raise unknown_outcome(e, self.config.write_timeout_s) from e
+            raise public_error(e, written=True, wait=self.config.write_timeout_s) from e
 
     def members(self) -> list[dict]:
         raft = self._running()
@@ -773,14 +773,32 @@ class _SnapshotHost:
         return self.node.sm.restore(index, term, membership, records)
 
 
+def public_error(e: KVError, *, written: bool = False, wait: float = 0.0, fix: str = "read from another member meanwhile") -> KVError:
+    """The one place where the layers' own errors become the public ones of kv/errors.py.
+    `written`: the request may have been appended, so a stop or a missed deadline leaves its
+    outcome unknown (Timeout) rather than refused (Unavailable); `fix`: what a reader of a
+    damaged state machine should do."""
+    if written and isinstance(e, (OutcomeUnknown, NodeStopped)):
+        return _unknown_outcome(e, wait)
+    if isinstance(e, (Overloaded, NodeStopped)):
+        return Unavailable(str(e))
+    if isinstance(e, (ConfigChangeRefused, TransferInProgress)):
+        return Conflict(str(e))
+    if isinstance(e, cmds.CommandError):
+        return BadRequest(str(e))
+    if isinstance(e, StateCorrupt):
+        return Unavailable(f"{e}; {fix}")
+    return e
+
+
 def encode_command(cmd: cmds.Command) -> bytes:
     try:
         return cmds.encode(cmd)
     except cmds.CommandError as e:
-        raise BadRequest(str(e)) from e
+        raise public_error(e) from e
 
 
-def unknown_outcome(e: Exception, wait: float) -> Timeout:
+def _unknown_outcome(e: Exception, wait: float) -> Timeout:
     """The error for a write whose outcome cannot be known any more."""
     if isinstance(e, DeadlineExceeded):
         return Timeout(f"the write was not confirmed within {wait:.1f}s; it may or may not have been committed: read the key before retrying")
@@ -814,10 +832,10 @@ def lease_status(r: cmds.LeaseInfo) -> LeaseStatus:
 def _raise_failed(result):
     if isinstance(result, cmds.NoSuchLease):
         raise LeaseNotFound(result.lease)
-    if isinstance(result, cmds.PreconditionFailed):
+    if isinstance(result, cmds.ConditionFailed):
         raise PreconditionFailed(result.key, result.mod_index)
     if isinstance(result, cmds.CommandError):
-        raise BadRequest(str(result))
+        raise public_error(result)
     if isinstance(result, cmds.ReadLimitExceeded):
         raise ValueTooLarge(
             f"the transaction was applied at index {result.index} ({'success' if result.succeeded else 'failure'} "
@@ -843,7 +861,7 @@ def txn_result(applied: Applied) -> TxnResult:
     for x in r.results:
         if isinstance(x, cmds.PutResult):
             out.append(written)
-        elif isinstance(x, cmds.DeleteResult):
+        elif isinstance(x, cmds.DeleteApplied):
             out.append(DeleteResult(x.index, applied.term, x.deleted))
         else:
             out.append(Item(x.key, x.value, x.mod_index) if x.value is not None else None)
@@ -855,7 +873,7 @@ def validate_key(key: str) -> str:
     try:
         cmds.check_key(key)
     except cmds.CommandError as e:
-        raise BadRequest(str(e)) from None
+        raise public_error(e) from None
     return key
 
 

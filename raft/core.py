@@ -238,7 +238,7 @@ class RaftCore:
         changes go through propose_config."""
         self._now = now
         if self.role != Role.LEADER:
-            raise NotLeader(self.leader_id)
+            raise NotLeader(leader=self.leader_id)
         if self.transferee is not None:
             raise TransferInProgress(self.transferee)
         if any(kind == EntryKind.CONFIG for kind, _ in items):
@@ -259,7 +259,7 @@ class RaftCore:
         voter, or promote a learner that has not caught up."""
         self._now = now
         if self.role != Role.LEADER:
-            raise NotLeader(self.leader_id)
+            raise NotLeader(leader=self.leader_id)
         if self.transferee is not None:
             raise TransferInProgress(self.transferee)
         if not self.committed_in_term():
@@ -407,7 +407,7 @@ class RaftCore:
         """Hand leadership to `to` once it has caught up (Raft thesis §3.10)."""
         self._now = now
         if self.role != Role.LEADER:
-            raise NotLeader(self.leader_id)
+            raise NotLeader(leader=self.leader_id)
         if to == self.id:
             return
         if to not in self.membership.voters:

@@ -313,7 +313,7 @@ class RaftNode:
         self._check_running()
         core = self.core
         if core.role != Role.LEADER:
-            raise NotLeader(core.leader_id)
+            raise NotLeader(leader=core.leader_id)
         if core.transferee is not None:
             raise TransferInProgress(core.transferee)
         if self.pending_proposals() >= self.max_pending:
@@ -329,7 +329,7 @@ class RaftNode:
         self._check_running()
         leader = self.core.leader_id
         if leader is None or leader == self.id or self.transport is None:
-            raise NotLeader(leader)
+            raise NotLeader(leader=leader)
         req_id = next(self._ctx)
         fut = asyncio.get_running_loop().create_future()
         self._forwards[req_id] = fut
@@ -337,7 +337,7 @@ class RaftNode:
             self._deadlines.add(deadline, fut)
         try:
             if not self.transport.send(ForwardRequest(self.id, leader, req_id, payload)):
-                raise NotLeader(None, f"the leader {leader} cannot be reached from {self.id} right now; retry shortly")
+                raise NotLeader(f"the leader {leader} cannot be reached from {self.id} right now; retry shortly")
             return await fut
         finally:
             self._forwards.pop(req_id, None)
@@ -449,7 +449,7 @@ class RaftNode:
                 if term == e.term:
                     fut.set_result(Applied(e.index, e.term, r))
                 else:
-                    fut.set_exception(NotLeader(self.core.leader_id, "the write was replaced by a new leader's entry and did not happen; retry it"))
+                    fut.set_exception(NotLeader("the write was replaced by a new leader's entry and did not happen; retry it", self.core.leader_id))
         if entries:
             self.applied_index = entries[-1].index
         self._release_apply_waiters()
@@ -588,7 +588,7 @@ class RaftNode:
         for rf in rd.read_failures:
             fut = self._read_futs.pop(rf.ctx, None)
             if fut is not None and not fut.done():
-                fut.set_exception(NotLeader(rf.leader))
+                fut.set_exception(NotLeader(leader=rf.leader))
         if rd.snapshot_sends:
             for s in rd.snapshot_sends:
                 if self._snapshots is not None:

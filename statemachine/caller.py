@@ -14,6 +14,7 @@ from collections.abc import Callable, Container, Sequence
 from typing import Any, Protocol
 
 from ..raft import failpoints
+from ..raft.errors import KVError
 from ..raft.messages import Entry, SnapshotMeta
 from .protocol import StateMachine
 
@@ -134,7 +135,7 @@ class FSMCaller:
             self.node.fail(self.failure)
 
 
-class ApplyFailed(Exception):
+class ApplyFailed(KVError):
     """The state machine failed to apply a committed entry; the node stopped."""
 
 

@@ -165,3 +165,42 @@ def test_the_layering_check_sees_a_planted_reach(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
     got = layer_reaches("kv", {"_inbox"})
     assert sorted(got) == ["kv/planted.py:2: ._inbox", "kv/planted.py:2: .core"]
+
+
+# -- one error hierarchy -------------------------------------------------------------------
+
+# Exceptions that are not KVErrors, and why no user ever sees one.
+NOT_KV_ERRORS = {
+    "kv.raft.failpoints.InjectedFailure",  # raised only by failpoints the crash tests arm
+}
+
+
+def _modules() -> list[str]:
+    names = []
+    for layer in LAYERS:
+        for path in _layer_files(layer):
+            mod = path[:-3].replace(os.sep, ".")
+            names.append(mod if layer == "kv" else "kv." + mod)
+    return [n.removesuffix(".__init__") for n in names if not n.endswith("__main__")]
+
+
+def test_every_error_is_a_kv_error():
+    import importlib
+    import inspect
+
+    import kv
+
+    found = {}
+    for mod in _modules():
+        if mod.startswith("kv.spark"):
+            continue  # needs pyspark at import; its errors are kv.errors' (tested there)
+        m = importlib.import_module(mod)
+        for name, cls in vars(m).items():
+            if inspect.isclass(cls) and issubclass(cls, BaseException) and cls.__module__ == mod:
+                found[f"{mod}.{name}"] = cls
+    bad = [n for n, cls in found.items() if not issubclass(cls, kv.KVError) and not n.rsplit(".", 1)[1].startswith("_") and n not in NOT_KV_ERRORS]
+    assert not bad, f"errors outside the kv.KVError hierarchy: {bad}"
+    public = [n.rsplit(".", 1)[1] for n, cls in found.items() if not n.rsplit(".", 1)[1].startswith("_")]
+    twice = {n for n in public if public.count(n) > 1}
+    assert not twice, f"two error classes of one name: {twice}"
+    assert kv.raft.errors.NotLeader is kv.NotLeader and kv.raft.errors.KVError is kv.KVError
