@@ -738,27 +738,14 @@ class Node:
 
 
 class _SnapshotHost:
-    """The node as the snapshot layer sees it (snapshot.manager.SnapshotHost): read late,
-    because the state machine is opened (or rebuilt) after the manager is made."""
+    """The node as the snapshot layer sees it (snapshot.manager.SnapshotHost). The state
+    machine is read late: it is opened (or rebuilt) after the manager is made."""
 
     def __init__(self, node: Node) -> None:
+        c = node.config
         self.node = node
-
-    @property
-    def node_id(self) -> str:
-        return self.node.config.id
-
-    @property
-    def group(self) -> str:
-        return self.node.config.group
-
-    @property
-    def snapshot_threshold(self) -> int:
-        return self.node.config.snapshot_threshold
-
-    @property
-    def snapshot_trailing(self) -> int:
-        return self.node.config.snapshot_trailing
+        self.node_id, self.group = c.id, c.group
+        self.snapshot_threshold, self.snapshot_trailing = c.snapshot_threshold, c.snapshot_trailing
 
     def capture(self):
         return self.node.sm.capture()
