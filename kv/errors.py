@@ -1,19 +1,55 @@
-"""The errors of the store API. Every message says what happened and what to do."""
+"""The errors of the store API. Every message says what happened and what to do.
+
+One hierarchy: everything a user can see is a KVError. The root and NotLeader live at the
+bottom (raft/errors.py) so that every layer's own errors can derive from it; SnapshotError
+is the snapshot layer's (snapshot/format.py). They are re-exported here.
+
+    KVError
+    ├── NotLeader ── NoQuorum                        NO_LEADER / NO_QUORUM, 503
+    ├── BadRequest (ValueError) ── ValueTooLarge     400 / 413
+    ├── NotFound (KeyError) ── LeaseNotFound         404
+    ├── PreconditionFailed                           412
+    ├── Conflict ── MemberExists                     409
+    ├── Timeout (TimeoutError)                       504
+    ├── Unavailable                                  503
+    ├── Unauthorized, Forbidden                      401, 403
+    ├── DataDirLocked                                409
+    ├── Compacted ── WatchCompacted (kv.watch)       410
+    ├── SnapshotError ── SnapshotFormatError, RestoreError (kv.snapshot)
+    ├── SlowWatcher (kv.watch), LogStreamError (kv.logstream), CannotListen (kv.serve)
+    └── the layers' own, translated by kv.Node where they have a public meaning:
+        RaftError (kv.raft.errors: TransferInProgress, LedgerError, ConfigChangeRefused,
+        CodecError; kv.raft.node: NodeStopped, Overloaded, OutcomeUnknown ── DeadlineExceeded),
+        kv.statemachine: CommandError, StateCorrupt, StateLocked, ApplyFailed
+"""
 
 from __future__ import annotations
 
 import os
 
+from .raft.errors import KVError, NotLeader
+from .snapshot.format import SnapshotError
 
-class KVError(Exception):
-    """Base class of all ledgerkv errors. `code` is the HTTP error code name."""
+__all__ = [
+    "BadRequest",
+    "Compacted",
+    "Conflict",
+    "DataDirLocked",
+    "Forbidden",
+    "KVError",
+    "LeaseNotFound",
+    "MemberExists",
+    "NoQuorum",
+    "NotFound",
+    "NotLeader",
+    "PreconditionFailed",
+    "SnapshotError",
+    "Timeout",
+    "Unauthorized",
+    "Unavailable",
+    "ValueTooLarge",
+]
 
-    code = "INTERNAL"
-    http_status = 500
-
-    def details(self) -> dict:
-        """Fields beside "code" and "message" in the HTTP error body."""
-        return {}
 
 
 class BadRequest(KVError, ValueError):
@@ -59,17 +95,6 @@ class PreconditionFailed(KVError):
 
     def details(self) -> dict:
         return {"key": self.key, "mod_index": self.mod_index}
-
-
-class NotLeader(KVError):
-    """No leader could take the request right now (none known, or unreachable). Nothing
-    was written; retrying later is safe."""
-
-    code, http_status = "NO_LEADER", 503
-
-    def __init__(self, message: str, leader: str | None = None) -> None:
-        self.leader = leader
-        super().__init__(message)
 
 
 class NoQuorum(NotLeader):
@@ -136,9 +161,3 @@ class Compacted(KVError):
     """What was asked for is older than what the node still keeps (compacted away)."""
 
     code, http_status = "COMPACTED", 410
-
-
-class SnapshotError(KVError):
-    """A snapshot file is missing, corrupt or of an unknown format."""
-
-    code, http_status = "SNAPSHOT_ERROR", 500

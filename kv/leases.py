@@ -114,7 +114,7 @@ class LeaseClock:
         await self._node.read_barrier("linearizable")
         now = asyncio.get_running_loop().time()
         if not self._sync(now):
-            raise NotLeader(self._node.raft.leader_id)
+            raise NotLeader(leader=self._node.raft.leader_id)
         table, d = self._node.sm.leases, self._deadlines
         if type(cmd) is cmds.LeaseQuery and not cmd.lease:
             return cmds.LeaseList(tuple(cmds.LeaseInfo(lease, ttl, d.left_ms(lease, now)) for lease, ttl in sorted(table.ttl_ms.items())))

@@ -63,12 +63,12 @@ class _NodeCollector:
         if raft is None:
             return
         s = node.status()
-        core = raft.core
+        r = raft.metrics()
         yield _gauge("kv_has_leader", "1 if this node knows a leader.", 1.0 if s.get("leader") else 0.0)
         yield _gauge("kv_is_leader", "1 if this node is the leader.", 1.0 if s.get("role") == "leader" else 0.0)
         role = GaugeMetricFamily("kv_role", "1 for this node's current role.", labels=["role"])
-        for r in ROLES:
-            role.add_metric([r], 1.0 if s.get("role") == r else 0.0)
+        for name in ROLES:
+            role.add_metric([name], 1.0 if s.get("role") == name else 0.0)
         yield role
         for f, doc in (
             ("term", "Current term."),
@@ -79,17 +79,16 @@ class _NodeCollector:
             ("snapshot_index", "Index of the newest snapshot."),
         ):
             yield _gauge(f"kv_{f}", doc, float(s.get(f) or 0))
-        stats = raft.stats
-        yield _counter("kv_leader_changes", "Times this node saw a new leader.", stats["leader_changes"])
-        yield _gauge("kv_proposals_pending", "Writes proposed on this node, not yet committed or failed.", raft.pending_proposals())
-        yield _counter("kv_proposals", "Entries proposed on this node as leader.", stats["proposals"])
+        yield _counter("kv_leader_changes", "Times this node saw a new leader.", r.leader_changes)
+        yield _gauge("kv_proposals_pending", "Writes proposed on this node, not yet committed or failed.", r.pending_proposals)
+        yield _counter("kv_proposals", "Entries proposed on this node as leader.", r.proposals)
         yield _counter("kv_proposals_failed", "Writes that failed: no leader in time, outcome unknown, node stopping.", node.counters["proposals_failed"])
-        yield _counter("kv_ledger_fsyncs", "Group-committed ledger writes (one fsync each).", stats["writes"])
-        yield _counter("kv_ledger_fsynced_entries", "Entries written to the ledger.", stats["fsynced_entries"])
-        yield _counter("kv_raft_ready", "Ready batches the driver handled.", stats["ready"])
-        last = core.log.last_index()
+        yield _counter("kv_ledger_fsyncs", "Group-committed ledger writes (one fsync each).", r.writes)
+        yield _counter("kv_ledger_fsynced_entries", "Entries written to the ledger.", r.fsynced_entries)
+        yield _counter("kv_raft_ready", "Ready batches the driver handled.", r.ready)
+        last = r.ledger_end_index
         lag = GaugeMetricFamily("kv_replication_lag_entries", "Leader only: entries each follower is behind.", labels=["peer"])
-        yield _by_peer(lag, ((p, float(last - pr.match)) for p, pr in core.progress.items()))
+        yield _by_peer(lag, ((p, float(last - pr.match)) for p, pr in r.peers.items()))
         cfg = node.config
         yield _gauge("kv_leases", "Live leases.", len(node.sm.leases.ttl_ms))
         watches, buffered = node.watches.stats()
@@ -97,18 +96,17 @@ class _NodeCollector:
         yield _gauge("kv_watch_buffered_bytes", "Bytes of changes buffered for watches that have not taken them yet.", buffered)
         yield _gauge("kv_state_size_bytes", "Bytes of the state machine (LevelDB) on disk.", _dir_bytes(cfg.state_path))
         yield _gauge("kv_ledger_size_bytes", "Bytes of the ledger (LMDB) on disk.", _dir_bytes(cfg.ledger_path))
-        yield from self._peers(raft.transport)
+        yield from self._peers(r.transport)
         yield from self._snapshots(node.snapshots.stats)
 
     @staticmethod
     def _peers(t) -> Iterable[Metric]:
         """Present on a node without peers too (all zero), so that queries find them."""
-        sent, received = (t.sent_bytes.items(), t.received_bytes.items()) if t is not None else ((), ())
-        yield _by_peer(CounterMetricFamily("kv_peer_sent_bytes", "Bytes of frames sent to each peer.", labels=["peer"]), sent)
-        yield _by_peer(CounterMetricFamily("kv_peer_received_bytes", "Bytes received from each peer.", labels=["peer"]), received)
-        yield _counter("kv_peer_frames_sent", "Frames sent to peers.", t.sent_frames if t else 0)
-        yield _counter("kv_peer_frames_dropped", "Frames not sent: no connection, or the peer too slow.", t.dropped_frames if t else 0)
-        yield _counter("kv_peer_connections_rejected", "Peer connections refused (handshake, secret, membership).", t.rejected_connections if t else 0)
+        yield _by_peer(CounterMetricFamily("kv_peer_sent_bytes", "Bytes of frames sent to each peer.", labels=["peer"]), t.sent_bytes.items())
+        yield _by_peer(CounterMetricFamily("kv_peer_received_bytes", "Bytes received from each peer.", labels=["peer"]), t.received_bytes.items())
+        yield _counter("kv_peer_frames_sent", "Frames sent to peers.", t.frames_sent)
+        yield _counter("kv_peer_frames_dropped", "Frames not sent: no connection, or the peer too slow.", t.frames_dropped)
+        yield _counter("kv_peer_connections_rejected", "Peer connections refused (handshake, secret, membership).", t.connections_rejected)
 
     @staticmethod
     def _snapshots(st) -> Iterable[Metric]:

@@ -35,7 +35,7 @@ from .errors import (
     Unavailable,
     ValueTooLarge,
 )
-from .raft import errors as raft_errors
+from .raft.errors import ConfigChangeRefused, TransferInProgress
 from .raft.core import CoreConfig
 from .raft.ledger import Ledger, LedgerWrite
 from .raft.membership import Member, Membership
@@ -158,7 +158,7 @@ class Node:
         peer_tls = tls.peer_tls(c.peer_cert, c.peer_key, c.peer_ca)
         logguard.guard("kv.raft.transport")  # strangers on the peer port must not flood the log
         self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync)
-        self.snapshots = SnapshotManager(self, c.snapshot_path, keep=c.snapshot_keep)
+        self.snapshots = SnapshotManager(_SnapshotHost(self), c.snapshot_path, keep=c.snapshot_keep)
         loop = asyncio.get_running_loop()
         try:
             self.sm = LevelDBStateMachine(c.state_path, max_read_bytes=c.max_txn_read_bytes)
@@ -176,6 +176,15 @@ class Node:
             election_timeout_ms=c.election_timeout_ms,
             push_timeout_ms=max(1000.0, c.election_timeout_ms),
         )
+        if not self.sm.membership() and self.ledger.last_index() == 0:
+            self.sm.set_membership(membership.encode())  # bootstrap
+        self.sm.on_changes = self.watches.publish
+        self.caller = FSMCaller(
+            self.sm,
+            load_snapshot=self.snapshots.load_into_state_machine,
+            after_apply=[self.snapshots.after_apply],
+            after_load=[self.watches.snapshot_loaded],
+        )
         self.raft = RaftNode(
             core_cfg,
             self.ledger,
@@ -189,15 +198,15 @@ class Node:
             dial=c.peers,
             serve_local=self._serve_local,
             peer_tls=peer_tls,
+            on_apply=self.caller.on_apply,
+            on_snapshot=self.caller.on_snapshot,
+            snapshots=self.snapshots,
+            result_encoder=cmds.encode_result,
         )
-        self.raft.result_encoder = cmds.encode_result
-        self.sm.on_changes = self.watches.publish
-        self.caller = FSMCaller(self.raft, self.sm, load_snapshot=self.snapshots.load_into_state_machine)
-        self.caller.after_load.append(self.watches.snapshot_loaded)
-        self.snapshots.attach(self.raft, self.caller)
+        self.snapshots.attach(self.raft)
         self._wire_metrics()
         await self.raft.start()
-        self.caller.start()
+        self.caller.start(self.raft)
         self.leases.start()
         self.started_at = time.time()
         return self
@@ -357,7 +366,7 @@ class Node:
         try:
             got = self.sm.get(validate_key(key))
         except StateCorrupt as e:
-            raise Unavailable(f"{e}; use another member meanwhile") from e
+            raise public_error(e, fix="use another member meanwhile") from e
         return len(got[1]) if got else 0
 
     def _value(self, value: bytes) -> bytes:
@@ -397,16 +406,18 @@ class Node:
                     return applied
                 request_forwarded.set(True)
                 resp = await self._outcome(raft.forward(payload, deadline), wait)
-            except raft_errors.NotLeader as e:
+            except NoQuorum:
+                raise  # a read barrier (a lease keepalive's) gave up already: so does this
+            except NotLeader as e:
                 # Nothing was appended (or what was appended was replaced): safe to retry
                 # once a leader is known.
                 await self._await_leader(deadline, e)
                 continue
-            except raft_errors.TransferInProgress as e:
+            except TransferInProgress as e:
                 await self._await_leader(deadline, e, force_wait=True)
                 continue
             except (Overloaded, NodeStopped) as e:  # refused before anything was appended
-                raise Unavailable(str(e)) from e
+                raise public_error(e) from e
             if resp.code == ForwardCode.OK:
                 return Applied(resp.index, resp.term, cmds.decode_result(resp.payload))
             if resp.code in (ForwardCode.NOT_LEADER, ForwardCode.TRANSFERRING):
@@ -424,7 +435,7 @@ class Node:
         try:
             return cmds.encode_result(await self.leases.answer(cmds.decode(payload)))
         except KVError as e:  # no quorum to confirm the leadership: the follower retries
-            raise raft_errors.NotLeader(None, str(e)) from e
+            raise NotLeader(str(e)) from e
 
     @staticmethod
     async def _outcome(waiting, wait: float):
@@ -432,7 +443,7 @@ class Node:
         try:
             return await waiting
         except (OutcomeUnknown, NodeStopped) as e:
-            raise unknown_outcome(e, wait) from e
+            raise public_error(e, written=True, wait=wait) from e
 
     async def _await_leader(self, deadline: float, cause: Exception, force_wait: bool = False) -> None:
         """Wait for a (new) leader, or raise NotLeader when the deadline passes."""
@@ -476,13 +487,13 @@ class Node:
                     "could not confirm a read with a majority in time (no leader, or it cannot reach a quorum); "
                     "retry, or read with consistency=stale", raft.leader_id
                 ) from None
-            except raft_errors.NotLeader as e:
+            except NotLeader as e:
                 try:
                     await self._await_leader(deadline, e, force_wait=raft.leader_id is not None)
                 except NotLeader as nl:
                     raise NoQuorum(str(nl), raft.leader_id) from None
             except NodeStopped as e:
-                raise Unavailable(str(e)) from e
+                raise public_error(e) from e
 
     async def get(self, key: str, *, consistency: str = "linearizable", timeout: float | None = None) -> Item | None:
         return (await self.get_at(key, consistency=consistency, timeout=timeout))[0]
@@ -494,7 +505,7 @@ class Node:
         try:
             got = self.sm.get(key)  # no await since the barrier: the state is at `index`
         except StateCorrupt as e:
-            raise Unavailable(f"{e}; read from another member meanwhile") from e
+            raise public_error(e) from e
         return (Item(key, got[1], got[0]) if got else None), index
 
     def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", timeout: float | None = None, page: int = 1000) -> Scan:
@@ -510,7 +521,7 @@ class Node:
             try:
                 rows = self.sm.scan(prefix, after, n)
             except StateCorrupt as e:
-                raise Unavailable(f"{e}; read from another member meanwhile") from e
+                raise public_error(e) from e
             return [Item(k, v, m) for k, v, m in rows], len(rows) == n
 
         return Scan(fetch, after=after, limit=limit, page=page)
@@ -523,7 +534,7 @@ class Node:
         try:
             return Page([Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit)], index)
         except StateCorrupt as e:
-            raise Unavailable(f"{e}; read from another member meanwhile") from e
+            raise public_error(e) from e
 
     # -- leases ----------------------------------------------------------------------------
 
@@ -584,7 +595,7 @@ class Node:
         """(first, last): the indexes of the committed entries this node's ledger still
         holds (last is its applied index; first - 1 is ledgerBeforeBeginIndex)."""
         raft = self._running()
-        return raft.core.log.before_index + 1, raft.applied_index
+        return raft.log_range()
 
     def log_entries(self, lo: int, hi: int, max_bytes: int = 1 << 20):
         """Committed entries [lo, hi) (hi clipped to the applied index), about max_bytes."""
@@ -602,8 +613,9 @@ class Node:
         """Hand leadership to member `to` (it is caught up first; writes are refused while
         the transfer runs). Returns the leader afterwards. Raises NotLeader on a follower."""
         raft = self._running()
-        if to not in raft.core.membership.voters:
-            raise BadRequest(f"{to!r} is not a voting member; voters: {sorted(raft.core.membership.voters)}")
+        voters = raft.membership.voters
+        if to not in voters:
+            raise BadRequest(f"{to!r} is not a voting member; voters: {sorted(voters)}")
         if raft.role != Role.LEADER:
             raise NotLeader("only the leader can hand leadership over", raft.leader_id)
         if to == raft.id:
@@ -629,7 +641,7 @@ class Node:
         if not member_id or any(ch in member_id for ch in ",= /"):
             raise BadRequest(f"bad member id {member_id!r}: a non-empty name without ',', '=', ' ' or '/'")
         check_hostport(peer, f"member {member_id}")
-        cur = self._running().core.membership
+        cur = self._running().membership
         old = cur.get(member_id)
         if old is not None and not replace:
             if (old.peer_addr, old.http_url) == (peer, http) and (not voter or old.voter or old.promote):
@@ -645,7 +657,7 @@ class Node:
         return self.members()
 
     async def remove_member(self, member_id: str, *, timeout: float | None = None) -> list[dict]:
-        cur = self._running().core.membership
+        cur = self._running().membership
         if member_id not in cur:
             raise NotFound(f"{member_id} is not a member; members: {', '.join(sorted(cur.ids))}")
         if cur.voters == {member_id}:
@@ -655,7 +667,7 @@ class Node:
 
     async def promote_member(self, member_id: str, *, timeout: float | None = None) -> list[dict]:
         """Make a learner a voter (refused with Conflict until it has caught up)."""
-        cur = self._running().core.membership
+        cur = self._running().membership
         m = cur.get(member_id)
         if m is None:
             raise NotFound(f"{member_id} is not a member; add it as a learner first")
@@ -671,22 +683,20 @@ class Node:
         deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else self.config.write_timeout_s)
         try:
             await raft.change_membership(new, deadline)
-        except raft_errors.ConfigChangeRefused as e:
-            raise Conflict(str(e)) from None
-        except raft_errors.TransferInProgress as e:
-            raise Conflict(str(e)) from None
+        except (ConfigChangeRefused, TransferInProgress) as e:
+            raise public_error(e) from None
         except (OutcomeUnknown, NodeStopped) as e:
-            raise unknown_outcome(e, self.config.write_timeout_s) from e
+            raise public_error(e, written=True, wait=self.config.write_timeout_s) from e
 
     def members(self) -> list[dict]:
         raft = self._running()
-        core = raft.core
+        leader = raft.leader_id
         out = []
-        for m in sorted(core.membership.members.values(), key=lambda m: m.id):
-            d = {"id": m.id, "peer": m.peer_addr, "http": m.http_url or (raft.transport.peer_urls.get(m.id, "") if raft.transport else ""), "voter": m.voter}
+        for m in sorted(raft.membership.members.values(), key=lambda m: m.id):
+            d = {"id": m.id, "peer": m.peer_addr, "http": m.http_url or raft.peer_url(m.id), "voter": m.voter}
             if m.id == raft.id:
                 d["http"] = self.config.advertise_url
-            d["leader"] = m.id == core.leader_id
+            d["leader"] = m.id == leader
             if m.promote:
                 d["promote"] = True  # a learner the leader promotes once it has caught up
             out.append(d)
@@ -703,42 +713,79 @@ class Node:
         raft = self._running() if self.raft is not None else None
         if raft is None:
             return {"id": self.config.id, "role": "stopped"}
-        core = raft.core
+        r = raft.metrics()
         snap = self.snapshots.newest_meta() if self.snapshots else None
         return {
             "id": self.config.id,
-            "role": core.role.label,
-            "term": core.term,
-            "leader": core.leader_id,
-            "commit_index": core.commit_index,
-            "applied_index": raft.applied_index,
-            "ledger_begin_index": core.log.before_index,
-            "ledger_end_index": core.log.last_index(),
+            "role": r.role.label,
+            "term": r.term,
+            "leader": r.leader,
+            "commit_index": r.commit_index,
+            "applied_index": r.applied_index,
+            "ledger_begin_index": r.ledger_begin_index,
+            "ledger_end_index": r.ledger_end_index,
             "snapshot_index": snap.index if snap else 0,
             "peers": {
                 m.id: {
                     "address": m.peer_addr,
                     "voter": m.voter,
-                    **(
-                        {"match_index": core.progress[m.id].match, "state": core.progress[m.id].state.value}
-                        if m.id in core.progress
-                        else {}
-                    ),
+                    **({"match_index": r.peers[m.id].match, "state": r.peers[m.id].state} if m.id in r.peers else {}),
                 }
-                for m in core.membership.members.values()
+                for m in raft.membership.members.values()
                 if m.id != self.config.id
             },
         }
+
+
+class _SnapshotHost:
+    """The node as the snapshot layer sees it (snapshot.manager.SnapshotHost). The state
+    machine is read late: it is opened (or rebuilt) after the manager is made."""
+
+    def __init__(self, node: Node) -> None:
+        c = node.config
+        self.node = node
+        self.node_id, self.group = c.id, c.group
+        self.snapshot_threshold, self.snapshot_trailing = c.snapshot_threshold, c.snapshot_trailing
+
+    def capture(self):
+        return self.node.sm.capture()
+
+    def sync_state(self) -> None:
+        self.node.sm.sync()
+
+    def forget_effects(self, index: int) -> None:
+        self.node.sm.forget_effects(index)
+
+    def load_state(self, index: int, term: int, membership: bytes, records) -> int:
+        return self.node.sm.restore(index, term, membership, records)
+
+
+def public_error(e: KVError, *, written: bool = False, wait: float = 0.0, fix: str = "read from another member meanwhile") -> KVError:
+    """The one place where the layers' own errors become the public ones of kv/errors.py.
+    `written`: the request may have been appended, so a stop or a missed deadline leaves its
+    outcome unknown (Timeout) rather than refused (Unavailable); `fix`: what a reader of a
+    damaged state machine should do."""
+    if written and isinstance(e, (OutcomeUnknown, NodeStopped)):
+        return _unknown_outcome(e, wait)
+    if isinstance(e, (Overloaded, NodeStopped)):
+        return Unavailable(str(e))
+    if isinstance(e, (ConfigChangeRefused, TransferInProgress)):
+        return Conflict(str(e))
+    if isinstance(e, cmds.CommandError):
+        return BadRequest(str(e))
+    if isinstance(e, StateCorrupt):
+        return Unavailable(f"{e}; {fix}")
+    return e
 
 
 def encode_command(cmd: cmds.Command) -> bytes:
     try:
         return cmds.encode(cmd)
     except cmds.CommandError as e:
-        raise BadRequest(str(e)) from e
+        raise public_error(e) from e
 
 
-def unknown_outcome(e: Exception, wait: float) -> Timeout:
+def _unknown_outcome(e: Exception, wait: float) -> Timeout:
     """The error for a write whose outcome cannot be known any more."""
     if isinstance(e, DeadlineExceeded):
         return Timeout(f"the write was not confirmed within {wait:.1f}s; it may or may not have been committed: read the key before retrying")
@@ -772,10 +819,10 @@ def lease_status(r: cmds.LeaseInfo) -> LeaseStatus:
 def _raise_failed(result):
     if isinstance(result, cmds.NoSuchLease):
         raise LeaseNotFound(result.lease)
-    if isinstance(result, cmds.PreconditionFailed):
+    if isinstance(result, cmds.ConditionFailed):
         raise PreconditionFailed(result.key, result.mod_index)
     if isinstance(result, cmds.CommandError):
-        raise BadRequest(str(result))
+        raise public_error(result)
     if isinstance(result, cmds.ReadLimitExceeded):
         raise ValueTooLarge(
             f"the transaction was applied at index {result.index} ({'success' if result.succeeded else 'failure'} "
@@ -801,7 +848,7 @@ def txn_result(applied: Applied) -> TxnResult:
     for x in r.results:
         if isinstance(x, cmds.PutResult):
             out.append(written)
-        elif isinstance(x, cmds.DeleteResult):
+        elif isinstance(x, cmds.DeleteApplied):
             out.append(DeleteResult(x.index, applied.term, x.deleted))
         else:
             out.append(Item(x.key, x.value, x.mod_index) if x.value is not None else None)
@@ -813,7 +860,7 @@ def validate_key(key: str) -> str:
     try:
         cmds.check_key(key)
     except cmds.CommandError as e:
-        raise BadRequest(str(e)) from None
+        raise public_error(e) from None
     return key
 
 

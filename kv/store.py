@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from ._loop import LoopThread
 from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
 from .config import NodeConfig
-from .errors import BadRequest, Unavailable
+from .errors import BadRequest, NotLeader, Unavailable
 from .node import (
     DeleteResult,
     Item,
@@ -29,12 +29,11 @@ from .node import (
     WriteResult,
     delete_result,
     encode_command,
+    public_error,
     txn_result,
-    unknown_outcome,
     validate_key,
     write_result,
 )
-from .raft.errors import NotLeader as RaftNotLeader
 from .raft.messages import EntryKind
 from .raft.node import NodeStopped, OutcomeUnknown
 from .statemachine import commands as cmds
@@ -162,10 +161,10 @@ class Store:
             self._drain_scheduled = True
             self._loop.call_soon_threadsafe(self._drain)
         slot.lock.acquire()
-        if slot.fallback or isinstance(slot.error, RaftNotLeader):  # not appended, or replaced
+        if slot.fallback or isinstance(slot.error, NotLeader):  # not appended, or replaced
             return self._call(self._node.submit(cmd))
         if isinstance(slot.error, (OutcomeUnknown, NodeStopped)):
-            raise unknown_outcome(slot.error, self.config.write_timeout_s)
+            raise public_error(slot.error, written=True, wait=self.config.write_timeout_s)
         if slot.error is not None:
             raise slot.error
         return slot.applied
@@ -229,7 +228,7 @@ class Store:
         try:
             got = self._sm().get(key)
         except StateCorrupt as e:
-            raise Unavailable(f"{e}; close and reopen the store to rebuild it") from e
+            raise public_error(e, fix="close and reopen the store to rebuild it") from e
         return Item(key, got[1], got[0]) if got else None
 
     def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None) -> Iterator[Item]:
@@ -240,7 +239,7 @@ class Store:
             try:
                 page = sm.scan(prefix, after, int(min(left, 1000)))
             except StateCorrupt as e:
-                raise Unavailable(f"{e}; close and reopen the store to rebuild it") from e
+                raise public_error(e, fix="close and reopen the store to rebuild it") from e
             if not page:
                 return
             for k, v, m in page:

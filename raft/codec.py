@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 
+from .errors import RaftError
 from .messages import (
     Entry,
     ForwardCode,
@@ -37,7 +38,7 @@ MAX_FRAME = 64 << 20  # a frame larger than this closes the connection
 FRAME_HEADER = struct.Struct(">IB")
 
 
-class CodecError(ValueError):
+class CodecError(RaftError, ValueError):
     """A frame that does not parse: close the connection it came on."""
 
 

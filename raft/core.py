@@ -16,6 +16,10 @@ Time (`now`, milliseconds, monotonic) is passed in; randomness comes from a seed
 The protocol is DLedger's (vote codes, EntryDispatcher, QuorumAckChecker) with Raft's and
 etcd's safety measures where DLedger is weaker: pre-vote, check-quorum, a no-op entry per
 term, persist-before-ack, read index and leadership transfer with catch-up.
+
+Beside it, as pure as it is: the leader's view of each follower (progress.py), commit and
+vote arithmetic (quorum.py), the read-index rounds and lease (readindex.py), the log over
+the ledger (log.py) and configurations (membership.py).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from .messages import (
     VoteResult,
 )
 from .progress import DispatcherState, Progress
+from .readindex import PendingRead, ReadFailed, ReadIndex, ReadState
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,21 +82,6 @@ class CoreConfig:
     # next APPEND follows within a millisecond, and a COMMIT per ack round would double the
     # frames the leader sends.
     commit_notify_delay_ms: float = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class ReadState:
-    """A read index is known: once the state machine has applied `index`, a read issued
-    with `ctx` sees every write acknowledged before it was issued."""
-
-    ctx: int
-    index: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReadFailed:
-    ctx: int
-    leader: str | None  # the leader we know of, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,14 +113,6 @@ class Ready:
     @property
     def must_persist(self) -> bool:
         return self.hard_state is not None or self.snapshot is not None or self.entries_from > 0
-
-
-@dataclass(slots=True)
-class _PendingRead:
-    ctx: int
-    index: int
-    origin: str  # our own id, or the follower that asked
-    seq: int = 0  # heartbeat round that confirms it (0: not yet assigned)
 
 
 class RaftCore:
@@ -168,13 +150,8 @@ class RaftCore:
         self._dispatch_needed = False
         self.transferee: str | None = None
         self._transfer_deadline = 0.0
-        # Read index: reads wait here until a heartbeat round confirms leadership.
-        self._reads: list[_PendingRead] = []
-        self._reads_before_commit: list[_PendingRead] = []
-        self._read_round_needed = False
-        self._read_seq = 0
-        self._round_sent_at: dict[int, float] = {}
-        self._lease_start: float | None = None
+        # Read index: reads wait there until a heartbeat round confirms leadership.
+        self._reads = ReadIndex()
         self._ready = Ready()
         self._hs_dirty = False
         self._applicable_reported = self.applicable_index()
@@ -238,7 +215,7 @@ class RaftCore:
         changes go through propose_config."""
         self._now = now
         if self.role != Role.LEADER:
-            raise NotLeader(self.leader_id)
+            raise NotLeader(leader=self.leader_id)
         if self.transferee is not None:
             raise TransferInProgress(self.transferee)
         if any(kind == EntryKind.CONFIG for kind, _ in items):
@@ -259,7 +236,7 @@ class RaftCore:
         voter, or promote a learner that has not caught up."""
         self._now = now
         if self.role != Role.LEADER:
-            raise NotLeader(self.leader_id)
+            raise NotLeader(leader=self.leader_id)
         if self.transferee is not None:
             raise TransferInProgress(self.transferee)
         if not self.committed_in_term():
@@ -393,7 +370,7 @@ class RaftCore:
         A follower asks the leader."""
         self._now = now
         if self.role == Role.LEADER:
-            read = _PendingRead(ctx, 0, self.id)
+            read = PendingRead(ctx, 0, self.id)
             if lease and self._lease_valid(now):
                 self._ready.read_states.append(ReadState(ctx, self.commit_index))
             else:
@@ -407,14 +384,14 @@ class RaftCore:
         """Hand leadership to `to` once it has caught up (Raft thesis §3.10)."""
         self._now = now
         if self.role != Role.LEADER:
-            raise NotLeader(self.leader_id)
+            raise NotLeader(leader=self.leader_id)
         if to == self.id:
             return
         if to not in self.membership.voters:
             raise ValueError(f"{to!r} is not a voting member; voters: {sorted(self.membership.voters)}")
         self.transferee = to
         self._transfer_deadline = now + self.cfg.election_timeout_ms
-        self._lease_start = None  # the transferee will not honour our lease
+        self._reads.lease_start = None  # the transferee will not honour our lease
         self._maybe_send_timeout_now()
         self._dispatch_needed = True
 
@@ -454,7 +431,7 @@ class RaftCore:
         r = self._ready
         leading = self.role == Role.LEADER
         return bool(
-            (leading and (self._dispatch_needed or self._read_round_needed))
+            (leading and (self._dispatch_needed or self._reads.round_needed))
             or self._hs_dirty
             or r.messages
             or r.persisted_messages
@@ -470,7 +447,7 @@ class RaftCore:
 
     def ready(self) -> Ready:
         if self.role == Role.LEADER:
-            if self._read_round_needed:
+            if self._reads.round_needed:
                 self._broadcast_heartbeats()
             if self._dispatch_needed:
                 self._dispatch_all()
@@ -569,12 +546,8 @@ class RaftCore:
         self.progress = {}
         self._dispatch_needed = False
         self.transferee = None
-        self._lease_start = None
-        self._round_sent_at.clear()
-        self._read_round_needed = False
-        for r in self._reads + self._reads_before_commit:
+        for r in self._reads.clear():
             self._fail_read(r)
-        self._reads, self._reads_before_commit = [], []
 
     def _start_election(self, transfer: bool) -> None:
         """Become pre-candidate (or candidate straight away for a transfer / no pre-vote)."""
@@ -629,7 +602,7 @@ class RaftCore:
                 self.progress[m.id] = pr
         self._heartbeat_deadline = now  # announce ourselves at once
         self._check_quorum_deadline = now + self.cfg.election_timeout_ms
-        self._lease_start = None
+        self._reads.lease_start = None
         # The no-op lets entries of earlier terms commit now (Raft §5.4.2 and §8).
         self.log.append([Entry(last + 1, self.term, EntryKind.NOOP, b"")])
         self._dispatch_needed = True
@@ -674,13 +647,7 @@ class RaftCore:
 
     def _broadcast_heartbeats(self) -> None:
         self._heartbeat_deadline = self._now + self.cfg.heartbeat_ms
-        self._read_round_needed = False
-        self._read_seq += 1
-        seq = self._read_seq
-        self._round_sent_at[seq] = self._now
-        for r in self._reads:
-            if r.seq == 0:
-                r.seq = seq
+        seq = self._reads.new_round(self._now)
         for pr in self.progress.values():
             commit = min(self.commit_index, pr.match)
             self._send(HeartbeatRequest(self.id, pr.peer, self.term, commit, seq))
@@ -812,10 +779,8 @@ class RaftCore:
             self.commit_index = idx
             self._configs_committed()
             self._dispatch_needed = True  # tell idle followers (COMMIT)
-            if self._reads_before_commit:
-                pending, self._reads_before_commit = self._reads_before_commit, []
-                for r in pending:
-                    self._leader_read(r)
+            if self._reads.before_commit:
+                self._reads.term_committed(self.commit_index)
             return True
         return False
 
@@ -828,51 +793,29 @@ class RaftCore:
     # ======================================================================================
     # Leader: read index
 
-    def _leader_read(self, read: _PendingRead) -> None:
-        if not self.committed_in_term():
-            # Until our no-op commits we do not know the latest commit index (Raft §6.4).
-            self._reads_before_commit.append(read)
-            return
-        read.index = self.commit_index
-        read.seq = 0
-        self._reads.append(read)
-        self._read_round_needed = True
+    def _leader_read(self, read: PendingRead) -> None:
+        # Until our no-op commits we do not know the latest commit index (Raft §6.4).
+        self._reads.add(read, self.commit_index if self.committed_in_term() else None)
 
     def _advance_reads(self) -> None:
-        """Release the reads whose heartbeat round a majority has answered."""
+        """Answer the reads whose heartbeat round a majority has answered."""
         acked = {p: pr.read_acked for p, pr in self.progress.items()}
-        acked[self.id] = self._read_seq
-        confirmed = quorum.committed_index(acked, self.membership.voters)
-        if confirmed <= 0:
-            return
-        sent = [s for s in self._round_sent_at if s <= confirmed]
-        if sent:
-            self._lease_start = max(self._lease_start or 0.0, self._round_sent_at[max(sent)])
-            for s in sent:
-                del self._round_sent_at[s]
-        if not self._reads:
-            return
-        keep = []
-        for r in self._reads:
-            if 0 < r.seq <= confirmed:
-                if r.origin == self.id:
-                    self._ready.read_states.append(ReadState(r.ctx, r.index))
-                else:
-                    self._send(ReadIndexResponse(self.id, r.origin, self.term, r.ctx, r.index, True))
+        acked[self.id] = self._reads.seq
+        for r in self._reads.confirm(acked, self.membership.voters):
+            if r.origin == self.id:
+                self._ready.read_states.append(ReadState(r.ctx, r.index))
             else:
-                keep.append(r)
-        self._reads = keep
+                self._send(ReadIndexResponse(self.id, r.origin, self.term, r.ctx, r.index, True))
 
     def _lease_valid(self, now: float) -> bool:
         return (
             self.cfg.check_quorum
             and self.transferee is None
-            and self._lease_start is not None
             and self.committed_in_term()
-            and now < self._lease_start + self.cfg.election_timeout_ms * self.cfg.lease_safety
+            and self._reads.lease_valid(now, self.cfg.election_timeout_ms * self.cfg.lease_safety)
         )
 
-    def _fail_read(self, r: _PendingRead) -> None:
+    def _fail_read(self, r: PendingRead) -> None:
         if r.origin == self.id:
             self._ready.read_failures.append(ReadFailed(r.ctx, self.leader_id))
         else:
@@ -1116,7 +1059,7 @@ class RaftCore:
         if self.role != Role.LEADER or m.term > self.term:
             self._send(ReadIndexResponse(self.id, m.src, self.term, m.ctx, 0, False))
             return
-        self._leader_read(_PendingRead(m.ctx, 0, m.src))
+        self._leader_read(PendingRead(m.ctx, 0, m.src))
 
     def _handle_read_index_response(self, m: ReadIndexResponse) -> None:
         if m.ok and m.term == self.term and m.src == self.leader_id:

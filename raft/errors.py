@@ -1,16 +1,34 @@
-"""Errors the Raft layer raises to its callers. Each says what to do about it."""
+"""The root of ledgerkv's errors, and the errors the Raft layer raises to its callers.
+
+raft/ is the bottom layer, so the root every layer's errors derive from lives here; `kv`
+re-exports it as `kv.KVError` (and `NotLeader` as `kv.NotLeader`). Every exception a user
+can see is a KVError: the public ones are in kv/errors.py, the layers' own (RaftError,
+statemachine's StateCorrupt, snapshot's SnapshotError, ...) derive from it too, and kv.Node
+turns those that have a public meaning into the public class (kv/errors.py, `public`).
+"""
 
 from __future__ import annotations
 
 
-class RaftError(Exception):
-    """Base class of the errors below."""
+class KVError(Exception):
+    """Base class of all ledgerkv errors. `code` is the HTTP error code name."""
+
+    code = "INTERNAL"
+    http_status = 500
+
+    def details(self) -> dict:
+        """Fields beside "code" and "message" in the HTTP error body."""
+        return {}
 
 
-class NotLeader(RaftError):
-    """This node is not the leader; the write was not appended. Safe to retry elsewhere."""
+class NotLeader(KVError):
+    """No leader could take the request (this node is not the leader, none is known, or it
+    cannot be reached). Nothing was written; retrying later is safe. `leader` is the
+    leader this node knows of, if any."""
 
-    def __init__(self, leader: str | None, message: str | None = None) -> None:
+    code, http_status = "NO_LEADER", 503
+
+    def __init__(self, message: str | None = None, leader: str | None = None) -> None:
         self.leader = leader
         if message is None:
             message = (
@@ -19,6 +37,10 @@ class NotLeader(RaftError):
                 else "this node is not the leader and no leader is known yet: retry shortly"
             )
         super().__init__(message)
+
+
+class RaftError(KVError):
+    """Base class of the Raft layer's own errors below."""
 
 
 class TransferInProgress(RaftError):

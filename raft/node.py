@@ -8,8 +8,13 @@ queued up, and handles the Ready in the order core.py documents:
 - hard state, snapshot reset and entries go to the ledger writer: one thread, one LMDB
   transaction and one fsync for everything queued while the previous write ran (group
   commit); `persisted_messages` leave only when their write is done;
-- `applicable_index` wakes the FSM caller (statemachine/caller.py), which reads committed
-  entries back through `entries()` and reports each batch with `applied()`.
+- `applicable_index` wakes the FSM caller (statemachine/caller.py, through the `on_apply`
+  hook given at construction), which reads committed entries back through `entries()` and
+  reports each batch with `applied()`.
+
+The layers above use the methods and properties below (`metrics()`, `membership`,
+`log_range()`, `compact()`, `send()`, ...), never the core itself: its state changes only
+inside the driver's step.
 
 A proposal's future resolves when the state machine has applied its index: with the result
 if the entry there still has the proposal's term, with NotLeader if another leader's entry
@@ -104,6 +109,45 @@ class Applied(NamedTuple):
     result: Any
 
 
+class PeerProgress(NamedTuple):
+    """The leader's view of one follower's replication."""
+
+    match: int
+    state: str  # the dispatcher state: compare, truncate, append, snapshot, ...
+
+
+class TransportCounters(NamedTuple):
+    sent_bytes: dict[str, int]
+    received_bytes: dict[str, int]
+    frames_sent: int
+    frames_dropped: int
+    connections_rejected: int
+
+
+NO_TRANSPORT = TransportCounters({}, {}, 0, 0, 0)
+
+
+class RaftMetrics(NamedTuple):
+    """One consistent view of the driver and its core, for status pages and metrics."""
+
+    id: str
+    role: Role
+    term: int
+    leader: str | None
+    commit_index: int
+    applied_index: int
+    ledger_begin_index: int  # ledgerBeforeBeginIndex: entries up to here are compacted
+    ledger_end_index: int
+    peers: dict[str, PeerProgress]  # the leader's followers (empty on a follower)
+    pending_proposals: int
+    proposals: int  # entries proposed here as leader
+    writes: int  # group-committed ledger writes (one fsync each)
+    fsynced_entries: int
+    ready: int  # Ready batches handled
+    leader_changes: int
+    transport: TransportCounters
+
+
 class RaftNode:
     def __init__(
         self,
@@ -121,7 +165,15 @@ class RaftNode:
         dial: dict[str, str] | None = None,
         serve_local: Callable[[bytes], Awaitable[bytes] | None] | None = None,
         peer_tls: PeerTLS | None = None,
+        on_apply: Callable[[int], None] | None = None,
+        on_snapshot: Callable[[SnapshotMeta], None] | None = None,
+        snapshots: SnapshotHooks | None = None,
+        result_encoder: Callable[[Any], bytes] = lambda r: b"",
     ) -> None:
+        """Hooks: `on_apply(index)` entries up to index are committed and may be applied (the
+        FSM caller); `on_snapshot(meta)` a snapshot from the leader replaced the log (the
+        FSM caller loads it); `snapshots` streams and receives snapshot files;
+        `result_encoder` encodes an apply result for a follower that forwarded the command."""
         self.id = config.node_id
         self.cfg = config
         self.ledger = ledger
@@ -136,19 +188,16 @@ class RaftNode:
         self._dial = {k: v for k, v in (dial or {}).items() if k != config.node_id}
         self.transport: Transport | None = None
         self._secret, self._advertise_url, self._peer_tls = secret, advertise_url, peer_tls
-        self.snapshots: SnapshotHooks | None = None
-        self.on_applicable: Callable[[int], None] | None = None
-        self.on_snapshot: Callable[[SnapshotMeta], None] | None = None  # a snapshot replaced the log
-        self.on_role_change: Callable[[RaftNode], None] | None = None
-        self.on_membership_change: Callable[[RaftNode], None] | None = None
+        self._snapshots = snapshots
+        self._on_apply = on_apply
+        self._on_snapshot = on_snapshot
         # Metrics (kv sets them): the seconds of each ledger write (called from the writer
         # thread), and the round trip of a heartbeat to a peer.
         self.observe_fsync: Callable[[float], None] | None = None
         self.observe_rtt: Callable[[str, float], None] | None = None
         self._heartbeat_sent: dict[str, float] = {}  # peer -> when the oldest unanswered heartbeat left
         self._last_leader: str | None = None
-        # Encodes an apply result for a follower that forwarded the command (kv sets it).
-        self.result_encoder: Callable[[Any], bytes] = lambda r: b""
+        self._result_encoder = result_encoder
         self._forwards: dict[int, asyncio.Future] = {}
         # For a forwarded request the leader answers itself instead of logging it (a lease
         # keepalive): returns the encoded answer, or None when the payload is to be proposed.
@@ -264,7 +313,7 @@ class RaftNode:
         self._check_running()
         core = self.core
         if core.role != Role.LEADER:
-            raise NotLeader(core.leader_id)
+            raise NotLeader(leader=core.leader_id)
         if core.transferee is not None:
             raise TransferInProgress(core.transferee)
         if self.pending_proposals() >= self.max_pending:
@@ -280,7 +329,7 @@ class RaftNode:
         self._check_running()
         leader = self.core.leader_id
         if leader is None or leader == self.id or self.transport is None:
-            raise NotLeader(leader)
+            raise NotLeader(leader=leader)
         req_id = next(self._ctx)
         fut = asyncio.get_running_loop().create_future()
         self._forwards[req_id] = fut
@@ -288,7 +337,7 @@ class RaftNode:
             self._deadlines.add(deadline, fut)
         try:
             if not self.transport.send(ForwardRequest(self.id, leader, req_id, payload)):
-                raise NotLeader(None, f"the leader {leader} cannot be reached from {self.id} right now; retry shortly")
+                raise NotLeader(f"the leader {leader} cannot be reached from {self.id} right now; retry shortly")
             return await fut
         finally:
             self._forwards.pop(req_id, None)
@@ -305,7 +354,7 @@ class RaftNode:
             else:
                 deadline = asyncio.get_running_loop().time() + FORWARD_WAIT_S
                 applied = await self.propose(m.payload, deadline=deadline)
-                index, term, payload = applied.index, applied.term, self.result_encoder(applied.result)
+                index, term, payload = applied.index, applied.term, self._result_encoder(applied.result)
         except NotLeader as e:
             code, payload = ForwardCode.NOT_LEADER, str(e).encode()
         except TransferInProgress as e:
@@ -400,7 +449,7 @@ class RaftNode:
                 if term == e.term:
                     fut.set_result(Applied(e.index, e.term, r))
                 else:
-                    fut.set_exception(NotLeader(self.core.leader_id, "the write was replaced by a new leader's entry and did not happen; retry it"))
+                    fut.set_exception(NotLeader("the write was replaced by a new leader's entry and did not happen; retry it", self.core.leader_id))
         if entries:
             self.applied_index = entries[-1].index
         self._release_apply_waiters()
@@ -442,8 +491,8 @@ class RaftNode:
                 fut.set_result(msg)
             return
         if t is SnapshotChunk or t is SnapshotChunkAck:
-            if self.snapshots is not None:
-                self.snapshots.on_message(msg)
+            if self._snapshots is not None:
+                self._snapshots.on_message(msg)
             return
         if t is HeartbeatResponse and self.observe_rtt is not None:
             sent = self._heartbeat_sent.pop(msg.src, None)
@@ -521,8 +570,6 @@ class RaftNode:
             self._role_changed()
         if rd.membership_changed:
             self._update_peers()
-            if self.on_membership_change is not None:
-                self.on_membership_change(self)
         t = self.transport
         if t is not None:
             for m in rd.messages:
@@ -532,8 +579,8 @@ class RaftNode:
         if rd.must_persist or rd.persisted_messages:
             self._persist_queue.append(rd)
             self._kick_writer()
-        if rd.applicable_index is not None and self.on_applicable is not None:
-            self.on_applicable(rd.applicable_index)
+        if rd.applicable_index is not None and self._on_apply is not None:
+            self._on_apply(rd.applicable_index)
         for rs in rd.read_states:
             fut = self._read_futs.pop(rs.ctx, None)
             if fut is not None and not fut.done():
@@ -541,11 +588,11 @@ class RaftNode:
         for rf in rd.read_failures:
             fut = self._read_futs.pop(rf.ctx, None)
             if fut is not None and not fut.done():
-                fut.set_exception(NotLeader(rf.leader))
+                fut.set_exception(NotLeader(leader=rf.leader))
         if rd.snapshot_sends:
             for s in rd.snapshot_sends:
-                if self.snapshots is not None:
-                    self.snapshots.start_send(s.peer, s.seq, self.core.term)
+                if self._snapshots is not None:
+                    self._snapshots.start_send(s.peer, s.seq, self.core.term)
                 else:
                     self.core.report_snapshot(s.peer, s.seq, False, self._clock())
 
@@ -564,8 +611,6 @@ class RaftNode:
         self._last_leader = c.leader_id
         self.leader_changed.set()
         self.leader_changed = asyncio.Event()
-        if self.on_role_change is not None:
-            self.on_role_change(self)
 
     def _arm_timer(self) -> None:
         at = self.core.next_deadline()
@@ -596,8 +641,8 @@ class RaftNode:
     def _write(self, batch: list[Ready]) -> None:
         writes = []
         for rd in batch:
-            if rd.snapshot is not None and self.snapshots is not None:
-                self.snapshots.install(rd.snapshot)
+            if rd.snapshot is not None and self._snapshots is not None:
+                self._snapshots.install(rd.snapshot)
             if rd.must_persist:
                 reset = (rd.snapshot.index, rd.snapshot.term) if rd.snapshot is not None else None
                 writes.append(LedgerWrite(rd.hard_state, reset, rd.entries_from, rd.entries))
@@ -622,8 +667,8 @@ class RaftNode:
                 for m in rd.persisted_messages:
                     t.send(m)
             self.core.on_persisted(rd)
-            if rd.snapshot is not None and self.on_snapshot is not None:
-                self.on_snapshot(rd.snapshot)
+            if rd.snapshot is not None and self._on_snapshot is not None:
+                self._on_snapshot(rd.snapshot)
         self._kick_writer()
         self._kick()
 
@@ -639,6 +684,73 @@ class RaftNode:
         s["applied_index"] = self.applied_index
         s["membership"] = self.core.membership.to_dict()
         return s
+
+    def metrics(self) -> RaftMetrics:
+        """Role, indexes, the leader's view of each follower and the driver's counters."""
+        c, st, t = self.core, self.stats, self.transport
+        return RaftMetrics(
+            id=self.id,
+            role=c.role,
+            term=c.term,
+            leader=c.leader_id,
+            commit_index=c.commit_index,
+            applied_index=self.applied_index,
+            ledger_begin_index=c.log.before_index,
+            ledger_end_index=c.log.last_index(),
+            peers={p: PeerProgress(pr.match, pr.state.value) for p, pr in c.progress.items()},
+            pending_proposals=self.pending_proposals(),
+            proposals=st["proposals"],
+            writes=st["writes"],
+            fsynced_entries=st["fsynced_entries"],
+            ready=st["ready"],
+            leader_changes=st["leader_changes"],
+            transport=NO_TRANSPORT if t is None else TransportCounters(
+                dict(t.sent_bytes), dict(t.received_bytes), t.sent_frames, t.dropped_frames, t.rejected_connections
+            ),
+        )
+
+    @property
+    def membership(self) -> Membership:
+        """The newest configuration this node knows (an immutable value)."""
+        return self.core.membership
+
+    def log_range(self) -> tuple[int, int]:
+        """(first, last): the committed entries this node's ledger holds and it has applied
+        (first - 1 is ledgerBeforeBeginIndex; last is the applied index)."""
+        return self.core.log.before_index + 1, self.applied_index
+
+    def committed_in_term(self) -> bool:
+        """Whether this leader has committed an entry of its own term (its no-op): until
+        then its commit index may lag what an earlier leader committed."""
+        return self.core.committed_in_term()
+
+    async def compact(self, upto: int, before: Callable[[], None] | None = None) -> tuple[int, int] | None:
+        """Drop the ledger's entries up to `upto`, in the writer thread between group
+        commits (`before` runs first there: what the ledger drops must be durable above
+        it), then move the core's ledgerBeforeBeginIndex. Returns the new
+        (ledgerBeforeBeginIndex, term), or None when nothing was to be dropped."""
+        ledger = self.ledger
+        if upto <= ledger.before_begin_index:
+            return None
+
+        def compact() -> tuple[int, int]:
+            if before is not None:
+                before()
+            ledger.compact(upto)
+            return ledger.before_begin_index, ledger.before_begin_term
+
+        index, term = await self.run_in_writer(compact)
+        self.core.compacted(index, term)
+        return index, term
+
+    def send(self, msg: Message) -> bool:
+        """Send a message to a peer now (the snapshot streams); False if it was not sent."""
+        t = self.transport
+        return t.send(msg) if t is not None else False
+
+    def peer_url(self, peer: str) -> str:
+        """The client URL a peer announced in its transport handshake ("" if none)."""
+        return self.transport.peer_urls.get(peer, "") if self.transport is not None else ""
 
     @property
     def role(self) -> Role:

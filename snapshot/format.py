@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..raft import failpoints
+from ..raft.errors import KVError
 from ..statemachine.commands import MAX_INDEX, MAX_KEY_BYTES
 
 MAGIC = b"LKVSNAP1"
@@ -48,7 +49,13 @@ _TRAILER = struct.Struct(">QQQI8s")
 _LITTLE = sys.byteorder == "little"
 
 
-class SnapshotFormatError(Exception):
+class SnapshotError(KVError):
+    """A snapshot file is missing, corrupt or of an unknown format (kv.SnapshotError)."""
+
+    code, http_status = "SNAPSHOT_ERROR", 500
+
+
+class SnapshotFormatError(SnapshotError):
     """The file is not a snapshot, is truncated, or fails a checksum."""
 
 

@@ -20,7 +20,9 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ..raft import failpoints
 from ..raft.messages import InstallSnapshotRequest, Role, SnapshotChunk, SnapshotChunkAck, SnapshotMeta
@@ -33,6 +35,37 @@ CHUNK_BYTES = 1 << 20
 WINDOW_BYTES = 8 << 20
 ACK_TIMEOUT_S = 5.0
 MAX_STALLS = 5
+
+
+class SnapshotHost(Protocol):
+    """What the snapshot layer needs from the node it runs in (kv.Node gives one): who it
+    is, when to take a snapshot, and the state machine's side of taking and loading one."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def group(self) -> str: ...
+
+    @property
+    def snapshot_threshold(self) -> int:
+        """Entries applied since the newest snapshot before the next is taken."""
+
+    @property
+    def snapshot_trailing(self) -> int:
+        """Entries kept in the ledger behind a snapshot (for followers a little behind)."""
+
+    def capture(self) -> Any:
+        """A consistent view of the state (index, term, membership, items(), release())."""
+
+    def sync_state(self) -> None:
+        """Make everything applied durable (before the ledger drops it); any thread."""
+
+    def forget_effects(self, index: int) -> None:
+        """The ledger no longer holds entries up to index: drop what refers to them."""
+
+    def load_state(self, index: int, term: int, membership: bytes, records: Iterable[tuple[bytes, bytes, int]]) -> int:
+        """Replace the state with a snapshot's records (a worker thread); returns how many."""
 
 
 @dataclass
@@ -61,8 +94,8 @@ class SnapshotStats:
 
 
 class SnapshotManager:
-    def __init__(self, node, path: str, keep: int = 3) -> None:
-        self.kv = node  # kv.Node: config, state machine, ledger
+    def __init__(self, host: SnapshotHost, path: str, keep: int = 3) -> None:
+        self.host = host
         self.store = SnapshotStore(path, keep)
         self.raft = None
         self.stats = SnapshotStats()
@@ -73,12 +106,10 @@ class SnapshotManager:
         self._recv: _Receiving | None = None
         self._verified: dict[tuple[int, int], str] = {}
 
-    def attach(self, raft, caller) -> None:
+    def attach(self, raft) -> None:
+        """The driver (kv.raft.node.RaftNode) this manager streams through and compacts;
+        it was made with this manager as its `snapshots` hooks."""
         self.raft = raft
-        raft.snapshots = self
-        caller.after_apply.append(self._after_apply)
-        if not self.kv.sm.membership() and self.kv.ledger.last_index() == 0:
-            self.kv.sm.set_membership(raft.core.membership.encode())  # bootstrap
 
     async def stop(self) -> None:
         tasks = list(self._senders.values())
@@ -95,9 +126,10 @@ class SnapshotManager:
     def newest_meta(self) -> SnapshotFile | None:
         return self._newest
 
-    def _after_apply(self, applied: int) -> None:
+    def after_apply(self, applied: int) -> None:
+        """The FSM caller's hook: take a snapshot once enough was applied since the last."""
         base = self._newest.index if self._newest else 0
-        if applied - base >= self.kv.config.snapshot_threshold and self._taking is None:
+        if applied - base >= self.host.snapshot_threshold and self._taking is None:
             self._taking = asyncio.ensure_future(self.take())
 
     async def take(self) -> SnapshotFile:
@@ -110,15 +142,15 @@ class SnapshotManager:
             self._taking = None
 
     async def _take(self) -> SnapshotFile:
-        kv = self.kv
+        host = self.host
         loop = asyncio.get_running_loop()
-        view = kv.sm.capture()
+        view = host.capture()
         t0 = time.monotonic()
         try:
             if self._newest is not None and self._newest.index >= view.index:
                 return self._newest
-            membership = view.membership or self.raft.core.membership.encode()
-            header = new_header(view.index, view.term, membership, kv.config.group, kv.config.id)
+            membership = view.membership or self.raft.membership.encode()
+            header = new_header(view.index, view.term, membership, host.group, host.node_id)
             snap = await loop.run_in_executor(None, self.store.write, header, view.items())
         finally:
             view.release()
@@ -127,26 +159,19 @@ class SnapshotManager:
         self.stats.taken += 1
         self.stats.take_seconds += took
         self.stats.last_take_seconds = took
-        log.info("node %s: snapshot at %d/%d written in %.2fs", kv.config.id, snap.index, snap.term, took)
+        log.info("node %s: snapshot at %d/%d written in %.2fs", host.node_id, snap.index, snap.term, took)
         failpoints.hit("snapshot.after_rename")
-        await self._compact(snap.index - kv.config.snapshot_trailing)
+        await self._compact(snap.index - host.snapshot_trailing)
         return snap
 
     async def _compact(self, upto: int) -> None:
-        ledger = self.kv.ledger
-        if upto <= ledger.before_begin_index:
+        # What the ledger drops must be durable in the state first.
+        done = await self.raft.compact(upto, before=self.host.sync_state)
+        if done is None:
             return
-
-        def compact() -> tuple[int, int]:
-            self.kv.sm.sync()  # what the ledger drops must be durable in the state first
-            ledger.compact(upto)
-            return ledger.before_begin_index, ledger.before_begin_term
-
-        index, term = await self.raft.run_in_writer(compact)
-        self.raft.core.compacted(index, term)
         # The watch history's records of what was dropped; here, not in the writer thread, so
         # that a watch reading history sees either the old floor and its records or the new floor.
-        self.kv.sm.forget_effects(index)
+        self.host.forget_effects(done[0])
         self.stats.compactions += 1
 
     # -- loading ---------------------------------------------------------------------------
@@ -166,8 +191,8 @@ class SnapshotManager:
         path = self.store.file_name(meta.index, meta.term)
         with open(path, "rb") as f:
             header, offset = read_header(f)
-            n = self.kv.sm.restore(header.index, header.term, header.membership, iter_records(f, offset))
-        log.info("node %s: state machine loaded from snapshot %d/%d (%d keys)", self.kv.config.id, meta.index, meta.term, n)
+            n = self.host.load_state(header.index, header.term, header.membership, iter_records(f, offset))
+        log.info("node %s: state machine loaded from snapshot %d/%d (%d keys)", self.host.node_id, meta.index, meta.term, n)
 
     # -- sending (leader) ------------------------------------------------------------------
 
@@ -189,13 +214,13 @@ class SnapshotManager:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("node %s: sending a snapshot to %s failed", self.kv.config.id, peer)
+            log.exception("node %s: sending a snapshot to %s failed", self.host.node_id, peer)
         finally:
             if ok:
                 self.stats.sent += 1
             else:
                 self.stats.send_failures += 1
-            if raft.core.role == Role.LEADER and raft.core.term == term:
+            if raft.role == Role.LEADER and raft.term == term:
                 raft.report_snapshot(peer, seq, ok)
 
     async def _stream(self, peer: str, seq: int, term: int) -> str:
@@ -208,14 +233,14 @@ class SnapshotManager:
         size = os.path.getsize(snap.path)
         acked = sent = stalls = 0  # acked: bytes the follower holds; sent: next byte to send
         last_resend = time.monotonic()
-        log.info("node %s: sending snapshot %d/%d (%d bytes) to %s", self.kv.config.id, snap.index, snap.term, size, peer)
+        log.info("node %s: sending snapshot %d/%d (%d bytes) to %s", self.host.node_id, snap.index, snap.term, size, peer)
         with open(snap.path, "rb") as f:
-            while raft.core.role == Role.LEADER and raft.core.term == term:
+            while raft.role == Role.LEADER and raft.term == term:
                 while sent < size and sent - acked < WINDOW_BYTES:
                     f.seek(sent)
                     data = f.read(CHUNK_BYTES)
                     done = sent + len(data) >= size
-                    raft.transport.send(SnapshotChunk(raft.id, peer, term, seq, snap.index, snap.term, sent, size, data, done))
+                    raft.send(SnapshotChunk(raft.id, peer, term, seq, snap.index, snap.term, sent, size, data, done))
                     sent += len(data)
                 try:
                     ack = await asyncio.wait_for(acks.get(), ACK_TIMEOUT_S)
@@ -251,7 +276,7 @@ class SnapshotManager:
         try:
             await asyncio.get_running_loop().run_in_executor(None, verify, snap.path)
         except (SnapshotFormatError, OSError) as e:
-            log.error("node %s: our snapshot %s is damaged (%s); taking a new one", self.kv.config.id, snap.path, e)
+            log.error("node %s: our snapshot %s is damaged (%s); taking a new one", self.host.node_id, snap.path, e)
             os.replace(snap.path, snap.path + ".corrupt")
             self._newest = self.store.newest()
             await self.take()
@@ -268,11 +293,10 @@ class SnapshotManager:
 
     def _ack(self, msg: SnapshotChunk, next_offset: int, ok: bool) -> None:
         raft = self.raft
-        raft.transport.send(SnapshotChunkAck(raft.id, msg.src, raft.core.term, msg.snapshot_index, next_offset, ok))
+        raft.send(SnapshotChunkAck(raft.id, msg.src, raft.term, msg.snapshot_index, next_offset, ok))
 
     def _on_chunk(self, msg: SnapshotChunk) -> None:
-        core = self.raft.core
-        if msg.term < core.term:
+        if msg.term < self.raft.term:
             self._ack(msg, 0, False)  # a deposed leader: its snapshot is not for us
             return
         r = self._recv
@@ -289,7 +313,7 @@ class SnapshotManager:
             # A partial file of the same snapshot from a broken transfer: resume after it.
             r.size = os.path.getsize(path) if os.path.exists(path) else 0
             if r.size:
-                log.info("node %s: resuming snapshot %d/%d from %s at byte %d", self.kv.config.id, r.index, r.term, msg.src, r.size)
+                log.info("node %s: resuming snapshot %d/%d from %s at byte %d", self.host.node_id, r.index, r.term, msg.src, r.size)
             r.f = open(path, "ab")
         if r.verifying:
             return
@@ -314,7 +338,7 @@ class SnapshotManager:
             if (header.index, header.term) != (r.index, r.term):
                 raise SnapshotFormatError("the snapshot's header does not match what the leader announced")
         except (SnapshotFormatError, OSError) as e:
-            log.error("node %s: snapshot %d/%d from %s rejected: %s", self.kv.config.id, r.index, r.term, r.leader, e)
+            log.error("node %s: snapshot %d/%d from %s rejected: %s", self.host.node_id, r.index, r.term, r.leader, e)
             self.stats.install_rejected += 1
             os.unlink(r.path)
             self._recv = None

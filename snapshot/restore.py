@@ -12,12 +12,12 @@ from ..raft.ledger import Ledger, LedgerWrite
 from ..raft.membership import Member, Membership
 from ..raft.messages import HardState
 from ..statemachine.leveldb import LevelDBStateMachine
-from .format import SnapshotFormatError, SnapshotHeader, Trailer, iter_records, new_header, read_header, verify
+from .format import SnapshotError, SnapshotFormatError, SnapshotHeader, Trailer, iter_records, new_header, read_header, verify
 from .store import SnapshotStore
 
 
-class RestoreError(Exception):
-    pass
+class RestoreError(SnapshotError):
+    """A snapshot cannot seed this data dir (the file, --peers, a data dir not empty)."""
 
 
 def check_file(snapshot_file: str) -> tuple[SnapshotHeader, Trailer]:

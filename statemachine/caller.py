@@ -10,27 +10,49 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container, Sequence
+from typing import Any, Protocol
 
 from ..raft import failpoints
-from ..raft.messages import SnapshotMeta
-from ..raft.node import RaftNode
+from ..raft.errors import KVError
+from ..raft.messages import Entry, SnapshotMeta
 from .protocol import StateMachine
 
 log = logging.getLogger("kv.statemachine.caller")
 
 
+class ApplyDriver(Protocol):
+    """What the FSM caller needs from the Raft driver (raft/node.py's RaftNode)."""
+
+    id: str
+
+    @property
+    def awaited(self) -> Container[int]: ...
+
+    def entries(self, lo: int, hi: int, max_bytes: int = ...) -> list[Entry]: ...
+
+    def applied(self, entries: Sequence[Entry], results: Sequence[Any]) -> None: ...
+
+    def reset_applied(self, index: int) -> None: ...
+
+    def fail(self, e: BaseException) -> None: ...
+
+
 class FSMCaller:
+    """Made before the driver, so that its `on_apply` and `on_snapshot` go to the driver's
+    constructor; `start(driver)` then binds the driver it reads entries from."""
+
     def __init__(
         self,
-        node: RaftNode,
         sm: StateMachine,
         *,
         load_snapshot: Callable[[SnapshotMeta], None] | None = None,
+        after_apply: Sequence[Callable[[int], None]] = (),
+        after_load: Sequence[Callable[[int], None]] = (),
         batch_entries: int = 2048,
         batch_bytes: int = 8 << 20,
     ) -> None:
-        self.node = node
+        self.node: ApplyDriver | None = None
         self.sm = sm
         self._load_snapshot = load_snapshot
         self.batch_entries, self.batch_bytes = batch_entries, batch_bytes
@@ -40,15 +62,14 @@ class FSMCaller:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
-        self.after_apply: list[Callable[[int], None]] = []  # e.g. the snapshot policy
+        self._after_apply = tuple(after_apply)  # e.g. the snapshot policy
+        self._after_load = tuple(after_load)  # a snapshot replaced the state up to this index
         self.observe_apply: Callable[[float], None] | None = None  # seconds per applied batch (metrics)
-        self.after_load: list[Callable[[int], None]] = []  # a snapshot replaced the state up to this index
         self.failure: BaseException | None = None
-        node.on_applicable = self._on_applicable
-        node.on_snapshot = self._on_snapshot
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"fsm-{self.node.id}")
+    def start(self, node: ApplyDriver) -> None:
+        self.node = node
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"fsm-{node.id}")
 
     async def stop(self) -> None:
         self._stopping = True
@@ -56,12 +77,14 @@ class FSMCaller:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
 
-    def _on_applicable(self, index: int) -> None:
+    def on_apply(self, index: int) -> None:
+        """The driver's hook: entries up to index are committed."""
         if index > self._target:
             self._target = index
             self._wake.set()
 
-    def _on_snapshot(self, meta: SnapshotMeta) -> None:
+    def on_snapshot(self, meta: SnapshotMeta) -> None:
+        """The driver's hook: a snapshot from the leader replaced the log."""
         self._snapshots.append(meta)
         self._wake.set()
 
@@ -80,7 +103,7 @@ class FSMCaller:
                         self.applied = meta.index
                         self._target = max(self._target, meta.index)
                         self.node.reset_applied(meta.index)
-                        for hook in self.after_load:
+                        for hook in self._after_load:
                             hook(meta.index)
                 while self.applied < self._target and not self._stopping and not self._snapshots:
                     hi = min(self._target, self.applied + self.batch_entries)
@@ -92,7 +115,7 @@ class FSMCaller:
                         self.observe_apply(time.perf_counter() - t0)
                     self.applied = entries[-1].index
                     self.node.applied(entries, results)
-                    for hook in self.after_apply:
+                    for hook in self._after_apply:
                         hook(self.applied)
                     if self.applied < self._target:
                         await asyncio.sleep(0)  # let replication and requests run between batches
@@ -112,7 +135,7 @@ class FSMCaller:
             self.node.fail(self.failure)
 
 
-class ApplyFailed(Exception):
+class ApplyFailed(KVError):
     """The state machine failed to apply a committed entry; the node stopped."""
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
+from ..raft.errors import KVError
+
 COMMAND_FORMAT = 1
 MAX_KEY_BYTES = 4096
 MAX_CONDS = 0xFFFF  # the condition count is a u16
@@ -42,7 +44,7 @@ _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 
 
-class CommandError(ValueError):
+class CommandError(KVError, ValueError):
     """A command that cannot be encoded or decoded."""
 
 
@@ -122,14 +124,15 @@ def txn_branches(txn: Txn) -> tuple[tuple[str | None, tuple], ...]:
     return (("then", txn.ops), ("else", txn.else_ops)) if txn.conds else ((None, txn.ops),)
 
 
-# -- results (what apply hands back to the proposer) ------------------------------------------
+# -- results (what apply hands back to the proposer; kv turns them into kv.WriteResult,
+# kv.DeleteResult, kv.TxnResult, hence names of their own) ------------------------------
 
 
 class PutResult(NamedTuple):
     index: int  # the key's new mod_index
 
 
-class DeleteResult(NamedTuple):
+class DeleteApplied(NamedTuple):
     index: int
     deleted: bool
 
@@ -140,17 +143,18 @@ class GetResult(NamedTuple):
     mod_index: int
 
 
-class PreconditionFailed(NamedTuple):
-    """The condition did not hold; nothing was changed."""
+class ConditionFailed(NamedTuple):
+    """The condition did not hold; nothing was changed (an apply result: kv raises
+    kv.PreconditionFailed for it)."""
 
     key: str
     mod_index: int  # the key's current mod_index (0: absent)
 
 
-class TxnResult(NamedTuple):
+class TxnApplied(NamedTuple):
     index: int
     succeeded: bool
-    results: tuple[PutResult | DeleteResult | GetResult, ...]
+    results: tuple[PutResult | DeleteApplied | GetResult, ...]
 
 
 class NoSuchLease(NamedTuple):
@@ -418,14 +422,14 @@ _LEASE_OPS = {_OP_LEASE_GRANT: LeaseGrant, _OP_LEASE_REVOKE: LeaseRevoke, _OP_LE
 def _enc_one(r) -> bytes:
     if isinstance(r, PutResult):
         return b"P" + _U64.pack(r.index)
-    if isinstance(r, DeleteResult):
+    if isinstance(r, DeleteApplied):
         return b"D" + _U64.pack(r.index) + bytes((int(r.deleted),))
     if isinstance(r, GetResult):
         v = r.value
         return b"G" + _key(r.key) + _U64.pack(r.mod_index) + (b"\x00" if v is None else b"\x01" + _U32.pack(len(v)) + v)
-    if isinstance(r, PreconditionFailed):
+    if isinstance(r, ConditionFailed):
         return b"F" + _key(r.key) + _U64.pack(r.mod_index)
-    if isinstance(r, TxnResult):
+    if isinstance(r, TxnApplied):
         return b"T" + _U64.pack(r.index) + bytes((int(r.succeeded),)) + _U32.pack(len(r.results)) + b"".join(
             _enc_one(x) for x in r.results
         )
@@ -461,7 +465,7 @@ def _dec_one(rd: _Reader):
         return PutResult(_U64.unpack(rd.take(8))[0])
     if tag == b"D":
         idx = _U64.unpack(rd.take(8))[0]
-        return DeleteResult(idx, bool(rd.byte()))
+        return DeleteApplied(idx, bool(rd.byte()))
     if tag == b"G":
         key = rd.key()
         mod = _U64.unpack(rd.take(8))[0]
@@ -469,11 +473,11 @@ def _dec_one(rd: _Reader):
         return GetResult(key, value, mod)
     if tag == b"F":
         key = rd.key()
-        return PreconditionFailed(key, _U64.unpack(rd.take(8))[0])
+        return ConditionFailed(key, _U64.unpack(rd.take(8))[0])
     if tag == b"T":
         idx = _U64.unpack(rd.take(8))[0]
         ok = bool(rd.byte())
-        return TxnResult(idx, ok, tuple(_dec_one(rd) for _ in range(rd.u32())))
+        return TxnApplied(idx, ok, tuple(_dec_one(rd) for _ in range(rd.u32())))
     if tag == b"X":
         return NoSuchLease(_U64.unpack(rd.take(8))[0])
     if tag == b"I":

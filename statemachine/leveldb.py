@@ -33,13 +33,14 @@ from typing import Any
 
 import plyvel
 
+from ..raft.errors import KVError
 from ..raft.messages import Entry, EntryKind
 from .commands import (
     COMMAND_FORMAT,
     CommandError,
     Cond,
     Delete,
-    DeleteResult,
+    DeleteApplied,
     Get,
     GetResult,
     LeaseGrant,
@@ -47,12 +48,12 @@ from .commands import (
     LeaseRevoke,
     LeaseRevoked,
     NoSuchLease,
-    PreconditionFailed,
+    ConditionFailed,
     Put,
     PutResult,
     ReadLimitExceeded,
     Txn,
-    TxnResult,
+    TxnApplied,
     decode,
     txn_branches,
 )
@@ -76,11 +77,11 @@ _RESTORE_BATCH = 10_000
 Change = tuple[int, str, bytes | None]
 
 
-class StateCorrupt(Exception):
+class StateCorrupt(KVError):
     """The state directory is incomplete or unreadable."""
 
 
-class StateLocked(Exception):
+class StateLocked(KVError):
     """LevelDB's own lock is held by another opener: the directory is in use, not damaged."""
 
 
@@ -281,13 +282,13 @@ class LevelDBStateMachine:
         raw = self._db.get(k)
         return None if raw is None else (_U64.unpack_from(raw)[0], raw[8:])
 
-    def _check(self, cond: Cond | None, overlay: dict) -> PreconditionFailed | None:
+    def _check(self, cond: Cond | None, overlay: dict) -> ConditionFailed | None:
         if cond is None:
             return None
         cur = self._current(_DATA + cond.key.encode(), overlay)
         if cond.holds(cur):
             return None
-        return PreconditionFailed(cond.key, cur[0] if cur else 0)
+        return ConditionFailed(cond.key, cur[0] if cur else 0)
 
     def _execute(self, cmd, index: int, wb, overlay: dict, changes: list | None, reads: bool):
         if isinstance(cmd, Put):
@@ -334,7 +335,7 @@ class LevelDBStateMachine:
                     out.append(self._delete(op, index, wb, overlay, changes))
             if budget < 0:
                 return ReadLimitExceeded(index, ok, self.max_read_bytes)
-            return TxnResult(index, ok, tuple(out))
+            return TxnApplied(index, ok, tuple(out))
         raise CommandError(f"unknown command {cmd!r}")
 
     def _put(self, op: Put, index: int, wb, overlay: dict, changes: list | None) -> PutResult:
@@ -352,7 +353,7 @@ class LevelDBStateMachine:
             changes.append((index, op.key, op.value))
         return PutResult(index)
 
-    def _delete(self, op: Delete, index: int, wb, overlay: dict, changes: list | None) -> DeleteResult:
+    def _delete(self, op: Delete, index: int, wb, overlay: dict, changes: list | None) -> DeleteApplied:
         k = _DATA + op.key.encode()
         existed = self._current(k, overlay) is not None
         overlay[k] = None
@@ -362,7 +363,7 @@ class LevelDBStateMachine:
             self._detach(op.key, wb)
         if changes is not None and existed:
             changes.append((index, op.key, None))
-        return DeleteResult(index, existed)
+        return DeleteApplied(index, existed)
 
     def _detach(self, key: str, wb) -> None:
         self.leases.detach_in_memory(key)
@@ -451,8 +452,8 @@ def effect_record(cmd, result) -> bytes | None:
     if isinstance(cmd, Put):
         took = [isinstance(result, PutResult)]  # not a failed condition, nor an unknown lease
     elif isinstance(cmd, Delete):
-        took = [isinstance(result, DeleteResult) and result.deleted]
-    elif isinstance(cmd, Txn) and isinstance(result, TxnResult):
+        took = [isinstance(result, DeleteApplied) and result.deleted]
+    elif isinstance(cmd, Txn) and isinstance(result, TxnApplied):
         took = []
         for branch, ops in txn_branches(cmd):
             ran = (branch == "else") != result.succeeded

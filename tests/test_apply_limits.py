@@ -27,8 +27,8 @@ def sm(tmp_path):
 def test_gets_are_read_only_for_the_entries_someone_waits_for(sm):
     txn = c.Txn((), (c.Put("a", b"1"), c.Get("big")))
     res = sm.apply([normal(2, txn), normal(3, txn)], answering={3})
-    assert res[0] == c.TxnResult(2, True, (c.PutResult(2), None))  # nobody waits: not read
-    assert res[1] == c.TxnResult(3, True, (c.PutResult(3), c.GetResult("big", b"x" * 1000, 1)))
+    assert res[0] == c.TxnApplied(2, True, (c.PutResult(2), None))  # nobody waits: not read
+    assert res[1] == c.TxnApplied(3, True, (c.PutResult(3), c.GetResult("big", b"x" * 1000, 1)))
     assert sm.get("a") == (3, b"1")
 
 

@@ -48,9 +48,9 @@ def test_bad_commands_are_refused_with_a_reason():
     "result",
     [
         c.PutResult(5),
-        c.DeleteResult(6, True),
-        c.PreconditionFailed("k", 9),
-        c.TxnResult(7, True, (c.PutResult(7), c.GetResult("g", b"v", 3), c.GetResult("h", None, 0), c.DeleteResult(7, False))),
+        c.DeleteApplied(6, True),
+        c.ConditionFailed("k", 9),
+        c.TxnApplied(7, True, (c.PutResult(7), c.GetResult("g", b"v", 3), c.GetResult("h", None, 0), c.DeleteApplied(7, False))),
         c.CommandError("bad"),
         None,
     ],
@@ -73,7 +73,7 @@ def sm(tmp_path):
 
 def test_apply_puts_deletes_and_mod_index(sm):
     res = sm.apply([normal(1, c.Put("a", b"1")), normal(2, c.Put("b", b"2")), Entry(3, 1, EntryKind.NOOP, b""), normal(4, c.Delete("a")), normal(5, c.Delete("zz"))])
-    assert res == [c.PutResult(1), c.PutResult(2), None, c.DeleteResult(4, True), c.DeleteResult(5, False)]
+    assert res == [c.PutResult(1), c.PutResult(2), None, c.DeleteApplied(4, True), c.DeleteApplied(5, False)]
     assert sm.get("a") is None and sm.get("b") == (2, b"2")
     assert sm.applied() == (5, 1)
 
@@ -87,14 +87,14 @@ def test_conditions_see_earlier_writes_of_the_same_batch(sm):
             normal(4, c.Put("n", b"x", c.Cond("n", "mod", 0))),  # create-if-absent
         ]
     )
-    assert res[1] == c.PutResult(2) and res[2] == c.PreconditionFailed("a", 2) and res[3] == c.PutResult(4)
+    assert res[1] == c.PutResult(2) and res[2] == c.ConditionFailed("a", 2) and res[3] == c.PutResult(4)
     assert sm.get("a") == (2, b"2")
 
 
 def test_txn_is_all_or_nothing_and_reads_its_own_writes(sm):
     sm.apply([normal(1, c.Put("x", b"1"))])
     ok = sm.apply([normal(2, c.Txn((c.Cond("x", "value", b"1"),), (c.Put("y", b"2"), c.Get("y"), c.Delete("x")), (c.Get("x"),)))])[0]
-    assert ok.succeeded and ok.results == (c.PutResult(2), c.GetResult("y", b"2", 2), c.DeleteResult(2, True))
+    assert ok.succeeded and ok.results == (c.PutResult(2), c.GetResult("y", b"2", 2), c.DeleteApplied(2, True))
     no = sm.apply([normal(3, c.Txn((c.Cond("x", "exists", True),), (c.Put("z", b"!"),), (c.Get("y"),)))])[0]
     assert not no.succeeded and no.results == (c.GetResult("y", b"2", 2),)
     assert sm.get("z") is None

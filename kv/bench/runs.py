@@ -31,7 +31,7 @@ async def bench_commit(args) -> list[dict]:
                 procs.start(i, ["--id", i, "--data-dir", os.path.join(root, i), "--peers", peer_spec(peers), "--heartbeat-ms", "100", "--election-timeout-ms", "5000"], os.path.join(root, f"{i}.log"))
             node = Node(NodeConfig(id="n1", data_dir=os.path.join(root, "n1"), peers=peers, heartbeat_ms=100, election_timeout_ms=300, snapshot_threshold=1 << 40))
             await node.start()
-            while not (node.raft.role == Role.LEADER and node.raft.core.committed_in_term()):
+            while not (node.raft.role == Role.LEADER and node.raft.committed_in_term()):
                 await asyncio.sleep(0.05)
             payload = b"x" * 100
             for conc in args.concurrency:
@@ -138,7 +138,7 @@ async def bench_store_cluster(args, root: str) -> list[dict]:
         await n.start()
     rows = []
     try:
-        while not any(n.raft.role == Role.LEADER and n.raft.core.committed_in_term() for n in nodes):
+        while not any(n.raft.role == Role.LEADER and n.raft.committed_in_term() for n in nodes):
             await asyncio.sleep(0.05)
         lead = next(n for n in nodes if n.raft.role == Role.LEADER)
         value = b"x" * 100

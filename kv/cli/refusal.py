@@ -20,12 +20,7 @@ def debug_wanted(flag: bool) -> bool:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from ..raft.errors import LedgerError
-    from ..snapshot.format import SnapshotFormatError
-    from ..snapshot.restore import RestoreError
-    from ..statemachine.leveldb import StateCorrupt
-
-    return (errors.KVError, LedgerError, StateCorrupt, SnapshotFormatError, RestoreError)
+    return (errors.KVError,)  # every layer's errors derive from it (raft/errors.py)
 
 
 def _os_error(e: OSError) -> str:

@@ -157,7 +157,7 @@ async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
     log = logging.getLogger("kv.serve")
     async with AsyncClient(config.join, token=config.token, timeout=10, cacert=config.cacert) as c:
         while True:
-            me = node.raft.core.membership.get(config.id) if node.raft else None
+            me = node.raft.membership.get(config.id) if node.raft else None
             if me is not None and me.voter:
                 log.info("joined the cluster as a voter")
                 return
@@ -192,7 +192,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
         raise
     node = Node(config, initial_membership=initial, data_dir_lock=lock)
     await node.start()
-    log_term_from(lambda: node.raft.core.term if node.raft else None)
+    log_term_from(lambda: node.raft.term if node.raft else None)
     tune_gc()
     runner = None
     promoting = asyncio.ensure_future(promote_when_caught_up(config, node)) if config.join else None

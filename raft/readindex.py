@@ -1,0 +1,116 @@
+"""Read index on the leader (Raft thesis §6.4; etcd's read_only.go): pure bookkeeping, no
+I/O and no clock (the core passes `now` in).
+
+A linearizable read asks the leader for its commit index, and the leader answers once a
+heartbeat round sent after the read arrived has been acknowledged by a majority: then no
+other leader can have committed anything newer. Every read waiting for the next round
+shares it. Until the leader's no-op of its term commits, it does not know the latest
+commit index, so reads arriving before that wait for it first.
+
+Rounds that a majority confirmed also give the leader a lease: for an election timeout
+(times a safety factor) after such a round was *sent*, no other leader can exist (with
+check-quorum), so a lease read is answered at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from . import quorum
+
+
+@dataclass(frozen=True, slots=True)
+class ReadState:
+    """A read index is known: once the state machine has applied `index`, a read issued
+    with `ctx` sees every write acknowledged before it was issued."""
+
+    ctx: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFailed:
+    ctx: int
+    leader: str | None  # the leader we know of, if any
+
+
+@dataclass(slots=True)
+class PendingRead:
+    ctx: int
+    index: int
+    origin: str  # the leader's own id, or the follower that asked
+    seq: int = 0  # heartbeat round that confirms it (0: not yet assigned)
+
+
+class ReadIndex:
+    """The leader's reads waiting for a heartbeat round, and the lease those rounds give.
+
+    Invariant: every read in `waiting` has the commit index of when it was added, and the
+    first round sent after that as `seq` (0 until one is sent)."""
+
+    def __init__(self) -> None:
+        self.waiting: list[PendingRead] = []
+        self.before_commit: list[PendingRead] = []  # arrived before this term's no-op committed
+        self.round_needed = False  # a read waits for a round not sent yet
+        self.seq = 0  # the newest round sent
+        self._sent_at: dict[int, float] = {}  # round -> when it was sent (for the lease)
+        self.lease_start: float | None = None  # when the newest confirmed round was sent
+
+    def add(self, read: PendingRead, commit_index: int | None) -> None:
+        """A read on the leader; `commit_index` None while the term's no-op is uncommitted."""
+        if commit_index is None:
+            self.before_commit.append(read)
+            return
+        read.index = commit_index
+        read.seq = 0
+        self.waiting.append(read)
+        self.round_needed = True
+
+    def term_committed(self, commit_index: int) -> None:
+        """The leader's no-op committed: the reads that waited for it take this index."""
+        pending, self.before_commit = self.before_commit, []
+        for r in pending:
+            self.add(r, commit_index)
+
+    def new_round(self, now: float) -> int:
+        """A heartbeat round goes out now: the reads without one wait for it."""
+        self.round_needed = False
+        self.seq += 1
+        seq = self.seq
+        self._sent_at[seq] = now
+        for r in self.waiting:
+            if r.seq == 0:
+                r.seq = seq
+        return seq
+
+    def confirm(self, acked: dict[str, int], voters: Collection[str]) -> list[PendingRead]:
+        """`acked`: the newest round each member answered (the leader's own: `seq`).
+        Moves the lease and returns the reads whose round a majority has answered."""
+        confirmed = quorum.committed_index(acked, voters)
+        if confirmed <= 0:
+            return []
+        sent = [s for s in self._sent_at if s <= confirmed]
+        if sent:
+            self.lease_start = max(self.lease_start or 0.0, self._sent_at[max(sent)])
+            for s in sent:
+                del self._sent_at[s]
+        if not self.waiting:
+            return []
+        done, keep = [], []
+        for r in self.waiting:
+            (done if 0 < r.seq <= confirmed else keep).append(r)
+        self.waiting = keep
+        return done
+
+    def lease_valid(self, now: float, duration_ms: float) -> bool:
+        return self.lease_start is not None and now < self.lease_start + duration_ms
+
+    def clear(self) -> list[PendingRead]:
+        """Leadership is lost: no lease, no rounds; returns the reads to fail."""
+        self.lease_start = None
+        self._sent_at.clear()
+        self.round_needed = False
+        reads = self.waiting + self.before_commit
+        self.waiting, self.before_commit = [], []
+        return reads
