@@ -6,6 +6,7 @@ a listener sees every change."""
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import threading
 import time
 
 import pytest
-from cluster import ProcCluster
+from cluster import ProcCluster, wait_until
 
 import kv
 
@@ -138,8 +139,11 @@ def test_kv_lock_cli_serialises_commands(cluster, tmp_path):
     script.write_text(INCREMENT_FILE)
     loop = textwrap.dedent(f"""
         import subprocess, sys
-        for _ in range(5):
-            r = subprocess.run([sys.executable, "-m", "kv", "lock", "--endpoints", sys.argv[1], "--ttl", "5", "files/counter", "--", sys.executable, {str(script)!r}, {counter!r}])
+        for i in range(5):
+            # options before or after the name: both are the lock's
+            opts = ["--endpoints", sys.argv[1], "--ttl", "5"]
+            args = opts + ["files/counter"] if i % 2 else ["files/counter"] + opts
+            r = subprocess.run([sys.executable, "-m", "kv", "lock", *args, "--", sys.executable, {str(script)!r}, {counter!r}])
             if r.returncode:
                 sys.exit(r.returncode)
     """)
@@ -217,3 +221,69 @@ def test_kv_elect_hands_over_when_the_leader_dies(cluster):
         for p in (listener, a, b):
             if p is not None:
                 p.stop()
+
+
+HOLDS = """
+import os, signal, sys, time
+def on_term(*_):
+    open(sys.argv[1] + ".term", "w").write("got SIGTERM")
+    sys.exit(3)
+signal.signal(signal.SIGTERM, on_term)
+open(sys.argv[1], "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+CHECKS_PREDECESSOR_GONE = """
+import os, sys
+pid = int(open(sys.argv[1]).read())
+try:
+    os.kill(pid, 0)
+    print("overlap: the previous holder's command is still running", flush=True)
+except ProcessLookupError:
+    print("alone", flush=True)
+"""
+
+
+def test_kv_lock_killed_with_sigkill_takes_its_command_down(cluster, tmp_path):
+    """The command must not run on without the lock: when kv lock dies (kill -9), its
+    command (and what the command started) dies too, before the next holder starts."""
+    c = cluster
+    pidfile = str(tmp_path / "a.pid")
+    kv_lock = [PY, "-m", "kv", "lock", "jobs/cmd", "--endpoints", endpoints(c), "--ttl", "3", "--"]
+    a = subprocess.Popen(kv_lock + [PY, "-c", HOLDS, pidfile], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: os.path.exists(pidfile) and open(pidfile).read(), 60, "the first command running")
+        command_pid = int(open(pidfile).read())
+        time.sleep(1)
+        a.send_signal(signal.SIGKILL)
+        second = subprocess.run(kv_lock + [PY, "-c", CHECKS_PREDECESSOR_GONE, pidfile], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 0, second.stderr
+        assert second.stdout.strip() == "alone", second.stdout
+        with pytest.raises(ProcessLookupError):
+            os.kill(command_pid, 0)
+    finally:
+        if a.poll() is None:
+            a.kill()
+        a.wait(10)
+
+
+def test_kv_lock_passes_sigterm_to_its_command_then_frees_the_lock(cluster, tmp_path):
+    c = cluster
+    pidfile = str(tmp_path / "c.pid")
+    kv_lock = [PY, "-m", "kv", "lock", "jobs/term", "--endpoints", endpoints(c), "--ttl", "30", "--"]
+    a = subprocess.Popen(kv_lock + [PY, "-c", HOLDS, pidfile], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: os.path.exists(pidfile) and open(pidfile).read(), 60, "the command running")
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(30) == 128 + signal.SIGTERM
+        assert open(pidfile + ".term").read() == "got SIGTERM"
+        t0 = time.monotonic()
+        r = subprocess.run(kv_lock[:-1] + ["--wait", "10", "--", PY, "-c", "print('next')"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "next", r.stderr
+        assert time.monotonic() - t0 < 10  # released at once, not after its 30 s ttl
+    finally:
+        if a.poll() is None:
+            a.kill()
+        a.wait(10)
+    r = subprocess.run([PY, "-m", "kv", "lock", "jobs/term", "--endpoints", endpoints(c), "--", "/nonexistent/command"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 127 and "cannot run /nonexistent/command" in r.stderr, r.stderr

@@ -74,11 +74,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands that run another command: `kv lock NAME [options] -- COMMAND ARGS...`. What follows
+# the first `--` is the command, whatever it looks like; argparse cannot mix options after a
+# positional with a remainder, so it is cut off before parsing.
+RUNS_A_COMMAND = ("lock",)
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    words = [a for a in argv if not a.startswith("-")]
+    if "--" not in argv or not words or words[0] not in RUNS_A_COMMAND:
+        return argv, None
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Every refusal is one line on stderr and a non-zero exit status:
     commands raise, and this is the one place that turns what they raise into that line."""
     parser = build_parser()
+    argv, command = _split_command(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
+    if command is not None:
+        args.command = command
     if args.cmd is None:
         parser.print_help()
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 
@@ -20,9 +21,21 @@ def _client_options(a: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def add_parser(sub) -> None:
-    lk = _client_options(sub.add_parser("lock", help="run a command while holding a lock", description="Run COMMAND while holding the lock NAME (FIFO across processes); without a command, hold it until Ctrl-C. The lock is freed when the command ends, or its lease expires if this process dies."))
+    lk = _client_options(
+        sub.add_parser(
+            "lock",
+            help="run a command while holding a lock",
+            usage="kv lock [options] NAME [-- COMMAND ARGS...]",
+            description=(
+                "Run COMMAND while holding the lock NAME (FIFO across processes); without a command, hold it until "
+                "Ctrl-C. The lock is freed when the command ends. If the lock is lost, or kv lock is told to stop "
+                "(SIGTERM, Ctrl-C), the command's process group gets SIGTERM (SIGKILL 10 s later) before the lock is "
+                "released; if kv lock is killed, the command is killed with it (Linux) and the lock's lease expires."
+            ),
+        )
+    )
     lk.add_argument("name")
-    lk.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    lk.set_defaults(command=[])
     lk.add_argument("--ttl", type=float, default=10.0, help="lease ttl in seconds: how soon a dead holder frees the lock (default 10)")
     lk.add_argument("--wait", type=float, default=None, help="give up after this many seconds of waiting (default: wait)")
     el = _client_options(sub.add_parser("elect", help="campaign in an election, or watch one", description="Campaign with VALUE and hold the leadership until Ctrl-C; with --listen, print the leader's value each time it changes."))
@@ -58,35 +71,61 @@ def _show(args: argparse.Namespace, s: LeaseStatus, *, full: bool = True) -> Non
         print(f"{s.id}\tttl={s.ttl:g}s", flush=True)
 
 
-def _stop_on_signal() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM: installed before the line that tells the caller it
-    may send one, so that a signal sent on reading that line is never the default's kill."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
+class _Stop:
+    """Set by SIGINT or SIGTERM (`signal` says which): installed before the line that tells
+    the caller it may send one, so that a signal sent on reading that line is never the
+    default's kill."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.signal = signal.SIGTERM
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._set, sig)
+
+    def _set(self, sig: int) -> None:
+        self.signal = sig
+        self.event.set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
 
 
 async def _lock(c, args: argparse.Namespace) -> int:
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
     from ..coordination import AsyncLock
 
     lost = asyncio.Event()
     async with AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lambda e: lost.set()) as lock:
-        stop = None if command else _stop_on_signal()
+        stop = _Stop()
         print(f"locked {args.name} ({lock.key})", file=sys.stderr, flush=True)
-        if stop is not None:
-            await asyncio.wait([asyncio.ensure_future(stop.wait()), asyncio.ensure_future(lost.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if not args.command:
+            await _first(stop.wait(), lost.wait())
             return 1 if lost.is_set() else 0
-        proc = await asyncio.create_subprocess_exec(*command)
-        done, _ = await asyncio.wait([asyncio.ensure_future(proc.wait()), asyncio.ensure_future(lost.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if proc.returncode is None:  # the lock was lost: the command must not go on alone
-            proc.terminate()
+        # The command runs under kv.cli.supervise, which takes its whole process group down
+        # when told to, or when this process dies: it never runs on without the lock.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kv.cli.supervise", str(os.getpid()), f"{args.ttl / 2:g}", *args.command
+        )
+        await _first(proc.wait(), stop.wait(), lost.wait())
+        if proc.returncode is not None:
+            return proc.returncode
+        if lost.is_set():  # another holder may have it already: kill at once, no grace
+            proc.send_signal(signal.SIGUSR1)
             await proc.wait()
-            print(f"kv lock: the lock {args.name} was lost ({lock.lease.lost}); stopped the command", file=sys.stderr)
+            print(f"kv lock: the lock {args.name} was lost ({lock.lease.lost}); killed the command", file=sys.stderr)
             return 1
-        return proc.returncode
+        proc.send_signal(stop.signal)  # passed on to the command, which has ttl/2 to end
+        await proc.wait()
+        return 128 + stop.signal
+
+
+async def _first(*aws) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _elect(c, args: argparse.Namespace) -> int:
@@ -99,7 +138,7 @@ async def _elect(c, args: argparse.Namespace) -> int:
         print("kv elect: give the VALUE to campaign with, or --listen", file=sys.stderr)
         return 2
     await e.campaign(args.value.encode())
-    stop = _stop_on_signal()
+    stop = _Stop()
     print(f"elected: {args.value}", flush=True)
     try:
         await stop.wait()
