@@ -212,6 +212,41 @@ def test_cluster_up_whose_nodes_die_at_start_exits_non_zero_naming_them(tmp_path
     assert "election-timeout" in r.stdout  # the node's own one-line reason
 
 
+
+def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
+    d = str(tmp_path / "kvdata")
+    base = _free_base_port()
+    endpoints = ",".join(f"http://127.0.0.1:{base + i}" for i in range(3))
+    up_out = tmp_path / "up.out"
+    out = open(up_out, "w")
+    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(base)], stdout=out, stderr=subprocess.STDOUT)
+    back = None
+    try:
+        wait_until(lambda: kv_cli("put", "before", "1", "--endpoints", endpoints, "--timeout", "5").returncode == 0, 60, "a write")
+        n3 = next(int(line.split()[-1]) for line in up_out.read_text().splitlines() if line.strip().startswith("n3 "))
+        os.kill(n3, signal.SIGKILL)
+        wait_until(lambda: "to bring n3 back" in up_out.read_text(), 30, "cluster up telling how to restart n3")
+        line = next(ln for ln in up_out.read_text().splitlines() if "to bring n3 back" in ln)
+        command = line.split("in another shell: ", 1)[1]
+        assert command.startswith("kv serve --id n3 ")
+        assert kv_cli("put", "while-down", "2", "--endpoints", endpoints).returncode == 0
+        back = subprocess.Popen(["bash", "-c", f"exec {PY} -m {command[:2]} {command[3:]}"])
+        n3_url = f"http://127.0.0.1:{base + 2}"
+        wait_until(
+            lambda: kv_cli("get", "while-down", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 60, "n3 back and caught up"
+        )
+        assert up.poll() is None  # the others went on
+    finally:
+        for p in (back, up):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGINT if p is up else signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        out.close()
+
 # -- the HTTP client ----------------------------------------------------------------------
 
 CLIENT_SCRIPT = """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import time
 
@@ -85,9 +86,9 @@ async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> i
         ndir = os.path.join(data_dir, n["id"])
         os.makedirs(ndir, exist_ok=True)
         logs[n["id"]] = open(os.path.join(ndir, "serve.log"), "ab")
+        n["args"] = ["--id", n["id"], "--data-dir", os.path.abspath(ndir), "--http", n["http"], "--peers", n["peers"], *extra]
         procs[n["id"]] = await asyncio.create_subprocess_exec(
-            *SERVE, "--id", n["id"], "--data-dir", ndir, "--http", n["http"], "--peers", n["peers"], *extra,
-            stdout=logs[n["id"]], stderr=logs[n["id"]], start_new_session=True,
+            *SERVE, *n["args"], stdout=logs[n["id"]], stderr=logs[n["id"]], start_new_session=True,
         )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -155,6 +156,8 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                     exited.append(nid)
                     last = _last_line(log_paths[nid])
                     _say(f"node {nid} exited with code {p.returncode}; its log is {log_paths[nid]}" + (f": {last}" if last else ""))
+                    args = next(n["args"] for n in plan if n["id"] == nid)
+                    _say(f"  the others go on; to bring {nid} back, in another shell: kv serve {shlex.join(args)} >> {shlex.quote(log_paths[nid])} 2>&1")
             if len(exited) == len(procs):
                 _say("every node has exited; see their logs above")
                 return exited
