@@ -12,6 +12,7 @@ import asyncio
 import os
 import shlex
 import signal
+import sys
 import time
 
 from ..datadir import DataDirLock
@@ -46,7 +47,8 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.cluster_cmd != "up":
-        args.usage.parse_args(["--help"])
+        args.usage.print_help(sys.stderr)
+        return 2
     extra = []
     if args.heartbeat_ms:
         extra += ["--heartbeat-ms", str(args.heartbeat_ms)]

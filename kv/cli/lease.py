@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import sys
 
 from ..node import LeaseStatus
 from .options import client_options, with_client
-from .output import add_output_option
+from .output import add_output_option, emit
 
 
 def _client_options(a: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -64,7 +63,7 @@ def add_parser(sub) -> None:
 def _show(args: argparse.Namespace, s: LeaseStatus, *, full: bool = True) -> None:
     if args.output == "json":
         doc = {"id": s.id, "ttl": s.ttl, **({"remaining": s.remaining, "keys": list(s.keys)} if full else {})}
-        print(json.dumps(doc), flush=True)
+        emit(doc)
     elif full:
         print(f"{s.id}\tttl={s.ttl:g}s\tremaining={s.remaining:g}s" + (f"\tkeys={','.join(s.keys)}" if s.keys else ""), flush=True)
     else:
@@ -165,7 +164,7 @@ async def _run(c, args: argparse.Namespace) -> int:
     elif act == "revoke":
         r = await c.lease_revoke(args.id)
         if args.output == "json":
-            print(json.dumps({"id": args.id, "index": r.index, "keys": list(r.keys)}))
+            emit({"id": args.id, "index": r.index, "keys": list(r.keys)})
         else:
             print(f"OK index={r.index} deleted={len(r.keys)} keys")
     elif act == "info":
@@ -173,7 +172,7 @@ async def _run(c, args: argparse.Namespace) -> int:
     else:
         leases = await c.lease_list()
         if args.output == "json":
-            print(json.dumps({"leases": [{"id": s.id, "ttl": s.ttl, "remaining": s.remaining} for s in leases]}))
+            emit({"leases": [{"id": s.id, "ttl": s.ttl, "remaining": s.remaining} for s in leases]})
         for s in leases if args.output == "text" else ():
             _show(args, s)
     return 0

@@ -12,6 +12,16 @@ from .output import add_output_option
 ENDPOINTS_HELP = "comma-separated client URLs (default: $KV_ENDPOINTS or the local `kv cluster up` nodes)"
 
 
+def positive_seconds(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{raw} is not a positive number of seconds")
+    return value
+
+
 def client_options(
     a: argparse.ArgumentParser,
     timeout_help: str | None = "seconds before giving up (default 10)",
@@ -22,7 +32,7 @@ def client_options(
     a.add_argument("--token", default=os.environ.get("KV_TOKEN"), help=token_help)
     a.add_argument("--cacert", default=os.environ.get("KV_CACERT"), help="CA certificate (PEM) to verify https:// endpoints with")
     if timeout_help is not None:
-        a.add_argument("--timeout", type=float, default=10.0, help=timeout_help)
+        a.add_argument("--timeout", type=positive_seconds, default=10.0, help=timeout_help)
     return a
 
 

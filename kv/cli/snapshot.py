@@ -64,12 +64,16 @@ class Progress:
 
 async def _save(args: argparse.Namespace) -> int:
     from ..client import AsyncClient
+    from ..errors import NotFound
 
     async with AsyncClient(args.endpoints, token=args.token, cacert=args.cacert) as c:
         if args.fresh:
             await c.take_snapshot()
         bar = Progress("downloading")
-        info = await c.download_snapshot(args.file, progress=bar)
+        try:
+            info = await c.download_snapshot(args.file, progress=bar)
+        except NotFound as e:
+            raise NotFound(f"{e}; or here: kv snapshot save {args.file} --fresh") from None
         bar.done()
     report(args, {"file": args.file, **info}, f"saved {args.file}: index {info['index']}, term {info['term']}, {info['bytes']} bytes, from {info['endpoint']}")
     return 0
