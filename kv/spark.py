@@ -238,13 +238,15 @@ def _ranges(spark, endpoints: str, start: int | None, end: int | None, partition
     end = last if end is None else end
     if start < 1:
         raise BadRequest("start must be at least 1 (log indexes start at 1)")
-    if end < start:
-        raise BadRequest(f"the range [{start}, {end}] is empty; {ep} holds the committed log [{first}, {last}]")
+    if end < start - 1:
+        raise BadRequest(f"the range [{start}, {end}] is backwards; {ep} holds the committed log [{first}, {last}]")
     if start < first:
         raise Compacted(f"{ep} holds the log from index {first} (earlier entries were compacted into a snapshot); start at {first} or later, or export the snapshot")
     if end > last:
         raise BadRequest(f"index {end} is not applied on {ep} yet (its applied index is {last})")
     count = end - start + 1
+    if count == 0:  # nothing committed after start - 1 yet: an empty feed, not an error
+        return []
     n = max(1, min(count, partitions or spark.sparkContext.defaultParallelism * 2))
     bounds = [start + count * i // n for i in range(n + 1)]
     return [(ep, bounds[i], bounds[i + 1] - 1) for i in range(n)]
@@ -252,7 +254,8 @@ def _ranges(spark, endpoints: str, start: int | None, end: int | None, partition
 
 def _plan(spark, rows: list[tuple], schema: str):
     """A DataFrame of work items, one partition each (mapInArrow then runs one per task)."""
-    return spark.createDataFrame(rows, schema).repartition(len(rows))
+    df = spark.createDataFrame(rows, schema)
+    return df.repartition(len(rows)) if rows else df
 
 
 def read_log(spark, endpoints: str, start: int | None = None, end: int | None = None, *, partitions: int | None = None, token: str | None = None):

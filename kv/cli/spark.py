@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _deadline(s, args: argparse.Namespace):
     """--timeout for an export: cancel Spark's jobs when it passes, remove what was written."""
-    from .errors import Timeout
+    from ..errors import Timeout
 
     if not args.timeout:
         yield
@@ -146,7 +146,7 @@ def _deadline(s, args: argparse.Namespace):
 
 
 def _export(kvspark, s, args: argparse.Namespace) -> int:
-    from .errors import BadRequest
+    from ..errors import BadRequest
 
     t0 = time.monotonic()
     if args.spark_cmd == "export":
