@@ -125,15 +125,19 @@ def _deadline(s, args: argparse.Namespace):
     if not args.timeout:
         yield
         return
-    passed = threading.Event()
+    passed, done = threading.Event(), threading.Event()
 
     def give_up():
+        # Cancel until the export ends: a job submitted after the deadline (the download or
+        # the planning took that long) is cancelled too.
+        if done.wait(args.timeout):
+            return
         passed.set()
-        s.sparkContext.cancelAllJobs()
+        while not done.is_set():
+            s.sparkContext.cancelAllJobs()
+            done.wait(0.2)
 
-    timer = threading.Timer(args.timeout, give_up)
-    timer.daemon = True
-    timer.start()
+    threading.Thread(target=give_up, name="kv-spark-deadline", daemon=True).start()
     try:
         yield
     except Exception as e:
@@ -142,7 +146,7 @@ def _deadline(s, args: argparse.Namespace):
         shutil.rmtree(args.out, ignore_errors=True)
         raise Timeout(f"gave up after {args.timeout:g}s (--timeout); nothing was left at {args.out}") from e
     finally:
-        timer.cancel()
+        done.set()
 
 
 def _export(kvspark, s, args: argparse.Namespace) -> int:
