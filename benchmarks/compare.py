@@ -27,7 +27,7 @@ import time
 from systems import Etcd, Ledgerkv, PySyncObj  # benchmarks/ is the script's folder, first on sys.path
 
 from kv.bench.measure import closed_loop, http_ops, http_session, preload
-from kv.harness import ServeCluster
+from kv.harness import ServeCluster, rss_mb
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -154,14 +154,6 @@ async def scale(seconds: float) -> list[dict]:
     return rows
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def du(path: str) -> int:
     total = 0
     for dirpath, _, files in os.walk(path):
@@ -199,7 +191,7 @@ async def million_keys(n: int = 1_000_000) -> list[dict]:
                     await r.read()
             await asyncio.sleep(1)
             for i in c.ids:
-                rows.append({"what": f"{i}: RSS after {n:,} keys", "MB": rss_mb(c.procs.procs[i].pid)})
+                rows.append({"what": f"{i}: RSS after {n:,} keys", "MB": rss_mb(c.procs[i].pid)})
                 rows.append({"what": f"{i}: disk per key (ledger + state + snapshots)", "bytes": du(os.path.join(root, i)) / n})
             c.procs.stop()
             t0 = time.perf_counter()
@@ -215,7 +207,7 @@ async def million_keys(n: int = 1_000_000) -> list[dict]:
             rows.append({"what": f"restart all 3 nodes to a linearizable read served ({n:,} keys)", "seconds": time.perf_counter() - t0})
             await asyncio.sleep(1)
             for i in c.ids:
-                rows.append({"what": f"{i}: RSS after restart", "MB": rss_mb(c.procs.procs[i].pid)})
+                rows.append({"what": f"{i}: RSS after restart", "MB": rss_mb(c.procs[i].pid)})
     shutil.rmtree(root, ignore_errors=True)
     for r in rows:
         print("  " + ", ".join(f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()), flush=True)

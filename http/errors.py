@@ -60,12 +60,18 @@ async def read_body(request: web.Request, limit: int, what: str = "the body") ->
     a slow sender would otherwise hold its connection for ever."""
     if request.content_length is not None and request.content_length > limit:
         raise ValueTooLarge(f"{what} is {request.content_length} bytes; the limit is {limit}")
+    content = request.content
+    if content.is_eof():  # the usual small body: it came with the headers, no timer needed
+        body = content.read_nowait()
+        if len(body) > limit:
+            raise ValueTooLarge(f"{what} is larger than the limit of {limit} bytes")
+        return body
     parts, size = [], 0
     idle_s = request.app[CONTEXT].node.config.http_idle_timeout_s
     try:
         async with asyncio.timeout(idle_s):
             while True:
-                chunk = await request.content.readany()
+                chunk = await content.readany()
                 if not chunk:
                     return b"".join(parts)
                 size += len(chunk)

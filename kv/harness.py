@@ -60,6 +60,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15)
 
 
+def rss_mb(pid: int, peak: bool = False) -> float:
+    """Resident memory of a process in MiB (its peak so far with peak=True); NaN once gone."""
+    field = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field)) / 1024
+    except (OSError, StopIteration):
+        return float("nan")
+
+
 class Procs(dict[str, subprocess.Popen]):
     """Processes by id (`kv serve` ones, or any other), each logging to a file; stop() ends them."""
 

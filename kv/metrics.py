@@ -2,9 +2,10 @@
 
 Several kv.Node may live in one process (the tests, an embedded cluster), so nothing here
 touches prometheus_client's global default registry. Events on the hot path (a ledger
-write, an applied batch, an HTTP request) observe histograms whose labelled children are
-bound once and cached; everything else (indexes, roles, counters the layers keep as plain
-integers) is read when Prometheus scrapes. The names follow what an etcd operator already
+write, an applied batch, an HTTP request) observe `Buckets`: plain lists of counts, no lock
+(prometheus_client's Histogram takes a mutex per bucket and sum, a few percent of a
+leader's CPU per request); everything else (indexes, roles, counters the layers keep as
+plain integers) is read when Prometheus scrapes. The names follow what an etcd operator already
 graphs (README.md, "Metrics", lists them; docker/ has a dashboard and alert rules).
 """
 
@@ -13,8 +14,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from bisect import bisect_left
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from .node import request_forwarded  # noqa: F401  (for kv.http: set when a request went to the leader)
 
@@ -22,6 +25,8 @@ from .node import request_forwarded  # noqa: F401  (for kv.http: set when a requ
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 DISK_BUCKETS = (0.0001, 0.0005) + tuple(0.001 * 2**i for i in range(14))
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_STATUS = {code: str(code) for code in range(100, 600)}
 
 ROLES = ("follower", "pre_candidate", "candidate", "leader")
 
@@ -120,6 +125,34 @@ class _NodeCollector:
         yield _counter("kv_snapshot_compactions", "Ledger compactions after a snapshot.", st.compactions)
 
 
+class Buckets:
+    """A histogram (with labels, or none) that Prometheus reads as one. observe() is a
+    bisect and two increments. Each is written by one thread (the event loop's, or the
+    ledger writer's for fsyncs), so no lock: a scrape from another thread may see a sum a
+    moment ahead of its count, which the next scrape puts right."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> None:
+        self.name, self.doc, self.bounds, self.labels = name, doc, buckets, labels
+        self._series: dict[tuple[str, ...], list] = {}  # labels -> [counts per bucket (+Inf last), sum]
+
+    def observe(self, value: float, *labels: str) -> None:
+        s = self._series.get(labels)
+        if s is None:
+            s = self._series[labels] = [[0] * (len(self.bounds) + 1), 0.0]
+        s[0][bisect_left(self.bounds, value)] += 1
+        s[1] += value
+
+    def collect(self) -> Iterable[Metric]:
+        h = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        for labels, (counts, total) in list(self._series.items()):
+            cumulative, running = [], 0
+            for bound, n in zip((*map(str, self.bounds), "+Inf"), counts):
+                running += n
+                cumulative.append((bound, running))
+            h.add_metric(list(labels), cumulative, total)
+        yield h
+
+
 class _ReadCounter:
     def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
         self.name, self.doc, self.read = name, doc, read
@@ -137,28 +170,22 @@ class NodeMetrics:
         PlatformCollector(registry=r)
         GCCollector(registry=r)
         r.register(_NodeCollector(node))
-        self.commit_latency = Histogram("kv_commit_latency_seconds", "Time from proposing a write to its apply on the leader.", buckets=LATENCY_BUCKETS, registry=r)
-        self.fsync = Histogram("kv_ledger_fsync_duration_seconds", "Seconds per group-committed ledger write, fsync included.", buckets=DISK_BUCKETS, registry=r)
-        self.apply = Histogram("kv_apply_duration_seconds", "Seconds to apply one batch of committed entries to the state machine.", buckets=DISK_BUCKETS, registry=r)
-        self._http = Histogram("kv_http_request_duration_seconds", "HTTP requests by route and status.", ["route", "status"], buckets=LATENCY_BUCKETS, registry=r)
-        self._rtt = Histogram("kv_peer_round_trip_time_seconds", "Heartbeat round trip to each peer.", ["peer"], buckets=LATENCY_BUCKETS, registry=r)
+        self.commit_latency = Buckets("kv_commit_latency_seconds", "Time from proposing a write to its apply on the leader.", LATENCY_BUCKETS)
+        self.fsync = Buckets("kv_ledger_fsync_duration_seconds", "Seconds per group-committed ledger write, fsync included.", DISK_BUCKETS)
+        self.apply = Buckets("kv_apply_duration_seconds", "Seconds to apply one batch of committed entries to the state machine.", DISK_BUCKETS)
+        self._http = Buckets("kv_http_request_duration_seconds", "HTTP requests by route and status.", LATENCY_BUCKETS, ("route", "status"))
+        self._rtt = Buckets("kv_peer_round_trip_time_seconds", "Heartbeat round trip to each peer.", LATENCY_BUCKETS, ("peer",))
+        for h in (self.commit_latency, self.fsync, self.apply, self._http, self._rtt):
+            r.register(h)
         # Connections the HTTP listener refused: kv serve points this at its listener.
         self.http_refused: Callable[[], float] = lambda: 0
         r.register(_ReadCounter("kv_http_connections_refused", "Client connections answered 503 beyond --max-http-connections.", lambda: self.http_refused()))
-        self._http_children: dict[tuple[str, int], Histogram] = {}
-        self._rtt_children: dict[str, Histogram] = {}
 
     def observe_http(self, route: str, status: int, seconds: float) -> None:
-        child = self._http_children.get((route, status))
-        if child is None:
-            child = self._http_children[(route, status)] = self._http.labels(route, str(status))
-        child.observe(seconds)
+        self._http.observe(seconds, route, _STATUS.get(status) or str(status))
 
     def observe_rtt(self, peer: str, seconds: float) -> None:
-        child = self._rtt_children.get(peer)
-        if child is None:
-            child = self._rtt_children[peer] = self._rtt.labels(peer)
-        child.observe(seconds)
+        self._rtt.observe(seconds, peer)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -211,3 +211,31 @@ async def test_readme_lists_metrics_that_exist(tmp_path):
     series = {n for n in names if not n.endswith(("_bucket", "_count", "_sum", "_created"))} | histograms
     assert len(listed) > 30 and listed <= series, listed - series
     assert {n for n in series if n.startswith("kv_")} <= listed  # every kv_ metric is documented
+
+
+def test_buckets_render_as_prometheus_client_histogram_does():
+    """kv.metrics.Buckets (lock-free, on the hot path) reads as prometheus_client's own
+    Histogram would for the same observations: bounds, cumulative counts, count, sum."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from kv.metrics import DISK_BUCKETS, Buckets
+
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    b = Buckets("kv_x_seconds", "doc", DISK_BUCKETS, ("route",))
+    ours.register(b)
+    h = Histogram("kv_x_seconds", "doc", ["route"], buckets=DISK_BUCKETS, registry=theirs)
+    for v in (0.0, 0.0001, 0.00010001, 0.004, 0.0041, 3.0, 8.192, 100.0):
+        for route in ("put", "get"):
+            b.observe(v, route)
+            h.labels(route).observe(v)
+
+    def samples(reg):
+        return sorted(
+            (s.name, tuple(sorted(s.labels.items())), s.value)
+            for m in reg.collect()
+            for s in m.samples
+            if not s.name.endswith("_created")
+        )
+
+    assert samples(ours) == samples(theirs)
+    assert ("kv_x_seconds_count", (("route", "put"),), 8.0) in samples(ours)

@@ -7,7 +7,7 @@ import asyncio
 import os
 import time
 
-from ..harness import Procs, ServeCluster, free_port, peer_spec
+from ..harness import Procs, ServeCluster, free_port, peer_spec, rss_mb
 from .measure import closed_loop, http_ops, http_session, pct, preload, print_table, workdir
 
 
@@ -184,11 +184,13 @@ async def bench_http(args) -> list[dict]:
                 for conc in args.concurrency:
                     for name, op in ops:
                         r = await closed_loop(op, conc, args.seconds, cpu=c.procs.cpu_seconds)
-                        rows.append({"op": name, "to": target, "clients": conc, **r})
+                        peak = max(rss_mb(p.pid, peak=True) for p in c.procs.values())
+                        rows.append({"op": name, "to": target, "clients": conc, **r, "peak_rss_mb": round(peak, 1)})
     print_table(
-        f"HTTP, {args.nodes} nodes, {args.value_bytes} B values, fsync on (cpu: all nodes' user+sys per op)",
+        f"HTTP, {args.nodes} nodes, {args.value_bytes} B values, fsync on (cpu: all nodes' user+sys per op; "
+        "peak_rss_mb: the largest node's peak resident memory so far)",
         rows,
-        ["op", "to", "clients", "ops_per_s", "p50_ms", "p99_ms", "cpu_us_per_op", "cpu_us_per_op_by_node", "errors"],
+        ["op", "to", "clients", "ops_per_s", "p50_ms", "p99_ms", "cpu_us_per_op", "cpu_us_per_op_by_node", "errors", "peak_rss_mb"],
     )
     return rows
 

@@ -16,7 +16,7 @@ import os
 import re
 import time
 
-from ..harness import ServeCluster
+from ..harness import ServeCluster, rss_mb
 from .measure import closed_loop, http_ops, http_session, pct, print_table, workdir
 from ..client import AsyncClient
 from ..statemachine.commands import Put
@@ -34,11 +34,6 @@ async def _until_watches(s, url: str, n: int, timeout: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{n} watch streams did not open in {timeout:.0f}s")
         await asyncio.sleep(0.1)
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 async def _write_batches(writer: AsyncClient, prefix: str, batches: int, size: int, concurrency: int = 4) -> None:
@@ -154,7 +149,7 @@ async def _idle(s, c: ServeCluster, lead: str, watchers: int, seconds: float) ->
     pid = c.procs.procs[lead].pid
     put = (await http_ops(s, url, b"v" * 100))[0][1]
     before = await closed_loop(put, 16, seconds)
-    rss0 = _rss_mb(pid)
+    rss0 = rss_mb(pid)
     async with AsyncClient(url, connections=watchers + 16) as ic:
 
         async def idle(k: int):
@@ -164,7 +159,7 @@ async def _idle(s, c: ServeCluster, lead: str, watchers: int, seconds: float) ->
         tasks = [asyncio.ensure_future(idle(k)) for k in range(watchers)]
         await _until_watches(s, url, watchers)
         await asyncio.sleep(1.0)
-        rss1 = _rss_mb(pid)
+        rss1 = rss_mb(pid)
         during = await closed_loop(put, 16, seconds)
         for t in tasks:
             t.cancel()
