@@ -46,6 +46,20 @@ async def keepalive(request: web.Request) -> web.Response:
     return json_response(lease_json(s, remaining=False, keys=False))
 
 
+async def keepalive_many(request: web.Request) -> web.Response:
+    doc = await _json_body(request)
+    ids = doc.get("ids")
+    if set(doc) != {"ids"} or not isinstance(ids, list) or not all(type(x) is int for x in ids):
+        raise BadRequest('give the lease ids to renew: {"ids": [7587862104061, 7587862104062]}')
+    renewed = await ctx(request).node.lease_keepalives(ids)
+    return json_response(
+        {
+            "leases": [lease_json(s, remaining=False, keys=False) for s in renewed if s is not None],
+            "not_found": [lease for lease, s in zip(ids, renewed) if s is None],
+        }
+    )
+
+
 async def info(request: web.Request) -> web.Response:
     return json_response(lease_json(await ctx(request).node.lease_info(lease_path_id(request))))
 
@@ -65,6 +79,7 @@ def add_routes(app: web.Application) -> None:
     r = app.router
     r.add_post("/v1/leases", grant, name="leases_grant")
     r.add_get("/v1/leases", list_leases, name="leases_list")
+    r.add_post("/v1/leases/keepalive", keepalive_many, name="leases_keepalive_many")  # before /v1/leases/{id}
     r.add_post("/v1/leases/{id}/keepalive", keepalive, name="leases_keepalive")
     r.add_get("/v1/leases/{id}", info, name="leases_get")
     r.add_delete("/v1/leases/{id}", revoke, name="leases_revoke")

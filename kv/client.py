@@ -331,6 +331,14 @@ class AsyncClient:
         d = await self._json("POST", f"/v1/leases/{lease_id(lease)}/keepalive", idempotent=True)
         return LeaseStatus(d["id"], d["ttl"], d["ttl"])
 
+    async def lease_keepalives(self, leases: Sequence[int]) -> list[LeaseStatus | None]:
+        """Renew several leases in one request: for each, in order, its LeaseStatus, or
+        None if it expired or was revoked (at most 10,000 at once)."""
+        ids = [lease_id(x) for x in leases]
+        d = await self._json("POST", "/v1/leases/keepalive", data=orjson.dumps({"ids": ids}), headers=_JSON, idempotent=True)
+        renewed = {x["id"]: LeaseStatus(x["id"], x["ttl"], x["ttl"]) for x in d["leases"]}
+        return [renewed.get(i) for i in ids]
+
     async def lease_revoke(self, lease: int) -> RevokeResult:
         """End a lease now; its keys are deleted in the same committed entry."""
         d = await self._json("DELETE", f"/v1/leases/{lease_id(lease)}")
@@ -522,6 +530,7 @@ class Client:
     members = _blocking(AsyncClient.members)
     lease_grant = _blocking(AsyncClient.lease_grant)
     lease_keepalive = _blocking(AsyncClient.lease_keepalive)
+    lease_keepalives = _blocking(AsyncClient.lease_keepalives)
     lease_revoke = _blocking(AsyncClient.lease_revoke)
     lease_info = _blocking(AsyncClient.lease_info)
     lease_list = _blocking(AsyncClient.lease_list)

@@ -1,6 +1,6 @@
 """Coordination on top of the store: self-renewing leases (and, built on them, locks and
 elections). Written once against the store API that kv.Node, kv.AsyncClient and (through
-their loop threads) kv.open and kv.Client share: lease_grant, lease_keepalive,
+their loop threads) kv.open and kv.Client share: lease_grant, lease_keepalives,
 lease_revoke, put, scan, delete, watch."""
 
 from __future__ import annotations
@@ -9,12 +9,79 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 
 from ._loop import LoopThread
 from .errors import BadRequest, Compacted, KVError, LeaseNotFound, Timeout
 
 log = logging.getLogger("kv.coordination")
+
+KEEPALIVE_BATCH_S = 0.05  # how long a lease's keepalive may wait for others to share its request
+MAX_BATCH = 10_000  # leases one lease_keepalives call renews (the server's limit)
+
+
+class KeepAlives:
+    """The keepalives of one store's self-renewing leases, coalesced: those due within
+    KEEPALIVE_BATCH_S of each other go in one lease_keepalives call — one request and one
+    read barrier on the leader instead of one each (etcd's client does the same over its
+    keepalive stream). A lease is no less safe for the wait: AsyncLease counts its ttl from
+    before the wait."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self._waiting: dict[int, list[asyncio.Future]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._sending: set[asyncio.Task] = set()
+
+    async def renew(self, lease: int, within: float) -> None:
+        """Renew `lease`, sent at most `within` seconds from now; LeaseNotFound if it is gone."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiting.setdefault(lease, []).append(fut)
+        at = loop.time() + within
+        if self._timer is None or at < self._timer.when():
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(at, self._flush)
+        await fut
+
+    def _flush(self) -> None:
+        waiting, self._waiting, self._timer = self._waiting, {}, None
+        ids = list(waiting)
+        for i in range(0, len(ids), MAX_BATCH):
+            task = asyncio.get_running_loop().create_task(self._send(ids[i : i + MAX_BATCH], waiting))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, ids: list[int], waiting: dict[int, list[asyncio.Future]]) -> None:
+        try:
+            renewed = await self._store.lease_keepalives(ids)
+        except Exception as e:  # no leader, no quorum, the network: each lease retries
+            for lease in ids:
+                for f in waiting[lease]:
+                    if not f.done():
+                        f.set_exception(e)
+            return
+        for lease, status in zip(ids, renewed):
+            for f in waiting[lease]:
+                if f.done():
+                    pass  # its lease stopped waiting (timed out, revoked)
+                elif status is None:
+                    f.set_exception(LeaseNotFound(lease))
+                else:
+                    f.set_result(None)
+
+
+_keepalives: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def keepalives(store) -> KeepAlives:
+    """The store's KeepAlives (one per store, on the store's loop)."""
+    k = _keepalives.get(store)
+    if k is None:
+        k = _keepalives[store] = KeepAlives(store)
+    return k
 
 
 class AsyncLease:
@@ -68,7 +135,8 @@ class AsyncLease:
             if sent >= self._good_until:
                 return self._lose(KVError(f"lease {self.id}: no keepalive got through for its whole ttl ({self.ttl:g}s)"))
             try:
-                await asyncio.wait_for(self._store.lease_keepalive(self.id), self._good_until - sent)
+                renewal = keepalives(self._store).renew(self.id, min(KEEPALIVE_BATCH_S, self.ttl / 30))
+                await asyncio.wait_for(renewal, self._good_until - sent)
                 self._good_until, every = sent + self.ttl, self.ttl / 3
             except LeaseNotFound as e:
                 return self._lose(e)

@@ -109,8 +109,9 @@ class LeaseClock:
         finally:
             self._revoking.discard(lease)
 
-    async def answer(self, cmd: cmds.LeaseKeepAlive | cmds.LeaseQuery):
-        """A keepalive or a query, on the leader (after confirming it leads)."""
+    async def answer(self, cmd: cmds.LocalCommand):
+        """A keepalive (of one lease or several) or a query, on the leader (after
+        confirming it leads)."""
         await self._node.read_barrier("linearizable")
         now = asyncio.get_running_loop().time()
         if not self._sync(now):
@@ -118,6 +119,13 @@ class LeaseClock:
         table, d = self._node.sm.leases, self._deadlines
         if type(cmd) is cmds.LeaseQuery and not cmd.lease:
             return cmds.LeaseList(tuple(cmds.LeaseInfo(lease, ttl, d.left_ms(lease, now)) for lease, ttl in sorted(table.ttl_ms.items())))
+        if type(cmd) is cmds.LeaseKeepAlives:
+            renewed = []
+            for lease in cmd.leases:
+                ttl = table.ttl_ms.get(lease)
+                ok = ttl is not None and d.renew(lease, ttl, now)
+                renewed.append(cmds.LeaseInfo(lease, ttl, d.left_ms(lease, now)) if ok else cmds.NoSuchLease(lease))
+            return cmds.LeaseList(tuple(renewed))
         ttl = table.ttl_ms.get(cmd.lease)
         if ttl is None:
             return cmds.NoSuchLease(cmd.lease)

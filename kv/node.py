@@ -561,6 +561,16 @@ class Node:
         """Renew a lease to its full ttl (LeaseNotFound once it expired or was revoked)."""
         return lease_status(_raise_failed((await self.submit(cmds.LeaseKeepAlive(lease_id(lease)), timeout)).result))
 
+    async def lease_keepalives(self, leases: Sequence[int], *, timeout: float | None = None) -> list[LeaseStatus | None]:
+        """Renew several leases in one round (one read barrier on the leader): for each,
+        in order, its LeaseStatus, or None if it expired or was revoked. At most
+        MAX_KEEPALIVES (10,000) at once; what AsyncLease's keepalives go through."""
+        ids = tuple(lease_id(x) for x in leases)
+        if not 0 < len(ids) <= cmds.MAX_KEEPALIVES:
+            raise BadRequest(f"renew 1 to {cmds.MAX_KEEPALIVES} leases at once, not {len(ids)}")
+        r = _raise_failed((await self.submit(cmds.LeaseKeepAlives(ids), timeout)).result)
+        return [lease_status(x) if type(x) is cmds.LeaseInfo else None for x in r.leases]
+
     async def lease_revoke(self, lease: int, *, timeout: float | None = None) -> RevokeResult:
         """End a lease now; its keys are deleted in the same committed entry."""
         r = _raise_failed((await self.submit(cmds.LeaseRevoke(lease_id(lease)), timeout)).result)

@@ -207,6 +207,9 @@ class Store:
     def lease_keepalive(self, lease: int) -> LeaseStatus:
         return self._call(self._node.lease_keepalive(lease))
 
+    def lease_keepalives(self, leases: Sequence[int]) -> list[LeaseStatus | None]:
+        return self._call(self._node.lease_keepalives(leases))
+
     def lease_revoke(self, lease: int) -> RevokeResult:
         return self._call(self._node.lease_revoke(lease))
 

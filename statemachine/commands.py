@@ -37,6 +37,8 @@ MAX_INDEX = (1 << 63) - 1  # log indexes (and so mod_index) fit a signed 64-bit 
 
 _OP_PUT, _OP_DELETE, _OP_TXN, _OP_GET = 1, 2, 3, 4
 _OP_PUT_LEASE, _OP_LEASE_GRANT, _OP_LEASE_REVOKE, _OP_LEASE_KEEPALIVE, _OP_LEASE_QUERY = 5, 6, 7, 8, 9
+_OP_LEASE_KEEPALIVES = 10
+MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
 MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
 _COND_MOD, _COND_VALUE, _COND_EXISTS = 1, 2, 3
 _U16 = struct.Struct(">H")
@@ -106,6 +108,13 @@ class LeaseKeepAlive(NamedTuple):
     lease: int
 
 
+class LeaseKeepAlives(NamedTuple):
+    """Renew several leases at once (one read barrier for all): answered by the leader,
+    never logged; the answer is a LeaseList of LeaseInfo (renewed) and NoSuchLease."""
+
+    leases: tuple[int, ...]
+
+
 class LeaseQuery(NamedTuple):
     """One lease (lease > 0) or all of them (0), with the time left on the leader's clock:
     answered by the leader, never logged."""
@@ -114,7 +123,7 @@ class LeaseQuery(NamedTuple):
 
 
 Command = Put | Delete | Txn | LeaseGrant | LeaseRevoke
-LocalCommand = LeaseKeepAlive | LeaseQuery  # what a follower forwards but nobody logs
+LocalCommand = LeaseKeepAlive | LeaseKeepAlives | LeaseQuery  # what a follower forwards but nobody logs
 
 
 def txn_branches(txn: Txn) -> tuple[tuple[str | None, tuple], ...]:
@@ -176,7 +185,9 @@ class LeaseRevoked(NamedTuple):
 
 
 class LeaseList(NamedTuple):
-    leases: tuple[LeaseInfo, ...]  # without their keys
+    leases: tuple[LeaseInfo | NoSuchLease, ...]  # without their keys (NoSuchLease: in a keepalive's answer)
+
+
 class ReadLimitExceeded(NamedTuple):
     """A transaction was applied (its writes are in) but what its gets read came to more
     than `limit` bytes on the node answering it, so the values are not returned. Only the
@@ -281,6 +292,10 @@ def encode(cmd: Command | LocalCommand) -> bytes:
         return _HEAD + bytes((_OP_LEASE_REVOKE,)) + _lease_id(cmd.lease)
     if type(cmd) is LeaseKeepAlive:
         return _HEAD + bytes((_OP_LEASE_KEEPALIVE,)) + _lease_id(cmd.lease)
+    if type(cmd) is LeaseKeepAlives:
+        if not 0 < len(cmd.leases) <= MAX_KEEPALIVES:
+            raise CommandError(f"a batched keepalive renews 1 to {MAX_KEEPALIVES} leases, not {len(cmd.leases)}")
+        return _HEAD + bytes((_OP_LEASE_KEEPALIVES,)) + _U32.pack(len(cmd.leases)) + b"".join(map(_lease_id, cmd.leases))
     if type(cmd) is LeaseQuery:
         return _HEAD + bytes((_OP_LEASE_QUERY,)) + (_lease_id(cmd.lease) if cmd.lease else _U64.pack(0))
     if isinstance(cmd, Delete):
@@ -394,6 +409,11 @@ def decode(data: bytes) -> Command | LocalCommand:
             cmd = Delete(r.key(), r.cond())
         elif code in _LEASE_OPS:
             cmd = _LEASE_OPS[code](_U64.unpack(r.take(8))[0])
+        elif code == _OP_LEASE_KEEPALIVES:
+            n = r.u32()
+            if not 0 < n <= MAX_KEEPALIVES:
+                raise CommandError(f"a batched keepalive renews 1 to {MAX_KEEPALIVES} leases, not {n}")
+            cmd = LeaseKeepAlives(struct.unpack(f">{n}Q", r.take(8 * n)))
         elif code == _OP_TXN:
             conds = tuple(r.cond() for _ in range(r.u16()))
             ops = r.ops(r.u32())
@@ -410,7 +430,7 @@ def decode(data: bytes) -> Command | LocalCommand:
 
 def is_local(payload: bytes) -> bool:
     """Whether an encoded command is one the leader answers without logging it."""
-    return len(payload) > 1 and payload[0] == COMMAND_FORMAT and payload[1] in (_OP_LEASE_KEEPALIVE, _OP_LEASE_QUERY)
+    return len(payload) > 1 and payload[0] == COMMAND_FORMAT and payload[1] in (_OP_LEASE_KEEPALIVE, _OP_LEASE_KEEPALIVES, _OP_LEASE_QUERY)
 
 
 _LEASE_OPS = {_OP_LEASE_GRANT: LeaseGrant, _OP_LEASE_REVOKE: LeaseRevoke, _OP_LEASE_KEEPALIVE: LeaseKeepAlive, _OP_LEASE_QUERY: LeaseQuery}

@@ -5,6 +5,7 @@ revoked, carried by restarts and snapshots; bad requests refused, changing nothi
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -92,6 +93,11 @@ def test_revoke_and_bad_requests(cluster):
     for path in ("/v1/leases/abc", "/v1/leases/-3", "/v1/leases/99999999999999999999"):
         assert req("GET", path)[0] == 400
     assert req("POST", "/v1/leases/424242/keepalive")[1]["error"]["code"] == "LEASE_NOT_FOUND"
+    # Batched keepalives (forwarded by the follower): renewed, or listed as not found.
+    assert req("POST", "/v1/leases/keepalive", {"ids": [lid, 424242, lid]}) == (200, {"leases": [{"id": lid, "ttl": 60}] * 2, "not_found": [424242]})
+    for bad in ({}, {"ids": []}, {"ids": lid}, {"ids": [str(lid)]}, {"ids": [True]}, {"ids": [0]}, {"ids": [-1]}, {"ids": [2**63]}, {"ids": [lid], "x": 1}, {"ids": [1] * 10_001}):
+        code, body = req("POST", "/v1/leases/keepalive", bad)
+        assert code == 400 and body["error"]["code"] == "BAD_REQUEST", (bad, body)
     assert req("DELETE", "/v1/leases/424242")[0] == 404
     code, _, body = c.request(follower, "PUT", "/v1/kv/c?lease=424242", b"3")
     assert code == 404 and orjson.loads(body)["error"]["code"] == "LEASE_NOT_FOUND"
@@ -104,6 +110,35 @@ def test_revoke_and_bad_requests(cluster):
         assert c.get(i, "a", consistency="stale")[0] == 404 and c.get(i, "b", consistency="stale")[0] == 404
     assert req("GET", f"/v1/leases/{lid}")[0] == 404
     assert c.status(c.leader())["commit_index"] > before
+
+
+def test_a_clients_leases_share_their_keepalive_requests(cluster):
+    """50 self-renewing leases of one kv.Client stay alive through several ttls, and their
+    keepalives reach the leader batched: far fewer requests than renewals, none one by one."""
+    c = cluster
+    ttl = 1.5
+
+    def keepalive_requests(node: str) -> dict[str, float]:
+        text = c.request(node, "GET", "/metrics")[2].decode()
+        found = re.findall(r'kv_http_request_duration_seconds_count\{route="(leases_keepalive\w*)",status="200"\} (\S+)', text)
+        return {route: float(n) for route, n in found}
+
+    with kv.Client(c.url(c.leader())) as client:
+        leases = [client.lease(ttl) for _ in range(50)]
+        time.sleep(ttl * 3)
+        assert all(lease.alive for lease in leases), [lease.lost for lease in leases if not lease.alive]
+        assert {x.id for x in client.lease_list()} >= {lease.id for lease in leases}
+        seen = keepalive_requests(c.leader())
+        renewals = 50 * 3 * 3 * 0.8  # every ttl/3 for three ttls, less a margin for timing
+        assert "leases_keepalive" not in seen, seen
+        assert 0 < seen.get("leases_keepalive_many", 0) < renewals / 5, seen
+        for lease in leases:
+            lease.revoke()
+    assert not [x for x in client_leases(c) if x in {lease.id for lease in leases}]
+
+
+def client_leases(c: ProcCluster) -> list[int]:
+    return [x["id"] for x in orjson.loads(c.request(c.leader(), "GET", "/v1/leases")[2])["leases"]]
 
 
 def test_leases_survive_a_restart_of_the_whole_cluster_and_a_snapshot_restore(cluster, tmp_path):

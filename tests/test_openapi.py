@@ -4,6 +4,7 @@ error model, bearer security, and real answers of a node that match their schema
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -101,7 +102,26 @@ async def test_answers_match_their_schemas(api):
     check(await body("GET", f"/v1/leases/{lease['id']}"), "LeaseInfo")
     check(await body("GET", "/v1/leases"), "LeaseList")
     check(await body("POST", f"/v1/leases/{lease['id']}/keepalive"), "Lease")
+    batch = {"ids": [lease["id"], 999999]}
+    check(batch, "LeaseKeepAlives")
+    renewed = await body("POST", "/v1/leases/keepalive", json=batch)
+    check(renewed, "LeaseKeepAlivesResult")
+    assert [x["id"] for x in renewed["leases"]] == [lease["id"]] and renewed["not_found"] == [999999]
     check(await body("DELETE", f"/v1/leases/{lease['id']}"), "LeaseRevoked")
     check(await body("POST", "/v1/leases", 400, json={"ttl": 0}), "Error")
     check(await body("GET", "/v1/kv/missing", 404), "Error")
     check(await body("PUT", "/v1/kv/a", 412, data=b"2", headers={"If-Match": '"999"'}), "Error")
+
+
+async def test_every_route_is_documented(api):
+    """Each route the app serves is in the document, with its method (so a new route
+    cannot ship undocumented)."""
+    served = set()
+    for route in api.server.app.router.routes():
+        info = route.resource.get_info()
+        path = info.get("path") or info.get("formatter")
+        if route.method not in ("HEAD", "*") and path != "/":
+            served.add((re.sub(r"\{(\w+)(:[^}]*)?\}", r"{\1}", path), route.method.lower()))
+    documented = {(path, method) for path, method, _ in operations()}
+    assert served - documented == set()
+    assert ("/v1/leases/keepalive", "post") in served

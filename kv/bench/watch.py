@@ -48,11 +48,12 @@ async def _write_batches(writer: AsyncClient, prefix: str, batches: int, size: i
 
 async def _replay(writer: AsyncClient, wc: AsyncClient, events: int) -> dict:
     start = (await wc.scan_page("r/", limit=1)).index + 1
-    await _write_batches(writer, "r/", events // 500, 500)
+    batches = max(1, events // 100)  # txns of 100 puts (a cluster takes at most 128 ops per txn)
+    await _write_batches(writer, "r/", batches, 100)
     n, t0 = 0, time.perf_counter()
     async for _ in wc.watch("r/", start):
         n += 1
-        if n == events // 500 * 500:
+        if n == batches * 100:
             break
     took = time.perf_counter() - t0
     return {"what": "1 watcher, replaying history from the ledger", "events": n, "events_per_s": n / took}
@@ -146,7 +147,7 @@ async def _latency(s, lead_url: str, wc: AsyncClient, url: str, where: str, watc
 
 async def _idle(s, c: ServeCluster, lead: str, watchers: int, seconds: float) -> list[dict]:
     url = c.url(lead)
-    pid = c.procs.procs[lead].pid
+    pid = c.procs[lead].pid
     put = (await http_ops(s, url, b"v" * 100))[0][1]
     before = await closed_loop(put, 16, seconds)
     rss0 = rss_mb(pid)
