@@ -431,7 +431,7 @@ class RaftCore:
         r = self._ready
         leading = self.role == Role.LEADER
         return bool(
-            (leading and (self._dispatch_needed or self._reads.round_needed))
+            (leading and (self._dispatch_needed or self._reads.round_due()))
             or self._hs_dirty
             or r.messages
             or r.persisted_messages
@@ -447,7 +447,7 @@ class RaftCore:
 
     def ready(self) -> Ready:
         if self.role == Role.LEADER:
-            if self._reads.round_needed:
+            if self._reads.round_due():
                 self._broadcast_heartbeats()
             if self._dispatch_needed:
                 self._dispatch_all()

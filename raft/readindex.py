@@ -73,6 +73,12 @@ class ReadIndex:
         for r in pending:
             self.add(r, commit_index)
 
+    def round_due(self) -> bool:
+        """A read waits for a round and none is in flight. Rounds go one at a time (as
+        etcd's linearizableReadLoop): reads that arrive meanwhile share the next one,
+        instead of each turn of the event loop that saw a read sending its own."""
+        return self.round_needed and not self._sent_at
+
     def new_round(self, now: float) -> int:
         """A heartbeat round goes out now: the reads without one wait for it."""
         self.round_needed = False

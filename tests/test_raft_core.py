@@ -397,6 +397,39 @@ def test_read_index_is_confirmed_by_a_heartbeat_round():
             assert rs.ctx == 42 and rs.index == leader.commit_index
 
 
+def test_reads_arriving_during_a_round_share_the_next_one():
+    """One read round in flight at a time: reads that arrive while it is out wait for the
+    round after it (never for the one already sent: it may predate a newer leader), and
+    share that round instead of sending one each."""
+    sim = Sim(3, seed=16)
+    lid = elected(sim)
+    sim.propose()
+    sim.run_for(200)
+    leader = sim.nodes[lid].core
+
+    def heartbeats(rd):
+        return [m for m in rd.messages if isinstance(m, HeartbeatRequest)]
+
+    leader.read_index(1, sim.now)
+    first = heartbeats(leader.ready())
+    assert len(first) == 2
+    for ctx in (2, 3, 4):  # three more reads, each in its own turn, while round one is out
+        leader.read_index(ctx, sim.now)
+        assert not leader.has_ready() and not heartbeats(leader.ready())
+    f = sim.nodes[first[0].dst].core
+    f.step(first[0], sim.now)
+    for r in f.ready().messages:
+        leader.step(r, sim.now)
+    rd = leader.ready()
+    assert [s.ctx for s in rd.read_states] == [1]  # round one answers the read it was sent for
+    second = heartbeats(rd)
+    assert len(second) == 2 and second[0].read_seq > first[0].read_seq  # one round for the three
+    f.step(second[0], sim.now)
+    for r in f.ready().messages:
+        leader.step(r, sim.now)
+    assert sorted(s.ctx for s in leader.ready().read_states) == [2, 3, 4]
+
+
 def test_an_isolated_leader_never_serves_a_linearizable_read():
     sim = Sim(3, seed=14)
     lid = elected(sim)
