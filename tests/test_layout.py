@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PURE = ["raft/core.py", "raft/log.py", "raft/progress.py", "raft/quorum.py", "raft/readindex.py", "raft/messages.py", "raft/membership.py", "raft/errors.py"]
+PURE = ["raft/core.py", "raft/config.py", "raft/ready.py", "raft/replication.py", "raft/log.py", "raft/progress.py", "raft/quorum.py", "raft/readindex.py", "raft/messages.py", "raft/membership.py", "raft/errors.py"]
 FORBIDDEN_IN_PURE = {"asyncio", "time", "socket", "lmdb", "plyvel", "aiohttp", "threading", "os", "select"}
 
 
