@@ -36,11 +36,10 @@ from .errors import (
     ValueTooLarge,
 )
 from .raft.errors import ConfigChangeRefused, TransferInProgress
-from .raft.core import CoreConfig
 from .raft.ledger import Ledger, LedgerWrite
 from .raft.membership import Member, Membership
 from .raft.messages import Entry, EntryKind, ForwardCode, Role
-from .raft.node import Applied, DeadlineExceeded, NodeStopped, OutcomeUnknown, Overloaded, RaftNode
+from .raft.node import Applied, CoreConfig, DeadlineExceeded, NodeStopped, OutcomeUnknown, Overloaded, RaftNode
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
 from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt, StateLocked

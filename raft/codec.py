@@ -1,14 +1,21 @@
-"""Binary encoding of peer messages.
+"""Binary encoding of peer messages: each message type is described once, in `MESSAGES`,
+and one generic `encode` / `decode` follows that table.
 
 A frame is `length (u32, big-endian) | type (u8) | body`; `length` counts type and body.
-Bodies are fixed `struct` layouts, node ids are u8-length-prefixed UTF-8, and the entries of
-a push are packed back to back (their indexes follow from prev_index). Anything that does not
-parse raises CodecError; the transport then closes that connection and nothing else.
+A body is the sender's and the receiver's ids (each u8-length-prefixed UTF-8), then the
+message's fixed-size fields in table order (big-endian `struct` codes), then the lengths of
+its variable fields, then their contents: the entries of a push packed back to back (their
+indexes follow from prev_index), a u8-length-prefixed string, or a payload that takes the
+rest of the frame. Anything that does not parse raises CodecError; the transport then
+closes that connection and nothing else.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from operator import attrgetter
+from typing import Any
 
 from .errors import RaftError
 from .messages import (
@@ -36,36 +43,173 @@ from .messages import (
 
 MAX_FRAME = 64 << 20  # a frame larger than this closes the connection
 FRAME_HEADER = struct.Struct(">IB")
+_ENTRY = struct.Struct(">QBI")  # term, kind, data length; the data follows
 
 
 class CodecError(RaftError, ValueError):
     """A frame that does not parse: close the connection it came on."""
 
 
-_VOTE_REQ = struct.Struct(">QQQB")
-_VOTE_RESP = struct.Struct(">QBB")
-_HB_REQ = struct.Struct(">QQQ")
-_HB_RESP = struct.Struct(">QBQ")
-_PUSH_REQ = struct.Struct(">QBQQQQQI")
-_ENTRY = struct.Struct(">QBI")  # term, kind, data length
-_PUSH_RESP = struct.Struct(">QBQBQQQQ")
-_TERM = struct.Struct(">Q")
-_READ_REQ = struct.Struct(">QQ")
-_READ_RESP = struct.Struct(">QQQB")
-_CHUNK = struct.Struct(">QQQQQQB")
-_CHUNK_ACK = struct.Struct(">QQQB")
-_FWD_REQ = struct.Struct(">Q")
-_FWD_RESP = struct.Struct(">QBQQB")
-
-# Frame type numbers: part of the wire format, never reuse one.
-T_VOTE_REQ, T_VOTE_RESP, T_HB_REQ, T_HB_RESP, T_PUSH_REQ, T_PUSH_RESP = 1, 2, 3, 4, 5, 6
-T_TIMEOUT_NOW, T_READ_REQ, T_READ_RESP, T_CHUNK, T_CHUNK_ACK = 7, 8, 9, 10, 11
-T_FWD_REQ, T_FWD_RESP = 12, 13
+# -- field kinds ------------------------------------------------------------------------
 
 
-def _ids(src: str, dst: str) -> bytes:
-    s, d = src.encode(), dst.encode()
-    return bytes((len(s),)) + s + bytes((len(d),)) + d
+class _Fixed:
+    """A field of the fixed part: one struct code, converted by `conv` when decoded."""
+
+    def __init__(self, name: str, code: str, conv: Callable[[int], Any] | None = None) -> None:
+        self.name, self.code, self.conv = name, code, conv
+        self.get = attrgetter(name)
+
+    def put(self, value: int, kw: dict) -> None:
+        kw[self.name] = value if self.conv is None else self.conv(value)
+
+
+def u64(name: str) -> _Fixed:
+    return _Fixed(name, "Q")
+
+
+def u8(name: str, conv: Callable[[int], Any]) -> _Fixed:
+    """A byte: an enum's value, or a bool (`conv=bool`)."""
+    return _Fixed(name, "B", conv)
+
+
+class _Flags(_Fixed):
+    """Booleans packed into one byte, the first in bit 0."""
+
+    def __init__(self, *names: str) -> None:
+        super().__init__("/".join(names), "B")
+        self.names = names
+        self.get = lambda msg: sum(int(getattr(msg, n)) << k for k, n in enumerate(names))
+
+    def put(self, value: int, kw: dict) -> None:
+        for k, n in enumerate(self.names):
+            kw[n] = bool(value >> k & 1)
+
+
+class _Entries:
+    """A push's entries: their count (u32) in the fixed part, then term, kind and data of
+    each; the first has index prev_index + 1."""
+
+    code = "I"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def length(self, msg: Message) -> int:
+        return len(getattr(msg, self.name))
+
+    def write(self, msg: Message, parts: list) -> None:
+        pack = _ENTRY.pack
+        for e in getattr(msg, self.name):
+            parts.append(pack(e.term, e.kind, len(e.data)))
+            parts.append(e.data)
+
+    def read(self, b: memoryview, o: int, count: int, kw: dict) -> int:
+        entries = []
+        unpack, size = _ENTRY.unpack_from, _ENTRY.size
+        index = kw["prev_index"]
+        for _ in range(count):  # a lying count runs out of frame, never allocates ahead
+            term, kind, ln = unpack(b, o)
+            o += size
+            data = bytes(b[o : o + ln])
+            if len(data) != ln:
+                raise CodecError("frame ends inside an entry")
+            o += ln
+            index += 1
+            entries.append(Entry(index, term, kind, data))
+        kw[self.name] = entries
+        return o
+
+
+class _Str8:
+    """A UTF-8 string: its length (u8) in the fixed part, its bytes after it."""
+
+    code = "B"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def length(self, msg: Message) -> int:
+        return len(getattr(msg, self.name).encode())
+
+    def write(self, msg: Message, parts: list) -> None:
+        parts.append(getattr(msg, self.name).encode())
+
+    def read(self, b: memoryview, o: int, ln: int, kw: dict) -> int:
+        if o + ln > len(b):
+            raise CodecError(f"frame ends inside {self.name}")
+        kw[self.name] = str(b[o : o + ln], "utf-8")
+        return o + ln
+
+
+class _Rest:
+    """Bytes that take the rest of the frame (so they come last, with no length)."""
+
+    code = ""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, msg: Message, parts: list) -> None:
+        parts.append(getattr(msg, self.name))
+
+    def read(self, b: memoryview, o: int, _ln: None, kw: dict) -> int:
+        kw[self.name] = bytes(b[o:])
+        return len(b)
+
+
+class _Spec:
+    """One message type: its frame type number (part of the wire format, never reuse
+    one), its class, its fixed-size fields and its variable ones, in wire order."""
+
+    def __init__(self, ftype: int, cls: type, fixed: tuple[_Fixed, ...], variable: tuple[_Entries | _Str8 | _Rest, ...] = ()) -> None:
+        self.ftype, self.cls, self.fixed, self.variable = ftype, cls, fixed, variable
+        self.struct = struct.Struct(">" + "".join(f.code for f in fixed + variable))
+        # The hot path: plain fields are read in one C call and converted only where needed.
+        plain = all(type(f) is _Fixed for f in fixed)
+        self.get_fixed = attrgetter(*(f.name for f in fixed)) if plain and len(fixed) > 1 else None
+        self.names = [f.name for f in fixed] if plain else None
+        self.convs = [(f.name, f.conv) for f in fixed if f.conv is not None] if plain else None
+
+
+# -- the messages -----------------------------------------------------------------------
+
+MESSAGES = (
+    _Spec(1, VoteRequest, (u64("term"), u64("ledger_end_index"), u64("ledger_end_term"), _Flags("pre_vote", "transfer"))),
+    _Spec(2, VoteResponse, (u64("term"), u8("result", VoteResult), u8("pre_vote", bool))),
+    _Spec(3, HeartbeatRequest, (u64("term"), u64("commit_index"), u64("read_seq"))),
+    _Spec(4, HeartbeatResponse, (u64("term"), u8("code", HeartbeatCode), u64("read_seq"))),
+    _Spec(
+        5,
+        PushRequest,
+        (u64("term"), u8("type", PushType), u64("seq"), u64("prev_index"), u64("prev_term"), u64("commit_index"), u64("leader_end_index")),
+        (_Entries("entries"),),
+    ),
+    _Spec(
+        6,
+        PushResponse,
+        (u64("term"), u8("type", PushType), u64("seq"), u8("code", PushCode), u64("index"), u64("end_index"), u64("x_term"), u64("x_index")),
+    ),
+    _Spec(7, TimeoutNow, (u64("term"),)),
+    _Spec(8, ReadIndexRequest, (u64("term"), u64("ctx"))),
+    _Spec(9, ReadIndexResponse, (u64("term"), u64("ctx"), u64("index"), u8("ok", bool))),
+    _Spec(
+        10,
+        SnapshotChunk,
+        (u64("term"), u64("seq"), u64("snapshot_index"), u64("snapshot_term"), u64("offset"), u64("total_size"), u8("done", bool)),
+        (_Rest("data"),),
+    ),
+    _Spec(11, SnapshotChunkAck, (u64("term"), u64("snapshot_index"), u64("next_offset"), u8("ok", bool))),
+    _Spec(12, ForwardRequest, (u64("req_id"),), (_Rest("payload"),)),
+    _Spec(
+        13,
+        ForwardResponse,
+        (u64("req_id"), u8("code", ForwardCode), u64("index"), u64("term")),
+        (_Str8("leader"), _Rest("payload")),
+    ),
+)
+_BY_CLASS = {s.cls: s for s in MESSAGES}
+_BY_FTYPE = {s.ftype: s for s in MESSAGES}
 
 
 def _frame(ftype: int, body: bytes) -> bytes:
@@ -74,48 +218,17 @@ def _frame(ftype: int, body: bytes) -> bytes:
 
 def encode(msg: Message) -> bytes:
     """One message as a complete frame."""
-    t = type(msg)
-    ids = _ids(msg.src, msg.dst)
-    if t is PushRequest:
-        head = ids + _PUSH_REQ.pack(
-            msg.term, msg.type, msg.seq, msg.prev_index, msg.prev_term, msg.commit_index, msg.leader_end_index, len(msg.entries)
-        )
-        pack = _ENTRY.pack
-        parts = [head]
-        for e in msg.entries:
-            parts.append(pack(e.term, e.kind, len(e.data)))
-            parts.append(e.data)
-        return _frame(T_PUSH_REQ, b"".join(parts))
-    if t is PushResponse:
-        body = _PUSH_RESP.pack(msg.term, msg.type, msg.seq, msg.code, msg.index, msg.end_index, msg.x_term, msg.x_index)
-        return _frame(T_PUSH_RESP, ids + body)
-    if t is HeartbeatRequest:
-        return _frame(T_HB_REQ, ids + _HB_REQ.pack(msg.term, msg.commit_index, msg.read_seq))
-    if t is HeartbeatResponse:
-        return _frame(T_HB_RESP, ids + _HB_RESP.pack(msg.term, msg.code, msg.read_seq))
-    if t is VoteRequest:
-        flags = int(msg.pre_vote) | int(msg.transfer) << 1
-        return _frame(T_VOTE_REQ, ids + _VOTE_REQ.pack(msg.term, msg.ledger_end_index, msg.ledger_end_term, flags))
-    if t is VoteResponse:
-        return _frame(T_VOTE_RESP, ids + _VOTE_RESP.pack(msg.term, msg.result, int(msg.pre_vote)))
-    if t is TimeoutNow:
-        return _frame(T_TIMEOUT_NOW, ids + _TERM.pack(msg.term))
-    if t is ReadIndexRequest:
-        return _frame(T_READ_REQ, ids + _READ_REQ.pack(msg.term, msg.ctx))
-    if t is ReadIndexResponse:
-        return _frame(T_READ_RESP, ids + _READ_RESP.pack(msg.term, msg.ctx, msg.index, int(msg.ok)))
-    if t is SnapshotChunk:
-        head = _CHUNK.pack(msg.term, msg.seq, msg.snapshot_index, msg.snapshot_term, msg.offset, msg.total_size, int(msg.done))
-        return _frame(T_CHUNK, ids + head + msg.data)
-    if t is SnapshotChunkAck:
-        return _frame(T_CHUNK_ACK, ids + _CHUNK_ACK.pack(msg.term, msg.snapshot_index, msg.next_offset, int(msg.ok)))
-    if t is ForwardRequest:
-        return _frame(T_FWD_REQ, ids + _FWD_REQ.pack(msg.req_id) + msg.payload)
-    if t is ForwardResponse:
-        leader = msg.leader.encode()
-        head = _FWD_RESP.pack(msg.req_id, msg.code, msg.index, msg.term, len(leader))
-        return _frame(T_FWD_RESP, ids + head + leader + msg.payload)
-    raise TypeError(f"cannot encode {t.__name__}")
+    spec = _BY_CLASS.get(type(msg))
+    if spec is None:
+        raise TypeError(f"cannot encode {type(msg).__name__}")
+    s, d = msg.src.encode(), msg.dst.encode()
+    values = spec.get_fixed(msg) if spec.get_fixed else [f.get(msg) for f in spec.fixed]
+    if spec.variable:
+        values = [*values, *(v.length(msg) for v in spec.variable if v.code)]
+    parts = [bytes((len(s),)), s, bytes((len(d),)), d, spec.struct.pack(*values)]
+    for v in spec.variable:
+        v.write(msg, parts)
+    return _frame(spec.ftype, b"".join(parts))
 
 
 def decode(ftype: int, body: bytes | memoryview) -> Message:
@@ -129,80 +242,26 @@ def decode(ftype: int, body: bytes | memoryview) -> Message:
 
 
 def _decode(ftype: int, b: memoryview) -> Message:
+    spec = _BY_FTYPE.get(ftype)
+    if spec is None:
+        raise CodecError(f"unknown frame type {ftype}")
+    st = spec.struct
     n = b[0]
-    src = str(b[1 : 1 + n], "utf-8")
     m = b[1 + n]
     o = 2 + n + m
-    dst = str(b[2 + n : o], "utf-8")
-    if ftype == T_PUSH_REQ:
-        term, ptype, seq, prev, prev_term, commit, leader_end, count = _PUSH_REQ.unpack_from(b, o)
-        o += _PUSH_REQ.size
-        entries = []
-        unpack = _ENTRY.unpack_from
-        size = _ENTRY.size
-        index = prev
-        for _ in range(count):
-            eterm, kind, ln = unpack(b, o)
-            o += size
-            data = bytes(b[o : o + ln])
-            if len(data) != ln:
-                raise CodecError("push frame ends inside an entry")
-            o += ln
-            index += 1
-            entries.append(Entry(index, eterm, kind, data))
-        _end(b, o)
-        return PushRequest(src, dst, term, PushType(ptype), seq, prev, prev_term, entries, commit, leader_end)
-    if ftype == T_PUSH_RESP:
-        term, ptype, seq, code, index, end, x_term, x_index = _PUSH_RESP.unpack_from(b, o)
-        _end(b, o + _PUSH_RESP.size)
-        return PushResponse(src, dst, term, PushType(ptype), seq, PushCode(code), index, end, x_term, x_index)
-    if ftype == T_HB_REQ:
-        term, commit, read_seq = _HB_REQ.unpack_from(b, o)
-        _end(b, o + _HB_REQ.size)
-        return HeartbeatRequest(src, dst, term, commit, read_seq)
-    if ftype == T_HB_RESP:
-        term, code, read_seq = _HB_RESP.unpack_from(b, o)
-        _end(b, o + _HB_RESP.size)
-        return HeartbeatResponse(src, dst, term, HeartbeatCode(code), read_seq)
-    if ftype == T_VOTE_REQ:
-        term, end_index, end_term, flags = _VOTE_REQ.unpack_from(b, o)
-        _end(b, o + _VOTE_REQ.size)
-        return VoteRequest(src, dst, term, end_index, end_term, bool(flags & 1), bool(flags & 2))
-    if ftype == T_VOTE_RESP:
-        term, result, pre = _VOTE_RESP.unpack_from(b, o)
-        _end(b, o + _VOTE_RESP.size)
-        return VoteResponse(src, dst, term, VoteResult(result), bool(pre))
-    if ftype == T_TIMEOUT_NOW:
-        (term,) = _TERM.unpack_from(b, o)
-        _end(b, o + _TERM.size)
-        return TimeoutNow(src, dst, term)
-    if ftype == T_READ_REQ:
-        term, ctx = _READ_REQ.unpack_from(b, o)
-        _end(b, o + _READ_REQ.size)
-        return ReadIndexRequest(src, dst, term, ctx)
-    if ftype == T_READ_RESP:
-        term, ctx, index, ok = _READ_RESP.unpack_from(b, o)
-        _end(b, o + _READ_RESP.size)
-        return ReadIndexResponse(src, dst, term, ctx, index, bool(ok))
-    if ftype == T_CHUNK:
-        term, seq, sindex, sterm, offset, total, done = _CHUNK.unpack_from(b, o)
-        data = bytes(b[o + _CHUNK.size :])
-        return SnapshotChunk(src, dst, term, seq, sindex, sterm, offset, total, data, bool(done))
-    if ftype == T_CHUNK_ACK:
-        term, sindex, next_offset, ok = _CHUNK_ACK.unpack_from(b, o)
-        _end(b, o + _CHUNK_ACK.size)
-        return SnapshotChunkAck(src, dst, term, sindex, next_offset, bool(ok))
-    if ftype == T_FWD_REQ:
-        (req_id,) = _FWD_REQ.unpack_from(b, o)
-        return ForwardRequest(src, dst, req_id, bytes(b[o + _FWD_REQ.size :]))
-    if ftype == T_FWD_RESP:
-        req_id, code, index, term, ln = _FWD_RESP.unpack_from(b, o)
-        o += _FWD_RESP.size
-        leader = str(b[o : o + ln], "utf-8")
-        return ForwardResponse(src, dst, req_id, ForwardCode(code), index, term, leader, bytes(b[o + ln :]))
-    raise CodecError(f"unknown frame type {ftype}")
-
-
-def _end(b: memoryview, o: int) -> None:
+    kw: dict[str, Any] = {"src": str(b[1 : 1 + n], "utf-8"), "dst": str(b[2 + n : o], "utf-8")}
+    values = st.unpack_from(b, o)
+    o += st.size
+    if spec.names is not None:
+        kw.update(zip(spec.names, values))
+        for name, conv in spec.convs:
+            kw[name] = conv(kw[name])
+    else:
+        for f, value in zip(spec.fixed, values):
+            f.put(value, kw)
+    lengths = iter(values[len(spec.fixed) :])
+    for v in spec.variable:
+        o = v.read(b, o, next(lengths) if v.code else None, kw)
     if o != len(b):
         raise CodecError(f"{len(b) - o} stray bytes after the message")
+    return spec.cls(**kw)

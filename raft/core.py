@@ -17,21 +17,23 @@ The protocol is DLedger's (vote codes, EntryDispatcher, QuorumAckChecker) with R
 etcd's safety measures where DLedger is weaker: pre-vote, check-quorum, a no-op entry per
 term, persist-before-ack, read index and leadership transfer with catch-up.
 
-Beside it, as pure as it is: the leader's view of each follower (progress.py), commit and
-vote arithmetic (quorum.py), the read-index rounds and lease (readindex.py), the log over
-the ledger (log.py) and configurations (membership.py).
+Beside it, as pure as it is: the leader's replication to its followers (replication.py,
+over the per-follower view in progress.py), commit and vote arithmetic (quorum.py), the
+read-index rounds and lease (readindex.py), the log over the ledger (log.py) and
+configurations (membership.py).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from . import quorum
+from .config import CoreConfig
 from .errors import ConfigChangeRefused, NotLeader, TransferInProgress
-from .log import LogStorage, RaftLog, entry_size
-from .membership import Membership
+from .log import LogStorage, RaftLog
+from .membership import ConfigLog, Membership, check_single_change
 from .messages import (
     CoreMessage,
     Entry,
@@ -48,71 +50,15 @@ from .messages import (
     ReadIndexRequest,
     ReadIndexResponse,
     Role,
-    SnapshotMeta,
     TimeoutNow,
     VoteRequest,
     VoteResponse,
     VoteResult,
 )
-from .progress import DispatcherState, Progress
+from .progress import Progress
 from .readindex import PendingRead, ReadFailed, ReadIndex, ReadState
-
-
-@dataclass(frozen=True, slots=True)
-class CoreConfig:
-    node_id: str
-    heartbeat_ms: float = 100.0
-    election_timeout_ms: float = 1000.0
-    # Election timeouts are drawn from [T, T * (1 + jitter)) so that nodes rarely tie.
-    election_jitter: float = 0.3
-    pre_vote: bool = True
-    check_quorum: bool = True
-    max_batch_entries: int = 4096
-    max_batch_bytes: int = 4 << 20
-    max_inflight_msgs: int = 64
-    max_inflight_bytes: int = 32 << 20
-    push_timeout_ms: float = 1000.0  # re-push a batch unacknowledged this long (DLedger)
-    # Flow-control quota for a follower this many entries behind (DLedger's maxPendingSize).
-    quota_lag_entries: int = 100_000
-    quota_bytes_per_second: int = 64 << 20
-    lease_safety: float = 0.9  # lease reads trust a quorum ack for this part of T only
-    promote_max_lag: int = 1000  # a learner this many entries behind is not promoted yet
-    # An idle follower hears of a new commit index by a COMMIT request this long after it
-    # became known, unless an APPEND (which carries it) goes out first: under load the
-    # next APPEND follows within a millisecond, and a COMMIT per ack round would double the
-    # frames the leader sends.
-    commit_notify_delay_ms: float = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotSend:
-    """The driver should stream the newest snapshot to `peer`, then `report_snapshot`."""
-
-    peer: str
-    seq: int
-
-
-@dataclass(slots=True)
-class Ready:
-    hard_state: HardState | None = None
-    snapshot: SnapshotMeta | None = None
-    entries_from: int = 0  # with entries or a bare truncation: drop the ledger from here
-    log_epoch: int = 0
-    entries: list[Entry] = field(default_factory=list)
-    messages: list[CoreMessage] = field(default_factory=list)
-    persisted_messages: list[CoreMessage] = field(default_factory=list)
-    # Apply entries up to here: committed, and fsynced on this node (so the state machine
-    # never gets ahead of the local ledger).
-    applicable_index: int | None = None
-    read_states: list[ReadState] = field(default_factory=list)
-    read_failures: list[ReadFailed] = field(default_factory=list)
-    snapshot_sends: list[SnapshotSend] = field(default_factory=list)
-    role_changed: bool = False  # role, term or leader changed since the last Ready
-    membership_changed: bool = False  # a configuration was appended, truncated or installed
-
-    @property
-    def must_persist(self) -> bool:
-        return self.hard_state is not None or self.snapshot is not None or self.entries_from > 0
+from .ready import Ready
+from .replication import Replication, match_push
 
 
 class RaftCore:
@@ -130,7 +76,6 @@ class RaftCore:
         self.cfg = config
         self.id = config.node_id
         self.log = RaftLog(storage)
-        self.membership = membership
         self.term = hard_state.term
         self.vote = hard_state.vote
         self.role = Role.FOLLOWER
@@ -146,8 +91,8 @@ class RaftCore:
         self._votes_granted: set[str] = set()
         self._votes_rejected: set[str] = set()
         self._taking_leadership = False  # campaigning because the leader handed over
-        self.progress: dict[str, Progress] = {}
-        self._dispatch_needed = False
+        # The leader's replication to each follower (idle unless leading).
+        self._repl = Replication(config, self.log, self._send, lambda s: self._ready.snapshot_sends.append(s))
         self.transferee: str | None = None
         self._transfer_deadline = 0.0
         # Read index: reads wait there until a heartbeat round confirms leadership.
@@ -155,13 +100,7 @@ class RaftCore:
         self._ready = Ready()
         self._hs_dirty = False
         self._applicable_reported = self.applicable_index()
-        # Membership (Raft dissertation §4.1, one server at a time): `membership` is the
-        # newest configuration in the log, committed or not. `_configs` lists the CONFIG
-        # entries above the commit index, to fall back on if they are truncated away;
-        # `_committed_membership` is the newest one at or below it.
-        self._committed_membership = membership
-        self._configs: list[tuple[int, Membership]] = []
-        self._config_index = 0
+        self._configs = ConfigLog(membership)
         # Every id that appeared in a configuration this node has seen. Requests are handled
         # whatever the current configuration says (dissertation §4.2.1): a node that lags
         # behind a change must still hear from the members the change brought. A message
@@ -173,11 +112,8 @@ class RaftCore:
         if last > self.commit_index:
             for e in self.log.entries(self.commit_index + 1, last + 1, 1 << 62, 1 << 62):
                 if e.kind == EntryKind.CONFIG:
-                    self._configs.append((e.index, Membership.decode(e.data)))
-            if self._configs:
-                self._config_index, self.membership = self._configs[-1]
-                for _, m in self._configs:
-                    self.known |= m.ids
+                    self._configs.append(e.index, Membership.decode(e.data))
+                    self.known |= self._configs.latest.ids
 
     # ======================================================================================
     # Inputs
@@ -223,7 +159,7 @@ class RaftCore:
         first = self.log.last_index() + 1
         t = self.term
         self.log.append([Entry(first + k, t, kind, data) for k, (kind, data) in enumerate(items)])
-        self._dispatch_needed = True
+        self._repl.needed = True
         return t, first
 
     def propose_config(self, new: Membership, now: float) -> tuple[int, int]:
@@ -241,105 +177,61 @@ class RaftCore:
             raise TransferInProgress(self.transferee)
         if not self.committed_in_term():
             raise ConfigChangeRefused("this leader has not yet committed an entry of its own term; retry in a moment")
-        if self._config_index > self.commit_index:
-            raise ConfigChangeRefused(f"a membership change (index {self._config_index}) is still in progress; retry once it has committed")
-        self._check_single_change(self.membership, new)
+        if self._configs.index > self.commit_index:
+            raise ConfigChangeRefused(f"a membership change (index {self._configs.index}) is still in progress; retry once it has committed")
+        check_single_change(self.membership, new, self._repl.lag, self._healthy, self.cfg.promote_max_lag)
         return self.term, self._append_config(new)
 
     def _append_config(self, new: Membership) -> int:
         index = self.log.last_index() + 1
         self.log.append([Entry(index, self.term, EntryKind.CONFIG, new.encode())])
         self._config_appended(index, new)
-        self._dispatch_needed = True
+        self._repl.needed = True
         return index
-
-    def _check_single_change(self, old: Membership, new: Membership) -> None:
-        """One member changes, a new member starts as a learner, a learner is promoted only
-        once caught up, and the new voters keep a majority that is reachable and caught up
-        now (etcd's strict reconfiguration check): no change can leave the cluster without
-        a quorum it could have kept."""
-        changed = {i for i in old.ids | new.ids if old.get(i) != new.get(i)}
-        if len(changed) != 1:
-            raise ConfigChangeRefused(f"change one member at a time (this changes {sorted(changed) or 'nothing'})")
-        if not new.voters:
-            raise ConfigChangeRefused("the last voter cannot be removed or demoted")
-        (who,) = changed
-        before, after = old.get(who), new.get(who)
-        if before is None and after.voter:
-            raise ConfigChangeRefused(f"{who} must join as a learner (promote it, or let it be promoted, once it has caught up)")
-        if before is not None and after is not None and after.voter and not before.voter:
-            pr = self.progress.get(who)
-            behind = self.log.last_index() - (pr.match if pr else 0)
-            if pr is None or pr.state != DispatcherState.APPEND or behind > self.cfg.promote_max_lag:
-                raise ConfigChangeRefused(f"learner {who} is {behind} entries behind; promote it once it has caught up")
-        if new.voters != old.voters:
-            healthy = sorted(v for v in new.voters if self._healthy(v))
-            need = quorum.majority(len(new.voters))
-            if len(healthy) < need:
-                raise ConfigChangeRefused(
-                    f"refused: the {len(new.voters)} voters after this change need {need} for a majority, but only "
-                    f"{len(healthy)} of them ({', '.join(healthy) or 'none'}) are reachable and caught up; "
-                    "bring members back first, or remove an unreachable one instead"
-                )
 
     def _healthy(self, member: str) -> bool:
         """This leader, or a member it heard from within an election timeout and is
         replicating to normally."""
         if member == self.id:
             return self.role == Role.LEADER
-        pr = self.progress.get(member)
-        return (
-            pr is not None
-            and pr.state == DispatcherState.APPEND
-            and pr.last_heard is not None
-            and self._now - pr.last_heard <= self.cfg.election_timeout_ms
-        )
+        return self._repl.healthy(member, self._now)
 
     def _maybe_promote(self) -> None:
         """Promote the first learner that asked to become a voter once caught up (a member
         added with voter=true), when no other change is in progress."""
-        if self._config_index > self.commit_index or self.transferee is not None or not self.committed_in_term():
+        if self._configs.index > self.commit_index or self.transferee is not None or not self.committed_in_term():
             return
         cur = self.membership
         for m in sorted(cur.members.values(), key=lambda m: m.id):
             if m.promote and not m.voter:
                 new = cur.with_member(replace(m, voter=True, promote=False))
                 try:
-                    self._check_single_change(cur, new)
+                    check_single_change(cur, new, self._repl.lag, self._healthy, self.cfg.promote_max_lag)
                 except ConfigChangeRefused:
                     continue  # not caught up yet: asked again at the next tick
                 self._append_config(new)
                 return
 
-    def _config_appended(self, index: int, new: Membership) -> None:
-        self._configs.append((index, new))
-        self._set_membership(new, index)
+    @property
+    def membership(self) -> Membership:
+        """The newest configuration in the log, committed or not: in effect at once."""
+        return self._configs.latest
 
-    def _set_membership(self, new: Membership, index: int) -> None:
-        self.membership, self._config_index = new, index
+    def _config_appended(self, index: int, new: Membership) -> None:
+        self._configs.append(index, new)
+        self._membership_changed()
+
+    def _membership_changed(self) -> None:
+        new = self._configs.latest
         self.known |= new.ids
         self._ready.membership_changed = True
         if self.role == Role.LEADER:
-            last = self.log.last_index()
-            for m in new.members.values():
-                if m.id == self.id:
-                    continue
-                pr = self.progress.get(m.id)
-                if pr is None:
-                    pr = self.progress[m.id] = Progress(m.id, m.voter, next=last + 1)
-                    pr.reset(DispatcherState.COMPARE, last + 1)
-                pr.voter = m.voter
-            for gone in set(self.progress) - new.ids:
-                del self.progress[gone]
+            self._repl.reconfigure(new, self.log.last_index())
 
     def _configs_truncated(self, from_index: int) -> None:
         """Entries from from_index on were cut: drop the configurations among them."""
-        if self._configs and self._configs[-1][0] >= from_index:
-            self._configs = [(i, m) for i, m in self._configs if i < from_index]
-            if self._configs:
-                self._set_membership(self._configs[-1][1], self._configs[-1][0])
-            else:
-                self._set_membership(self._committed_membership, 0)
+        if self._configs.truncate(from_index):
+            self._membership_changed()
 
     def _configs_appended(self, entries: Sequence[Entry]) -> None:
         for e in entries:
@@ -350,14 +242,13 @@ class RaftCore:
     def committed_membership(self) -> Membership:
         """The newest configuration known committed (a member removed by a change still in
         progress is in it: it must hear back until its removal commits)."""
-        return self._committed_membership
+        return self._configs.committed
 
     def _configs_committed(self) -> None:
         c = self.commit_index
-        while self._configs and self._configs[0][0] <= c:
-            self._committed_membership = self._configs.pop(0)[1]
+        if self._configs.commit(c):
             self._ready.membership_changed = True
-        if self.role == Role.LEADER and self.id not in self.membership.voters and self._config_index <= c:
+        if self.role == Role.LEADER and self.id not in self.membership.voters and self._configs.index <= c:
             # Our own removal (or demotion) has committed: step down (dissertation §4.2.2).
             self._become_follower(self.term, None)
 
@@ -393,7 +284,7 @@ class RaftCore:
         self._transfer_deadline = now + self.cfg.election_timeout_ms
         self._reads.lease_start = None  # the transferee will not honour our lease
         self._maybe_send_timeout_now()
-        self._dispatch_needed = True
+        self._repl.needed = True
 
     def on_persisted(self, ready: Ready) -> None:
         """The driver has fsynced what `ready` asked for."""
@@ -405,20 +296,13 @@ class RaftCore:
     def report_snapshot(self, peer: str, seq: int, ok: bool, now: float) -> None:
         """The driver finished (ok) or gave up (not ok) streaming a snapshot to peer."""
         self._now = now
-        pr = self.progress.get(peer)
-        if pr is None or pr.seq != seq or pr.state != DispatcherState.INSTALL_SNAPSHOT:
-            return
-        if not ok:
-            pr.probe_sent_at = now  # retried after the push timeout
-        # On success the follower's core answers with a PushResponse, which moves us on.
+        self._repl.report_snapshot(peer, seq, ok, now)
 
     def peer_connected(self, peer: str, now: float) -> None:
         """The link to peer (re)connected: anything sent while it was down is lost, so
         send again now rather than after the push timeout."""
         self._now = now
-        pr = self.progress.get(peer)
-        if pr is not None and (pr.inflight or pr.probe_sent_at is not None):
-            self._repush(pr)
+        self._repl.peer_connected(peer)
 
     def compacted(self, index: int, term: int) -> None:
         """The driver dropped the ledger prefix up to index (it is in a snapshot)."""
@@ -431,7 +315,7 @@ class RaftCore:
         r = self._ready
         leading = self.role == Role.LEADER
         return bool(
-            (leading and (self._dispatch_needed or self._reads.round_due()))
+            (leading and (self._repl.needed or self._reads.round_due()))
             or self._hs_dirty
             or r.messages
             or r.persisted_messages
@@ -449,8 +333,8 @@ class RaftCore:
         if self.role == Role.LEADER:
             if self._reads.round_due():
                 self._broadcast_heartbeats()
-            if self._dispatch_needed:
-                self._dispatch_all()
+            if self._repl.needed:
+                self._repl.dispatch_all(self.commit_index, self._now)
         rd = self._ready
         self._ready = Ready()
         if self._hs_dirty:
@@ -474,10 +358,7 @@ class RaftCore:
             d = min(self._heartbeat_deadline, self._check_quorum_deadline)
             if self.transferee is not None:
                 d = min(d, self._transfer_deadline)
-            for pr in self.progress.values():
-                if pr.commit_due is not None and pr.commit_due < d:
-                    d = pr.commit_due
-            return d
+            return self._repl.next_deadline(d)
         return self._election_deadline
 
     # ======================================================================================
@@ -495,17 +376,13 @@ class RaftCore:
             "ledger_end_index": self.log.last_index(),
             "ledger_end_term": self.log.last_term(),
             "transferee": self.transferee,
-            "peers": {
-                p: {
-                    "state": pr.state.value,
-                    "match": pr.match,
-                    "next": pr.next,
-                    "inflight": len(pr.inflight),
-                    "voter": pr.voter,
-                }
-                for p, pr in self.progress.items()
-            },
+            "peers": self._repl.status(),
         }
+
+    @property
+    def progress(self) -> dict[str, Progress]:
+        """The leader's view of each follower (empty unless leading)."""
+        return self._repl.progress
 
     def committed_in_term(self) -> bool:
         """Whether this leader has committed an entry of its own term (its no-op)."""
@@ -543,8 +420,7 @@ class RaftCore:
             self._ready.role_changed = True
 
     def _abandon_leadership(self) -> None:
-        self.progress = {}
-        self._dispatch_needed = False
+        self._repl.stop()
         self.transferee = None
         for r in self._reads.clear():
             self._fail_read(r)
@@ -594,18 +470,13 @@ class RaftCore:
         self._ready.role_changed = True
         now = self._now
         last = self.log.last_index()
-        self.progress = {}
-        for m in self.membership.members.values():
-            if m.id != self.id:
-                pr = Progress(m.id, m.voter, next=last + 1)
-                pr.reset(DispatcherState.COMPARE, last + 1)
-                self.progress[m.id] = pr
+        self._repl.start(self.term, self.membership, last)
         self._heartbeat_deadline = now  # announce ourselves at once
         self._check_quorum_deadline = now + self.cfg.election_timeout_ms
         self._reads.lease_start = None
         # The no-op lets entries of earlier terms commit now (Raft §5.4.2 and §8).
         self.log.append([Entry(last + 1, self.term, EntryKind.NOOP, b"")])
-        self._dispatch_needed = True
+        self._repl.needed = True
         self._broadcast_heartbeats()
 
     # ======================================================================================
@@ -615,170 +486,48 @@ class RaftCore:
         cfg = self.cfg
         if now >= self._check_quorum_deadline:
             self._check_quorum_deadline = now + cfg.election_timeout_ms
-            if cfg.check_quorum and not self._quorum_active():
+            if not self._repl.quorum_active(self.membership.voters) and cfg.check_quorum:
                 # We cannot reach a majority: step down so clients go elsewhere (etcd's
                 # CheckQuorum; DLedger's maxHeartBeatLeak).
                 self._become_follower(self.term, None)
                 return
-            for pr in self.progress.values():
-                pr.recent_active = False
         if self.transferee is not None and now >= self._transfer_deadline:
             self.transferee = None  # the transfer did not happen in time: abort it
         self._maybe_promote()
         if now >= self._heartbeat_deadline:
             self._broadcast_heartbeats()
-        for pr in self.progress.values():
-            if pr.timed_out(now, cfg.push_timeout_ms):
-                self._repush(pr)
-            elif pr.commit_due is not None and now >= pr.commit_due:
-                self._dispatch_needed = True
-
-    def _quorum_active(self) -> bool:
-        active = [p for p, pr in self.progress.items() if pr.recent_active] + [self.id]
-        return quorum.has_quorum(active, self.membership.voters)
-
-    def _repush(self, pr: Progress) -> None:
-        """Nothing came back in time: send again from the follower's match point."""
-        if pr.state == DispatcherState.APPEND:
-            pr.reset(DispatcherState.APPEND, pr.match + 1)
-        else:
-            pr.reset(pr.state, pr.next)
-        self._dispatch_needed = True
+        self._repl.tick(now)
 
     def _broadcast_heartbeats(self) -> None:
         self._heartbeat_deadline = self._now + self.cfg.heartbeat_ms
-        seq = self._reads.new_round(self._now)
-        for pr in self.progress.values():
-            commit = min(self.commit_index, pr.match)
-            self._send(HeartbeatRequest(self.id, pr.peer, self.term, commit, seq))
+        self._repl.heartbeats(self.commit_index, self._reads.new_round(self._now))
         self._advance_reads()  # a single voter confirms its own rounds
 
     # ======================================================================================
-    # Leader: the EntryDispatcher
-
-    def _dispatch_all(self) -> None:
-        self._dispatch_needed = False
-        for pr in self.progress.values():
-            self._dispatch(pr)
-
-    def _dispatch(self, pr: Progress) -> None:
-        cfg, log, now = self.cfg, self.log, self._now
-        st = pr.state
-        if st == DispatcherState.APPEND:
-            last = log.last_index()
-            while pr.next <= last and not pr.window_full(cfg.max_inflight_msgs, cfg.max_inflight_bytes):
-                if pr.next <= log.before_index:
-                    pr.reset(DispatcherState.INSTALL_SNAPSHOT, pr.next)
-                    self._dispatch(pr)
-                    return
-                batch = log.entries(pr.next, last + 1, cfg.max_batch_bytes, cfg.max_batch_entries)
-                size = sum(map(entry_size, batch))
-                if last - pr.next > cfg.quota_lag_entries and not pr.quota_allows(
-                    now, size, cfg.quota_bytes_per_second
-                ):
-                    break  # far behind and over quota: wait for the next window
-                prev = pr.next - 1
-                commit = min(self.commit_index, batch[-1].index)
-                self._send(
-                    PushRequest(self.id, pr.peer, self.term, PushType.APPEND, pr.seq, prev, log.term(prev), batch, commit)
-                )
-                pr.sent_commit = max(pr.sent_commit, commit)
-                pr.sent(batch[0].index, batch[-1].index, now, size)
-            if pr.inflight:
-                pr.commit_due = None
-            else:
-                commit = min(self.commit_index, pr.match)
-                if commit <= pr.sent_commit:
-                    pr.commit_due = None
-                elif pr.commit_due is None:
-                    pr.commit_due = now + cfg.commit_notify_delay_ms
-                elif now >= pr.commit_due:
-                    # DLedger's COMMIT request: an idle follower learns the commit index.
-                    pr.sent_commit, pr.commit_due = commit, None
-                    self._send(PushRequest(self.id, pr.peer, self.term, PushType.COMMIT, pr.seq, 0, 0, (), commit))
-            return
-        if pr.probe_sent_at is not None:
-            return  # one COMPARE / TRUNCATE / INSTALL_SNAPSHOT at a time
-        if st == DispatcherState.INSTALL_SNAPSHOT:
-            pr.probe_sent_at = now
-            self._ready.snapshot_sends.append(SnapshotSend(pr.peer, pr.seq))
-            return
-        prev = pr.next - 1
-        prev_term = log.term(prev)
-        if prev_term is None:  # compacted away: the follower needs a snapshot
-            pr.reset(DispatcherState.INSTALL_SNAPSHOT, pr.next)
-            self._dispatch(pr)
-            return
-        pr.probe_sent_at = now
-        if st == DispatcherState.COMPARE:
-            self._send(PushRequest(self.id, pr.peer, self.term, PushType.COMPARE, pr.seq, prev, prev_term))
-        else:  # TRUNCATE carries the first batch after the match point
-            last = log.last_index()
-            batch = log.entries(pr.next, last + 1, cfg.max_batch_bytes, cfg.max_batch_entries)
-            commit = min(self.commit_index, prev + len(batch))
-            self._send(
-                PushRequest(self.id, pr.peer, self.term, PushType.TRUNCATE, pr.seq, prev, prev_term, batch, commit, last)
-            )
+    # Leader: answers to pushes, commit
 
     def _handle_push_response(self, m: PushResponse) -> None:
         if m.term > self.term:
             self._become_follower(m.term, None)
             return
-        if self.role != Role.LEADER or m.term < self.term:
+        if self.role != Role.LEADER or m.term < self.term or m.src not in self._repl.progress:
             return
-        pr = self.progress.get(m.src)
-        if pr is None:
-            return
-        pr.recent_active = True
-        pr.last_heard = self._now
-        code = m.code
-        if code == PushCode.INCONSISTENT_LEADER:
+        if m.code == PushCode.INCONSISTENT_LEADER:
             # Another leader in our term: a bug elsewhere. Step down rather than go on.
             self._become_follower(self.term, None)
             return
-        if code == PushCode.SUCCESS:
-            moved = pr.ack(m.index)
-            if m.seq == pr.seq and pr.state != DispatcherState.APPEND:
-                if m.type == PushType.COMPARE and pr.state == DispatcherState.COMPARE:
-                    # Found the point where our logs agree. Entries past it on the follower
-                    # must go first (TRUNCATE), unless there are none.
-                    nxt = DispatcherState.TRUNCATE if m.end_index > m.index else DispatcherState.APPEND
-                    pr.reset(nxt, m.index + 1)
-                elif m.type == PushType.TRUNCATE and pr.state == DispatcherState.TRUNCATE:
-                    pr.reset(DispatcherState.APPEND, m.index + 1)
-                elif m.type == PushType.INSTALL_SNAPSHOT and pr.state == DispatcherState.INSTALL_SNAPSHOT:
-                    pr.reset(DispatcherState.APPEND, m.index + 1)
-            if moved:
-                self._maybe_commit()
-                if m.src == self.transferee:
-                    self._maybe_send_timeout_now()
-            self._dispatch_needed = True
-            return
-        if code != PushCode.INCONSISTENT_STATE or m.seq != pr.seq:
-            return  # an answer to something we no longer wait for
-        self._dispatch_needed = True
-        if m.x_term:
-            # Fast backup (xTerm/xIndex): skip the follower's whole conflicting term, or to
-            # the end of that term in our log if we have it.
-            ours = self.log.last_index_of_term(m.x_term, m.index)
-            nxt = ours + 1 if ours else m.x_index
-            pr.reset(DispatcherState.COMPARE, min(nxt, self.log.last_index() + 1))
-        elif pr.state == DispatcherState.COMPARE:
-            pr.reset(DispatcherState.COMPARE, min(m.end_index, self.log.last_index()) + 1)
-        else:  # a gap in APPEND: continue from where the follower's ledger ends
-            pr.reset(DispatcherState.APPEND, min(m.end_index, self.log.last_index()) + 1)
-        if pr.next - 1 < self.log.before_index:
-            pr.reset(DispatcherState.INSTALL_SNAPSHOT, pr.next)
+        if self._repl.push_answered(m, self._now):
+            self._maybe_commit()
+            if m.src == self.transferee:
+                self._maybe_send_timeout_now()
 
     def _maybe_commit(self) -> bool:
         """QuorumAckChecker: the median watermark, counting only our own term's entries."""
-        match = {p: pr.match for p, pr in self.progress.items()}
-        match[self.id] = self.log.durable_index  # the leader counts what it has fsynced
-        idx = quorum.committed_index(match, self.membership.voters)
+        idx = self._repl.quorum_index(self.membership.voters)
         if idx > self.commit_index and self.log.term(idx) == self.term:
             self.commit_index = idx
             self._configs_committed()
-            self._dispatch_needed = True  # tell idle followers (COMMIT)
+            self._repl.needed = True  # tell idle followers (COMMIT)
             if self._reads.before_commit:
                 self._reads.term_committed(self.commit_index)
             return True
@@ -786,7 +535,7 @@ class RaftCore:
 
     def _maybe_send_timeout_now(self) -> None:
         t = self.transferee
-        pr = self.progress.get(t) if t else None
+        pr = self._repl.progress.get(t) if t else None
         if pr is not None and pr.match >= self.log.last_index():
             self._send(TimeoutNow(self.id, pr.peer, self.term))
 
@@ -799,7 +548,7 @@ class RaftCore:
 
     def _advance_reads(self) -> None:
         """Answer the reads whose heartbeat round a majority has answered."""
-        acked = {p: pr.read_acked for p, pr in self.progress.items()}
+        acked = {p: pr.read_acked for p, pr in self._repl.progress.items()}
         acked[self.id] = self._reads.seq
         for r in self._reads.confirm(acked, self.membership.voters):
             if r.origin == self.id:
@@ -930,23 +679,13 @@ class RaftCore:
         if m.term > self.term:
             self._become_follower(m.term, None)
             return
-        if self.role != Role.LEADER or m.term != self.term:
-            return
-        pr = self.progress.get(m.src)
-        if pr is None:
+        if self.role != Role.LEADER or m.term != self.term or m.src not in self._repl.progress:
             return
         if m.code == HeartbeatCode.INCONSISTENT_LEADER:
             self._become_follower(self.term, None)
             return
-        if m.code != HeartbeatCode.SUCCESS:
-            return
-        pr.recent_active = True
-        pr.last_heard = self._now
-        if m.read_seq > pr.read_acked:
-            pr.read_acked = m.read_seq
+        if m.code == HeartbeatCode.SUCCESS and self._repl.heartbeat_answered(m, self._now, self.commit_index):
             self._advance_reads()
-        if pr.match < self.log.last_index() or pr.sent_commit < min(self.commit_index, pr.match):
-            self._dispatch_needed = True
 
     def _follower_commit(self, leader_commit: int) -> None:
         # The leader only sends commit indexes we are known to hold matching entries for.
@@ -968,61 +707,10 @@ class RaftCore:
         if t == PushType.COMMIT:
             self._follower_commit(m.commit_index)
             return
-        log = self.log
-        prev = m.prev_index
-        if prev < log.before_index:
-            # The leader's prev is inside our snapshot: those entries are committed and so
-            # match; skip the ones we no longer hold.
-            entries = [e for e in m.entries if e.index > log.before_index]
-            prev, prev_term = log.before_index, log.before_term
-        else:
-            entries = list(m.entries)
-            prev_term = m.prev_term
-        if prev > log.last_index():
-            # Gap: DLedger's follower appends strictly at ledgerEndIndex + 1.
-            self._push_reply(m, t, PushCode.INCONSISTENT_STATE)
-            return
-        local = log.term(prev)
-        if local != prev_term:
-            x_index = log.first_index_of_term(local, prev)
-            self._push_reply(m, t, PushCode.INCONSISTENT_STATE, index=prev, x_term=local, x_index=x_index)
-            return
-        if t == PushType.COMPARE:
-            self._push_reply(m, t, PushCode.SUCCESS, index=prev)
-            return
-        # APPEND / TRUNCATE: skip entries we already hold; a conflicting one is cut (TRUNCATE)
-        # or reported (APPEND, which never cuts).
-        last = log.last_index()
-        k = 0
-        while k < len(entries) and entries[k].index <= last:
-            e = entries[k]
-            if log.term(e.index) != e.term:
-                if t != PushType.TRUNCATE:
-                    self._push_reply(m, t, PushCode.INCONSISTENT_STATE, index=e.index, x_term=log.term(e.index) or 0,
-                                     x_index=log.first_index_of_term(log.term(e.index) or 0, e.index))
-                    return
-                assert e.index > self.commit_index, "a leader asked to overwrite a committed entry"
-                log.truncate_and_append(e.index, entries[k:])
-                self._configs_truncated(e.index)
-                self._configs_appended(entries[k:])
-                k = len(entries)
-                break
-            k += 1
-        if k < len(entries):
-            log.append(entries[k:])
-            self._configs_appended(entries[k:])
-        match = entries[-1].index if entries else prev
-        if t == PushType.TRUNCATE and match == m.leader_end_index and log.last_index() > match:
-            # Entries past the leader's end are from older terms and cannot be committed
-            # (the leader would hold them). Cut them only when all are older than this
-            # term: then even a late duplicate of this request cannot cut entries this
-            # leader has sent since.
-            if (log.term(log.last_index()) or 0) < m.term:
-                assert match >= self.commit_index
-                log.truncate_and_append(match + 1, [])
-                self._configs_truncated(match + 1)
-        self._follower_commit(min(m.commit_index, match))
-        self._push_reply(m, t, PushCode.SUCCESS, index=match)
+        code, fields = match_push(self.log, m, self.commit_index, self._configs_truncated, self._configs_appended)
+        if code == PushCode.SUCCESS and t != PushType.COMPARE:
+            self._follower_commit(min(m.commit_index, fields["index"]))
+        self._push_reply(m, t, code, **fields)
 
     def _handle_install_snapshot(self, m: InstallSnapshotRequest) -> None:
         problem = self._accept_leader(m.src, m.term)
@@ -1044,9 +732,8 @@ class RaftCore:
         self.log.restore(snap.index, snap.term)
         self.commit_index = snap.index
         if snap.membership:
-            self._configs = []
-            self._committed_membership = Membership.decode(snap.membership)
-            self._set_membership(self._committed_membership, snap.index)
+            self._configs.restore(Membership.decode(snap.membership), snap.index)
+            self._membership_changed()
         self._ready.snapshot = snap
         self._push_reply(m, PushType.INSTALL_SNAPSHOT, PushCode.SUCCESS, index=snap.index)
 

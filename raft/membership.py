@@ -8,8 +8,11 @@ stored in CONFIG log entries and in snapshot headers, encoded as JSON.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+
+from . import quorum
+from .errors import ConfigChangeRefused
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,3 +76,82 @@ class Membership:
 
     def to_dict(self) -> list[dict]:
         return json.loads(self.encode())
+
+
+def check_single_change(
+    old: Membership,
+    new: Membership,
+    lag: Callable[[str], tuple[int, bool]],
+    healthy: Callable[[str], bool],
+    promote_max_lag: int,
+) -> None:
+    """Raise ConfigChangeRefused unless going from `old` to `new` is safe: one member
+    changes, a new member starts as a learner, a learner is promoted only once caught up,
+    and the new voters keep a majority that is reachable and caught up now (etcd's strict
+    reconfiguration check): no change can leave the cluster without a quorum it could have
+    kept. `lag(id)` is how far behind a member is and whether it is replicated to
+    normally; `healthy(id)` whether it is reachable and caught up."""
+    changed = {i for i in old.ids | new.ids if old.get(i) != new.get(i)}
+    if len(changed) != 1:
+        raise ConfigChangeRefused(f"change one member at a time (this changes {sorted(changed) or 'nothing'})")
+    if not new.voters:
+        raise ConfigChangeRefused("the last voter cannot be removed or demoted")
+    (who,) = changed
+    before, after = old.get(who), new.get(who)
+    if before is None and after.voter:
+        raise ConfigChangeRefused(f"{who} must join as a learner (promote it, or let it be promoted, once it has caught up)")
+    if before is not None and after is not None and after.voter and not before.voter:
+        behind, replicating = lag(who)
+        if not replicating or behind > promote_max_lag:
+            raise ConfigChangeRefused(f"learner {who} is {behind} entries behind; promote it once it has caught up")
+    if new.voters != old.voters:
+        ok = sorted(v for v in new.voters if healthy(v))
+        need = quorum.majority(len(new.voters))
+        if len(ok) < need:
+            raise ConfigChangeRefused(
+                f"refused: the {len(new.voters)} voters after this change need {need} for a majority, but only "
+                f"{len(ok)} of them ({', '.join(ok) or 'none'}) are reachable and caught up; "
+                "bring members back first, or remove an unreachable one instead"
+            )
+
+
+class ConfigLog:
+    """The configurations in the log (Raft dissertation §4.1, one change at a time).
+
+    `latest` is the newest configuration in the log, committed or not: it is in effect as
+    soon as it is appended; `index` is its entry's index (0 if it came from the start or
+    with a snapshot, and no CONFIG entry has followed). `committed` is the newest one at or
+    below the commit index. The CONFIG entries above the commit index are kept to fall back
+    on if they are truncated away."""
+
+    def __init__(self, committed: Membership) -> None:
+        self.committed = committed
+        self.latest = committed
+        self.index = 0
+        self._uncommitted: list[tuple[int, Membership]] = []
+
+    def append(self, index: int, membership: Membership) -> None:
+        self._uncommitted.append((index, membership))
+        self.latest, self.index = membership, index
+
+    def truncate(self, from_index: int) -> bool:
+        """Entries from from_index on were cut. Returns whether `latest` changed."""
+        if not self._uncommitted or self._uncommitted[-1][0] < from_index:
+            return False
+        self._uncommitted = [(i, m) for i, m in self._uncommitted if i < from_index]
+        self.index, self.latest = self._uncommitted[-1] if self._uncommitted else (0, self.committed)
+        return True
+
+    def commit(self, commit_index: int) -> bool:
+        """Entries up to commit_index committed. Returns whether `committed` changed."""
+        changed = False
+        while self._uncommitted and self._uncommitted[0][0] <= commit_index:
+            self.committed = self._uncommitted.pop(0)[1]
+            changed = True
+        return changed
+
+    def restore(self, membership: Membership, index: int) -> None:
+        """A snapshot up to index, with its configuration, replaced the log."""
+        self._uncommitted = []
+        self.committed = self.latest = membership
+        self.index = index

@@ -34,7 +34,8 @@ from collections.abc import Awaitable, Callable, Container, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
-from .core import CoreConfig, RaftCore, Ready
+from .config import CoreConfig
+from .core import RaftCore, Ready
 from .deadlines import AllOf, Deadlines
 from .errors import NotLeader, RaftError, TransferInProgress
 from .ledger import Ledger, LedgerWrite

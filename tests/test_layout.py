@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PURE = ["raft/core.py", "raft/log.py", "raft/progress.py", "raft/quorum.py", "raft/readindex.py", "raft/messages.py", "raft/membership.py", "raft/errors.py"]
+PURE = ["raft/core.py", "raft/config.py", "raft/ready.py", "raft/replication.py", "raft/log.py", "raft/progress.py", "raft/quorum.py", "raft/readindex.py", "raft/messages.py", "raft/membership.py", "raft/errors.py"]
 FORBIDDEN_IN_PURE = {"asyncio", "time", "socket", "lmdb", "plyvel", "aiohttp", "threading", "os", "select"}
 
 
@@ -165,6 +165,44 @@ def test_the_layering_check_sees_a_planted_reach(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
     got = layer_reaches("kv", {"_inbox"})
     assert sorted(got) == ["kv/planted.py:2: ._inbox", "kv/planted.py:2: .core"]
+
+
+def core_imports(layer: str) -> list[str]:
+    """Imports of kv.raft.core (absolute or relative) in the modules of `layer`."""
+    found = []
+    for path in _layer_files(layer):
+        parts = path[:-3].split(os.sep)
+        package = (["kv"] if layer != "kv" else []) + parts[:-1]  # the module's package
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join(base + ([node.module] if node.module else []))
+                names = [module] + [f"{module}.{a.name}" for a in node.names]
+            else:
+                continue
+            if "kv.raft.core" in names:
+                found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_nothing_outside_raft_imports_the_core():
+    """The layers above reach Raft through raft/node.py (RaftNode and its CoreConfig),
+    never through the core's module."""
+    found = [hit for layer in LAYERS if layer != "raft" for hit in core_imports(layer)]
+    assert not found, "imports of kv.raft.core outside raft/ (use kv.raft.node):\n" + "\n".join(found)
+
+
+def test_the_core_import_check_sees_planted_imports(tmp_path, monkeypatch):
+    (tmp_path / "kv" / "sub").mkdir(parents=True)
+    (tmp_path / "http").mkdir()
+    (tmp_path / "kv" / "a.py").write_text("from .raft.core import RaftCore\nfrom .raft import core\nfrom .raft.node import RaftNode\n")
+    (tmp_path / "kv" / "sub" / "b.py").write_text("from ..raft.core import X\nimport kv.raft.core\n")
+    (tmp_path / "http" / "c.py").write_text("from ..raft.core import X\nfrom kv.raft import core\nfrom .core import Y\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    assert core_imports("kv") == ["kv/a.py:1", "kv/a.py:2", "kv/sub/b.py:1", "kv/sub/b.py:2"]
+    assert core_imports("http") == ["http/c.py:1", "http/c.py:2"]
 
 
 # -- one error hierarchy -------------------------------------------------------------------
