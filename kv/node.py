@@ -183,6 +183,7 @@ class Node:
             load_snapshot=self.snapshots.load_into_state_machine,
             after_apply=[self.snapshots.after_apply],
             after_load=[self.watches.snapshot_loaded],
+            observe_apply=self._observe_apply,
         )
         self.raft = RaftNode(
             core_cfg,
@@ -201,9 +202,10 @@ class Node:
             on_snapshot=self.caller.on_snapshot,
             snapshots=self.snapshots,
             result_encoder=cmds.encode_result,
+            observe_fsync=self._observe_fsync,
+            observe_rtt=self._observe_rtt,
         )
         self.snapshots.attach(self.raft)
-        self._wire_metrics()
         await self.raft.start()
         self.caller.start(self.raft)
         self.leases.start()
@@ -219,16 +221,22 @@ class Node:
             from .metrics import NodeMetrics
 
             self._metrics = NodeMetrics(self)
-            self._wire_metrics()
         return self._metrics
 
-    def _wire_metrics(self) -> None:
-        m = self._metrics
-        if m is None or self.raft is None:
-            return
-        self.raft.observe_fsync = m.fsync.observe
-        self.raft.observe_rtt = m.observe_rtt
-        self.caller.observe_apply = m.apply.observe
+    # The lower layers' observation hooks, given at construction: they count once the
+    # metrics exist (kv serve makes them at start; an embedded store maybe never).
+
+    def _observe_fsync(self, seconds: float) -> None:
+        if self._metrics is not None:
+            self._metrics.fsync.observe(seconds)
+
+    def _observe_rtt(self, peer: str, seconds: float) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_rtt(peer, seconds)
+
+    def _observe_apply(self, seconds: float) -> None:
+        if self._metrics is not None:
+            self._metrics.apply.observe(seconds)
 
     def _rebuild_state(self, damage: StateCorrupt) -> LevelDBStateMachine:
         """The state machine is damaged: set it aside and start an empty one, which

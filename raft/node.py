@@ -170,11 +170,15 @@ class RaftNode:
         on_snapshot: Callable[[SnapshotMeta], None] | None = None,
         snapshots: SnapshotHooks | None = None,
         result_encoder: Callable[[Any], bytes] = lambda r: b"",
+        observe_fsync: Callable[[float], None] | None = None,
+        observe_rtt: Callable[[str, float], None] | None = None,
     ) -> None:
         """Hooks: `on_apply(index)` entries up to index are committed and may be applied (the
         FSM caller); `on_snapshot(meta)` a snapshot from the leader replaced the log (the
         FSM caller loads it); `snapshots` streams and receives snapshot files;
-        `result_encoder` encodes an apply result for a follower that forwarded the command."""
+        `result_encoder` encodes an apply result for a follower that forwarded the command.
+        Metrics: `observe_fsync(seconds)` of each ledger write (called from the writer
+        thread), `observe_rtt(peer, seconds)` of a heartbeat's round trip."""
         self.id = config.node_id
         self.cfg = config
         self.ledger = ledger
@@ -192,10 +196,7 @@ class RaftNode:
         self._snapshots = snapshots
         self._on_apply = on_apply
         self._on_snapshot = on_snapshot
-        # Metrics (kv sets them): the seconds of each ledger write (called from the writer
-        # thread), and the round trip of a heartbeat to a peer.
-        self.observe_fsync: Callable[[float], None] | None = None
-        self.observe_rtt: Callable[[str, float], None] | None = None
+        self._observe_fsync, self._observe_rtt = observe_fsync, observe_rtt
         self._heartbeat_sent: dict[str, float] = {}  # peer -> when the oldest unanswered heartbeat left
         self._last_leader: str | None = None
         self._result_encoder = result_encoder
@@ -495,10 +496,10 @@ class RaftNode:
             if self._snapshots is not None:
                 self._snapshots.on_message(msg)
             return
-        if t is HeartbeatResponse and self.observe_rtt is not None:
+        if t is HeartbeatResponse and self._observe_rtt is not None:
             sent = self._heartbeat_sent.pop(msg.src, None)
             if sent is not None:
-                self.observe_rtt(msg.src, time.monotonic() - sent)
+                self._observe_rtt(msg.src, time.monotonic() - sent)
         self._inbox.append(msg)
         self._kick()
 
@@ -574,7 +575,7 @@ class RaftNode:
         t = self.transport
         if t is not None:
             for m in rd.messages:
-                if type(m) is HeartbeatRequest and self.observe_rtt is not None:
+                if type(m) is HeartbeatRequest and self._observe_rtt is not None:
                     self._heartbeat_sent_now(m.dst)
                 t.send(m)
         if rd.must_persist or rd.persisted_messages:
@@ -650,8 +651,8 @@ class RaftNode:
         if writes:
             t0 = time.perf_counter()
             self.ledger.write(writes)
-            if self.observe_fsync is not None:
-                self.observe_fsync(time.perf_counter() - t0)
+            if self._observe_fsync is not None:
+                self._observe_fsync(time.perf_counter() - t0)
 
     def _written(self, batch: list[Ready], fut: asyncio.Future) -> None:
         self._writing = False

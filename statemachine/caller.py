@@ -51,6 +51,7 @@ class FSMCaller:
         after_load: Sequence[Callable[[int], None]] = (),
         batch_entries: int = 2048,
         batch_bytes: int = 8 << 20,
+        observe_apply: Callable[[float], None] | None = None,  # seconds per applied batch (metrics)
     ) -> None:
         self.node: ApplyDriver | None = None
         self.sm = sm
@@ -64,7 +65,7 @@ class FSMCaller:
         self._stopping = False
         self._after_apply = tuple(after_apply)  # e.g. the snapshot policy
         self._after_load = tuple(after_load)  # a snapshot replaced the state up to this index
-        self.observe_apply: Callable[[float], None] | None = None  # seconds per applied batch (metrics)
+        self._observe_apply = observe_apply
         self.failure: BaseException | None = None
 
     def start(self, node: ApplyDriver) -> None:
@@ -111,8 +112,8 @@ class FSMCaller:
                     failpoints.raise_at("apply.raise")
                     t0 = time.perf_counter()
                     results = self.sm.apply(entries, self.node.awaited)
-                    if self.observe_apply is not None:
-                        self.observe_apply(time.perf_counter() - t0)
+                    if self._observe_apply is not None:
+                        self._observe_apply(time.perf_counter() - t0)
                     self.applied = entries[-1].index
                     self.node.applied(entries, results)
                     for hook in self._after_apply:
