@@ -40,6 +40,7 @@ from .raft.ledger import Ledger, LedgerWrite
 from .raft.membership import Member, Membership
 from .raft.messages import Entry, EntryKind, ForwardCode, Role
 from .raft.node import Applied, CoreConfig, DeadlineExceeded, NodeStopped, OutcomeUnknown, Overloaded, RaftNode
+from .raft.transport_protocol import Transport
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
 from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt, StateLocked
@@ -111,6 +112,10 @@ class Node:
 
     Any member takes writes (a follower forwards them to the leader over the peer link) and
     linearizable reads (it asks the leader for a read index, then reads locally).
+
+    Peers talk over TCP on the node's own `peers` entry unless `transport` is given (a
+    `kv.raft.transport_protocol.Transport`, e.g. `kv.raft.loopback.LoopbackNetwork().transport(id)`
+    for a cluster inside one process).
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class Node:
         *,
         initial_membership: Membership | None = None,
         data_dir_lock: DataDirLock | None = None,
+        transport: Transport | None = None,
         **options,
     ) -> None:
         self.config = config if config is not None else NodeConfig(**options)
@@ -127,6 +133,7 @@ class Node:
         self._lock = data_dir_lock
         # A node that joins a running cluster starts from the membership the cluster gave it.
         self._initial_membership = initial_membership
+        self._transport = transport
         self.raft: RaftNode | None = None
         self.sm: LevelDBStateMachine | None = None
         self.ledger: Ledger | None = None
@@ -198,6 +205,7 @@ class Node:
             dial=c.peers,
             serve_local=self._serve_local,
             peer_tls=peer_tls,
+            transport=self._transport,
             on_apply=self.caller.on_apply,
             on_snapshot=self.caller.on_snapshot,
             snapshots=self.snapshots,

@@ -1,4 +1,5 @@
-"""The driver: runs a RaftCore with asyncio, the LMDB ledger and the TCP transport.
+"""The driver: runs a RaftCore with asyncio, the LMDB ledger and a peer transport (TCP
+unless another `Transport` is given, see transport_protocol.py).
 
 One task (`_run`) owns the core. It wakes when something arrives (a message, a proposal, a
 read, a finished write, a timer) — never by polling — steps the core with everything that
@@ -54,7 +55,8 @@ from .messages import (
     SnapshotChunkAck,
     SnapshotMeta,
 )
-from .transport import PeerTLS, Transport
+from .transport import PeerTLS, TcpTransport
+from .transport_protocol import NO_TRANSPORT, Transport, TransportCounters
 
 log = logging.getLogger("kv.raft.node")
 
@@ -117,17 +119,6 @@ class PeerProgress(NamedTuple):
     state: str  # the dispatcher state: compare, truncate, append, snapshot, ...
 
 
-class TransportCounters(NamedTuple):
-    sent_bytes: dict[str, int]
-    received_bytes: dict[str, int]
-    frames_sent: int
-    frames_dropped: int
-    connections_rejected: int
-
-
-NO_TRANSPORT = TransportCounters({}, {}, 0, 0, 0)
-
-
 class RaftMetrics(NamedTuple):
     """One consistent view of the driver and its core, for status pages and metrics."""
 
@@ -166,6 +157,7 @@ class RaftNode:
         dial: dict[str, str] | None = None,
         serve_local: Callable[[bytes], Awaitable[bytes] | None] | None = None,
         peer_tls: PeerTLS | None = None,
+        transport: Transport | None = None,
         on_apply: Callable[[int], None] | None = None,
         on_snapshot: Callable[[SnapshotMeta], None] | None = None,
         snapshots: SnapshotHooks | None = None,
@@ -178,21 +170,34 @@ class RaftNode:
         FSM caller loads it); `snapshots` streams and receives snapshot files;
         `result_encoder` encodes an apply result for a follower that forwarded the command.
         Metrics: `observe_fsync(seconds)` of each ledger write (called from the writer
-        thread), `observe_rtt(peer, seconds)` of a heartbeat's round trip."""
+        thread), `observe_rtt(peer, seconds)` of a heartbeat's round trip.
+        Peers are reached through `transport`; without one, through TCP on `listen` (with
+        `secret`, `advertise_url`, `peer_tls`), or not at all when there is no address."""
         self.id = config.node_id
         self.cfg = config
         self.ledger = ledger
-        self.group = group
         self._membership0 = membership
         me = membership.get(self.id)
-        self.listen = listen or (me.peer_addr if me is not None and me.peer_addr else None)
+        listen = listen or (me.peer_addr if me is not None and me.peer_addr else None)
         self.core = RaftCore(config, ledger, ledger.hard_state(), membership, applied_index, self._clock(), seed=None)
         self._refuse_peer = refuse_peer
         # Where this node dials a peer, when that differs from the address the membership
         # gives (a proxy, a NAT): this node's own --peers entries for the others.
         self._dial = {k: v for k, v in (dial or {}).items() if k != config.node_id}
-        self.transport: Transport | None = None
-        self._secret, self._advertise_url, self._peer_tls = secret, advertise_url, peer_tls
+        if transport is None and listen is not None:
+            # Peers are admitted unless they were removed from the cluster: a member added
+            # while this node lagged must still reach it (see RaftCore.known).
+            transport = TcpTransport(
+                self.id,
+                group,
+                listen,
+                is_member=lambda pid: not self._refuse_peer(pid),
+                secret=secret,
+                advertise_url=advertise_url,
+                ssl=peer_tls,
+            )
+        self.transport = transport
+        self._advertise_url = advertise_url
         self._snapshots = snapshots
         self._on_apply = on_apply
         self._on_snapshot = on_snapshot
@@ -233,21 +238,8 @@ class RaftNode:
     # Lifecycle
 
     async def start(self) -> None:
-        if self.listen is not None:
-            # Peers are admitted unless they were removed from the cluster: a member added
-            # while this node lagged must still reach it (see RaftCore.known).
-            self.transport = Transport(
-                self.id,
-                self.group,
-                self.listen,
-                self._on_message,
-                is_member=lambda pid: not self._refuse_peer(pid),
-                secret=self._secret,
-                advertise_url=self._advertise_url,
-                on_connected=self._on_connected,
-                ssl=self._peer_tls,
-            )
-            await self.transport.start()
+        if self.transport is not None:
+            await self.transport.start(self._on_message, self._on_connected)
             self._update_peers()
         if self.core.membership.voters == {self.id}:
             self.core.campaign(self._clock())  # alone: no reason to wait for a timeout
@@ -706,9 +698,7 @@ class RaftNode:
             fsynced_entries=st["fsynced_entries"],
             ready=st["ready"],
             leader_changes=st["leader_changes"],
-            transport=NO_TRANSPORT if t is None else TransportCounters(
-                dict(t.sent_bytes), dict(t.received_bytes), t.sent_frames, t.dropped_frames, t.rejected_connections
-            ),
+            transport=NO_TRANSPORT if t is None else t.counters(),
         )
 
     @property
@@ -752,7 +742,7 @@ class RaftNode:
 
     def peer_url(self, peer: str) -> str:
         """The client URL a peer announced in its transport handshake ("" if none)."""
-        return self.transport.peer_urls.get(peer, "") if self.transport is not None else ""
+        return self.transport.peer_url(peer) if self.transport is not None else ""
 
     @property
     def role(self) -> Role:
@@ -776,4 +766,4 @@ class RaftNode:
         m = self.core.membership.get(lid)
         if m is not None and m.http_url:
             return m.http_url
-        return self.transport.peer_urls.get(lid) if self.transport else None
+        return (self.transport.peer_url(lid) or None) if self.transport is not None else None

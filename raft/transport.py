@@ -1,4 +1,5 @@
-"""Peer transport: persistent TCP connections carrying length-prefixed binary frames.
+"""Peer transport over TCP (the default `Transport`, see transport_protocol.py): persistent
+connections carrying length-prefixed binary frames.
 
 Each node dials every other member once and only *sends* on that connection; it receives
 on the connections others dialed to it. So a link i→j carries i's messages to j, and a test
@@ -47,11 +48,12 @@ from collections.abc import Callable
 
 from . import codec
 from .messages import Message
+from .transport_protocol import TransportCounters
 
 log = logging.getLogger("kv.raft.transport")
 
 MAGIC = b"LKV1"
-_HELLO, _WELCOME, _AUTH = 100, 101, 102
+HELLO, WELCOME, AUTH = 100, 101, 102  # the handshake's frame types
 HANDSHAKE_TIMEOUT = 5.0
 PREAUTH_MAX_FRAME = 4096  # HELLO and AUTH are a few hundred bytes
 MAX_UNAUTHENTICATED = 64
@@ -59,8 +61,19 @@ MAX_CONNECTIONS = 1024
 WRITE_BUFFER_LIMIT = 64 << 20  # beyond this a peer is too slow: drop messages to it
 
 
-def _pack_strs(*items: bytes) -> bytes:
+def pack_strs(*items: bytes) -> bytes:
+    """A handshake frame's body: each item with a 2-byte length."""
     return b"".join(struct.pack(">H", len(x)) + x for x in items)
+
+
+def hello_frame(group: bytes, src: bytes, dst: bytes, url: bytes, nonce: bytes) -> bytes:
+    """The dialer's first frame (see the handshake above)."""
+    return codec._frame(HELLO, pack_strs(MAGIC, group, src, dst, url, nonce))
+
+
+def auth_frame(proof: bytes) -> bytes:
+    """The dialer's answer to WELCOME."""
+    return codec._frame(AUTH, pack_strs(proof))
 
 
 def _unpack_strs(body: bytes | memoryview, count: int) -> list[bytes]:
@@ -136,7 +149,7 @@ class PeerTLS:
 class _Inbound(asyncio.Protocol):
     """A connection another node dialed to us: handshake, then receive messages."""
 
-    def __init__(self, t: Transport) -> None:
+    def __init__(self, t: TcpTransport) -> None:
         self.t = t
         self.reader = _FrameReader(PREAUTH_MAX_FRAME)
         self.peer: str | None = None
@@ -179,7 +192,7 @@ class _Inbound(asyncio.Protocol):
                     msg = codec.decode(ftype, body)
                     if msg.src != self.peer or msg.dst != self.t.node_id:
                         raise codec.CodecError(f"message {msg.src}->{msg.dst} on the link from {self.peer}")
-                    self.t._deliver(msg)
+                    self.t._on_message(msg)
                 else:
                     self._handshake(ftype, body)
         except codec.CodecError as e:
@@ -189,7 +202,7 @@ class _Inbound(asyncio.Protocol):
 
     def _handshake(self, ftype: int, body: memoryview) -> None:
         t = self.t
-        if ftype == _HELLO and self.peer is None:
+        if ftype == HELLO and self.peer is None:
             magic, group, src, dst, url, nonce_c = _unpack_strs(body, 6)
             if magic != MAGIC:
                 raise codec.CodecError("not a ledgerkv peer")
@@ -205,8 +218,8 @@ class _Inbound(asyncio.Protocol):
             self.peer, self.nonce_c, self.nonce_s = src_s, nonce_c, os.urandom(16)
             self._url = url.decode()
             proof = _mac(t.secret, b"accept", group, src, dst, nonce_c)
-            self.transport.write(codec._frame(_WELCOME, _pack_strs(self.nonce_s, proof)))
-        elif ftype == _AUTH and self.peer is not None:
+            self.transport.write(codec._frame(WELCOME, pack_strs(self.nonce_s, proof)))
+        elif ftype == AUTH and self.peer is not None:
             (proof,) = _unpack_strs(body, 1)
             expect = _mac(t.secret, b"dial", t.group.encode(), self.peer.encode(), t.node_id.encode(), self.nonce_c, self.nonce_s)
             if not hmac.compare_digest(proof, expect):
@@ -239,20 +252,19 @@ class _Outbound(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         t = self.link.t
-        hello = _pack_strs(MAGIC, t.group.encode(), t.node_id.encode(), self.link.peer.encode(), t.advertise_url.encode(), self.nonce_c)
-        transport.write(codec._frame(_HELLO, hello))
+        transport.write(hello_frame(t.group.encode(), t.node_id.encode(), self.link.peer.encode(), t.advertise_url.encode(), self.nonce_c))
 
     def data_received(self, data: bytes) -> None:
         t = self.link.t
         try:
             for ftype, body in self.reader.frames(data):
-                if ftype != _WELCOME or self.ready.done():
+                if ftype != WELCOME or self.ready.done():
                     raise codec.CodecError("peers send nothing back on this link but the handshake")
                 nonce_s, proof = _unpack_strs(body, 2)
                 g, me, peer = t.group.encode(), t.node_id.encode(), self.link.peer.encode()
                 if not hmac.compare_digest(proof, _mac(t.secret, b"accept", g, me, peer, self.nonce_c)):
                     raise codec.CodecError(f"{self.link.peer} failed cluster-secret authentication")
-                self.transport.write(codec._frame(_AUTH, _pack_strs(_mac(t.secret, b"dial", g, me, peer, self.nonce_c, nonce_s))))
+                self.transport.write(auth_frame(_mac(t.secret, b"dial", g, me, peer, self.nonce_c, nonce_s)))
                 self.ready.set_result(True)
         except codec.CodecError as e:
             log.warning("dropping connection to %s: %s", self.link.peer, e)
@@ -268,7 +280,7 @@ class _Outbound(asyncio.Protocol):
 class _Link:
     """Keeps one outbound connection alive, reconnecting with backoff."""
 
-    def __init__(self, t: Transport, peer: str, addr: str) -> None:
+    def __init__(self, t: TcpTransport, peer: str, addr: str) -> None:
         self.t, self.peer, self.addr = t, peer, addr
         self.conn: _Outbound | None = None
         self._queued: list[bytes] = []  # frames sent this turn of the loop, written by _flush
@@ -303,7 +315,7 @@ class _Link:
                 continue
             delay = 0.02
             self.conn = proto
-            self.t._connected(self.peer)
+            self.t._on_connected(self.peer)
             await proto.lost
             self.conn = None
 
@@ -333,28 +345,29 @@ class _Link:
             self.conn.transport.close()
 
 
-class Transport:
+class TcpTransport:
+    """Listens on `listen` for the links peers dial to this node and dials one link to each
+    peer (see the module's docstring)."""
+
     def __init__(
         self,
         node_id: str,
         group: str,
         listen: str,
-        on_message: Callable[[Message], None],
         *,
         is_member: Callable[[str], bool],
         secret: str | None = None,
         advertise_url: str = "",
-        on_connected: Callable[[str], None] | None = None,
         ssl: PeerTLS | None = None,
         max_unauthenticated: int = MAX_UNAUTHENTICATED,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.node_id, self.group, self.listen = node_id, group, listen
-        self._on_message = on_message
+        self._on_message: Callable[[Message], None] = lambda msg: None
+        self._on_connected: Callable[[str], None] = lambda peer: None
         self.is_member = is_member
         self.secret = secret.encode() if secret else None
         self.advertise_url = advertise_url
-        self._on_connected = on_connected
         self._links: dict[str, _Link] = {}
         self._inbound: set[_Inbound] = set()
         self._unauthed: dict[_Inbound, None] = {}  # handshaking, oldest first
@@ -368,7 +381,8 @@ class Transport:
         self.sent_bytes: collections.Counter[str] = collections.Counter()  # peer -> bytes of frames sent
         self.received_bytes: collections.Counter[str] = collections.Counter()  # peer -> bytes received
 
-    async def start(self) -> None:
+    async def start(self, on_message: Callable[[Message], None], on_connected: Callable[[str], None]) -> None:
+        self._on_message, self._on_connected = on_message, on_connected
         host, _, port = self.listen.rpartition(":")
         loop = asyncio.get_running_loop()
         tls = {"ssl": self.ssl.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT} if self.ssl else {}
@@ -424,12 +438,21 @@ class Transport:
         link = self._links.get(peer)
         return link is not None and link.conn is not None
 
-    def _deliver(self, msg: Message) -> None:
-        self._on_message(msg)
+    @property
+    def inbound_connections(self) -> int:
+        """Connections peers (or strangers) dialed to this node that are open."""
+        return len(self._inbound)
 
-    def _connected(self, peer: str) -> None:
-        if self._on_connected is not None:
-            self._on_connected(peer)
+    @property
+    def handshaking(self) -> int:
+        """Inbound connections that have not authenticated yet."""
+        return len(self._unauthed)
+
+    def peer_url(self, peer: str) -> str:
+        return self.peer_urls.get(peer, "")
+
+    def counters(self) -> TransportCounters:
+        return TransportCounters(dict(self.sent_bytes), dict(self.received_bytes), self.sent_frames, self.dropped_frames, self.rejected_connections)
 
     async def stop(self) -> None:
         for link in self._links.values():

@@ -1,5 +1,5 @@
-"""In-process clusters of kv.Node on loopback (real ledger, LevelDB and TCP), with
-partitions made by filtering what each node's transport sends and delivers."""
+"""In-process clusters of kv.Node (real ledger and LevelDB) on a loopback network, whose
+faults (cut, isolate, partition, drop, delay) the tests set through `net`."""
 
 from __future__ import annotations
 
@@ -9,45 +9,34 @@ import os
 from kv.harness import free_port
 
 from kv import Node, NodeConfig
+from kv.raft.loopback import LoopbackNetwork
 from kv.raft.messages import Role
 
 FAST = {"heartbeat_ms": 50.0, "election_timeout_ms": 500.0}
 
 
 class InprocCluster:
-    def __init__(self, root: str, n: int = 3, **options) -> None:
+    def __init__(self, root: str, n: int = 3, net: LoopbackNetwork | None = None, **options) -> None:
         self.root = root
         self.ids = [f"n{i}" for i in range(1, n + 1)]
+        # Addresses for the membership only: the nodes talk through `net`.
         self.peers = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
         self.options = {**FAST, **options}
+        self.net = net or LoopbackNetwork()
         self.nodes: dict[str, Node] = {}
-        self.cut: set[tuple[str, str]] = set()  # (from, to) links that drop everything
 
     def config(self, nid: str) -> NodeConfig:
         return NodeConfig(id=nid, data_dir=os.path.join(self.root, nid), peers=self.peers, **self.options)
 
+    def node(self, config: NodeConfig, **kw) -> Node:
+        """A node on this cluster's network (not started)."""
+        return Node(config, transport=self.net.transport(config.id), **kw)
+
     async def start(self, *ids: str) -> None:
         for nid in ids or self.ids:
-            node = Node(self.config(nid))
+            node = self.node(self.config(nid))
             await node.start()
-            self._wrap(node)
             self.nodes[nid] = node
-
-    def _wrap(self, node: Node) -> None:
-        raft = node.raft
-        t = raft.transport
-        send, deliver = t.send, t._deliver
-
-        def cut_send(msg):
-            if (msg.src, msg.dst) in self.cut:
-                return False
-            return send(msg)
-
-        def cut_deliver(msg):
-            if (msg.src, msg.dst) not in self.cut:
-                deliver(msg)
-
-        t.send, t._deliver = cut_send, cut_deliver
 
     async def stop(self, *ids: str) -> None:
         for nid in ids or list(self.nodes):
@@ -55,20 +44,12 @@ class InprocCluster:
             if node is not None:
                 await node.stop()
 
-    def isolate(self, nid: str) -> None:
-        for o in self.ids:
-            if o != nid:
-                self.cut |= {(nid, o), (o, nid)}
-
-    def heal(self) -> None:
-        self.cut.clear()
-
     async def leader(self, timeout: float = 10.0, exclude: tuple = ()) -> Node:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
             for nid, n in self.nodes.items():
-                if nid not in exclude and n.raft.role == Role.LEADER and n.raft.core.committed_in_term():
+                if nid not in exclude and n.raft.role == Role.LEADER and n.raft.committed_in_term():
                     return n
             await asyncio.sleep(0.02)
         raise AssertionError(f"no leader within {timeout}s")

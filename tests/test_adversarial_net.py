@@ -26,8 +26,7 @@ from pki import make_pki
 from kv.harness import free_port
 
 import kv
-from kv.raft import codec
-from kv.raft.transport import _HELLO, MAGIC, _pack_strs
+from kv.raft.transport import HELLO, hello_frame
 
 pytestmark = pytest.mark.slow
 
@@ -158,7 +157,7 @@ def test_huge_hellos_from_strangers_cost_nothing(cluster):
         socks = [socket.create_connection((host, int(port)), timeout=5) for _ in range(16)]
         sent = [0] * len(socks)
         for s in socks:
-            s.sendall(struct.pack(">IB", 64 << 20, _HELLO))
+            s.sendall(struct.pack(">IB", 64 << 20, HELLO))
         for k, s in enumerate(socks):
             try:
                 while sent[k] < 64 << 20:
@@ -515,7 +514,7 @@ def test_peers_over_mutual_tls_commit_and_refuse_a_foreign_certificate(tmp_path,
         host, port = c.listen["n1"].rsplit(":", 1)
         ctx = ssl.create_default_context(cafile=pki["ca"])
         ctx.check_hostname = False
-        hello = codec._frame(_HELLO, _pack_strs(MAGIC, b"default", b"n2", b"n1", b"", os.urandom(16)))
+        hello = hello_frame(b"default", b"n2", b"n1", b"", os.urandom(16))
         with socket.create_connection((host, int(port)), timeout=5) as raw:
             with pytest.raises((ssl.SSLError, ConnectionError)):
                 with ctx.wrap_socket(raw) as s:

@@ -15,7 +15,7 @@ from cluster import ProcCluster
 
 from kv.raft import codec
 from kv.raft.messages import HeartbeatRequest, PushRequest, PushType, VoteRequest
-from kv.raft.transport import MAGIC, _HELLO, _pack_strs
+from kv.raft.transport import auth_frame, hello_frame
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,7 @@ def closed_by_peer(s: socket.socket, timeout: float = 7.0) -> bool:
 
 
 def hello(group: str, src: str, dst: str) -> bytes:
-    return codec._frame(_HELLO, _pack_strs(MAGIC, group.encode(), src.encode(), dst.encode(), b"", os.urandom(16)))
+    return hello_frame(group.encode(), src.encode(), dst.encode(), b"", os.urandom(16))
 
 
 def handshake_as(addr: str, src: str, dst: str) -> socket.socket:
@@ -138,7 +138,7 @@ def handshake_as(addr: str, src: str, dst: str) -> socket.socket:
     s = peer_connection(addr)
     s.sendall(hello("default", src, dst))
     s.recv(4096)  # WELCOME
-    s.sendall(codec._frame(102, _pack_strs(b"")))  # AUTH with an empty proof
+    s.sendall(auth_frame(b""))  # an empty proof
     return s
 
 

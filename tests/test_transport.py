@@ -10,7 +10,7 @@ from kv.harness import free_port
 
 from kv.raft import codec
 from kv.raft.messages import HeartbeatRequest, VoteRequest
-from kv.raft.transport import Transport
+from kv.raft.transport import WELCOME, TcpTransport, auth_frame, hello_frame
 
 
 async def wait_for(cond, timeout=5.0):
@@ -27,12 +27,12 @@ class Pair:
     def __init__(self, secret_a=None, secret_b=None, group_b="g", members_b=("a", "b")):
         self.addr = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
         self.got = {"a": [], "b": []}
-        self.a = Transport("a", "g", self.addr["a"], self.got["a"].append, is_member=lambda p: p in ("a", "b"), secret=secret_a, advertise_url="http://a")
-        self.b = Transport("b", group_b, self.addr["b"], self.got["b"].append, is_member=lambda p: p in members_b, secret=secret_b)
+        self.a = TcpTransport("a", "g", self.addr["a"], is_member=lambda p: p in ("a", "b"), secret=secret_a, advertise_url="http://a")
+        self.b = TcpTransport("b", group_b, self.addr["b"], is_member=lambda p: p in members_b, secret=secret_b)
 
     async def __aenter__(self):
-        await self.a.start()
-        await self.b.start()
+        await self.a.start(self.got["a"].append, lambda peer: None)
+        await self.b.start(self.got["b"].append, lambda peer: None)
         self.a.set_peers(self.addr)
         self.b.set_peers(self.addr)
         return self
@@ -50,7 +50,7 @@ async def test_messages_flow_both_ways_and_urls_are_announced():
         p.b.send(VoteRequest("b", "a", 2, 0, 0))
         await wait_for(lambda: len(p.got["b"]) == 100 and len(p.got["a"]) == 1)
         assert [m.commit_index for m in p.got["b"]] == list(range(100))  # in order
-        assert p.b.peer_urls["a"] == "http://a"
+        assert p.b.peer_url("a") == "http://a"
 
 
 @pytest.mark.parametrize("secret_a, secret_b", [("wrong", "right"), (None, "right"), ("right", None)])
@@ -100,10 +100,16 @@ async def test_garbage_closes_only_that_connection():
 async def test_a_frame_from_another_src_closes_the_link():
     async with Pair() as p:
         await wait_for(lambda: p.a.connected("b"))
-        link = p.a._links["b"]
-        link.conn.transport.write(codec.encode(HeartbeatRequest("mallory", "b", 1, 0, 0)))
-        await wait_for(lambda: p.b.rejected_connections == 1)
-        assert p.got["b"] == []
-        await wait_for(lambda: p.a.connected("b"))  # it reconnects
-        p.a.send(HeartbeatRequest("a", "b", 1, 1, 0))
+        # A link authenticated as a (there is no secret) that carries mallory's message.
+        host, port = p.addr["b"].split(":")
+        r, w = await asyncio.open_connection(host, int(port))
+        w.write(hello_frame(b"g", b"a", b"b", b"", os.urandom(16)))
+        length, ftype = codec.FRAME_HEADER.unpack(await asyncio.wait_for(r.readexactly(codec.FRAME_HEADER.size), 5))
+        assert ftype == WELCOME
+        await r.readexactly(length - 1)
+        w.write(auth_frame(b"") + codec.encode(HeartbeatRequest("mallory", "b", 1, 0, 0)))
+        assert await asyncio.wait_for(r.read(), 5) == b""  # b hangs up on it
+        w.close()
+        assert p.b.rejected_connections == 1 and p.got["b"] == []
+        p.a.send(HeartbeatRequest("a", "b", 1, 1, 0))  # a's own link is untouched
         await wait_for(lambda: len(p.got["b"]) == 1)

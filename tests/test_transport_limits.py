@@ -15,13 +15,15 @@ from kv.harness import free_port
 from test_transport import wait_for
 
 from kv.raft.messages import HeartbeatRequest
-from kv.raft import codec
-from kv.raft.transport import _HELLO, MAGIC, PREAUTH_MAX_FRAME, Transport, _pack_strs
+from kv.raft.transport import HELLO, PREAUTH_MAX_FRAME, TcpTransport, hello_frame
 from kv.tls import peer_tls
 
 
-def _transport(node_id: str, addr: str, got: list, **kw) -> Transport:
-    return Transport(node_id, "g", addr, got.append, is_member=lambda p: p in ("a", "b"), **kw)
+async def _transport(node_id: str, addr: str, got: list, **kw) -> TcpTransport:
+    """A started transport of node_id that collects what it receives in got."""
+    t = TcpTransport(node_id, "g", addr, is_member=lambda p: p in ("a", "b"), **kw)
+    await t.start(got.append, lambda peer: None)
+    return t
 
 
 async def _hangs_up(reader: asyncio.StreamReader) -> bool:
@@ -33,18 +35,17 @@ async def _hangs_up(reader: asyncio.StreamReader) -> bool:
 
 async def test_a_huge_hello_is_refused_at_its_length_prefix():
     addr = f"127.0.0.1:{free_port()}"
-    t = _transport("b", addr, [])
-    await t.start()
+    t = await _transport("b", addr, [])
     try:
         host, port = addr.split(":")
         r, w = await asyncio.open_connection(host, int(port))
-        w.write(struct.pack(">IB", 64 << 20, _HELLO))  # announces 64 MiB, sends none of it
+        w.write(struct.pack(">IB", 64 << 20, HELLO))  # announces 64 MiB, sends none of it
         await w.drain()
         assert await _hangs_up(r)
         w.close()
         # One byte over the cap is refused too; the cap is far above a real HELLO.
         r, w = await asyncio.open_connection(host, int(port))
-        w.write(struct.pack(">IB", PREAUTH_MAX_FRAME + 1, _HELLO))
+        w.write(struct.pack(">IB", PREAUTH_MAX_FRAME + 1, HELLO))
         await w.drain()
         assert await _hangs_up(r)
         w.close()
@@ -56,16 +57,14 @@ async def test_a_huge_hello_is_refused_at_its_length_prefix():
 async def test_handshaking_strangers_are_limited_and_evicted_oldest_first():
     addrs = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
     got: dict[str, list] = {"a": [], "b": []}
-    b = _transport("b", addrs["b"], got["b"], max_unauthenticated=8)
-    a = _transport("a", addrs["a"], got["a"])
-    await b.start()
-    await a.start()
+    b = await _transport("b", addrs["b"], got["b"], max_unauthenticated=8)
+    a = await _transport("a", addrs["a"], got["a"])
     strangers = []
     try:
         host, port = addrs["b"].split(":")
         for _ in range(20):  # they connect and say nothing
             strangers.append(await asyncio.open_connection(host, int(port)))
-        await wait_for(lambda: len(b._unauthed) == 8)
+        await wait_for(lambda: b.handshaking == 8)
         closed = 0
         for r, _w in strangers[:12]:  # the 12 oldest made room for the newer ones
             closed += await _hangs_up(r)
@@ -84,15 +83,14 @@ async def test_handshaking_strangers_are_limited_and_evicted_oldest_first():
 
 async def test_total_inbound_connections_are_capped():
     addr = f"127.0.0.1:{free_port()}"
-    t = _transport("b", addr, [], max_connections=4)
-    await t.start()
+    t = await _transport("b", addr, [], max_connections=4)
     conns = []
     try:
         host, port = addr.split(":")
         for _ in range(6):
             conns.append(await asyncio.open_connection(host, int(port)))
         assert await _hangs_up(conns[4][0]) and await _hangs_up(conns[5][0])
-        assert len(t._inbound) == 4
+        assert t.inbound_connections == 4
     finally:
         for _r, w in conns:
             w.close()
@@ -109,10 +107,8 @@ async def tls_pair(pki, cert_a: str):
     """Transports a (with the certificate `cert_a`) and b over peer TLS, dialling each other."""
     addrs = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
     got: dict[str, list] = {"a": [], "b": []}
-    a = _transport("a", addrs["a"], got["a"], ssl=peer_tls(*pki[cert_a], pki["ca"]))
-    b = _transport("b", addrs["b"], got["b"], ssl=peer_tls(*pki["b"], pki["ca"]))
-    await a.start()
-    await b.start()
+    a = await _transport("a", addrs["a"], got["a"], ssl=peer_tls(*pki[cert_a], pki["ca"]))
+    b = await _transport("b", addrs["b"], got["b"], ssl=peer_tls(*pki["b"], pki["ca"]))
     try:
         a.set_peers(addrs)
         b.set_peers(addrs)
@@ -130,7 +126,7 @@ async def test_peers_talk_over_mutual_tls_and_refuse_other_certificates(pki):
         host, port = addrs["b"].split(":")
         # A client certificate from another CA, and none at all: a HELLO that b would
         # welcome over a trusted connection gets no WELCOME.
-        hello = codec._frame(_HELLO, _pack_strs(MAGIC, b"g", b"a", b"b", b"", os.urandom(16)))
+        hello = hello_frame(b"g", b"a", b"b", b"", os.urandom(16))
         for cert in (pki["mallory"], None):
             ctx = ssl.create_default_context(cafile=pki["ca"])
             ctx.check_hostname = False

@@ -124,10 +124,10 @@ async def test_a_follower_that_installs_a_snapshot_ends_its_watches(tmp_path):
         f = (await c.followers())[0]
         w = f.watch("")
         await w.next_batch(0.01)
-        c.isolate(f.config.id)
+        c.net.isolate(f.config.id)
         for i in range(300):
             await lead.put(f"k{i}", b"x")
-        c.heal()
+        c.net.heal()
         await c.wait_applied(lead.raft.applied_index)
         assert f.snapshots.stats.installed >= 1
         with pytest.raises(kv.WatchCompacted, match="installing a snapshot"):

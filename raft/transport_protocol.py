@@ -1,0 +1,50 @@
+"""What the driver (raft/node.py) needs from a peer transport, and what a transport counts.
+
+Two transports implement it: `transport.TcpTransport` (the default: persistent TCP
+connections, framed, authenticated) and `loopback.LoopbackTransport` (in-process, for tests
+and embedded clusters in one event loop, with cuts, partitions, drops and delays). A
+RaftNode takes either at construction; it never reaches past these methods.
+
+Messages are at-most-once: a transport may lose any of them (the driver re-sends and the
+heartbeats repair the rest) but delivers the ones of one link in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
+
+from .messages import Message
+
+
+class TransportCounters(NamedTuple):
+    sent_bytes: dict[str, int]  # peer -> bytes of frames sent
+    received_bytes: dict[str, int]  # peer -> bytes received
+    frames_sent: int
+    frames_dropped: int
+    connections_rejected: int
+
+
+NO_TRANSPORT = TransportCounters({}, {}, 0, 0, 0)
+
+
+class Transport(Protocol):
+    async def start(self, on_message: Callable[[Message], None], on_connected: Callable[[str], None]) -> None:
+        """Begin: every message received for this node goes to on_message (in the event
+        loop), and on_connected(peer) tells that a link to peer came up, so the driver
+        re-sends to it at once instead of after a timeout."""
+
+    async def stop(self) -> None:
+        """Close every link; nothing is delivered afterwards."""
+
+    def set_peers(self, peers: dict[str, str]) -> None:
+        """Talk to these peers (id -> address to dial); forget those no longer listed."""
+
+    def send(self, msg: Message) -> bool:
+        """Queue msg for msg.dst; False if it was dropped at once (no link, the peer too
+        slow). True does not promise delivery."""
+
+    def peer_url(self, peer: str) -> str:
+        """The client URL the peer announced ("" if none)."""
+
+    def counters(self) -> TransportCounters: ...
