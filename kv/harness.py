@@ -8,12 +8,14 @@ uses its command line and status polling for its fixed-port foreground cluster.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 SERVE = [sys.executable, "-m", "kv", "serve"]
 
@@ -36,15 +38,17 @@ def peer_spec(addrs: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in addrs.items())
 
 
-def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
-    """Poll cond (a check of another process's state) until it is truthy; returns it."""
+def wait_until(cond, timeout: float = 30.0, what: str | Callable[[], str] = "condition", interval: float = 0.05):
+    """Poll cond (a check of another process's state) until it is truthy; returns it.
+    AssertionError after timeout seconds, naming `what` (a callable: what it returns then,
+    for a message that shows the last state seen)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = cond()
         if got:
             return got
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached in {timeout}s")
+        time.sleep(interval)
+    raise AssertionError(f"{what() if callable(what) else what} not reached in {timeout}s")
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -128,11 +132,14 @@ def leader_of(views: dict[str, dict], among: list[str] | None = None) -> str | N
 
 
 async def poll(probe, *, timeout: float, interval: float = 0.05, error: str = "condition not reached"):
-    """Await probe() until it returns something truthy, and return that; RuntimeError(error)
-    after timeout seconds."""
+    """Call probe() (awaiting it if it is a coroutine function) until it returns something
+    truthy, and return that; RuntimeError(error) after timeout seconds. For state no event
+    tells about (another process's, a metric)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        got = await probe()
+        got = probe()
+        if inspect.isawaitable(got):
+            got = await got
         if got:
             return got
         await asyncio.sleep(interval)

@@ -480,6 +480,43 @@ class Node:
             raise Unavailable(f"the node stopped after an error: {self.raft.failure}")
         return self.raft
 
+    # -- waiting for the cluster -------------------------------------------------------------
+
+    async def wait_applied(self, index: int, *, timeout: float | None = None) -> None:
+        """Return once this node has applied `index` (a write's `.index`): a stale read
+        here sees that write from then on. Raises Timeout after `timeout` seconds."""
+        raft = self._running()
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        try:
+            await raft.wait_applied(index, deadline)
+        except DeadlineExceeded:
+            raise Timeout(f"{raft.id} did not apply index {index} within {timeout}s (it applied {raft.applied_index})") from None
+        except NodeStopped as e:
+            raise Unavailable(str(e)) from e
+
+    async def wait_leader(self, *, timeout: float | None = None) -> str:
+        """The leader's id, once this node knows one; on the leader itself, once it has
+        committed an entry of its own term (until then its commit index may lag). Raises
+        Timeout after `timeout` seconds."""
+        raft = self._running()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            changed, lid = raft.leader_changed, raft.leader_id
+            if lid is not None and (lid != raft.id or raft.committed_in_term()):
+                return lid
+            waits = [loop.create_task(changed.wait())]
+            if lid == raft.id:  # its first entry of the term is on its way
+                waits.append(loop.create_task(raft.wait_applied(raft.metrics().ledger_end_index)))
+            done, pending = await asyncio.wait(waits, timeout=None if deadline is None else max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
+            for t in done:
+                if isinstance(t.exception(), NodeStopped):
+                    raise Unavailable(str(t.exception())) from t.exception()
+            if not done:
+                raise Timeout(f"{raft.id} knew no leader within {timeout}s")
+
     # -- reads -----------------------------------------------------------------------------
 
     async def read_barrier(self, consistency: str = "linearizable", timeout: float | None = None) -> int:

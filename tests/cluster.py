@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import urllib.error
 import urllib.parse
@@ -89,16 +88,15 @@ class ProcCluster:
                 self.wait_http(i)
 
     def wait_http(self, i: str, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def answers() -> bool:
             if self.procs[i].poll() is not None:
                 raise AssertionError(f"{i} exited with {self.procs[i].returncode}:\n{self.log(i)[-3000:]}")
             try:
-                self.status(i)
-                return
+                return bool(self.status(i))
             except OSError:
-                time.sleep(0.05)
-        raise AssertionError(f"{i} did not answer in {timeout}s:\n{self.log(i)[-3000:]}")
+                return False
+
+        wait_until(answers, timeout, lambda: f"{i} answering:\n{self.log(i)[-3000:]}\n")
 
     def log(self, i: str) -> str:
         with open(os.path.join(self.root, f"{i}.log"), errors="replace") as f:
@@ -164,9 +162,9 @@ class ProcCluster:
     def leader(self, timeout: float = 15.0, among: list[str] | None = None) -> str:
         """The id of a leader that a majority of its own voters agree on (and that has
         applied its no-op)."""
-        deadline = time.monotonic() + timeout
         among = among or self.ids
-        while time.monotonic() < deadline:
+
+        def found() -> str | None:
             views = {}
             for i in self.ids:
                 if self.alive(i):
@@ -174,11 +172,9 @@ class ProcCluster:
                         views[i] = self.status(i)
                     except OSError:
                         pass
-            found = leader_of(views, among)
-            if found:
-                return found
-            time.sleep(0.05)
-        raise AssertionError(f"no leader among {among} within {timeout}s")
+            return leader_of(views, among)
+
+        return wait_until(found, timeout, f"a leader among {among}")
 
     def members(self, i: str) -> list[dict]:
         return orjson.loads(self.request(i, "GET", "/v1/members")[2])["members"]
@@ -206,9 +202,10 @@ class ProcCluster:
     def wait_converged(self, ids: list[str] | None = None, timeout: float = 20.0) -> None:
         """All the given nodes applied the same index and hold the same data."""
         ids = ids or self.ids
-        deadline = time.monotonic() + timeout
         last = None
-        while time.monotonic() < deadline:
+
+        def converged() -> bool:
+            nonlocal last
             try:
                 st = {i: self.status(i) for i in ids}
                 applied = {s["applied_index"] for s in st.values()}
@@ -216,12 +213,13 @@ class ProcCluster:
                 if len(applied) == 1 and applied == commits:
                     dumps = [self.dump(i) for i in ids]
                     if all(d == dumps[0] for d in dumps):
-                        return
+                        return True
                     last = "data differs"
                 else:
                     last = {i: (s["commit_index"], s["applied_index"]) for i, s in st.items()}
             except OSError as e:
                 last = e
-            time.sleep(0.1)
-        raise AssertionError(f"nodes {ids} did not converge: {last}")
+            return False
+
+        wait_until(converged, timeout, lambda: f"nodes {ids} converged (last seen: {last})", interval=0.1)
 

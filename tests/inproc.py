@@ -8,6 +8,7 @@ import os
 
 from kv.harness import free_port
 
+import kv
 from kv import Node, NodeConfig
 from kv.raft.loopback import LoopbackNetwork
 from kv.raft.messages import Role
@@ -45,26 +46,35 @@ class InprocCluster:
                 await node.stop()
 
     async def leader(self, timeout: float = 10.0, exclude: tuple = ()) -> Node:
+        """The node that leads and has committed an entry of its term (woken by the nodes'
+        leader changes, not by polling)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while loop.time() < deadline:
-            for nid, n in self.nodes.items():
-                if nid not in exclude and n.raft.role == Role.LEADER and n.raft.committed_in_term():
+        while True:
+            nodes = [n for nid, n in self.nodes.items() if nid not in exclude]
+            for n in nodes:
+                if n.raft.role == Role.LEADER and n.raft.committed_in_term():
                     return n
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"no leader within {timeout}s")
+            left = deadline - loop.time()
+            if left <= 0:
+                raise AssertionError(f"no leader within {timeout}s")
+            # Any node's next change of leader, or a new leader's first commit.
+            waits = [loop.create_task(n.raft.leader_changed.wait()) for n in nodes]
+            waits += [loop.create_task(n.wait_leader()) for n in nodes if n.raft.role == Role.LEADER]
+            done, pending = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     async def followers(self) -> list[Node]:
         lead = await self.leader()
         return [n for n in self.nodes.values() if n is not lead]
 
     async def wait_applied(self, index: int, timeout: float = 10.0) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while any(n.raft.applied_index < index for n in self.nodes.values()):
-            if loop.time() > deadline:
-                raise AssertionError(f"not all nodes applied {index}: {[n.raft.applied_index for n in self.nodes.values()]}")
-            await asyncio.sleep(0.02)
+        try:
+            await asyncio.gather(*(n.wait_applied(index, timeout=timeout) for n in self.nodes.values()))
+        except kv.Timeout:
+            raise AssertionError(f"not all nodes applied {index}: {[n.raft.applied_index for n in self.nodes.values()]}") from None
 
     def data(self, nid: str) -> list:
         return self.nodes[nid].sm.scan("", None, 1 << 30)

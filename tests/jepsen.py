@@ -170,7 +170,7 @@ class Nemesis:
         c, rng = self.c, self.rng
         self.report.faults[kind] += 1
         loop = asyncio.get_running_loop()
-        hold = rng.uniform(1.0, 2.5)
+        hold = rng.uniform(1.0, 2.5)  # how long each fault lasts (the sleeps below)
         if kind == "partition":
             victim = rng.choice(c.ids)
             c.isolate(victim)
@@ -199,9 +199,9 @@ class Nemesis:
         elif kind == "rolling-restart":
             for nid in c.ids:
                 await loop.run_in_executor(None, c.kill, nid)
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.2)  # down a moment
                 await loop.run_in_executor(None, c.start, nid)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5)  # up a moment before the next goes down
         elif kind == "hold-back-follower":
             lead = await loop.run_in_executor(None, self.leader_or_any)
             lag = rng.choice([i for i in c.ids if i != lead])
@@ -213,7 +213,7 @@ class Nemesis:
 
     async def run(self, until: float) -> None:
         while time.monotonic() < until:
-            await asyncio.sleep(self.rng.uniform(0.3, 1.0))
+            await asyncio.sleep(self.rng.uniform(0.3, 1.0))  # a pause between faults
             if time.monotonic() < until:
                 await self.run_one(self.rng.choice(self.kinds))
 

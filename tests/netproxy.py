@@ -98,7 +98,7 @@ class LinkProxy:
                 if self.mode == "cut":
                     return
                 if self.delay_ms:
-                    await asyncio.sleep(self.delay_ms / 1000.0)
+                    await asyncio.sleep(self.delay_ms / 1000.0)  # the link's latency
                 self.frames += 1
                 if ftype not in HANDSHAKE_TYPES and self.drop_rate and self.rng.random() < self.drop_rate:
                     self.dropped += 1

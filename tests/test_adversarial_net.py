@@ -268,7 +268,7 @@ def _trickle(s: socket.socket, byte: bytes) -> bytes | None:
         except ConnectionResetError:
             return b""
         s.setblocking(True)
-        time.sleep(0.25)
+        time.sleep(0.25)  # the trickle's pace
     return None
 
 
@@ -366,7 +366,7 @@ def test_running_out_of_descriptors_is_survived_quietly(tmp_path, loop):
                     socks.append(socket.create_connection((host, int(port)), timeout=2))
                 except OSError:
                     break
-        time.sleep(2.0)
+        time.sleep(2.0)  # the connections are held open a while
         for s in socks:
             s.close()
         socks.clear()
@@ -404,7 +404,7 @@ def _as(c: ProcCluster, token: str | None, i: str, method: str, path: str, body:
         code, _, data = ProcCluster.request(c, i, method, path, body, headers, timeout=10)
         if code != 503:
             break
-        time.sleep(0.25)
+        time.sleep(0.25)  # a pause before the retry
     return code, data
 
 

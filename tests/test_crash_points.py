@@ -4,7 +4,7 @@ write is there."""
 
 from __future__ import annotations
 
-import time
+import subprocess
 
 import pytest
 from cluster import ProcCluster
@@ -32,13 +32,10 @@ def write_some(c: ProcCluster, n: int, prefix: str, via: list[str] | None = None
 
 
 def wait_exit(c: ProcCluster, nid: str, timeout: float = 20.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rc = c.procs[nid].poll()
-        if rc is not None:
-            return rc
-        time.sleep(0.05)
-    raise AssertionError(f"{nid} did not reach its failpoint")
+    try:
+        return c.procs[nid].wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{nid} did not reach its failpoint") from None
 
 
 def recover_and_check(c: ProcCluster, crashed: str, acked: dict) -> None:

@@ -169,7 +169,7 @@ def test_peer_port_fuzz(cluster):
     ):
         s = handshake_as(addr, "mallory", target)
         s.sendall(f)
-        time.sleep(0.2)
+        time.sleep(0.2)  # time for the node to read it before the link closes
         s.close()
         cases += 1
     frames = [
@@ -180,7 +180,7 @@ def test_peer_port_fuzz(cluster):
     for f in frames:  # valid frames from a member, but stale: answered and ignored
         s = handshake_as(addr, lead, target)
         s.sendall(f)
-        time.sleep(0.2)
+        time.sleep(0.2)  # time for the node to read it before the link closes
         s.close()
         cases += 1
     for f in frames:  # the same messages cut short inside a well-formed frame: closed
@@ -200,7 +200,7 @@ def test_peer_port_fuzz(cluster):
     s.sendall(codec.encode(HeartbeatRequest("n9", target, term, 0, 0)))
     assert closed_by_peer(s)
     assert cases > 40
-    time.sleep(0.5)
+    time.sleep(0.5)  # time for a node the frames hurt to die
     for i in cluster.ids:
         assert cluster.alive(i)
     assert cluster.leader() == lead and cluster.status(lead)["term"] == term  # no election was caused

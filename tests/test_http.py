@@ -10,6 +10,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kv import Node, NodeConfig
+from kv.harness import poll
 from kv.http.app import create_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -218,7 +219,7 @@ async def test_a_large_value_arriving_in_pieces_is_stored_whole(tmp_path):
         for i in range(0, len(value), 65536):  # in many writes, with pauses between them
             w.write(value[i : i + 65536])
             await w.drain()
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # a slow client: the body arrives in pieces
         out = await asyncio.wait_for(r.read(), 10)
         w.close()
         assert out.startswith(b"HTTP/1.1 200"), out[:300]
@@ -261,10 +262,7 @@ async def test_log_route_streams_the_committed_entries(tmp_path):
             assert r.status == 400 and (await r.json())["error"]["message"], q
         # A snapshot with no trailing window compacts the ledger: older entries are gone.
         assert (await client.post("/v1/snapshot")).status == 200
-        for _ in range(100):
-            if node.log_range()[0] > applied:
-                break
-            await asyncio.sleep(0.05)
+        await poll(lambda: node.log_range()[0] > applied, timeout=5, error="the ledger was not compacted")
         r = await client.get("/v1/log", params={"from": "1"})
         err = (await r.json())["error"]
         assert r.status == 410 and err["code"] == "COMPACTED" and f"from {applied + 1}" in err["message"]

@@ -57,7 +57,7 @@ def test_kept_alive_across_a_leader_kill_then_expired_everywhere(cluster):
         last = time.monotonic()
         left = client.lease_info(lease.id).remaining
         assert 0 < left <= ttl
-        time.sleep(ttl / 2)
+        time.sleep(ttl / 2)  # half the ttl, in which the key must stay
         assert all(on_every_node(c, "svc/api")), "a key went before its ttl"
         wait_until(lambda: not any(on_every_node(c, "svc/api")), ttl + ELECTION_S + 1 + 3, "the key gone on every node")
         gone_after = time.monotonic() - last

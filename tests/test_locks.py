@@ -58,7 +58,7 @@ class Proc:
                 return time.monotonic()
 
     def quiet(self, seconds: float) -> None:
-        time.sleep(seconds)
+        time.sleep(seconds)  # a time in which it must print nothing
         assert self.lines.empty(), f"{self.p.args} printed {self.lines.get_nowait()!r}"
 
     def stderr(self) -> str:
@@ -167,7 +167,7 @@ import sys, time, kv
 with kv.Client(sys.argv[1]) as c:
     with c.lock("jobs/k9", ttl=float(sys.argv[2])):
         print("held", flush=True)
-        time.sleep(float(sys.argv[3]))
+        time.sleep(float(sys.argv[3]))  # holds the lock this long
 print("released", flush=True)
 """
 
@@ -230,7 +230,7 @@ def on_term(*_):
     sys.exit(3)
 signal.signal(signal.SIGTERM, on_term)
 open(sys.argv[1], "w").write(str(os.getpid()))
-time.sleep(600)
+time.sleep(600)  # runs until it is signalled
 """
 
 CHECKS_PREDECESSOR_GONE = """
@@ -254,7 +254,7 @@ def test_kv_lock_killed_with_sigkill_takes_its_command_down(cluster, tmp_path):
     try:
         wait_until(lambda: os.path.exists(pidfile) and open(pidfile).read(), 60, "the first command running")
         command_pid = int(open(pidfile).read())
-        time.sleep(1)
+        time.sleep(1)  # the command runs a while under the lock before kv lock dies
         a.send_signal(signal.SIGKILL)
         second = subprocess.run(kv_lock + [PY, "-c", CHECKS_PREDECESSOR_GONE, pidfile], capture_output=True, text=True, timeout=60)
         assert second.returncode == 0, second.stderr

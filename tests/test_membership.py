@@ -63,7 +63,7 @@ def test_grow_three_to_five_under_load_then_remove_a_follower_and_the_leader(tmp
                 c.start(new)  # joins as a learner, promotes itself once caught up
                 wait_until(lambda: new in voters(c, c.leader()), what=f"{new} a voter")
             assert voters(c, c.leader()) == {"n1", "n2", "n3", "n4", "n5"}
-            time.sleep(1)
+            time.sleep(1)  # writes go on with five voters
             lead = c.leader()
             follower = next(i for i in c.ids if i != lead)
             code, _, body = c.request(lead, "DELETE", f"/v1/members/{follower}")
@@ -73,7 +73,7 @@ def test_grow_three_to_five_under_load_then_remove_a_follower_and_the_leader(tmp
             rest = [i for i in c.ids if i not in (lead, follower)]
             new_lead = c.leader(among=rest)
             assert new_lead != lead and voters(c, new_lead) == set(rest)
-            time.sleep(1)
+            time.sleep(1)  # writes go on after the removals
         assert len(w.acked) > 50
         c.wait_converged(rest)
         check_acked(c, w.acked, rest)
@@ -82,7 +82,7 @@ def test_grow_three_to_five_under_load_then_remove_a_follower_and_the_leader(tmp
         c.kill(follower)
         c.start(follower)
         wait_until(lambda: all(f"'{follower}' is not a member" in c.log(i) for i in rest), what="the removed member refused")
-        time.sleep(1.5)
+        time.sleep(1.5)  # more than an election timeout in which nothing may change
         assert c.leader(among=rest) == new_lead and c.status(new_lead)["term"] == term
     finally:
         c.close()
@@ -104,7 +104,7 @@ def test_replace_a_dead_node_with_a_new_one_on_a_new_address(tmp_path):
             c.add_node("n4")
             c.start("n4")
             wait_until(lambda: "n4" in voters(c, c.leader()), what="n4 a voter")
-            time.sleep(1)
+            time.sleep(1)  # writes go on with the newcomer a voter
         c.wait_converged()
         st = c.status("n4")
         assert st["snapshot_index"] > 0  # it caught up by install-snapshot

@@ -3,7 +3,6 @@ and the access log (in-process nodes behind aiohttp's test server)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv import Node, NodeConfig
+from kv.harness import poll
 from kv.http.app import create_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,11 +144,11 @@ async def test_peer_metrics_and_the_access_log_of_a_forwarded_write(tmp_path, ca
         assert [(r.http["route"], r.http["status"], r.http["forwarded"]) for r in lines] == [("kv_put", 200, True), ("status", 200, False)]
         assert all(r.http["method"] in ("PUT", "GET") and r.http["duration_ms"] >= 0 for r in lines)
         peers = {p for p in cluster.ids if p != leader.config.id}
-        for _ in range(200):  # heartbeats go out every 50 ms; wait until both were answered
+        def rtt_of_both():  # heartbeats go out every 50 ms; wait until both were answered
             fams = families(leader.metrics.render().decode())
-            if _rtt_peers(fams) == peers:
-                break
-            await asyncio.sleep(0.05)
+            return fams if _rtt_peers(fams) == peers else None
+
+        fams = await poll(rtt_of_both, timeout=10, error="no round trip to both followers")
         for p in peers:
             assert sample(fams, "kv_peer_sent_bytes", "_total", peer=p) > 0
             assert sample(fams, "kv_peer_received_bytes", "_total", peer=p) > 0

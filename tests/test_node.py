@@ -9,6 +9,7 @@ from inproc import InprocCluster
 
 import kv
 from kv import Cond, Get, Put
+from kv.harness import poll
 from kv.raft.loopback import LoopbackNetwork
 
 
@@ -32,6 +33,22 @@ async def test_any_member_writes_and_reads_linearizably(cluster):
         assert (await n.get("a")).mod_index == w.index
     assert (await f2.get("b", consistency="stale")) is None or (await f2.get("b", consistency="stale")).mod_index == w2.index
     assert [i.key for i in await f2.scan("")] == ["a", "b"]
+
+
+async def test_waiting_for_a_leader_and_for_an_applied_index(cluster):
+    lead = await cluster.leader()
+    f = (await cluster.followers())[0]
+    assert await f.wait_leader(timeout=5) == await lead.wait_leader(timeout=5) == lead.config.id
+    w = await lead.put("w", b"1")
+    await f.wait_applied(w.index, timeout=5)
+    assert (await f.get("w", consistency="stale")).value == b"1"
+    with pytest.raises(kv.Timeout, match="did not apply"):
+        await f.wait_applied(w.index + 1000, timeout=0.2)
+    cluster.net.isolate(f.config.id)
+    await cluster.stop(*[n for n in cluster.ids if n != f.config.id])
+    await asyncio.wait_for(f.raft.leader_changed.wait(), 5)  # it forgets the leader and campaigns
+    with pytest.raises(kv.Timeout, match="knew no leader"):  # alone, it never learns one
+        await f.wait_leader(timeout=3)
 
 
 async def test_writes_commit_and_replicate_over_a_lossy_slow_network(tmp_path):
@@ -148,7 +165,7 @@ async def test_isolated_leader_serves_no_linearizable_read_and_acks_nothing(clus
     with pytest.raises((kv.Timeout, kv.NotLeader)):
         await old.put("x", b"from-deposed", timeout=1.0)
     cluster.net.heal()
-    await asyncio.sleep(1.0)
+    assert await old.wait_leader(timeout=10) != old.config.id
     assert (await old.get("x")).value == b"2"  # its unacknowledged write was discarded
 
 
@@ -207,13 +224,10 @@ async def test_a_write_whose_entry_a_snapshot_covers_is_unknown_not_retried(tmp_
         a, b = [n.config.id for n in await c.followers()]
         for src, dst in ((lid, b), (b, lid), (a, lid)):  # L's entries reach A only; nobody acks
             c.net.cut(src, dst)
-        before = lead.raft.core.log.last_index()
+        before = lead.raft.metrics().ledger_end_index
         write = asyncio.ensure_future(lead.put("once", b"1", if_absent=True, timeout=30))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5
-        while c.nodes[a].raft.core.log.last_index() <= before:
-            assert loop.time() < deadline, "the entry never reached A"
-            await asyncio.sleep(0.01)
+        # No event tells that an entry reached a follower's ledger uncommitted: poll it.
+        await poll(lambda: c.nodes[a].raft.metrics().ledger_end_index > before, timeout=5, interval=0.01, error="the entry never reached A")
         c.net.isolate(lid)
         new = await c.leader(exclude=(lid,))
         assert (await new.get("once")).value == b"1"  # A's term committed L's entry
@@ -243,7 +257,7 @@ async def test_a_forward_that_cannot_be_sent_leaves_nothing_behind(cluster, capl
         await follower.put("cut", b"1", timeout=0.3)
     await asyncio.sleep(0.5)  # past every deadline
     gc.collect()
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop: what gc freed reports then
     assert "never retrieved" not in caplog.text
 
 
@@ -267,15 +281,14 @@ async def test_a_learner_serves_stale_reads_and_never_votes(tmp_path):
             initial_membership=Membership.decode(lead.raft.core.membership.encode()),
         )
         await learner.start()
-        await lead.put("after", b"2")
-        await asyncio.sleep(1.0)
+        await learner.wait_applied((await lead.put("after", b"2")).index, timeout=10)
         assert (await learner.get("after", consistency="stale")).value == b"2"
         assert (await learner.get("before", consistency="stale")).value == b"1"
         # With two of three voters gone there is no quorum: the learner neither campaigns
         # nor counts, so nobody leads.
         f1, f2 = await c.followers()
         await c.stop(lead.config.id, f1.config.id)
-        await asyncio.sleep(2.5)
+        await asyncio.sleep(2.5)  # several election timeouts (500 ms) in which nothing may happen
         assert learner.raft.role.label == "follower"
         assert f2.raft.role.label != "leader" and learner.raft.core.vote is None
     finally:

@@ -6,7 +6,7 @@ import asyncio
 import os
 
 import pytest
-from kv.harness import free_port
+from kv.harness import free_port, poll
 
 from kv.raft import codec
 from kv.raft.messages import HeartbeatRequest, VoteRequest
@@ -14,11 +14,7 @@ from kv.raft.transport import WELCOME, TcpTransport, auth_frame, hello_frame
 
 
 async def wait_for(cond, timeout=5.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
+    await poll(cond, timeout=timeout, interval=0.01, error="condition not met in time")
 
 
 class Pair:
@@ -56,11 +52,11 @@ async def test_messages_flow_both_ways_and_urls_are_announced():
 @pytest.mark.parametrize("secret_a, secret_b", [("wrong", "right"), (None, "right"), ("right", None)])
 async def test_cluster_secret_keeps_out_who_does_not_know_it(secret_a, secret_b):
     async with Pair(secret_a=secret_a, secret_b=secret_b) as p:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # time to dial and handshake, which must not succeed
         assert not p.a.connected("b") and not p.b.connected("a")
         assert not p.a.send(HeartbeatRequest("a", "b", 1, 0, 0))
         assert not p.b.send(HeartbeatRequest("b", "a", 1, 0, 0))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # time for anything that was sent after all to arrive
         assert p.got["b"] == [] and p.got["a"] == []
 
 
@@ -73,10 +69,10 @@ async def test_matching_secrets_connect():
 
 async def test_other_group_and_unknown_member_are_refused():
     async with Pair(group_b="other") as p:
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.4)  # time to dial and be refused
         assert not p.a.connected("b") and p.b.rejected_connections > 0
     async with Pair(members_b=("b",)) as p:  # b does not count a as a member
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.4)  # time to dial and be refused
         assert not p.a.connected("b")
 
 

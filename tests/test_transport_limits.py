@@ -149,6 +149,6 @@ async def test_peers_talk_over_mutual_tls_and_refuse_other_certificates(pki):
 
 async def test_a_peer_whose_certificate_another_ca_signed_cannot_join(pki):
     async with tls_pair(pki, "mallory") as (a, b, _got, _addrs):
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(1.0)  # time to dial and be refused
         assert not a.connected("b") and not b.connected("a")
         assert not a.send(HeartbeatRequest("a", "b", 1, 0, 0))

@@ -339,7 +339,7 @@ def test_joins_wait_for_a_cluster_that_is_not_up_yet_and_for_each_other(tmp_path
         # Both ask n1 before it runs (connection refused), then at the same time (one of the
         # two changes is refused with 409 while the other is in flight): both must wait.
         c.start("n4", "n5", wait=False, join_via="n1")
-        time.sleep(1.0)
+        time.sleep(1.0)  # a while with nobody to join through: they must keep waiting
         assert c.alive("n4") and c.alive("n5")
         c.start("n1", "n2", "n3")
 

@@ -17,6 +17,7 @@ import pytest
 from cluster import ProcCluster
 
 import kv
+from kv.harness import poll
 
 pytestmark = pytest.mark.slow
 
@@ -107,11 +108,13 @@ async def test_the_watched_node_killed_mid_stream_the_client_resumes_elsewhere_e
         wc._next = 0  # watch the follower first
         start = (await wc.scan_page("k/", consistency="stale")).index + 1
         events: list[kv.Event] = []
-        done = asyncio.Event()
+        done, flowing = asyncio.Event(), asyncio.Event()
 
         async def watch():
             async for ev in wc.watch("k/", start, idle_timeout=2.0):
                 events.append(ev)
+                if len(events) >= 50:
+                    flowing.set()
                 if done.is_set() and len(events) >= len(writes):
                     return
 
@@ -120,8 +123,7 @@ async def test_the_watched_node_killed_mid_stream_the_client_resumes_elsewhere_e
             r = await writer.put(f"k/{i}", b"%d" % i)
             writes.append((r.index, f"k/{i}"))
             if i == 100:
-                while len(events) < 50:  # the stream from the follower is flowing
-                    await asyncio.sleep(0.01)
+                await asyncio.wait_for(flowing.wait(), 30)  # the stream from the follower is flowing
                 cluster.kill(f)
         done.set()
         await asyncio.wait_for(watching, 60)
@@ -166,8 +168,8 @@ async def test_two_hundred_watchers_on_one_node(cluster):
     async with kv.AsyncClient(cluster.url(f), connections=400) as wc, kv.AsyncClient(cluster.url(lead)) as writer:
         start = (await wc.scan_page("m/", consistency="stale")).index + 1
         watchers = [asyncio.ensure_future(collect(wc.watch("m/", start), 20, timeout=120)) for _ in range(200)]
-        while metric(cluster, f, "kv_watches") < 200:  # every stream is open before the writes
-            await asyncio.sleep(0.05)
+        # Every stream is open before the writes.
+        await poll(lambda: metric(cluster, f, "kv_watches") >= 200, timeout=60, error="200 watches not open")
         expected = [(await writer.put(f"m/{i}", b"%d" % i)).index for i in range(20)]
         results = await asyncio.gather(*watchers)
     assert all([e.index for e in r] == expected for r in results)
