@@ -116,17 +116,27 @@ def _fields(d: dict, where: str, allowed: set[str]) -> None:
 
 
 def _value_of(d: dict, where: str) -> bytes:
-    if "value" in d and "value_base64" in d:
-        raise BadRequest(f'{where}: give "value" or "value_base64", not both')
+    """A value spelled as in responses: `"value": text`, or `"value": base64` with
+    `"encoding": "base64"`; `"value_base64": base64` is the deprecated spelling."""
     if "value_base64" in d:
-        try:
-            return base64.b64decode(d["value_base64"], validate=True)
-        except (binascii.Error, TypeError) as e:
-            raise BadRequest(f"{where}: value_base64 is not valid base64") from e
+        if "value" in d or "encoding" in d:
+            raise BadRequest(f'{where}: give "value" (with "encoding": "base64" for bytes) or the deprecated "value_base64", not both')
+        return _base64(d["value_base64"], f"{where}: value_base64")
     v = d.get("value")
     if not isinstance(v, str):
-        raise BadRequest(f'{where}: needs "value" (a string) or "value_base64"')
-    return v.encode()
+        raise BadRequest(f'{where}: needs "value", a string (base64 with "encoding": "base64" for bytes)')
+    if "encoding" not in d:
+        return v.encode()
+    if d["encoding"] != "base64":
+        raise BadRequest(f'{where}: "encoding" must be "base64" (or left out for UTF-8 text)')
+    return _base64(v, f"{where}: value")
+
+
+def _base64(text, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, TypeError, ValueError) as e:
+        raise BadRequest(f"{what} is not valid base64") from e
 
 
 def _key_of(d, where: str) -> str:
@@ -138,13 +148,14 @@ def _key_of(d, where: str) -> str:
     return k
 
 
-_COND_FIELDS = {"mod_index", "exists", "value", "value_base64"}
+_COND_FIELDS = {"mod_index", "exists", "value", "encoding", "value_base64"}
+_VALUE_FIELDS = {"value", "encoding", "value_base64"}
 
 
 def _parse_cond(d, where: str) -> Cond:
     key = _key_of(d, where)
     _fields(d, where, {"key"} | _COND_FIELDS)
-    if len({"value" if f == "value_base64" else f for f in _COND_FIELDS & set(d)}) != 1:
+    if len({"value" if f in _VALUE_FIELDS else f for f in _COND_FIELDS & set(d)}) != 1:
         raise BadRequest(f'{where}: compare on exactly one of "mod_index", "exists" or "value"')
     if "mod_index" in d:
         m = d["mod_index"]
@@ -155,7 +166,7 @@ def _parse_cond(d, where: str) -> Cond:
         if not isinstance(d["exists"], bool):
             raise BadRequest(f"{where}: exists must be true or false")
         return Cond(key, "exists", d["exists"])
-    if "value" in d or "value_base64" in d:
+    if _VALUE_FIELDS & set(d):
         return Cond(key, "value", _value_of(d, where))
     raise BadRequest(f'{where}: compare on "mod_index", "exists" or "value"')
 
@@ -164,7 +175,7 @@ def _parse_op(d, where: str):
     key = _key_of(d, where)
     op = d.get("op")
     if op == "put":
-        _fields(d, where, {"op", "key", "value", "value_base64"})
+        _fields(d, where, {"op", "key"} | _VALUE_FIELDS)
         return Put(key, _value_of(d, where))
     if op in ("delete", "get"):
         _fields(d, where, {"op", "key"})

@@ -5,8 +5,8 @@ cluster holds over the chunk's key range (a linearizable scan, page by page) and
 the rows whose value differs: re-importing unchanged data proposes nothing and appends
 nothing to the log. The rest go out as transactions sized by bytes on the wire, each row
 compared on the mod_index it was read at (0: absent), so a key another writer changed in
-between is never overwritten blindly. Values travel as base64 (`value_base64`, which
-POST /v1/txn accepts), so 1 MB of any bytes is about 1.33 MB on the wire; as JSON text,
+between is never overwritten blindly. Values travel as base64 (`"value"` with
+`"encoding": "base64"`, as POST /v1/txn documents it), so 1 MB of any bytes is about 1.33 MB on the wire; as JSON text,
 control bytes would grow six-fold.
 
 Failures are per row: a transaction the cluster refuses (400, 413) is split in halves until
@@ -30,7 +30,7 @@ import orjson
 from .client import AsyncClient, _decode_value
 from .errors import BadRequest, KVError, Timeout, ValueTooLarge
 
-JSON_OVERHEAD = 96  # bytes per row of the transaction document besides key and value
+JSON_OVERHEAD = 112  # bytes per row of the transaction document besides key and value
 
 
 @dataclass
@@ -211,7 +211,7 @@ class _Writer:
     async def _txn(self, rows: list[_Row]) -> tuple[int, bytes]:
         doc = {
             "compare": [{"key": r.key, "mod_index": r.mod_index} for r in rows],
-            "success": [{"op": "put", "key": r.key, "value_base64": base64.b64encode(r.value).decode()} for r in rows],
+            "success": [{"op": "put", "key": r.key, "value": base64.b64encode(r.value).decode(), "encoding": "base64"} for r in rows],
             "failure": [{"op": "get", "key": r.key} for r in rows],  # on a 412: what each key holds
         }
         data = orjson.dumps(doc)

@@ -439,7 +439,7 @@ def _value_json(v: bytes) -> dict:
     try:
         return {"value": bytes(v).decode("utf-8")}
     except UnicodeDecodeError:
-        return {"value_base64": base64.b64encode(bytes(v)).decode()}
+        return {"value": base64.b64encode(bytes(v)).decode(), "encoding": "base64"}
 
 
 def _cond_json(c: Cond) -> dict:

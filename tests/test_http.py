@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from kv import Node, NodeConfig
+from kv import Cond, Get, Node, NodeConfig, Put
 from kv.harness import poll
 from kv.http.app import create_app
 
@@ -100,6 +101,55 @@ async def test_txn(api):
     r = await api.post("/v1/txn", json=doc)  # t/b exists now
     d = await r.json()
     assert r.status == 412 and not d["succeeded"] and d["results"][0]["value"] == "2"
+
+
+@pytest.mark.parametrize("spelling", ["documented", "deprecated"])
+async def test_txn_takes_binary_values_in_both_spellings(api, spelling):
+    raw = b"\x00bin\xff"
+    b64 = base64.b64encode(raw).decode()
+    value = {"value": b64, "encoding": "base64"} if spelling == "documented" else {"value_base64": b64}
+    doc = {"compare": [{"key": "b", "exists": False}], "success": [{"op": "put", "key": "b", **value}]}
+    r = await api.post("/v1/txn", json=doc)
+    assert r.status == 200, await r.text()
+    assert await (await api.get("/v1/kv/b")).read() == raw
+    doc = {"compare": [{"key": "b", **value}], "success": [{"op": "get", "key": "b"}]}
+    d = await (await api.post("/v1/txn", json=doc)).json()
+    assert d["succeeded"] and (d["results"][0]["value"], d["results"][0]["encoding"]) == (b64, "base64")
+
+
+async def test_the_client_sends_binary_values_the_server_reads_back(api):
+    import kv
+
+    raw = b"\xff\x00bin"
+    async with kv.AsyncClient(f"http://{api.host}:{api.port}") as c:
+        assert (await c.txn([Cond("cb", "exists", False)], [Put("cb", raw)])).succeeded
+        r = await c.txn([Cond("cb", "value", raw)], [Get("cb")])
+        assert r.succeeded and r.results[0].value == raw
+        assert not (await c.txn([Cond("cb", "value", raw + b"!")], [Put("cb", b"no")])).succeeded
+    assert await (await api.get("/v1/kv/cb")).read() == raw
+
+
+@pytest.mark.parametrize(
+    "part, message",
+    [
+        ({"value": "YQ==", "value_base64": "YQ=="}, "not both"),
+        ({"value": "YQ==", "encoding": "base64", "value_base64": "YQ=="}, "not both"),
+        ({"encoding": "base64", "value_base64": "YQ=="}, "not both"),
+        ({"value": "not base64!", "encoding": "base64"}, "value is not valid base64"),
+        ({"value_base64": "not base64!"}, "value_base64 is not valid base64"),
+        ({"value": "YQ==", "encoding": "hex"}, '"encoding" must be "base64"'),
+        ({"encoding": "base64"}, 'needs "value"'),
+    ],
+)
+async def test_a_bad_binary_value_is_refused_and_nothing_is_written(api, part, message):
+    for doc in (
+        {"success": [{"op": "put", "key": "ok", "value": "x"}, {"op": "put", "key": "bad", **part}]},
+        {"compare": [{"key": "bad", **part}], "success": [{"op": "put", "key": "ok", "value": "x"}]},
+    ):
+        r = await api.post("/v1/txn", json=doc)
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["code"] == "BAD_REQUEST" and message in err["message"], err
+    assert (await api.get("/v1/kv/ok")).status == 404 and (await api.get("/v1/kv/bad")).status == 404
 
 
 @pytest.mark.parametrize(
