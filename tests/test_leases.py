@@ -125,7 +125,7 @@ def test_a_clients_leases_share_their_keepalive_requests(cluster):
 
     with kv.Client(c.url(c.leader())) as client:
         leases = [client.lease(ttl) for _ in range(50)]
-        time.sleep(ttl * 3)
+        time.sleep(ttl * 3)  # three ttls pass: only the batched keepalives keep the leases
         assert all(lease.alive for lease in leases), [lease.lost for lease in leases if not lease.alive]
         assert {x.id for x in client.lease_list()} >= {lease.id for lease in leases}
         seen = keepalive_requests(c.leader())
