@@ -35,7 +35,7 @@ from .errors import (
     Unavailable,
     ValueTooLarge,
 )
-from .raft.errors import ConfigChangeRefused, TransferInProgress
+from .raft.errors import ConfigChangeRefused, LeaderChanged, TransferInProgress
 from .raft.ledger import Ledger, LedgerWrite
 from .raft.membership import Member, Membership
 from .raft.messages import Entry, EntryKind, ForwardCode, Role
@@ -539,6 +539,10 @@ class Node:
                     "could not confirm a read with a majority in time (no leader, or it cannot reach a quorum); "
                     "retry, or read with consistency=stale", raft.leader_id
                 ) from None
+            except LeaderChanged:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise NoQuorum("the leader changed and no new one confirmed the read in time; retry", raft.leader_id) from None
+                continue  # ask the new leader (or wait for one, if none is known yet)
             except NotLeader as e:
                 try:
                     await self._await_leader(deadline, e, force_wait=raft.leader_id is not None)

@@ -39,6 +39,11 @@ class NotLeader(KVError):
         super().__init__(message)
 
 
+class LeaderChanged(NotLeader):
+    """The leader changed while a read waited for the old one's answer: ask the new one
+    (the read barrier does so at once, instead of waiting out its deadline)."""
+
+
 class RaftError(KVError):
     """Base class of the Raft layer's own errors below."""
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Protocol
 from .config import CoreConfig
 from .core import RaftCore, Ready
 from .deadlines import AllOf, Deadlines
-from .errors import NotLeader, RaftError, TransferInProgress
+from .errors import LeaderChanged, NotLeader, RaftError, TransferInProgress
 from .ledger import Ledger, LedgerWrite
 from .membership import Membership
 from .messages import (
@@ -602,6 +602,13 @@ class RaftNode:
         log.info("node %s: %s in term %d, leader %s", self.id, c.role.label, c.term, c.leader_id)
         if c.leader_id is not None and c.leader_id != self._last_leader:
             self.stats["leader_changes"] += 1
+        if c.leader_id != self._last_leader and self._read_futs:
+            # Reads waiting on the old leader's answer (it may be dead, and the new one
+            # knows nothing of them) or on our own rounds as leader: ask again now.
+            reads, self._read_futs = self._read_futs, {}
+            for fut in reads.values():
+                if not fut.done():
+                    fut.set_exception(LeaderChanged(f"the leader changed ({self._last_leader} -> {c.leader_id}) while a read waited; retry", c.leader_id))
         self._last_leader = c.leader_id
         self.leader_changed.set()
         self.leader_changed = asyncio.Event()
