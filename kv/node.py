@@ -185,13 +185,6 @@ class Node:
         if not self.sm.membership() and self.ledger.last_index() == 0:
             self.sm.set_membership(membership.encode())  # bootstrap
         self.sm.on_changes = self.watches.publish
-        self.caller = FSMCaller(
-            self.sm,
-            load_snapshot=self.snapshots.load_into_state_machine,
-            after_apply=[self.snapshots.after_apply],
-            after_load=[self.watches.snapshot_loaded],
-            observe_apply=self._observe_apply,
-        )
         self.raft = RaftNode(
             core_cfg,
             self.ledger,
@@ -206,16 +199,23 @@ class Node:
             serve_local=self._serve_local,
             peer_tls=peer_tls,
             transport=self._transport,
-            on_apply=self.caller.on_apply,
-            on_snapshot=self.caller.on_snapshot,
             snapshots=self.snapshots,
             result_encoder=cmds.encode_result,
             observe_fsync=self._observe_fsync,
             observe_rtt=self._observe_rtt,
         )
+        self.caller = FSMCaller(
+            self.sm,
+            self.raft.committed,
+            c.id,
+            load_snapshot=self.snapshots.load_into_state_machine,
+            after_apply=[self.snapshots.after_apply],
+            after_load=[self.watches.snapshot_loaded],
+            observe_apply=self._observe_apply,
+        )
         self.snapshots.attach(self.raft)
         await self.raft.start()
-        self.caller.start(self.raft)
+        self.caller.start()
         self.leases.start()
         self.started_at = time.time()
         return self

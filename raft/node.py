@@ -9,9 +9,10 @@ queued up, and handles the Ready in the order core.py documents:
 - hard state, snapshot reset and entries go to the ledger writer: one thread, one LMDB
   transaction and one fsync for everything queued while the previous write ran (group
   commit); `persisted_messages` leave only when their write is done;
-- `applicable_index` wakes the FSM caller (statemachine/caller.py, through the `on_apply`
-  hook given at construction), which reads committed entries back through `entries()` and
-  reports each batch with `applied()`.
+- `applicable_index` lets `committed` (raft/committed.py) read the committed entries in
+  bounded batches and queue them for the FSM caller (statemachine/caller.py), which applies
+  them and resolves each batch's future with the results: the driver then resolves the
+  proposals' futures.
 
 The layers above use the methods and properties below (`metrics()`, `membership`,
 `log_range()`, `compact()`, `send()`, ...), never the core itself: its state changes only
@@ -31,10 +32,11 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Container, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
+from .committed import CommittedFeed
 from .config import CoreConfig
 from .core import RaftCore, Ready
 from .deadlines import AllOf, Deadlines
@@ -158,16 +160,12 @@ class RaftNode:
         serve_local: Callable[[bytes], Awaitable[bytes] | None] | None = None,
         peer_tls: PeerTLS | None = None,
         transport: Transport | None = None,
-        on_apply: Callable[[int], None] | None = None,
-        on_snapshot: Callable[[SnapshotMeta], None] | None = None,
         snapshots: SnapshotHooks | None = None,
         result_encoder: Callable[[Any], bytes] = lambda r: b"",
         observe_fsync: Callable[[float], None] | None = None,
         observe_rtt: Callable[[str, float], None] | None = None,
     ) -> None:
-        """Hooks: `on_apply(index)` entries up to index are committed and may be applied (the
-        FSM caller); `on_snapshot(meta)` a snapshot from the leader replaced the log (the
-        FSM caller loads it); `snapshots` streams and receives snapshot files;
+        """Hooks: `snapshots` streams and receives snapshot files;
         `result_encoder` encodes an apply result for a follower that forwarded the command.
         Metrics: `observe_fsync(seconds)` of each ledger write (called from the writer
         thread), `observe_rtt(peer, seconds)` of a heartbeat's round trip.
@@ -199,8 +197,6 @@ class RaftNode:
         self.transport = transport
         self._advertise_url = advertise_url
         self._snapshots = snapshots
-        self._on_apply = on_apply
-        self._on_snapshot = on_snapshot
         self._observe_fsync, self._observe_rtt = observe_fsync, observe_rtt
         self._heartbeat_sent: dict[str, float] = {}  # peer -> when the oldest unanswered heartbeat left
         self._last_leader: str | None = None
@@ -217,6 +213,15 @@ class RaftNode:
         self._ctx = itertools.count(1)
         self._pending: dict[int, tuple[int, asyncio.Future]] = {}  # index -> (term, future)
         self._apply_waiters: list[tuple[int, asyncio.Future]] = []
+        # What the state machine applies, in order (the FSM caller takes from it).
+        self.committed = CommittedFeed(
+            self.entries,
+            applied_index,
+            self._pending.keys(),
+            on_applied=self._applied,
+            on_loaded=self._reset_applied,
+            on_failed=self.fail,
+        )
         self.max_pending = max_pending
         self._persist_queue: list[Ready] = []
         self._writing = False
@@ -420,18 +425,14 @@ class RaftNode:
         self._inbox.append(msg)
         self._kick()
 
-    # ======================================================================================
-    # The FSM caller's side
-
-    @property
-    def awaited(self) -> Container[int]:
-        """Indexes of proposals made here whose result someone is waiting for."""
-        return self._pending.keys()
-
     def entries(self, lo: int, hi: int, max_bytes: int = 8 << 20) -> list[Entry]:
+        """Entries [lo, hi) of the log, about max_bytes (the caller keeps to committed ones)."""
         return self.core.log.entries(lo, hi, max_bytes, 1 << 30)
 
-    def applied(self, entries: Sequence[Entry], results: Sequence[Any]) -> None:
+    # ======================================================================================
+    # What comes back from the state machine (through self.committed)
+
+    def _applied(self, entries: Sequence[Entry], results: Sequence[Any]) -> None:
         """The state machine applied these entries (in order) with these results."""
         pending = self._pending
         for e, r in zip(entries, results):
@@ -448,9 +449,9 @@ class RaftNode:
             self.applied_index = entries[-1].index
         self._release_apply_waiters()
 
-    def reset_applied(self, index: int) -> None:
-        """The state machine was replaced by a snapshot up to index (the FSM caller calls
-        this once it has loaded a snapshot the leader installed)."""
+    def _reset_applied(self, index: int) -> None:
+        """The state machine was replaced by a snapshot up to index (one the leader
+        installed, loaded by the FSM caller)."""
         self.applied_index = index
         for i in [i for i in self._pending if i <= index]:
             term, fut = self._pending.pop(i)
@@ -573,8 +574,10 @@ class RaftNode:
         if rd.must_persist or rd.persisted_messages:
             self._persist_queue.append(rd)
             self._kick_writer()
-        if rd.applicable_index is not None and self._on_apply is not None:
-            self._on_apply(rd.applicable_index)
+        if rd.snapshot is not None:
+            self.committed.snapshot_reset(rd.snapshot.index)
+        if rd.applicable_index is not None:
+            self.committed.commit(rd.applicable_index)
         for rs in rd.read_states:
             fut = self._read_futs.pop(rs.ctx, None)
             if fut is not None and not fut.done():
@@ -668,8 +671,8 @@ class RaftNode:
                 for m in rd.persisted_messages:
                     t.send(m)
             self.core.on_persisted(rd)
-            if rd.snapshot is not None and self._on_snapshot is not None:
-                self._on_snapshot(rd.snapshot)
+            if rd.snapshot is not None:
+                self.committed.snapshot_durable(rd.snapshot)
         self._kick_writer()
         self._kick()
 
