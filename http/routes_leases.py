@@ -48,9 +48,15 @@ async def keepalive(request: web.Request) -> web.Response:
 
 async def keepalive_many(request: web.Request) -> web.Response:
     doc = await _json_body(request)
+    example = '{"ids": [7587862104061, 7587862104062]}'
+    if set(doc) - {"ids"}:
+        raise BadRequest(f"unknown field(s) {sorted(set(doc) - {'ids'})}; the body is {example}")
     ids = doc.get("ids")
-    if set(doc) != {"ids"} or not isinstance(ids, list) or not all(type(x) is int for x in ids):
-        raise BadRequest('give the lease ids to renew: {"ids": [7587862104061, 7587862104062]}')
+    if not isinstance(ids, list):
+        raise BadRequest(f"give the lease ids to renew as a list: {example}")
+    wrong = [x for x in ids if type(x) is not int]
+    if wrong:
+        raise BadRequest(f"lease ids are integers, not {wrong[0]!r}: {example}")
     renewed = await ctx(request).node.lease_keepalives(ids)
     return json_response(
         {

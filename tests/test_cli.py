@@ -57,3 +57,13 @@ def test_help_and_errors_from_the_real_command():
     assert r.returncode == 1 and "needs --id" in r.stderr
     r = subprocess.run(kv + ["get", "k", "--endpoints", "http://127.0.0.1:9", "--timeout", "0.5"], capture_output=True, text=True)
     assert r.returncode == 1 and "no endpoint answered" in r.stderr
+
+
+def test_scan_and_watch_lines_escape_what_would_break_them():
+    """A value in a tab-separated listing stays on its line: bytes that are not UTF-8 and
+    control characters (NUL, tab, newline) are escaped; other text is kept as it is."""
+    from kv.cli.output import listing_text
+
+    assert listing_text(b"\xff\xfe\x00\x80hi") == "\\xff\\xfe\\x00\\x80hi"
+    assert listing_text(b"a\tb\nc\r") == "a\\tb\\nc\\r"
+    assert listing_text("héllo wörld".encode()) == "héllo wörld"

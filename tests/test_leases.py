@@ -96,9 +96,16 @@ def test_revoke_and_bad_requests(cluster):
     assert req("POST", "/v1/leases/424242/keepalive")[1]["error"]["code"] == "LEASE_NOT_FOUND"
     # Batched keepalives (forwarded by the follower): renewed, or listed as not found.
     assert req("POST", "/v1/leases/keepalive", {"ids": [lid, 424242, lid]}) == (200, {"leases": [{"id": lid, "ttl": 60}] * 2, "not_found": [424242]})
-    for bad in ({}, {"ids": []}, {"ids": lid}, {"ids": [str(lid)]}, {"ids": [True]}, {"ids": [0]}, {"ids": [-1]}, {"ids": [2**63]}, {"ids": [lid], "x": 1}, {"ids": [1] * 10_001}):
-        code, body = req("POST", "/v1/leases/keepalive", bad)
-        assert code == 400 and body["error"]["code"] == "BAD_REQUEST", (bad, body)
+    bad_batches = {
+        "{}": "as a list", '{"ids": []}': "1 to 10000", f'{{"ids": {lid}}}': "as a list", f'{{"ids": ["{lid}"]}}': f"not '{lid}'",
+        '{"ids": [true]}': "not True", '{"ids": [null]}': "not None", '{"ids": [2.5]}': "not 2.5", '{"ids": [0]}': "positive",
+        '{"ids": [-1]}': "positive", f'{{"ids": [{2**63}]}}': "positive", f'{{"ids": [{lid}], "x": 1}}': "unknown field(s) ['x']",
+        '{"ids": [' + ", ".join(["1"] * 10_001) + "]}": "1 to 10000",
+    }
+    for bad, says in bad_batches.items():
+        code, _, body = c.request(follower, "POST", "/v1/leases/keepalive", bad.encode(), {"Content-Type": "application/json"})
+        error = orjson.loads(body)["error"]
+        assert code == 400 and error["code"] == "BAD_REQUEST" and says in error["message"], (bad[:80], error)
     assert req("DELETE", "/v1/leases/424242")[0] == 404
     code, _, body = c.request(follower, "PUT", "/v1/kv/c?lease=424242", b"3")
     assert code == 404 and orjson.loads(body)["error"]["code"] == "LEASE_NOT_FOUND"

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import base64
 import sys
 
 import orjson
 
 from ..errors import BadRequest, NotFound
 from .options import client_command, with_client
-from .output import emit, report, value_fields, wants_json
+from .output import emit, listing_text, report, value_fields, wants_json
 
 
 def add_parser(sub) -> None:
@@ -67,7 +66,7 @@ async def _run(c, args: argparse.Namespace) -> int:
         report(args, {"key": args.key, "index": r.index, "term": r.term, "deleted": r.deleted}, text)
     elif cmd == "scan":
         async for it in c.scan(args.prefix, limit=args.limit):
-            report(args, _item(it), f"{it.key}\t{it.value.decode(errors='backslashreplace')}\t{it.mod_index}")
+            report(args, _item(it), f"{it.key}\t{listing_text(it.value)}\t{it.mod_index}")
     elif cmd == "watch":
         await _watch(c, args)
     return 0
@@ -81,12 +80,9 @@ async def _watch(c, args: argparse.Namespace) -> None:
         if args.output == "json":
             d = {"type": ev.type, "key": ev.key, "mod_index": ev.mod_index, "index": ev.index}
             if ev.value is not None:
-                try:
-                    d["value"] = ev.value.decode()
-                except UnicodeDecodeError:
-                    d["value"], d["encoding"] = base64.b64encode(ev.value).decode(), "base64"
+                d.update(value_fields(ev.value))
             out.write(orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE))
         else:
-            value = "" if ev.value is None else ev.value.decode(errors="backslashreplace")
+            value = "" if ev.value is None else listing_text(ev.value)
             out.write(f"{ev.index}\t{ev.type}\t{ev.key}\t{value}\n".encode())
         out.flush()

@@ -11,7 +11,7 @@ import sys
 
 from ..node import LeaseStatus
 from .options import client_options, with_client
-from .output import add_output_option, emit
+from .output import add_output_option, emit, listing_text
 
 
 def _client_options(a: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -131,7 +131,7 @@ async def _elect(c, args: argparse.Namespace) -> int:
     e = c.election(args.name, ttl=args.ttl)
     if args.listen:
         async for value in e.observe():
-            print("-" if value is None else value.decode(errors="backslashreplace"), flush=True)
+            print("-" if value is None else listing_text(value), flush=True)
         return 0
     if args.value is None:
         print("kv elect: give the VALUE to campaign with, or --listen", file=sys.stderr)

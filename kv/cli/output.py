@@ -48,3 +48,13 @@ def value_fields(value: bytes) -> dict:
         return {"value": value.decode("utf-8")}
     except UnicodeDecodeError:
         return {"value": base64.b64encode(value).decode(), "encoding": "base64"}
+
+
+def listing_text(value: bytes) -> str:
+    """A value on one line of a tab-separated listing (kv scan, kv watch): bytes that are
+    not UTF-8 as \\xNN, and control characters (NUL, tab, newline...) escaped the same way,
+    so that a value never breaks the line or writes raw control bytes to a terminal."""
+    text = value.decode(errors="backslashreplace")
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in text)
