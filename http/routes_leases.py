@@ -57,11 +57,11 @@ async def keepalive_many(request: web.Request) -> web.Response:
     wrong = [x for x in ids if type(x) is not int]
     if wrong:
         raise BadRequest(f"lease ids are integers, not {wrong[0]!r}: {example}")
-    renewed = await ctx(request).node.lease_keepalives(ids)
+    renewed = dict(zip(ids, await ctx(request).node.lease_keepalives(ids)))  # each lease once, in order
     return json_response(
         {
-            "leases": [lease_json(s, remaining=False, keys=False) for s in renewed if s is not None],
-            "not_found": [lease for lease, s in zip(ids, renewed) if s is None],
+            "leases": [lease_json(s, remaining=False, keys=False) for s in renewed.values() if s is not None],
+            "not_found": [lease for lease, s in renewed.items() if s is None],
         }
     )
 

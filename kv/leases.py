@@ -120,15 +120,17 @@ class LeaseClock:
         if type(cmd) is cmds.LeaseQuery and not cmd.lease:
             return cmds.LeaseList(tuple(cmds.LeaseInfo(lease, ttl, d.left_ms(lease, now)) for lease, ttl in sorted(table.ttl_ms.items())))
         if type(cmd) is cmds.LeaseKeepAlives:
-            renewed = []
-            for lease in cmd.leases:
-                ttl = table.ttl_ms.get(lease)
-                ok = ttl is not None and d.renew(lease, ttl, now)
-                renewed.append(cmds.LeaseInfo(lease, ttl, d.left_ms(lease, now)) if ok else cmds.NoSuchLease(lease))
-            return cmds.LeaseList(tuple(renewed))
-        ttl = table.ttl_ms.get(cmd.lease)
-        if ttl is None:
-            return cmds.NoSuchLease(cmd.lease)
-        if type(cmd) is cmds.LeaseKeepAlive and not d.renew(cmd.lease, ttl, now):
-            return cmds.NoSuchLease(cmd.lease)  # expired; its revoke is on its way
-        return cmds.LeaseInfo(cmd.lease, ttl, d.left_ms(cmd.lease, now), tuple(sorted(table.keys[cmd.lease])))
+            return cmds.LeaseList(tuple(self._renew(lease, now) for lease in cmd.leases))
+        if type(cmd) is cmds.LeaseKeepAlive:
+            r = self._renew(cmd.lease, now)
+        else:
+            ttl = table.ttl_ms.get(cmd.lease)
+            r = cmds.NoSuchLease(cmd.lease) if ttl is None else cmds.LeaseInfo(cmd.lease, ttl, d.left_ms(cmd.lease, now))
+        return r._replace(keys=tuple(sorted(table.keys[cmd.lease]))) if type(r) is cmds.LeaseInfo else r
+
+    def _renew(self, lease: int, now: float) -> cmds.LeaseInfo | cmds.NoSuchLease:
+        """A keepalive of one lease (without its keys)."""
+        ttl = self._node.sm.leases.ttl_ms.get(lease)
+        if ttl is None or not self._deadlines.renew(lease, ttl, now):
+            return cmds.NoSuchLease(lease)  # gone, or expired with its revoke on its way
+        return cmds.LeaseInfo(lease, ttl, self._deadlines.left_ms(lease, now))

@@ -540,9 +540,7 @@ class Node:
                     "retry, or read with consistency=stale", raft.leader_id
                 ) from None
             except LeaderChanged:
-                if asyncio.get_running_loop().time() >= deadline:
-                    raise NoQuorum("the leader changed and no new one confirmed the read in time; retry", raft.leader_id) from None
-                continue  # ask the new leader (or wait for one, if none is known yet)
+                continue  # ask the new one (or wait for one); past the deadline the ask fails at once
             except NotLeader as e:
                 try:
                     await self._await_leader(deadline, e, force_wait=raft.leader_id is not None)
@@ -624,8 +622,10 @@ class Node:
         ids = tuple(lease_id(x) for x in leases)
         if not 0 < len(ids) <= cmds.MAX_KEEPALIVES:
             raise BadRequest(f"renew 1 to {cmds.MAX_KEEPALIVES} leases at once, not {len(ids)}")
-        r = _raise_failed((await self.submit(cmds.LeaseKeepAlives(ids), timeout)).result)
-        return [lease_status(x) if type(x) is cmds.LeaseInfo else None for x in r.leases]
+        unique = tuple(dict.fromkeys(ids))  # a lease named twice is renewed once
+        r = _raise_failed((await self.submit(cmds.LeaseKeepAlives(unique), timeout)).result)
+        renewed = {x.lease: lease_status(x) if type(x) is cmds.LeaseInfo else None for x in r.leases}
+        return [renewed[i] for i in ids]
 
     async def lease_revoke(self, lease: int, *, timeout: float | None = None) -> RevokeResult:
         """End a lease now; its keys are deleted in the same committed entry."""
