@@ -32,6 +32,13 @@ from kv.harness import ServeCluster, rss_mb
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 OPS = ("PUT", "GET linearizable", "GET stale")
+AIOHTTP_ONLY = "ledgerkv (aiohttp only)"
+SYSTEMS = {  # --systems names -> the clusters they start, in order
+    "ledgerkv": [Ledgerkv],
+    "ledgerkv-aiohttp": [lambda root: Ledgerkv(root, aiohttp_only=True)],
+    "etcd": [Etcd],
+    "pysyncobj": [lambda root: PySyncObj(root, True), lambda root: PySyncObj(root, False)],
+}
 
 
 async def measure(system_factory, values, targets, concurrency, seconds, repeats) -> list[dict]:
@@ -87,6 +94,7 @@ def table(rows: list[dict]) -> str:
         ["op", "value", "to", "clients"]
         + [f"{s} ops/s (p50/p99 ms) cpu µs/op" for s in systems]
         + ["ledgerkv/etcd", "cpu/op ledgerkv/etcd", "ledgerkv/PySyncObj best"]
+        + (["fast path: ops/s, cpu/op"] if AIOHTTP_ONLY in systems else [])
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in keys:
@@ -104,6 +112,9 @@ def table(rows: list[dict]) -> str:
         row.append(f"{ours['ops_per_s'] / etcd['ops_per_s']:.2f}x" if ours and etcd and etcd["ops_per_s"] else "-")
         row.append(f"{ours['cpu_us_per_op'] / etcd['cpu_us_per_op']:.2f}x" if ours and etcd and etcd.get("cpu_us_per_op") else "-")
         row.append(f"{ours['ops_per_s'] / best:.2f}x" if ours and best else "-")
+        if AIOHTTP_ONLY in systems:
+            slow = cells.get(k + (AIOHTTP_ONLY,))
+            row.append(f"{ours['ops_per_s'] / slow['ops_per_s']:.2f}x, {ours['cpu_us_per_op'] / slow['cpu_us_per_op']:.2f}x" if ours and slow else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -224,9 +235,11 @@ async def main(args) -> None:
     values, targets, conc = ((256,), ("leader",), (64,)) if args.quick else ((256, 4096), ("leader", "follower"), (1, 64, 256))
     if args.clients:
         conc = tuple(int(x) for x in args.clients.split(","))
-    factories = [Ledgerkv, Etcd, lambda root: PySyncObj(root, True), lambda root: PySyncObj(root, False)]
     rows = []
-    for f in factories:
+    for name in args.systems.split(","):
+        if name not in SYSTEMS:
+            raise SystemExit(f"--systems: unknown system {name!r}; known: {', '.join(SYSTEMS)}")
+    for f in (f for name in args.systems.split(",") for f in SYSTEMS[name]):
         rows += await measure(f, values, targets, conc, args.seconds, args.repeats)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with open(os.path.join(args.out, "compare.json"), "w") as fh:
@@ -256,6 +269,7 @@ if __name__ == "__main__":
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--systems", default="ledgerkv,etcd,pysyncobj", help=f"comma-separated, of {', '.join(SYSTEMS)} (default: ledgerkv,etcd,pysyncobj)")
     a = p.parse_args()
     from kv.cli.serve import install_uvloop
 

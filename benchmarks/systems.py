@@ -32,10 +32,12 @@ class System:
 
 
 class Ledgerkv(System):
-    name = "ledgerkv"
+    """`aiohttp_only`: every request through aiohttp (kv serve --http-aiohttp-only), to
+    measure what the fast path (http/fastpath.py) buys, side by side."""
 
-    def __init__(self, root: str) -> None:
-        self.c = ServeCluster(root, 3)
+    def __init__(self, root: str, aiohttp_only: bool = False) -> None:
+        self.name = "ledgerkv (aiohttp only)" if aiohttp_only else "ledgerkv"
+        self.c = ServeCluster(root, 3, ["--http-aiohttp-only"] if aiohttp_only else [])
         self.procs = self.c.procs
         self.ids = self.c.ids
         self.c.start()

@@ -16,6 +16,7 @@ from . import routes_admin, routes_kv, routes_leases, routes_members, routes_wat
 from .auth import ADMIN, Grant, authorize
 from .context import CONTEXT, HttpContext
 from .errors import run_handler
+from .fastpath import FastFront
 from .listener import CappedSite
 
 log = logging.getLogger("kv.http")
@@ -108,16 +109,19 @@ async def serve(
     idle_timeout_s: float = 30.0,
     max_connections: int = 10_000,
     access_log: bool = False,
+    fast_path: bool = True,
 ) -> web.AppRunner:
     """Start the HTTP API of `node`; returns the runner (await runner.cleanup() to stop).
 
     aiohttp's keep-alive timer starts when a connection opens and again after each
     response, and closes the connection if no whole request head arrived by then: so
-    `idle_timeout_s` bounds both an idle connection and a slowly sent request head."""
+    `idle_timeout_s` bounds both an idle connection and a slowly sent request head; the
+    fast path (http/fastpath.py, on unless `fast_path` is False) keeps the same rule."""
     app = create_app(node, token=token, tokens=tokens, access_log=access_log)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=idle_timeout_s)
     await runner.setup()
-    site = CappedSite(runner, host, port, max_connections=max_connections, handshake_timeout_s=idle_timeout_s, ssl_context=ssl_context, backlog=1024)
+    fast = FastFront(app, middleware, runner.server, idle_timeout_s) if fast_path else None
+    site = CappedSite(runner, host, port, max_connections=max_connections, handshake_timeout_s=idle_timeout_s, fast=fast, ssl_context=ssl_context, backlog=1024)
     await site.start()
     node.metrics.http_refused = lambda: site.refused
     return runner

@@ -16,6 +16,7 @@ import orjson
 from aiohttp import web
 
 from .errors import RETRY_AFTER_S
+from .fastpath import FastFront, FastProtocol
 
 log = logging.getLogger("kv.http")
 
@@ -40,8 +41,9 @@ class _Busy(asyncio.Protocol):
 class CappedSite(web.BaseSite):
     """A TCP site that lets at most `max_connections` client connections be open."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int, handshake_timeout_s: float, **kwargs) -> None:
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int, handshake_timeout_s: float, fast: FastFront | None = None, **kwargs) -> None:
         super().__init__(runner, **kwargs)
+        self.fast = fast  # serves the hot routes on its own connections (http/fastpath.py)
         self._host, self._port = host, port
         self.max_connections = max_connections
         self.handshake_timeout_s = handshake_timeout_s  # TLS handshakes are not counted yet: keep them short
@@ -55,8 +57,9 @@ class CappedSite(web.BaseSite):
 
     def _protocol(self) -> asyncio.Protocol:
         server = self._runner.server
-        if len(server.connections) < self.max_connections:
-            return server()
+        fast = self.fast
+        if len(server.connections) + (len(fast.connections) if fast else 0) < self.max_connections:
+            return FastProtocol(fast) if fast else server()
         self.refused += 1
         now = time.monotonic()
         if now - self._last_warning >= 10.0:
@@ -69,3 +72,10 @@ class CappedSite(web.BaseSite):
         loop = asyncio.get_running_loop()
         tls = {"ssl": self._ssl_context, "ssl_handshake_timeout": self.handshake_timeout_s} if self._ssl_context else {}
         self._server = await loop.create_server(self._protocol, self._host, self._port, backlog=self._backlog, reuse_address=True, **tls)
+        if self.fast:
+            self.fast.start()
+
+    async def stop(self) -> None:
+        if self.fast:
+            self.fast.stop()
+        await super().stop()

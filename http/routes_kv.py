@@ -235,9 +235,15 @@ async def txn(request: web.Request) -> web.Response:
     return json_response(body)
 
 
+ROUTES = (  # method, path, handler, name (http/fastpath.py serves some of these too)
+    ("PUT", "/v1/kv/{key:.+}", put_key, "kv_put"),
+    ("GET", "/v1/kv/{key:.+}", get_key, "kv_get"),
+    ("DELETE", "/v1/kv/{key:.+}", delete_key, "kv_delete"),
+    ("GET", "/v1/kv", list_keys, "kv_list"),
+    ("POST", "/v1/txn", txn, "txn"),
+)
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_route("PUT", "/v1/kv/{key:.+}", put_key, name="kv_put")
-    app.router.add_route("GET", "/v1/kv/{key:.+}", get_key, name="kv_get")
-    app.router.add_route("DELETE", "/v1/kv/{key:.+}", delete_key, name="kv_delete")
-    app.router.add_route("GET", "/v1/kv", list_keys, name="kv_list")
-    app.router.add_route("POST", "/v1/txn", txn, name="txn")
+    for method, path, handler, name in ROUTES:
+        app.router.add_route(method, path, handler, name=name)

@@ -66,6 +66,7 @@ class NodeConfig:
     cacert: str | None = None  # CA this node trusts for other members' HTTPS (forwarding, --join)
     http_idle_timeout_s: float = 30.0  # idle keep-alive, and the time to send a request head
     max_http_connections: int = 10_000
+    http_aiohttp_only: bool = False  # no fast path (http/fastpath.py): every request through aiohttp
     join: str | None = None
     join_timeout_s: float = 60.0  # how long --join waits through temporary refusals
     advertise_http: str | None = None

@@ -8,28 +8,30 @@ import json
 import os
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
+from served import FRONTS, ServedNode
 
 from kv import Cond, Get, Node, NodeConfig, Put
 from kv.harness import poll
-from kv.http.app import create_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-async def make_client(tmp_path, **options):
+async def make_client(tmp_path, front: str = "fast", **options):
+    """A node behind its real listener: `front` "fast" serves the key routes on the fast
+    path (http/fastpath.py), "aiohttp" serves everything through aiohttp."""
     node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), max_value_bytes=1000, **options))
     await node.start()
     while node.raft.leader_id is None:
         await node.raft.leader_changed.wait()
-    client = TestClient(TestServer(create_app(node, token=options.get("token"))))
+    client = TestClient(ServedNode(node, front, token=options.get("token")))
     await client.start_server()
     return node, client
 
 
-@pytest.fixture
-async def api(tmp_path):
-    node, client = await make_client(tmp_path)
+@pytest.fixture(params=FRONTS)
+async def api(tmp_path, request):
+    node, client = await make_client(tmp_path, request.param)
     yield client
     await client.close()
     await node.stop()
@@ -224,8 +226,9 @@ async def test_snapshot_routes(api):
     assert (await r.read()).startswith(b"LKVSNAP1")
 
 
-async def test_token_guards_client_routes_but_not_healthz(tmp_path):
-    node, client = await make_client(tmp_path, token="s3cret")
+@pytest.mark.parametrize("front", FRONTS)
+async def test_token_guards_client_routes_but_not_healthz(tmp_path, front):
+    node, client = await make_client(tmp_path, front, token="s3cret")
     try:
         assert (await client.get("/healthz")).status == 200
         for method, path in (("GET", "/v1/status"), ("PUT", "/v1/kv/a"), ("GET", "/metrics"), ("GET", "/v1/kv")):
@@ -260,7 +263,7 @@ async def test_openapi_document_matches_the_routes(api):
 async def test_a_large_value_arriving_in_pieces_is_stored_whole(tmp_path):
     node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1")))  # the default 1 MiB limit
     await node.start()
-    client = TestClient(TestServer(create_app(node)))
+    client = TestClient(ServedNode(node))  # too large for the fast path: handed to aiohttp
     await client.start_server()
     try:
         value = os.urandom(900_000)

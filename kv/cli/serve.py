@@ -210,6 +210,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
                     idle_timeout_s=config.http_idle_timeout_s,
                     max_connections=max_http,
                     access_log=access_log,
+                    fast_path=not config.http_aiohttp_only,
                 )
             except OSError as e:
                 raise _listen_error(e, "--http ", config.http) from e

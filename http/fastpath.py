@@ -1,0 +1,309 @@
+"""A lean HTTP/1.1 front for the hot routes: a key's GET, PUT and DELETE, and transactions.
+
+aiohttp spends about 120 µs of CPU on a request here (a bare aiohttp PUT handler, this
+project's 2-core machine), more than the Raft work of a batched write. FastProtocol parses a
+plain, well-formed request itself (about 15 µs) and runs the very same middleware and
+handlers on a FastRequest, the part of aiohttp's Request that they use. So the auth, the
+error model, the metrics and the access log are one code, whichever front parsed the request.
+
+Anything else hands the connection to aiohttp for good: another route, a body that has not
+fully arrived or is over 64 KiB, chunked bodies, `Expect`, HTTP/1.0, an upgrade, a head that
+is odd in any way (non-ASCII, a repeated header, one longer than aiohttp allows). aiohttp's
+protocol gets the connection's bytes from the first byte of that request on, so it answers
+exactly as it would have from the start: its limits, timeouts and errors stay the reference.
+A client that only reads and writes keys stays on the fast path; one that also watches or
+renews leases on the same connection moves to aiohttp at its first such request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import re
+import socket
+import time
+import urllib.parse
+from types import SimpleNamespace
+
+import aiohttp
+from aiohttp import web
+
+from . import routes_kv
+
+log = logging.getLogger("kv.http")
+
+HEAD_MAX = 8190  # a longer head goes to aiohttp, which refuses it (its line limit)
+BODY_MAX = 64 << 10  # a larger body goes to aiohttp, which reads it with a timeout
+_HEAD = re.compile(
+    rb"(GET|PUT|DELETE|POST) (/[!\x24-\x7e\x22]*) HTTP/1\.1"  # the request line, in origin form, no fragment
+    rb"(?:\r\n[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t -~]*)*"  # header fields, visible ASCII
+)
+_QUERY = re.compile(r"[A-Za-z0-9_.=&-]*")  # nothing to percent-decode
+_PASSED_ON = frozenset({"transfer-encoding", "expect", "upgrade"})  # aiohttp handles these
+_SERVER = f"Python/{'.'.join(map(str, __import__('sys').version_info[:2]))} aiohttp/{aiohttp.__version__}"
+
+
+def _route(name: str):
+    handler = next(h for _, _, h, n in routes_kv.ROUTES if n == name)
+    return handler, SimpleNamespace(route=SimpleNamespace(name=name))
+
+
+_KEY_ROUTES = {"GET": _route("kv_get"), "PUT": _route("kv_put"), "DELETE": _route("kv_delete")}
+_TXN = _route("txn")
+
+
+class _Headers(dict):
+    """Request headers under lower-case names, looked up in any case (as aiohttp's are)."""
+
+    def get(self, name: str, default=None):
+        return dict.get(self, name.lower(), default)
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name.lower())
+
+
+class _WholeBody:
+    """request.content for a body that arrived whole: what http.errors.read_body reads."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def is_eof(self) -> bool:
+        return True
+
+    def read_nowait(self) -> bytes:
+        return self.data
+
+
+class FastRequest(dict):
+    """What the middleware and the key routes use of aiohttp's web.Request; a dict, as
+    web.Request is a mapping for per-request state (the caller's grant)."""
+
+    def __init__(self, app, transport, method: str, target: str, headers: _Headers, body: bytes, match_info) -> None:
+        super().__init__()
+        self.app = app
+        self.method = method
+        self.raw_path = target
+        path, _, qs = target.partition("?")
+        self.path = urllib.parse.unquote(path) if "%" in path else path  # decoded, as aiohttp's
+        self.query = _query(qs)
+        self.headers = headers
+        self.content = _WholeBody(body)
+        self.content_length = len(body)
+        self.match_info = match_info
+        self._transport = transport
+
+    @property
+    def remote(self) -> str | None:
+        peer = self._transport.get_extra_info("peername")
+        return peer[0] if isinstance(peer, (tuple, list)) else peer
+
+
+def _query(qs: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in qs.split("&") if qs else ():
+        name, _, value = part.partition("=")
+        out.setdefault(name, value)  # the first of a repeated name, as aiohttp's query.get
+    return out
+
+
+class _Date:
+    """The Date header, formatted once a second."""
+
+    second, text = 0, ""
+
+    @classmethod
+    def now(cls) -> str:
+        t = int(time.time())
+        if t != cls.second:
+            cls.second, cls.text = t, email.utils.formatdate(t, usegmt=True)
+        return cls.text
+
+
+def encode_response(resp: web.Response, keep_alive: bool) -> bytes:
+    body = resp.body or b""
+    head = [f"HTTP/1.1 {resp.status} {resp.reason}\r\n"]
+    head += [f"{k}: {v}\r\n" for k, v in resp.headers.items()]
+    head.append(f"Content-Length: {len(body)}\r\nDate: {_Date.now()}\r\nServer: {_SERVER}\r\n")
+    if not keep_alive:
+        head.append("Connection: close\r\n")
+    head.append("\r\n")
+    return "".join(head).encode() + body
+
+
+class FastFront:
+    """The fast path's share of a listening site: its open connections, the requests in
+    flight, and the sweep that closes idle connections (aiohttp's keep-alive rule: a
+    connection that has not sent a whole request within the idle timeout of opening, or of
+    its last response, is closed)."""
+
+    def __init__(self, app: web.Application, middleware, server, idle_timeout_s: float) -> None:
+        self.app = app
+        self.middleware = middleware
+        self.server = server  # aiohttp's protocol factory, for the connections handed over
+        self.idle_timeout_s = idle_timeout_s
+        self.connections: set[FastProtocol] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self._sweeper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(1.0, self.idle_timeout_s / 4))
+            deadline = loop.time() - self.idle_timeout_s
+            for conn in [c for c in self.connections if not c.busy and c.since < deadline]:
+                conn.close()
+
+    def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for conn in list(self.connections):
+            conn.close()
+
+
+class FastProtocol(asyncio.Protocol):
+    """One client connection, served one request at a time (HTTP/1.1 answers in order)."""
+
+    def __init__(self, front: FastFront) -> None:
+        self.front = front
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.busy = False  # a request is being served
+        self.eof = False
+        self.since = self.loop.time()  # opened, or last answered
+        self.write_paused = False
+        self.read_paused = False
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.front.connections.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc) -> None:
+        self.front.connections.discard(self)
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self.buf = self.buf + data if self.buf else data
+        if not self.busy:
+            self._next()
+        elif len(self.buf) > HEAD_MAX + BODY_MAX and not self.read_paused:
+            self.read_paused = True  # a client sending ahead of its answers waits
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        return self.busy  # keep the transport open for the answer being made
+
+    def pause_writing(self) -> None:
+        self.write_paused = True  # the client does not read: serve no more until it does
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if not self.busy:
+            self._next()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _next(self) -> None:
+        if self.read_paused and self.transport is not None:
+            self.read_paused = False
+            self.transport.resume_reading()
+        if not self.buf or self.write_paused or self.transport is None:
+            return
+        end = self.buf.find(b"\r\n\r\n", 0, HEAD_MAX + 4)
+        if end < 0:
+            if len(self.buf) > HEAD_MAX:
+                self._hand_off()
+            return  # the rest of the head is on its way (the idle sweep bounds the wait)
+        request = self._parse(end)
+        if request is None:
+            self._hand_off()
+            return
+        request, handler, keep_alive = request
+        self.busy = True
+        task = self.loop.create_task(self._serve(request, handler, keep_alive))
+        self.front.tasks.add(task)
+        task.add_done_callback(self.front.tasks.discard)
+
+    def _parse(self, end: int):
+        """The request at the start of the buffer, if the fast path serves it whole; else None."""
+        buf = self.buf
+        if _HEAD.fullmatch(buf, 0, end) is None:
+            return None
+        lines = buf[:end].decode("ascii").split("\r\n")
+        method, target, _ = lines[0].split(" ")
+        headers = _Headers()
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.lower()] = value.strip(" \t")
+        if len(headers) != len(lines) - 1 or not _PASSED_ON.isdisjoint(headers):
+            return None  # a repeated header, or one aiohttp must handle
+        path, _, qs = target.partition("?")
+        if method in _KEY_ROUTES and path.startswith(routes_kv.KV_PREFIX) and len(path) > len(routes_kv.KV_PREFIX):
+            handler, match = _KEY_ROUTES[method]
+        elif method == "POST" and path == "/v1/txn":
+            handler, match = _TXN
+        else:
+            return None
+        if qs and _QUERY.fullmatch(qs) is None:
+            return None
+        length = headers.get("content-length", "0")
+        if not (length.isdigit() and len(length) <= 6):
+            return None
+        start, stop = end + 4, end + 4 + int(length)
+        if stop - start > BODY_MAX or stop > len(buf):
+            return None  # large, or still arriving: aiohttp reads it with its limit and timeout
+        self.buf = buf[stop:]
+        keep_alive = "close" not in headers.get("connection", "").lower()
+        request = FastRequest(self.front.app, self.transport, method, target, headers, buf[start:stop], match)
+        return request, handler, keep_alive
+
+    async def _serve(self, request: FastRequest, handler, keep_alive: bool) -> None:
+        try:
+            resp = await self.front.middleware(request, handler)
+            answer = encode_response(resp, keep_alive)
+        except Exception:  # the middleware turns handler errors into answers: this is a bug
+            log.exception("the fast path failed on %s %s", request.method, request.path)
+            self.close()
+            return
+        finally:
+            self.busy = False
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return  # the client went away while its request was served
+        transport.write(answer)
+        self.since = self.loop.time()
+        if not keep_alive or (self.eof and not self.buf):
+            transport.close()
+        else:
+            self._next()
+
+    def _hand_off(self) -> None:
+        """Give the connection to aiohttp, from the first byte of the request at hand."""
+        transport, data = self.transport, self.buf
+        self.front.connections.discard(self)
+        self.transport, self.buf = None, b""
+        proto = self.front.server()
+        transport.set_protocol(proto)
+        proto.connection_made(transport)
+        if self.read_paused:
+            transport.resume_reading()
+        proto.data_received(data)
+        if self.eof:
+            proto.eof_received()
