@@ -228,8 +228,8 @@ class FastProtocol(asyncio.Protocol):
             return
         end = self.buf.find(b"\r\n\r\n", 0, HEAD_MAX + 4)
         if end < 0:
-            if len(self.buf) > HEAD_MAX:
-                self._hand_off()
+            if len(self.buf) > HEAD_MAX or self.buf.count(b"\n") != self.buf.count(b"\r\n"):
+                self._hand_off()  # too long, or lines ended by a bare LF: aiohttp refuses it
             return  # the rest of the head is on its way (the idle sweep bounds the wait)
         request = self._parse(end)
         if request is None:
