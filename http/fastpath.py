@@ -35,6 +35,7 @@ log = logging.getLogger("kv.http")
 
 HEAD_MAX = 8190  # a longer head goes to aiohttp, which refuses it (its line limit)
 BODY_MAX = 64 << 10  # a larger body goes to aiohttp, which reads it with a timeout
+MAX_HEADERS = 32  # more go to aiohttp, which has its own limit
 _HEAD = re.compile(
     rb"(GET|PUT|DELETE|POST) (/[!\x24-\x7e\x22]*) HTTP/1\.1"  # the request line, in origin form, no fragment
     rb"(?:\r\n[!#$%&'*+.^_`|~0-9A-Za-z-]+:[\t -~]*)*"  # header fields, visible ASCII
@@ -82,13 +83,12 @@ class FastRequest(dict):
     """What the middleware and the key routes use of aiohttp's web.Request; a dict, as
     web.Request is a mapping for per-request state (the caller's grant)."""
 
-    def __init__(self, app, transport, method: str, target: str, headers: _Headers, body: bytes, match_info) -> None:
+    def __init__(self, app, transport, method: str, target: str, path: str, qs: str, headers: _Headers, body: bytes, match_info) -> None:
         super().__init__()
         self.app = app
         self.method = method
         self.raw_path = target
-        path, _, qs = target.partition("?")
-        self.path = urllib.parse.unquote(path) if "%" in path else path  # decoded, as aiohttp's
+        self.path = path  # percent-decoded, as aiohttp's
         self.query = _query(qs)
         self.headers = headers
         self.content = _WholeBody(body)
@@ -147,6 +147,7 @@ class FastFront:
         self.idle_timeout_s = idle_timeout_s
         self.connections: set[FastProtocol] = set()
         self.tasks: set[asyncio.Task] = set()
+        self.stopping = False
         self._sweeper: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -160,9 +161,17 @@ class FastFront:
             for conn in [c for c in self.connections if not c.busy and c.since < deadline]:
                 conn.close()
 
-    def stop(self) -> None:
+    async def stop(self, timeout_s: float) -> None:
+        """Close the idle connections now; let the requests in flight be answered (within
+        `timeout_s`, as aiohttp's shutdown waits for its handlers), closing each connection
+        after its answer; then close what is left. The listening socket is closed first."""
+        self.stopping = True
         if self._sweeper is not None:
             self._sweeper.cancel()
+        for conn in [c for c in self.connections if not c.busy]:
+            conn.close()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=timeout_s)
         for conn in list(self.connections):
             conn.close()
 
@@ -198,13 +207,14 @@ class FastProtocol(asyncio.Protocol):
         self.buf = self.buf + data if self.buf else data
         if not self.busy:
             self._next()
-        elif len(self.buf) > HEAD_MAX + BODY_MAX and not self.read_paused:
+        if self.transport is not None and len(self.buf) > HEAD_MAX + BODY_MAX and not self.read_paused:
             self.read_paused = True  # a client sending ahead of its answers waits
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
         self.eof = True
-        return self.busy  # keep the transport open for the answer being made
+        # Keep the transport open for the answer being made (TLS cannot half-close).
+        return self.busy and self.transport.get_extra_info("sslcontext") is None
 
     def pause_writing(self) -> None:
         self.write_paused = True  # the client does not read: serve no more until it does
@@ -215,16 +225,22 @@ class FastProtocol(asyncio.Protocol):
             self._next()
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport
+        if transport is not None:
+            if transport.get_write_buffer_size():
+                transport.abort()  # its client does not read: close() would wait for it
+            else:
+                transport.close()
 
     # -- requests -----------------------------------------------------------------------------
 
     def _next(self) -> None:
-        if self.read_paused and self.transport is not None:
+        if self.write_paused or self.transport is None:
+            return  # resume_writing() comes back here
+        if self.read_paused:
             self.read_paused = False
             self.transport.resume_reading()
-        if not self.buf or self.write_paused or self.transport is None:
+        if not self.buf:
             return
         end = self.buf.find(b"\r\n\r\n", 0, HEAD_MAX + 4)
         if end < 0:
@@ -247,14 +263,20 @@ class FastProtocol(asyncio.Protocol):
         if _HEAD.fullmatch(buf, 0, end) is None:
             return None
         lines = buf[:end].decode("ascii").split("\r\n")
+        if len(lines) > MAX_HEADERS + 1:
+            return None
         method, target, _ = lines[0].split(" ")
         headers = _Headers()
         for line in lines[1:]:
             name, _, value = line.partition(":")
             headers[name.lower()] = value.strip(" \t")
-        if len(headers) != len(lines) - 1 or not _PASSED_ON.isdisjoint(headers):
-            return None  # a repeated header, or one aiohttp must handle
+        if len(headers) != len(lines) - 1 or not _PASSED_ON.isdisjoint(headers) or "host" not in headers:
+            return None  # a repeated header, one aiohttp must handle, or no Host (aiohttp: 400)
         path, _, qs = target.partition("?")
+        if "%" in path:
+            path = urllib.parse.unquote(path)  # as aiohttp's request.path
+            if "\n" in path:
+                return None  # its routes' patterns do not match a newline: aiohttp's 404
         if method in _KEY_ROUTES and path.startswith(routes_kv.KV_PREFIX) and len(path) > len(routes_kv.KV_PREFIX):
             handler, match = _KEY_ROUTES[method]
         elif method == "POST" and path == "/v1/txn":
@@ -270,8 +292,8 @@ class FastProtocol(asyncio.Protocol):
         if stop - start > BODY_MAX or stop > len(buf):
             return None  # large, or still arriving: aiohttp reads it with its limit and timeout
         self.buf = buf[stop:]
-        keep_alive = "close" not in headers.get("connection", "").lower()
-        request = FastRequest(self.front.app, self.transport, method, target, headers, buf[start:stop], match)
+        keep_alive = "close" not in {t.strip() for t in headers.get("connection", "").lower().split(",")}
+        request = FastRequest(self.front.app, self.transport, method, target, path, qs, headers, buf[start:stop], match)
         return request, handler, keep_alive
 
     async def _serve(self, request: FastRequest, handler, keep_alive: bool) -> None:
@@ -289,7 +311,7 @@ class FastProtocol(asyncio.Protocol):
             return  # the client went away while its request was served
         transport.write(answer)
         self.since = self.loop.time()
-        if not keep_alive or (self.eof and not self.buf):
+        if not keep_alive or (self.eof and not self.buf) or self.front.stopping:
             transport.close()
         else:
             self._next()

@@ -420,7 +420,7 @@ class Node:
                         self._metrics.commit_latency.observe(time.perf_counter() - t0)
                     return applied
                 request_forwarded.set(True)
-                resp = await self._outcome(raft.forward(payload, deadline, retry_safe=cmds.is_local(payload)), wait)
+                resp = await self._outcome(raft.forward(payload, deadline), wait)
             except NoQuorum:
                 raise  # a read barrier (a lease keepalive's) gave up already: so does this
             except NotLeader as e:

@@ -201,7 +201,7 @@ class RaftNode:
         self._heartbeat_sent: dict[str, float] = {}  # peer -> when the oldest unanswered heartbeat left
         self._last_leader: str | None = None
         self._result_encoder = result_encoder
-        self._forwards: dict[int, tuple[asyncio.Future, bool]] = {}  # req id -> (answer, retry_safe)
+        self._forwards: dict[int, asyncio.Future] = {}
         # For a forwarded request the leader answers itself instead of logging it (a lease
         # keepalive): returns the encoded answer, or None when the payload is to be proposed.
         self._serve_local = serve_local
@@ -266,7 +266,7 @@ class RaftNode:
     def _fail_all(self, exc: BaseException) -> None:
         futs = [f for _, f in self._pending.values()] + [f for *_, f in self._proposals]
         futs += list(self._read_futs.values()) + [f for _, f in self._apply_waiters]
-        futs += [f for f, _ in self._forwards.values()]
+        futs += list(self._forwards.values())
         self._forwards.clear()
         self._pending.clear()
         self._proposals.clear()
@@ -322,18 +322,16 @@ class RaftNode:
             self._deadlines.add(deadline, AllOf([w for _, _, w in items]) if len(items) > 1 else items[0][2])
         self._kick()
 
-    async def forward(self, payload: bytes, deadline: float | None = None, *, retry_safe: bool = False) -> ForwardResponse:
+    async def forward(self, payload: bytes, deadline: float | None = None) -> ForwardResponse:
         """Hand a command to the leader over the peer link and wait for its answer; after
-        the deadline it fails with DeadlineExceeded (the outcome is unknown). If the leader
-        changes first, it fails at once: with LeaderChanged when `retry_safe` (a command
-        the leader answers without logging it), else with OutcomeUnknown."""
+        the deadline it fails with DeadlineExceeded (the outcome is unknown)."""
         self._check_running()
         leader = self.core.leader_id
         if leader is None or leader == self.id or self.transport is None:
             raise NotLeader(leader=leader)
         req_id = next(self._ctx)
         fut = asyncio.get_running_loop().create_future()
-        self._forwards[req_id] = (fut, retry_safe)
+        self._forwards[req_id] = fut
         if deadline is not None:
             self._deadlines.add(deadline, fut)
         try:
@@ -483,7 +481,7 @@ class RaftNode:
             asyncio.get_running_loop().create_task(self._serve_forward(msg))
             return
         if t is ForwardResponse:
-            fut, _ = self._forwards.get(msg.req_id, (None, False))
+            fut = self._forwards.get(msg.req_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             return
@@ -614,13 +612,6 @@ class RaftNode:
             for fut in reads.values():
                 if not fut.done():
                     fut.set_exception(LeaderChanged(f"the leader changed ({self._last_leader} -> {c.leader_id}) while a read waited; retry", c.leader_id))
-        if c.leader_id != self._last_leader and self._forwards:
-            # Writes handed to the old leader: it may have appended them, and the new one
-            # cannot say. Waiting out the deadline would not tell more: answer now.
-            changed = f"the leader changed ({self._last_leader} -> {c.leader_id}) while this request was forwarded to it"
-            for fut, retry_safe in self._forwards.values():
-                if not fut.done():
-                    fut.set_exception(LeaderChanged(f"{changed}; retry", c.leader_id) if retry_safe else OutcomeUnknown(f"{changed}: it may or may not have been committed"))
         self._last_leader = c.leader_id
         self.leader_changed.set()
         self.leader_changed = asyncio.Event()

@@ -22,16 +22,16 @@ AUTH = f"Authorization: Bearer {TOKEN}\r\n"
 
 
 @contextlib.asynccontextmanager
-async def served(tmp_path, name: str, fast_path: bool, **options):
-    """A single-node store behind its real listener: yields (node, port)."""
-    node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / name), max_value_bytes=1000))
+async def served(tmp_path, name: str, fast_path: bool, max_value_bytes: int = 1000, **options):
+    """A single-node store behind its real listener: yields (node, port, runner)."""
+    node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / name), max_value_bytes=max_value_bytes))
     await node.start()
     runner = None
     try:
         await node.wait_leader(timeout=10)
         port = free_port()
         runner = await serve(node, "127.0.0.1", port, token=TOKEN, fast_path=fast_path, **options)
-        yield node, port
+        yield node, port, runner
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -92,18 +92,21 @@ SCRIPT = [
     req("GET", "/v1/nope"),  # passed on to aiohttp in both
     req("POST", "/v1/kv/a", b"v"),  # 405, from aiohttp in both
     req("GET", "/v1/kv/a").replace(b"\r\n", b"\n"),  # lines ended by a bare LF: 400 in both
+    b"GET /v1/kv/a HTTP/1.1\r\n" + AUTH.encode() + b"\r\n",  # no Host: 400 in both
+    req("GET", "/v1/kv/a", headers=AUTH + "".join(f"X-H{i}: v\r\n" for i in range(300))),  # too many headers
+    req("PUT", "/v1/kv/a%0Ab", b"v"),  # a newline in the key: no route matches it (404)
 ]
 
 
 async def test_both_fronts_answer_every_request_alike(tmp_path):
-    async with served(tmp_path, "fast", True) as (_, fast), served(tmp_path, "slow", False) as (_, slow):
+    async with served(tmp_path, "fast", True) as (_, fast, _), served(tmp_path, "slow", False) as (_, slow, _):
         for raw in SCRIPT:
             assert await exchange(fast, raw) == await exchange(slow, raw), raw
         assert (await exchange(fast, req("GET", "/v1/kv/t")))[0] == "HTTP/1.1 200 OK"  # the transaction wrote
 
 
 async def test_a_connection_moves_to_aiohttp_in_order(tmp_path):
-    async with served(tmp_path, "n", True) as (node, port):
+    async with served(tmp_path, "n", True) as (node, port, _):
         r, w = await asyncio.open_connection("127.0.0.1", port)
         # Sent in one write: key routes, then one the fast path does not serve, then keys again.
         w.write(req("PUT", "/v1/kv/k", b"one") + req("GET", "/v1/status") + req("GET", "/v1/kv/k") + req("PUT", "/v1/kv/k", b"two"))
@@ -117,7 +120,7 @@ async def test_a_connection_moves_to_aiohttp_in_order(tmp_path):
 
 
 async def test_what_the_fast_path_passes_on_is_answered_by_aiohttp(tmp_path):
-    async with served(tmp_path, "n", True) as (node, port):
+    async with served(tmp_path, "n", True) as (node, port, _):
         chunked = f"PUT /v1/kv/c HTTP/1.1\r\nHost: x\r\n{AUTH}Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n".encode()
         assert (await exchange(port, chunked))[0] == "HTTP/1.1 200 OK"
         r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -146,7 +149,7 @@ async def test_what_the_fast_path_passes_on_is_answered_by_aiohttp(tmp_path):
 
 
 async def test_idle_and_stalled_connections_are_closed(tmp_path):
-    async with served(tmp_path, "n", True, idle_timeout_s=0.5) as (node, port):
+    async with served(tmp_path, "n", True, idle_timeout_s=0.5) as (node, port, _):
         idle = await asyncio.open_connection("127.0.0.1", port)
         stalled = await asyncio.open_connection("127.0.0.1", port)
         stalled[1].write(b"GET /v1/kv/a HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
@@ -165,7 +168,7 @@ async def test_idle_and_stalled_connections_are_closed(tmp_path):
 
 
 async def test_the_connection_cap_counts_fast_connections(tmp_path):
-    async with served(tmp_path, "n", True, max_connections=2) as (node, port):
+    async with served(tmp_path, "n", True, max_connections=2) as (node, port, _):
         kept = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         for r, w in kept:
             w.write(req("GET", "/v1/kv/a"))
@@ -181,7 +184,7 @@ async def test_the_connection_cap_counts_fast_connections(tmp_path):
 @pytest.mark.parametrize("front", ["fast", "aiohttp"])
 async def test_pipelined_requests_are_answered_in_order(tmp_path, front):
     """64 GETs in one write, with a PUT in the middle: one answer each, in order."""
-    async with served(tmp_path, "n", front == "fast") as (node, port):
+    async with served(tmp_path, "n", front == "fast") as (node, port, _):
         await node.put("v", b"x" * 1000)
         r, w = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
         w.write(req("GET", "/v1/kv/v") * 32 + req("PUT", "/v1/kv/v", b"y") + req("GET", "/v1/kv/v") * 32)
@@ -201,9 +204,54 @@ async def test_over_tls_a_connection_moves_to_aiohttp_too(tmp_path):
     ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
     client_ctx = ssl.create_default_context()
     ca.configure_trust(client_ctx)
-    async with served(tmp_path, "n", True, ssl_context=server_ctx) as (node, port):
+    async with served(tmp_path, "n", True, ssl_context=server_ctx) as (node, port, _):
         r, w = await asyncio.open_connection("127.0.0.1", port, ssl=client_ctx)
         w.write(req("PUT", "/v1/kv/k", b"one") + req("GET", "/v1/status") + req("GET", "/v1/kv/k"))
         put, status, get = [await read_response(r) for _ in range(3)]
         assert (put[0], json.loads(status[2])["role"], get[2]) == ("HTTP/1.1 200 OK", "leader", b"one")
         w.close()
+
+
+async def test_a_client_that_does_not_read_is_not_read_from(tmp_path):
+    """A client pipelining GETs of a 64 KiB value without reading the answers: once the
+    node's send buffer is full it stops reading that connection, so the client's writes
+    stall instead of piling up in the node's memory."""
+    async with served(tmp_path, "n", True, max_value_bytes=1 << 20) as (node, port, _):
+        await node.put("v", b"x" * 65536)
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        chunk = req("GET", "/v1/kv/v") * 1000
+        sent, stalled = 0, False
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 5
+        while loop.time() < until and sent < 256 << 20:
+            w.write(chunk)
+            sent += len(chunk)
+            try:
+                await asyncio.wait_for(w.drain(), 1.0)
+            except TimeoutError:
+                stalled = True
+                break
+        assert stalled, f"{sent} bytes of requests accepted without the answers being read"
+        assert sent < 32 << 20
+        w.transport.abort()
+
+
+async def test_shutdown_answers_the_requests_in_flight(tmp_path):
+    async with served(tmp_path, "n", True) as (node, port, runner):
+        put = node.put
+
+        async def slow_put(*args, **kwargs):  # a write still committing when the node stops
+            await asyncio.sleep(0.5)
+            return await put(*args, **kwargs)
+
+        node.put = slow_put
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        idle = await asyncio.open_connection("127.0.0.1", port)
+        w.write(req("PUT", "/v1/kv/late", b"v"))
+        await asyncio.sleep(0.1)
+        stopping = asyncio.ensure_future(runner.cleanup())
+        assert await asyncio.wait_for(idle[0].read(), 5) == b""  # idle: closed at once
+        status, _, body = await read_response(r)
+        assert status == "HTTP/1.1 200 OK", body  # answered, then closed
+        assert await asyncio.wait_for(r.read(), 5) == b""
+        await stopping
