@@ -32,3 +32,17 @@ def test_bench_runs_and_reports(bench, tmp_path):
         assert not row.get("errors") and not row.get("put_errors"), row
     numbers = [v for row in rows for v in row.values() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     assert any(v > 0 for v in numbers), rows
+
+
+def test_ab_runs_and_reports(tmp_path):
+    """benchmarks/ab.py, the A/B of kv serve settings, with one tiny round."""
+    import os
+    import re
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "ab.py")
+    argv = [sys.executable, script, "--variant", "fast=", "--variant", "aiohttp=--http-aiohttp-only", "--seconds", "0.5", "--rounds", "1"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    medians = re.findall(r"^  (fast|aiohttp) +([0-9,]+)/s", r.stdout, re.M)
+    assert [name for name, _ in medians] == ["fast", "aiohttp"], r.stdout
+    assert all(int(ops.replace(",", "")) > 0 for _, ops in medians), r.stdout
