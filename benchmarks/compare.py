@@ -235,11 +235,12 @@ async def main(args) -> None:
     values, targets, conc = ((256,), ("leader",), (64,)) if args.quick else ((256, 4096), ("leader", "follower"), (1, 64, 256))
     if args.clients:
         conc = tuple(int(x) for x in args.clients.split(","))
+    names = args.systems.split(",")
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"--systems: unknown {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
     rows = []
-    for name in args.systems.split(","):
-        if name not in SYSTEMS:
-            raise SystemExit(f"--systems: unknown system {name!r}; known: {', '.join(SYSTEMS)}")
-    for f in (f for name in args.systems.split(",") for f in SYSTEMS[name]):
+    for f in (f for name in names for f in SYSTEMS[name]):
         rows += await measure(f, values, targets, conc, args.seconds, args.repeats)
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with open(os.path.join(args.out, "compare.json"), "w") as fh:

@@ -120,7 +120,9 @@ async def serve(
     app = create_app(node, token=token, tokens=tokens, access_log=access_log)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=idle_timeout_s)
     await runner.setup()
-    fast = FastFront(app, middleware, runner.server, idle_timeout_s) if fast_path else None
+    # A fast-path request is a key's read or write or a transaction: done within the node's timeouts.
+    in_flight_s = max(node.config.write_timeout_s, node.config.read_timeout_s) + 1.0
+    fast = FastFront(app, middleware, runner.server, idle_timeout_s, in_flight_s) if fast_path else None
     site = CappedSite(runner, host, port, max_connections=max_connections, handshake_timeout_s=idle_timeout_s, fast=fast, ssl_context=ssl_context, backlog=1024)
     await site.start()
     node.metrics.http_refused = lambda: site.refused

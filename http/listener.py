@@ -44,7 +44,6 @@ class CappedSite(web.BaseSite):
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int, handshake_timeout_s: float, fast: FastFront | None = None, **kwargs) -> None:
         super().__init__(runner, **kwargs)
         self.fast = fast  # serves the hot routes on its own connections (http/fastpath.py)
-        self.shutdown_timeout_s = 10.0  # for its requests in flight; a write waits 5 s by default
         self._host, self._port = host, port
         self.max_connections = max_connections
         self.handshake_timeout_s = handshake_timeout_s  # TLS handshakes are not counted yet: keep them short
@@ -79,4 +78,4 @@ class CappedSite(web.BaseSite):
     async def stop(self) -> None:
         await super().stop()  # no new connections
         if self.fast:
-            await self.fast.stop(self.shutdown_timeout_s)
+            await self.fast.stop()

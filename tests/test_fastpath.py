@@ -14,8 +14,7 @@ import json
 import pytest
 
 from kv import Node, NodeConfig
-from kv.harness import free_port
-from kv.http.app import serve
+from served import ServedNode
 
 TOKEN = "s3cret"
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
@@ -26,15 +25,14 @@ async def served(tmp_path, name: str, fast_path: bool, max_value_bytes: int = 10
     """A single-node store behind its real listener: yields (node, port, runner)."""
     node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / name), max_value_bytes=max_value_bytes))
     await node.start()
-    runner = None
+    server = ServedNode(node, "fast" if fast_path else "aiohttp", token=TOKEN, **options)
     try:
         await node.wait_leader(timeout=10)
-        port = free_port()
-        runner = await serve(node, "127.0.0.1", port, token=TOKEN, fast_path=fast_path, **options)
-        yield node, port, runner
+        await server.start_server()
+        yield node, server.port, server.runner
     finally:
-        if runner is not None:
-            await runner.cleanup()
+        if server.runner is not None:
+            await server.runner.cleanup()
         await node.stop()
 
 

@@ -46,6 +46,7 @@ CASES = [
     pytest.param(SERVE, {"KV_HEARTBEAT_MS": "abc"}, {}, "KV_HEARTBEAT_MS='abc': expected a number of milliseconds", 1, id="env-number"),
     pytest.param(SERVE, {"KV_SNAPSHOT_KEEP": "0"}, {}, "KV_SNAPSHOT_KEEP='0': expected a whole number of at least 1", 1, id="env-range"),
     pytest.param(SERVE, {"KV_METRICS_PUBLIC": "maybe"}, {}, "KV_METRICS_PUBLIC='maybe': expected true or false", 1, id="env-bool"),
+    pytest.param(SERVE, {"KV_HTTP_AIOHTTP_ONLY": "maybe"}, {}, "KV_HTTP_AIOHTTP_ONLY='maybe': expected true or false", 1, id="env-bool-front"),
     pytest.param(SERVE, {"KV_LOG_LEVEL": "loud"}, {}, "KV_LOG_LEVEL='loud': expected one of DEBUG, INFO, WARNING, ERROR", 1, id="env-log-level"),
     pytest.param(SERVE + ["--log-level", "LOUD"], {}, {}, "--log-level 'LOUD': expected one of DEBUG, INFO, WARNING, ERROR", 1, id="log-level"),
     pytest.param(SERVE + ["--log-format", "xml"], {}, {}, "--log-format 'xml': expected one of text, json", 1, id="log-format"),

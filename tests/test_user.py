@@ -291,8 +291,20 @@ asyncio.run(main())
 """
 
 
-def test_client_read_then_cas_over_http_from_another_process(tmp_path):
-    c = ProcCluster(str(tmp_path), extra=["--max-txn-ops", "2500"])  # put_many of 2500 keys
+def _raw_http(url: str, data: bytes) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(data)
+        return s.recv(4096)
+
+
+@pytest.mark.parametrize("front", ["fast", "aiohttp"])
+def test_client_read_then_cas_over_http_from_another_process(tmp_path, front):
+    """kv.Client, kv.AsyncClient and the CLI from other processes, over the default HTTP
+    front (http/fastpath.py) and with `kv serve --http-aiohttp-only`; malformed requests
+    get a 400 on either and change nothing."""
+    only = ["--http-aiohttp-only"] if front == "aiohttp" else []
+    c = ProcCluster(str(tmp_path), extra=["--max-txn-ops", "2500", *only])  # put_many of 2500 keys
     try:
         c.start()
         lead = c.leader()
@@ -301,8 +313,18 @@ def test_client_read_then_cas_over_http_from_another_process(tmp_path):
             r = run_py(script, c.url(follower))
             assert r.stdout.strip() == "ok", r.stderr
             assert "Unclosed" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+        endpoints = ["--endpoints", c.url(follower)]
+        assert kv_cli("put", "cli/k", "v1", *endpoints).returncode == 0
+        got = kv_cli("get", "cli/k", *endpoints)
+        assert got.returncode == 0 and got.stdout.strip() == "v1", got
+        for bad in (
+            b"PUT /v1/kv/cli/k HTTP/1.1\nHost: x\nContent-Length: 2\n\nv2",  # bare LF line ends
+            b"PUT /v1/kv/cli/k HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"p" * 9000 + b"\r\nContent-Length: 2\r\n\r\nv2",
+        ):
+            assert _raw_http(c.url(follower), bad).split(b" ")[1] in (b"400", b"431")
         c.wait_converged()
         assert sum(1 for k, _, _ in c.dump(lead) if k.startswith("hosts/")) == 2500
+        assert c.get(lead, "cli/k")[:2] == (200, b"v1")  # the malformed PUTs wrote nothing
     finally:
         c.close()
 
