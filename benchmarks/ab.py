@@ -18,6 +18,7 @@ import shutil
 import statistics
 import tempfile
 
+from kv.bench.loadgen import HttpLoad
 from kv.bench.measure import closed_loop, http_ops, http_session, preload
 from kv.harness import ServeCluster
 
@@ -27,9 +28,9 @@ async def run_once(flags: list[str], op: str, clients: int, seconds: float) -> t
     try:
         with ServeCluster(root, 3, flags) as c:
             c.start()
-            async with http_session(clients + 16) as s:
+            async with http_session(8) as s, HttpLoad() as load:
                 lead = await c.leader(s)
-                ops = dict(await http_ops(s, c.url(lead), b"x" * 256))
+                ops = dict(await http_ops(load, c.url(lead), b"x" * 256))
                 await preload(ops["PUT"])
                 r = await closed_loop(ops[op], clients, seconds, cpu=c.procs.cpu_seconds)
                 return r["ops_per_s"], r["cpu_us_per_op"], r["cpu_us_per_op_by_node"][lead], r["p99_ms"]

@@ -6,7 +6,7 @@
     .venv/bin/python benchmarks/compare.py --scale      # value size, cluster size, 1M keys
 
 Each system runs as a 3-node cluster on loopback, started fresh, and is driven by the same
-closed-loop aiohttp client: PUT, linearizable GET and stale (serializable) GET; 256 B and
+closed-loop client (kv/bench/loadgen.py, keep-alive connections): PUT, linearizable GET and stale (serializable) GET; 256 B and
 4 KiB values; 1, 64 and 256 clients; requests to the leader and to a follower. Every cell
 is measured three times and the medians kept. Results go to benchmarks/results/:
 compare.md (table with ratios), compare.json (raw) and compare.png (throughput against
@@ -21,11 +21,13 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 
 from systems import Etcd, Ledgerkv, PySyncObj  # benchmarks/ is the script's folder, first on sys.path
 
+from kv.bench.loadgen import HttpLoad
 from kv.bench.measure import closed_loop, http_ops, http_session, preload
 from kv.harness import ServeCluster, rss_mb
 
@@ -46,15 +48,15 @@ async def measure(system_factory, values, targets, concurrency, seconds, repeats
     system = system_factory(root)
     rows = []
     try:
-        async with http_session(max(concurrency) + 16) as s:
+        async with http_session(8) as s, HttpLoad() as load:
             lead = await system.leader(s)
             follower = next(i for i in system.ids if i != lead)
             for vsize in values:
                 value = (os.urandom(vsize // 2 + 1).hex().encode())[:vsize]
-                await preload((await system.ops(s, lead, value))[0][1])
+                await preload((await system.ops(load, lead, value))[0][1])
                 for target in targets:
                     nid = lead if target == "leader" else follower
-                    ops = dict(await system.ops(s, nid, value))
+                    ops = dict(await system.ops(load, nid, value))
                     for conc in concurrency:
                         for op in OPS:
                             runs = [await closed_loop(ops[op], conc, seconds, cpu=system.cpu) for _ in range(repeats)]
@@ -71,12 +73,13 @@ async def measure(system_factory, values, targets, concurrency, seconds, repeats
                                     "errors": sum(r["errors"] for r in runs),
                                     "cpu_us_per_op": statistics.median(r.get("cpu_us_per_op", 0.0) for r in runs),
                                     "cpu_us_per_op_by_node": runs[len(runs) // 2].get("cpu_us_per_op_by_node", {}),
+                                    "client_cpu_us_per_op": statistics.median(r["client_cpu_us_per_op"] for r in runs),
                                     "runs": [round(r["ops_per_s"]) for r in runs],
                                 }
                             )
                             print(f"  {system.name:28} {op:17} {vsize:5} B to {target:8} {conc:3} clients: "
                                   f"{rows[-1]['ops_per_s']:8.0f}/s p50 {rows[-1]['p50_ms']:6.2f} p99 {rows[-1]['p99_ms']:7.2f} ms "
-                                  f"cpu {rows[-1]['cpu_us_per_op']:6.0f} us/op", flush=True)
+                                  f"cpu {rows[-1]['cpu_us_per_op']:6.0f} us/op (client {rows[-1]['client_cpu_us_per_op']:4.0f})", flush=True)
     finally:
         system.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -92,7 +95,7 @@ def table(rows: list[dict]) -> str:
     keys = sorted({k[:4] for k in cells}, key=lambda k: (OPS.index(k[0]), k[1], k[2] != "leader", k[3]))
     head = (
         ["op", "value", "to", "clients"]
-        + [f"{s} ops/s (p50/p99 ms) cpu µs/op" for s in systems]
+        + [f"{s} ops/s (p50/p99 ms) cpu µs/op [client's]" for s in systems]
         + ["ledgerkv/etcd", "cpu/op ledgerkv/etcd", "ledgerkv/PySyncObj best"]
         + (["fast path: ops/s, cpu/op"] if AIOHTTP_ONLY in systems else [])
     )
@@ -102,7 +105,8 @@ def table(rows: list[dict]) -> str:
         for s in systems:
             c = cells.get(k + (s,))
             row.append(
-                f"{c['ops_per_s']:,.0f} ({c['p50_ms']:.1f}/{c['p99_ms']:.1f}) {c.get('cpu_us_per_op', 0):,.0f}" + (f" {c['errors']} err" if c["errors"] else "")
+                f"{c['ops_per_s']:,.0f} ({c['p50_ms']:.1f}/{c['p99_ms']:.1f}) {c.get('cpu_us_per_op', 0):,.0f} [{c.get('client_cpu_us_per_op', 0):,.0f}]"
+                + (f" {c['errors']} err" if c["errors"] else "")
                 if c
                 else "-"
             )
@@ -149,12 +153,12 @@ async def scale(seconds: float) -> list[dict]:
         root = tempfile.mkdtemp(prefix="kvscale-")
         with ServeCluster(root, nodes) as c:
             c.start()
-            async with http_session(80) as s:
+            async with http_session(8) as s, HttpLoad() as load:
                 lead = await c.leader(s)
                 sizes = (256, 4096, 65536) if nodes == 3 else (256,)
                 for vsize in sizes:
                     value = os.urandom(vsize)
-                    ops = dict(await http_ops(s, c.url(lead), value))
+                    ops = dict(await http_ops(load, c.url(lead), value))
                     await preload(ops["PUT"], keys=2000)
                     for op in ("PUT", "GET linearizable"):
                         r = await closed_loop(ops[op], 64, seconds)
@@ -248,8 +252,8 @@ async def main(args) -> None:
     md = [
         f"# ledgerkv, etcd and PySyncObj side by side ({stamp})",
         "",
-        f"`python benchmarks/compare.py{' --quick' if args.quick else ''}` — 3-node clusters on loopback, one 2-core machine; "
-        f"closed-loop aiohttp clients; each cell the median of {args.repeats} runs of {args.seconds:g} s. ledgerkv and etcd fsync "
+        f"`python benchmarks/compare.py {' '.join(sys.argv[1:])}` — 3-node clusters on loopback, one 2-core machine; "
+        f"closed-loop keep-alive clients (kv/bench/loadgen.py; its own CPU per op in brackets); each cell the median of {args.repeats} runs of {args.seconds:g} s. ledgerkv and etcd fsync "
         "every commit; PySyncObj 0.3 never fsyncs its journal. Linearizable GET on PySyncObj is a replicated no-op first "
         "(it has no read index). Ratios are ledgerkv's throughput over the other's.",
         "",

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from kv.bench.loadgen import Target, ok
 from kv.bench.measure import http_ops
 from kv.harness import Procs, ServeCluster, find_node, free_port
 
@@ -22,7 +23,8 @@ class System:
 
     async def leader(self, session) -> str: ...
 
-    async def ops(self, session, nid: str, value: bytes): ...
+    async def ops(self, load, nid: str, value: bytes):
+        """(name, op) pairs: PUT, GET linearizable, GET stale, over `load` (kv.bench.loadgen.HttpLoad)."""
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds used so far by each of the system's processes."""
@@ -48,8 +50,8 @@ class Ledgerkv(System):
     async def leader(self, session):
         return await self.c.leader(session)
 
-    async def ops(self, session, nid, value):
-        return await http_ops(session, self.url(nid), value)
+    async def ops(self, load, nid, value):
+        return await http_ops(load, self.url(nid), value)
 
     def close(self):
         self.c.procs.stop()
@@ -89,16 +91,13 @@ class Etcd(System):
 
         return await find_node(self.ids, leads, timeout=30, interval=0.1, error="etcd elected no leader")
 
-    async def ops(self, session, nid, value, keys: int = 10_000):
-        url = self.url(nid)
+    async def ops(self, load, nid, value, keys: int = 10_000):
+        t = Target(load, self.url(nid))
         b64 = base64.b64encode
         v64 = b64(value).decode()
 
         async def call(path, body):
-            async with session.post(url + path, data=body) as r:
-                if r.status != 200:
-                    raise RuntimeError(r.status)
-                await r.read()
+            ok(*await t.request(b"POST", path.encode(), body, b"Content-Type: application/json\r\n"))
 
         async def put(i):
             await call("/v3/kv/put", b'{"key":"%s","value":"%s"}' % (b64(b"bench/%d" % (i % keys)), v64.encode()))
@@ -142,8 +141,8 @@ class PySyncObj(System):
 
         return await find_node(self.ids, leads, timeout=30, interval=0.1, error="pysyncobj elected no leader")
 
-    async def ops(self, session, nid, value):
-        return await http_ops(session, self.url(nid), value)
+    async def ops(self, load, nid, value):
+        return await http_ops(load, self.url(nid), value)
 
     def close(self):
         self.procs.stop()

@@ -404,9 +404,8 @@ class Node:
         payload = encode_command(cmd)
         limits.check_request_bytes(payload, self.config.max_request_bytes)
         raft = self._running()
-        loop = asyncio.get_running_loop()
         wait = timeout if timeout is not None else self.config.write_timeout_s
-        deadline = loop.time() + wait
+        deadline = raft.loop.time() + wait
         self.counters["writes"] += 1
         while True:
             try:
@@ -528,7 +527,7 @@ class Node:
         raft = self._running()
         if consistency == "stale":
             return raft.applied_index
-        deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else self.config.read_timeout_s)
+        deadline = raft.loop.time() + (timeout if timeout is not None else self.config.read_timeout_s)
         self.counters["read_barriers"] += 1
         while True:
             try:

@@ -231,6 +231,10 @@ class RaftNode:
         self._timer_at = 0.0
         self._deadlines = Deadlines(lambda: DeadlineExceeded("not answered in time"))
         self._stopped = False
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None  # type: ignore[assignment]  # start() sets it (the loop the node runs on)
         self.failure: BaseException | None = None
         self.leader_changed = asyncio.Event()
         self.stats = {"proposals": 0, "writes": 0, "fsynced_entries": 0, "ready": 0, "leader_changes": 0}
@@ -243,6 +247,9 @@ class RaftNode:
     # Lifecycle
 
     async def start(self) -> None:
+        # Kept: asyncio.get_running_loop() makes a getpid() system call each time, and the
+        # hot paths would call it several times per request.
+        self.loop = asyncio.get_running_loop()
         if self.transport is not None:
             await self.transport.start(self._on_message, self._on_connected)
             self._update_peers()
@@ -300,7 +307,7 @@ class RaftNode:
 
     def propose_many(self, items: Sequence[tuple[int, bytes]], deadline: float | None = None) -> list[asyncio.Future]:
         """Queue several commands at once; each future resolves like propose()'s."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         futs = [loop.create_future() for _ in items]
         self.propose_waiters([(kind, data, f) for (kind, data), f in zip(items, futs)], deadline)
         return futs
@@ -330,7 +337,7 @@ class RaftNode:
         if leader is None or leader == self.id or self.transport is None:
             raise NotLeader(leader=leader)
         req_id = next(self._ctx)
-        fut = asyncio.get_running_loop().create_future()
+        fut = self.loop.create_future()
         self._forwards[req_id] = fut
         if deadline is not None:
             self._deadlines.add(deadline, fut)
@@ -351,7 +358,7 @@ class RaftNode:
                 payload = await local
                 index, term = self.applied_index, self.core.term
             else:
-                deadline = asyncio.get_running_loop().time() + FORWARD_WAIT_S
+                deadline = self.loop.time() + FORWARD_WAIT_S
                 applied = await self.propose(m.payload, deadline=deadline)
                 index, term, payload = applied.index, applied.term, self._result_encoder(applied.result)
         except NotLeader as e:
@@ -373,7 +380,7 @@ class RaftNode:
         after the deadline."""
         self._check_running()
         ctx = next(self._ctx)
-        fut = asyncio.get_running_loop().create_future()
+        fut = self.loop.create_future()
         self._read_futs[ctx] = fut
         self._reads.append((ctx, lease))
         if deadline is not None:
@@ -389,7 +396,7 @@ class RaftNode:
     async def wait_applied(self, index: int, deadline: float | None = None) -> None:
         if self.applied_index >= index:
             return
-        fut = asyncio.get_running_loop().create_future()
+        fut = self.loop.create_future()
         self._apply_waiters.append((index, fut))
         if deadline is not None:
             self._deadlines.add(deadline, fut)
@@ -478,7 +485,7 @@ class RaftNode:
     def _on_message(self, msg: Message) -> None:
         t = type(msg)
         if t is ForwardRequest:
-            asyncio.get_running_loop().create_task(self._serve_forward(msg))
+            self.loop.create_task(self._serve_forward(msg))
             return
         if t is ForwardResponse:
             fut = self._forwards.get(msg.req_id)
@@ -508,7 +515,7 @@ class RaftNode:
         everything arriving meanwhile is handled in one step."""
         if not self._kicked and not self._stopped:
             self._kicked = True
-            asyncio.get_running_loop().call_soon(self._on_kick)
+            self.loop.call_soon(self._on_kick)
 
     def _on_kick(self) -> None:
         self._kicked = False
@@ -639,7 +646,7 @@ class RaftNode:
             return
         batch, self._persist_queue = self._persist_queue, []
         self._writing = True
-        fut = asyncio.get_running_loop().run_in_executor(self._writer, self._write, batch)
+        fut = self.loop.run_in_executor(self._writer, self._write, batch)
         fut.add_done_callback(lambda f: self._written(batch, f))
 
     def _write(self, batch: list[Ready]) -> None:

@@ -285,7 +285,8 @@ class _Link:
         self.conn: _Outbound | None = None
         self._queued: list[bytes] = []  # frames sent this turn of the loop, written by _flush
         self._queued_bytes = 0
-        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{t.node_id}-{peer}")
+        self._loop = asyncio.get_running_loop()
+        self.task = self._loop.create_task(self._run(), name=f"link-{t.node_id}-{peer}")
 
     async def _run(self) -> None:
         delay = 0.02
@@ -328,7 +329,7 @@ class _Link:
         if c.transport.get_write_buffer_size() + self._queued_bytes > WRITE_BUFFER_LIMIT:
             return False
         if not self._queued:
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
         self._queued.append(frame)
         self._queued_bytes += len(frame)
         return True

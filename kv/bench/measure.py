@@ -70,16 +70,21 @@ async def closed_loop(
     await asyncio.sleep(warmup)
     measuring = True
     cpu0 = cpu() if cpu is not None else {}
+    own0 = time.process_time()
     t_start = time.perf_counter()
     stop_at = t_start + seconds
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - t_start
+    own = time.process_time() - own0
     out = {
         "ops_per_s": len(lat) / elapsed,
         "p50_ms": pct(lat, 0.5) * 1000,
         "p99_ms": pct(lat, 0.99) * 1000,
         "ops": len(lat),
         "errors": errors,
+        # What this process (the load generator) spent per operation: on a shared machine
+        # it is CPU the servers did not get.
+        "client_cpu_us_per_op": own / len(lat) * 1e6 if lat else float("nan"),
     }
     if cpu is not None and lat:
         used = {k: v - cpu0.get(k, 0.0) for k, v in cpu().items()}
@@ -131,22 +136,22 @@ async def preload(put, concurrency: int = 64, keys: int = BENCH_KEYS, retry_s: f
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
-async def http_ops(session, url: str, value: bytes, keys: int = BENCH_KEYS):
-    """The three HTTP operations the benchmarks drive: (name, op) pairs."""
+async def http_ops(load, url: str, value: bytes, keys: int = BENCH_KEYS):
+    """The three HTTP operations the benchmarks drive, over `load` (a loadgen.HttpLoad):
+    (name, op) pairs."""
+    from .loadgen import Target, ok
+
+    t = Target(load, url)
 
     async def put(i):
-        async with session.put(f"{url}/v1/kv/bench/{i % keys}", data=value) as r:
-            if r.status != 200:
-                raise RuntimeError(r.status)
-            await r.read()
+        ok(*await t.request(b"PUT", b"/v1/kv/bench/%d" % (i % keys), value))
 
     def get(consistency):
+        query = b"?consistency=" + consistency
+
         async def op(i):
-            async with session.get(f"{url}/v1/kv/bench/{i % keys}?consistency={consistency}") as r:
-                if r.status != 200:
-                    raise RuntimeError(r.status)
-                await r.read()
+            ok(*await t.request(b"GET", b"/v1/kv/bench/%d%s" % (i % keys, query)))
 
         return op
 
-    return [("PUT", put), ("GET linearizable", get("linearizable")), ("GET stale", get("stale"))]
+    return [("PUT", put), ("GET linearizable", get(b"linearizable")), ("GET stale", get(b"stale"))]

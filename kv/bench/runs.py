@@ -8,6 +8,7 @@ import os
 import time
 
 from ..harness import Procs, ServeCluster, free_port, peer_spec, rss_mb
+from .loadgen import HttpLoad
 from .measure import closed_loop, http_ops, http_session, pct, preload, print_table, workdir
 
 
@@ -174,13 +175,13 @@ async def bench_http(args) -> list[dict]:
     rows = []
     with workdir(args.keep) as root, ServeCluster(root, args.nodes) as c:
         c.start()
-        async with http_session(max(args.concurrency) + 8) as s:
+        async with http_session(8) as s, HttpLoad() as load:
             lead = await c.leader(s)
             follower = next(i for i in c.ids if i != lead)
             value = os.urandom(args.value_bytes // 2).hex().encode()[: args.value_bytes]
-            await preload((await http_ops(s, c.url(lead), value))[0][1])
+            await preload((await http_ops(load, c.url(lead), value))[0][1])
             for target, nid in (("leader", lead), ("follower", follower)):
-                ops = await http_ops(s, c.url(nid), value)
+                ops = await http_ops(load, c.url(nid), value)
                 for conc in args.concurrency:
                     for name, op in ops:
                         r = await closed_loop(op, conc, args.seconds, cpu=c.procs.cpu_seconds)
@@ -190,7 +191,7 @@ async def bench_http(args) -> list[dict]:
         f"HTTP, {args.nodes} nodes, {args.value_bytes} B values, fsync on (cpu: all nodes' user+sys per op; "
         "peak_rss_mb: the largest node's peak resident memory so far)",
         rows,
-        ["op", "to", "clients", "ops_per_s", "p50_ms", "p99_ms", "cpu_us_per_op", "cpu_us_per_op_by_node", "errors", "peak_rss_mb"],
+        ["op", "to", "clients", "ops_per_s", "p50_ms", "p99_ms", "cpu_us_per_op", "cpu_us_per_op_by_node", "client_cpu_us_per_op", "errors", "peak_rss_mb"],
     )
     return rows
 

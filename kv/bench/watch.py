@@ -17,6 +17,7 @@ import re
 import time
 
 from ..harness import ServeCluster, rss_mb
+from .loadgen import HttpLoad
 from .measure import closed_loop, http_ops, http_session, pct, print_table, workdir
 from ..client import AsyncClient
 from ..statemachine.commands import Put
@@ -148,7 +149,8 @@ async def _latency(s, lead_url: str, wc: AsyncClient, url: str, where: str, watc
 async def _idle(s, c: ServeCluster, lead: str, watchers: int, seconds: float) -> list[dict]:
     url = c.url(lead)
     pid = c.procs[lead].pid
-    put = (await http_ops(s, url, b"v" * 100))[0][1]
+    load = HttpLoad()
+    put = (await http_ops(load, url, b"v" * 100))[0][1]
     before = await closed_loop(put, 16, seconds)
     rss0 = rss_mb(pid)
     async with AsyncClient(url, connections=watchers + 16) as ic:
@@ -167,6 +169,7 @@ async def _idle(s, c: ServeCluster, lead: str, watchers: int, seconds: float) ->
         await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.sleep(1.0)
     after = await closed_loop(put, 16, seconds)  # A-B-A: the machine's drift shows here
+    load.close()
     return [
         {"what": "puts/s to the leader, no watchers", "puts_per_s": before["ops_per_s"], "p99_ms": before["p99_ms"], "rss_mb": rss0},
         {"what": f"puts/s to the leader, {watchers} idle watchers on it", "puts_per_s": during["ops_per_s"], "p99_ms": during["p99_ms"], "rss_mb": rss1, "extra_rss_mb": rss1 - rss0},
