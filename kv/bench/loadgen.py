@@ -32,20 +32,26 @@ class _Conn(asyncio.Protocol):
             self.fut.set_exception(ConnectionError(f"the server closed the connection: {exc}"))
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
         fut = self.fut
         if fut is None or fut.done():
+            # Bytes nobody asked for (a 408 before an idle close, say) would be taken for the
+            # next request's answer: this connection is of no more use.
+            self.closed = True
+            self.transport.close()
             return
+        self.buf += data
         try:
             done = _parse(self.buf)
         except ValueError as e:
             fut.set_exception(e)
+            self.closed = True
             self.transport.close()
             return
         if done is not None:
             status, body, used, keep = done
             del self.buf[:used]
-            if not keep:
+            if not keep or self.buf:  # more than the answer came: no telling what it is
+                self.closed = True
                 self.transport.close()
             fut.set_result((status, body))
 
