@@ -286,3 +286,28 @@ CoreMessage = (
     | ReadIndexResponse
 )
 Message = CoreMessage | SnapshotChunk | SnapshotChunkAck | ForwardRequest | ForwardResponse
+
+
+def superseded_acks_dropped(msgs: list[Message]) -> list[Message]:
+    """The messages of one ledger write, less each APPEND ack that another ack in the same
+    write makes redundant: acks are cumulative (the leader's Progress.ack), so of the acks
+    to one leader for one replication stream (term and seq) only the highest counts. A
+    follower that took several append frames into one fsync answers them with one frame,
+    and the leader steps one answer instead of several."""
+    best: dict[tuple, int] = {}
+    acks = 0
+    for i, m in enumerate(msgs):
+        if _is_append_ack(m):
+            acks += 1
+            key = (m.dst, m.term, m.seq)
+            j = best.get(key)
+            if j is None or msgs[j].index <= m.index:
+                best[key] = i
+    if len(best) == acks:
+        return msgs
+    keep = set(best.values())
+    return [m for i, m in enumerate(msgs) if i in keep or not _is_append_ack(m)]
+
+
+def _is_append_ack(m: Message) -> bool:
+    return type(m) is PushResponse and m.code == PushCode.SUCCESS and m.type == PushType.APPEND

@@ -56,6 +56,7 @@ from .messages import (
     SnapshotChunk,
     SnapshotChunkAck,
     SnapshotMeta,
+    superseded_acks_dropped,
 )
 from .transport import PeerTLS, TcpTransport
 from .transport_protocol import NO_TRANSPORT, Transport, TransportCounters
@@ -672,11 +673,11 @@ class RaftNode:
             return
         self.stats["writes"] += 1
         t = self.transport
+        if t is not None:
+            for m in superseded_acks_dropped([m for rd in batch for m in rd.persisted_messages]):
+                t.send(m)
         for rd in batch:
             self.stats["fsynced_entries"] += len(rd.entries)
-            if t is not None:
-                for m in rd.persisted_messages:
-                    t.send(m)
             self.core.on_persisted(rd)
             if rd.snapshot is not None:
                 self.committed.snapshot_durable(rd.snapshot)

@@ -28,6 +28,7 @@ from kv.raft.messages import (
     InstallSnapshotRequest,
     Role,
     SnapshotMeta,
+    superseded_acks_dropped,
 )
 
 
@@ -258,7 +259,7 @@ class Sim:
             self.snapshots_installed += 1
         if rd.entries_from:
             node.storage.write(rd.entries_from, rd.entries)
-        for m in rd.persisted_messages:
+        for m in superseded_acks_dropped(rd.persisted_messages):
             self._send(m)
         node.core.on_persisted(rd)
         self._process(node)

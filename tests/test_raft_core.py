@@ -27,6 +27,7 @@ from kv.raft.messages import (
     VoteRequest,
     VoteResponse,
     VoteResult,
+    superseded_acks_dropped,
 )
 
 MEMBERS = Membership.of(Member(i, f"sim:{i}") for i in ("n1", "n2", "n3"))
@@ -259,6 +260,41 @@ def test_only_current_term_entries_commit_by_counting():
     seq = core.progress["n2"].seq
     core.step(PushResponse("n2", "n1", 2, PushType.APPEND, seq, PushCode.SUCCESS, index=3, end_index=3), 3.0)
     assert core.commit_index == 3  # the no-op of term 2 commits, and 1..2 with it
+
+
+def test_a_follower_answers_the_append_frames_of_one_write_with_one_ack():
+    """Acks are cumulative: of the APPEND acks a follower persists in one write, only the
+    highest to each leader and stream is sent (superseded_acks_dropped), and that one alone
+    moves the leader's match and frees its in-flight window for every frame it covers."""
+    follower = make_core("n2", term=2, log_terms=(2,))
+    e = [Entry(i, 2, EntryKind.NORMAL, b"v%d" % i) for i in (2, 3, 4)]
+    follower.step(PushRequest("n1", "n2", 2, PushType.APPEND, 5, 1, 2, e[:1], 1), 1.0)
+    follower.step(PushRequest("n1", "n2", 2, PushType.APPEND, 5, 2, 2, e[1:], 1), 1.0)
+    rd = follower.ready()
+    acks = [m for m in rd.persisted_messages if isinstance(m, PushResponse)]
+    assert [a.index for a in acks] == [2, 4]
+    assert superseded_acks_dropped(rd.persisted_messages) == acks[1:]
+    # Other streams (another seq, a failure, a COMPARE answer) and other messages are kept.
+    other = [
+        HeartbeatResponse("n2", "n1", 2, HeartbeatCode.SUCCESS, 3),
+        PushResponse("n2", "n1", 2, PushType.APPEND, 6, PushCode.SUCCESS, index=3),
+        PushResponse("n2", "n1", 2, PushType.APPEND, 5, PushCode.INCONSISTENT_STATE, index=1),
+        PushResponse("n2", "n1", 2, PushType.COMPARE, 5, PushCode.SUCCESS, index=1),
+    ]
+    assert superseded_acks_dropped(acks + other) == acks[1:] + other
+
+    leader = make_core("n1", term=1, log_terms=(1,), pre_vote=False)
+    leader.campaign(0.0)
+    leader.step(VoteResponse("n2", "n1", 2, VoteResult.ACCEPT), 1.0)
+    leader.on_persisted(leader.ready())
+    pr = leader.progress["n2"]
+    leader.step(PushResponse("n2", "n1", 2, PushType.COMPARE, pr.seq, PushCode.SUCCESS, index=1, end_index=1), 2.0)
+    for k in range(3):
+        leader.propose([(EntryKind.NORMAL, b"w%d" % k)], 3.0)
+        leader.on_persisted(leader.ready())
+    assert len(pr.inflight) >= 2 and leader.commit_index < 5
+    leader.step(PushResponse("n2", "n1", 2, PushType.APPEND, pr.seq, PushCode.SUCCESS, index=5, end_index=5), 4.0)
+    assert not pr.inflight and pr.match == 5 and leader.commit_index == 5
 
 
 def test_follower_with_longer_uncommitted_log_is_truncated():
