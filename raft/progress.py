@@ -47,6 +47,10 @@ class Progress:
     inflight: deque[Inflight] = field(default_factory=deque)
     inflight_bytes: int = 0
     probe_sent_at: float | None = None  # COMPARE / TRUNCATE / INSTALL request outstanding
+    # A snapshot stream runs (the shell reports its end): it is not timed out meanwhile,
+    # since a large one takes longer than the push timeout to send, verify and install
+    # and the stream has its own stall detection.
+    streaming: bool = False
     sent_commit: int = 0  # the highest commit index sent to this follower
     commit_due: float | None = None  # when to send a COMMIT if no APPEND carries it first
     recent_active: bool = False  # heard from within the current check-quorum period
@@ -64,6 +68,7 @@ class Progress:
         self.inflight.clear()
         self.inflight_bytes = 0
         self.probe_sent_at = None
+        self.streaming = False
 
     def ack(self, index: int) -> bool:
         """The follower holds entries up to index. Returns whether match moved."""
@@ -88,7 +93,7 @@ class Progress:
         """Whether the oldest batch or probe has waited longer than timeout (re-push)."""
         if self.inflight:
             return now - self.inflight[0].sent_at >= timeout
-        return self.probe_sent_at is not None and now - self.probe_sent_at >= timeout
+        return not self.streaming and self.probe_sent_at is not None and now - self.probe_sent_at >= timeout
 
     def quota_allows(self, now: float, size: int, per_second: int) -> bool:
         """DLedger's push quota: at most per_second bytes in any one-second window."""

@@ -116,7 +116,7 @@ class Replication:
         if pr.probe_sent_at is not None:
             return  # one COMPARE / TRUNCATE / INSTALL_SNAPSHOT at a time
         if st == DispatcherState.INSTALL_SNAPSHOT:
-            pr.probe_sent_at = now
+            pr.probe_sent_at, pr.streaming = now, True
             self._send_snapshot(SnapshotSend(pr.peer, pr.seq))
             return
         prev = pr.next - 1
@@ -174,9 +174,10 @@ class Replication:
         pr = self.progress.get(peer)
         if pr is None or pr.seq != seq or pr.state != DispatcherState.INSTALL_SNAPSHOT:
             return
-        if not ok:
-            pr.probe_sent_at = now  # retried after the push timeout
-        # On success the follower's core answers with a PushResponse, which moves us on.
+        # Failed: sent again after the push timeout. Succeeded: the follower's core has the
+        # snapshot and answers with a PushResponse (after its ledger is reset), which moves
+        # us on; if that answer does not come within the push timeout, the snapshot goes again.
+        pr.probe_sent_at, pr.streaming = now, False
 
     # ======================================================================================
     # Answers (the core has checked the term and that `m.src` is followed)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import operator
 import os
 import struct
 import sys
@@ -256,7 +257,7 @@ def verify(path: str) -> tuple[SnapshotHeader, Trailer]:
                 raise SnapshotFormatError(f"the snapshot's block index does not match its block {blocks}")
             blocks += 1
             at += _BLOCK.size + len(payload)
-            last_key = _check_records(parse_block(payload, count), last_key, header.index)
+            last_key = _check_records(*_keys_and_mods(payload, count), last_key, header.index)
             n += count
         if blocks != trailer.blocks or n != trailer.records:
             raise SnapshotFormatError(
@@ -265,10 +266,16 @@ def verify(path: str) -> tuple[SnapshotHeader, Trailer]:
     return header, trailer
 
 
-def _check_records(columns: tuple[list[bytes], list[bytes], list[int]], last_key: bytes | None, index: int) -> bytes | None:
+def _keys_and_mods(payload: bytes, n: int) -> tuple[list[bytes], list[int]]:
+    """A block's keys and mod_indexes (verify has no use for the values)."""
+    ko, kb, _vo, _vb, mb = block_columns(payload, n)
+    k = _from_le("i", ko)
+    return [kb[k[i] : k[i + 1]] for i in range(n)], _from_le("q", mb).tolist()
+
+
+def _check_records(keys: list[bytes], mods: list[int], last_key: bytes | None, index: int) -> bytes | None:
     """Keys are valid UTF-8 within the key limit, strictly increasing; mod_indexes are in
     [1, the snapshot's index]. Returns the last key."""
-    keys, _values, mods = columns
     for k, mod in zip(keys, mods):
         if not 0 < len(k) <= MAX_KEY_BYTES:
             raise SnapshotFormatError(f"snapshot record: a key of {len(k)} bytes (keys are 1 to {MAX_KEY_BYTES})")
@@ -354,7 +361,7 @@ def _offsets_end(raw: bytes, room: int) -> int:
     """The end of the data an offsets column points into, once it is checked: starting at
     0, never decreasing, within the `room` left in the block."""
     offs = _from_le("i", raw)
-    if offs[0] != 0 or offs[-1] > room or any(a > b for a, b in zip(offs, offs[1:])):
+    if offs[0] != 0 or offs[-1] > room or any(map(operator.gt, offs, itertools.islice(offs, 1, None))):
         raise SnapshotFormatError("a snapshot block has malformed offsets")
     return offs[-1]
 

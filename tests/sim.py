@@ -75,6 +75,7 @@ class Sim:
         config: dict | None = None,
         snapshot_every: int = 0,
         trailing: int = 5,
+        snapshot_ms: tuple[float, float] = (1.5, 15.0),
         spare: int = 0,
     ) -> None:
         self.rng = random.Random(seed)
@@ -83,7 +84,9 @@ class Sim:
         self.membership = Membership.of(Member(i, f"sim:{i}") for i in self.ids[:n])
         self.drop, self.dup, self.delay, self.persist_delay = drop, dup, delay, persist_delay
         self.config = {"heartbeat_ms": 50.0, "election_timeout_ms": 500.0, **(config or {})}
-        self.snapshot_every, self.trailing = snapshot_every, trailing
+        # snapshot_ms: how long a snapshot stream takes, from the leader's start to the
+        # follower holding the whole file (and the leader hearing so).
+        self.snapshot_every, self.trailing, self.snapshot_ms = snapshot_every, trailing, snapshot_ms
         self.now = 0.0
         self._events: list = []
         self._seq = itertools.count()
@@ -196,12 +199,17 @@ class Sim:
             if node.up and node.incarnation == inc:
                 self._complete_persist(node, rd)
         elif kind == "snapshot_arrives":
-            _, nid, req, snap = event
-            node = self.nodes[nid]
+            # As the snapshot manager does: the follower verifies the whole file and steps
+            # the install into its core, then acks the last chunk; the leader's stream ends.
+            _, nid, req, snap, src_inc = event
+            node, src = self.nodes[nid], self.nodes[req.src]
             if node.up:
                 node.pending_snapshot = snap
                 node.core.step(req, self.now)
                 self._process(node)
+            if src.up and src.incarnation == src_inc:
+                src.core.report_snapshot(nid, req.seq, node.up, self.now)
+                self._process(src)
 
     def _send(self, msg) -> None:
         self.messages_sent += 1
@@ -303,8 +311,7 @@ class Sim:
             core.report_snapshot(peer, seq, False, self.now)
             return
         req = InstallSnapshotRequest(node.id, peer, core.term, seq, snap.meta)
-        self._schedule(self.now + self.rng.uniform(*self.delay) * 3, ("snapshot_arrives", peer, req, snap))
-        core.report_snapshot(peer, seq, True, self.now)
+        self._schedule(self.now + self.rng.uniform(*self.snapshot_ms), ("snapshot_arrives", peer, req, snap, node.incarnation))
 
     # -- clients --------------------------------------------------------------------------
 

@@ -346,17 +346,41 @@ def test_lost_pushes_are_pushed_again():
     sim.check_converged()
 
 
-def test_offline_follower_catches_up():
-    sim = Sim(3, seed=10)
+def left_behind(sim: Sim, writes: int) -> tuple[str, str]:
+    """Elect a leader, crash a follower, commit `writes` entries without it: (leader, follower)."""
     lid = elected(sim)
     follower = next(i for i in sim.ids if i != lid)
     sim.crash(follower)
-    for _ in range(300):
+    for _ in range(writes):
         sim.propose()
         sim.run_for(2)
+    return lid, follower
+
+
+def test_offline_follower_catches_up():
+    sim = Sim(3, seed=10)
+    lid, follower = left_behind(sim, 300)
     sim.restart(follower)
     sim.run_for(3000)
     assert sim.nodes[follower].applied_index == sim.nodes[lid].applied_index > 300
+    sim.check_converged()
+
+
+def test_a_snapshot_slower_than_the_push_timeout_is_sent_once():
+    """A snapshot stream that takes longer than the push timeout (a large state: sending,
+    verifying, installing) is not restarted while it runs: restarting it each timeout
+    threw away the follower's answer (it carries the old stream's seq) and, once a stream
+    took longer than the timeout every time, the follower never caught up."""
+    sim = Sim(3, seed=12, snapshot_every=50, trailing=5, snapshot_ms=(3500, 3500))
+    lid, follower = left_behind(sim, 200)
+    sends = []
+    sim.on_ready = lambda nid, rd: sends.extend(s.peer for s in rd.snapshot_sends if s.peer == follower)
+    sim.restart(follower)
+    sim.run_for(6000)
+    assert sim.config.get("push_timeout_ms", 1000.0) < 3500
+    assert sim.snapshots_installed >= 1
+    assert sends == [follower]
+    assert sim.nodes[follower].applied_index == sim.nodes[lid].applied_index > 200
     sim.check_converged()
 
 
