@@ -308,7 +308,7 @@ class _Link:
                     # The peer logs why; with TLS 1.3 a peer that does not trust our
                     # certificate hangs up only after the TLS handshake, without a reason.
                     maybe = "; with peer TLS it may not trust our certificate (--peer-cert signed by its --peer-ca?)" if self.t.ssl else ""
-                    log.warning("%s: see its log (group, membership, cluster secret)%s", e, maybe)
+                    log.warning("%s: it was stopping, or it refused us (see its log: group, membership, cluster secret)%s", e, maybe)
                 else:
                     log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
                 await asyncio.sleep(delay)

@@ -130,12 +130,22 @@ class SnapshotManager:
         """The FSM caller's hook: take a snapshot once enough was applied since the last."""
         base = self._newest.index if self._newest else 0
         if applied - base >= self.host.snapshot_threshold and self._taking is None:
-            self._taking = asyncio.ensure_future(self.take())
+            self._taking = asyncio.ensure_future(self._take_once())
 
     async def take(self) -> SnapshotFile:
-        """Snapshot the state machine now, then compact the ledger behind it."""
-        if self._taking is not None and not self._taking.done() and asyncio.current_task() is not self._taking:
-            return await asyncio.shield(self._taking)
+        """Snapshot the state machine now, then compact the ledger behind it: the snapshot
+        returned covers everything applied when this was called. One is written at a time;
+        one already running (the threshold's, say) is waited for, and taken again after it
+        if it stopped short of that."""
+        wanted = self.raft.applied_index
+        while True:
+            if self._taking is None:
+                self._taking = asyncio.ensure_future(self._take_once())
+            snap = await asyncio.shield(self._taking)
+            if snap.index >= wanted:
+                return snap
+
+    async def _take_once(self) -> SnapshotFile:
         try:
             return await self._take()
         finally:
@@ -247,6 +257,7 @@ class SnapshotManager:
                 except (asyncio.TimeoutError, TimeoutError):
                     stalls += 1
                     if stalls > MAX_STALLS:
+                        log.info("node %s: %s did not acknowledge snapshot %d/%d for %.0f s; it is sent again later", self.host.node_id, peer, snap.index, snap.term, stalls * ACK_TIMEOUT_S)
                         return "failed"
                     sent = acked  # nothing came back: resend from what the follower holds
                     continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from inproc import InprocCluster
@@ -209,6 +210,38 @@ async def test_a_follower_behind_the_compacted_log_catches_up_by_snapshot(tmp_pa
         assert c.data(lid) == c.data(lead.config.id)
     finally:
         await c.stop()
+
+
+async def test_a_snapshot_asked_for_covers_what_was_applied_though_one_was_being_written(tmp_path):
+    """POST /v1/snapshot and kv.open().snapshot() mean "now": one asked for while the
+    threshold's is being written does not answer with that older one (nor write beside it)."""
+    node = kv.Node(kv.NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), snapshot_threshold=10))
+    await node.start()
+    try:
+        await node.wait_leader(timeout=10)
+        entered, release = threading.Event(), threading.Event()
+        write = node.snapshots.store.write
+
+        def held_write(*args, **kwargs):  # the threshold's snapshot is written slowly
+            entered.set()
+            release.wait(10)
+            return write(*args, **kwargs)
+
+        node.snapshots.store.write = held_write
+        for i in range(10):
+            await node.put(f"k{i}", b"v")
+        assert await asyncio.to_thread(entered.wait, 10)
+        for i in range(10, 15):
+            await node.put(f"k{i}", b"v")
+        wanted = node.raft.applied_index
+        asked = asyncio.ensure_future(node.snapshots.take())
+        await asyncio.sleep(0.05)
+        release.set()
+        snap = await asked
+        assert snap.index >= wanted
+        assert [s.index < wanted for s in node.snapshots.store.list()] == [False, True]  # newest first
+    finally:
+        await node.stop()
 
 
 async def test_a_write_whose_entry_a_snapshot_covers_is_unknown_not_retried(tmp_path):
