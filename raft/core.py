@@ -396,7 +396,14 @@ class RaftCore:
         return t * (1.0 + self._rng.random() * self.cfg.election_jitter)
 
     def _can_campaign(self) -> bool:
-        return self.id in self.membership.voters
+        """A voter of the latest configuration; or of the committed one while the change that
+        removes or demotes us is uncommitted (dissertation §4.2.2: until C_new commits, the
+        servers of C_old may still lead). Else a leader that stepped down (check quorum)
+        before its own removal committed left no one to finish it: C_new's voters lack the
+        entry, so they still count us and need our vote, which their shorter log cannot get."""
+        if self.id in self.membership.voters:
+            return True
+        return self._configs.index > self.commit_index and self.id in self._configs.committed.voters
 
     def _set_term(self, term: int) -> None:
         if term != self.term:

@@ -95,3 +95,24 @@ def test_with_a_minority_down_a_caught_up_learner_is_still_promoted_and_dead_vot
     assert sim.propose(b"after")
     sim.run_for(1000)
     sim.check_converged()
+
+
+def test_a_leader_that_steps_down_before_its_own_removal_commits_still_finishes_it():
+    """The leader removes itself, the only voter left never gets the entry, and check quorum
+    deposes the leader. That voter's log is shorter, so the old leader refuses it its vote:
+    only the old leader, a voter of the committed configuration, can finish the change
+    (dissertation §4.2.2). It used to stay a follower, and the cluster had no leader ever
+    again (found by the membership soak, seed 100905)."""
+    sim = Sim(2, seed=5)
+    lid = elected(sim)
+    other = next(i for i in sim.ids if i != lid)
+    sim.cut.add((lid, other))
+    sim.nodes[lid].core.propose_config(membership(sim).without(lid), sim.now)
+    sim.run_for(3000)
+    assert sim.leader() is None
+    sim.heal()
+    sim.run_for(5000)
+    assert sim.leader() == other and membership(sim).voters == {other}
+    assert sim.propose(b"after")
+    sim.run_for(1000)
+    sim.check_converged()
