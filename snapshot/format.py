@@ -269,8 +269,13 @@ def verify(path: str) -> tuple[SnapshotHeader, Trailer]:
 def _keys_and_mods(payload: bytes, n: int) -> tuple[list[bytes], list[int]]:
     """A block's keys and mod_indexes (verify has no use for the values)."""
     ko, kb, _vo, _vb, mb = block_columns(payload, n)
-    k = _from_le("i", ko)
-    return [kb[k[i] : k[i + 1]] for i in range(n)], _from_le("q", mb).tolist()
+    return _slices(ko, kb, n), _from_le("q", mb).tolist()
+
+
+def _slices(offsets: bytes, data: bytes, n: int) -> list[bytes]:
+    """The n items of an offsets column and the data it points into."""
+    o = _from_le("i", offsets)
+    return [data[o[i] : o[i + 1]] for i in range(n)]
 
 
 def _check_records(keys: list[bytes], mods: list[int], last_key: bytes | None, index: int) -> bytes | None:
@@ -369,10 +374,7 @@ def _offsets_end(raw: bytes, room: int) -> int:
 def parse_block(payload: bytes, n: int) -> tuple[list[bytes], list[bytes], list[int]]:
     """The records of one block, as columns: keys, values, mod_indexes."""
     ko, kb, vo, vb, mb = block_columns(payload, n)
-    k, v = _from_le("i", ko), _from_le("i", vo)
-    keys = [kb[k[i] : k[i + 1]] for i in range(n)]
-    values = [vb[v[i] : v[i + 1]] for i in range(n)]
-    return keys, values, _from_le("q", mb).tolist()
+    return _slices(ko, kb, n), _slices(vo, vb, n), _from_le("q", mb).tolist()
 
 
 
