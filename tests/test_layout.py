@@ -92,7 +92,7 @@ def test_wheel_puts_only_kv_at_the_top(tmp_path):
     (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")]
     assert "Apache License" in zipfile.ZipFile(tmp_path / wheel).read(license_file).decode()
     meta = zipfile.ZipFile(tmp_path / wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    assert "Classifier: License :: OSI Approved :: Apache Software License" in meta and "Project-URL:" in meta
+    assert "License-Expression: Apache-2.0" in meta and "Project-URL:" in meta
     assert "Requires-Dist: prometheus_client" in meta.replace("prometheus-client", "prometheus_client")
 
 
