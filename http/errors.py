@@ -47,6 +47,12 @@ async def run_handler(request: web.Request, handler):
         resp = error_response(e.status, code, message)
         if e.status == 405 and "Allow" in e.headers:
             resp.headers["Allow"] = e.headers["Allow"]
+        elif e.status == 408:
+            # The rest of the request is not coming in time: no next request on this
+            # connection either (RFC 9110 §15.5.9). aiohttp sends "Connection: close",
+            # reads on for its lingering time so that the answer is not lost to a reset,
+            # and closes.
+            resp.force_close()
         return resp
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
