@@ -11,8 +11,8 @@ Two ways of doing the group commit are measured, side by side, alternating:
 
   loop    kv.open's way: the requests go to an event-loop thread (call_soon_threadsafe),
           which answers a batch at a time
-  caller  no event loop: the first caller to find no writer writes for everyone queued,
-          as LevelDB's own writers do
+  caller  no event loop: the request at the head of the queue writes for everyone
+          queued and hands the role on, as LevelDB's own writers do
 
 and, beside them, a busy-wait of N µs per request on the answering side (--work) for the
 Python work a real put does. Printed per mode: requests/s, user and system CPU µs per
@@ -36,17 +36,22 @@ def _loop_mode(work_s: float):
     loop = lt.loop
     queued: collections.deque[threading.Lock] = collections.deque()
     scheduled = [False]
+    writing = [False]
 
-    def drain() -> None:
+    def drain() -> None:  # on the loop, one commit at a time (kv.open's node: _writing)
         scheduled[0] = False
-        batch = list(queued)
-        queued.clear()
+        if writing[0] or not queued:
+            return
+        batch = [queued.popleft() for _ in range(len(queued))]  # each popleft is atomic
+        writing[0] = True
         loop.call_later(0.001, answer, batch)
 
     def answer(batch) -> None:
         _busy(work_s * len(batch))
         for lock in batch:
             lock.release()
+        writing[0] = False
+        drain()
 
     def put() -> None:
         lock = threading.Lock()
@@ -60,35 +65,44 @@ def _loop_mode(work_s: float):
     return put, lt.close
 
 
+class _Request:
+    __slots__ = ("lock", "lead")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.lead = False  # set when the writer hands its role to this request's thread
+
+
 def _caller_mode(work_s: float):
-    queued: list[threading.Lock] = []
+    """LevelDB's writers: the request at the head of the queue writes everything queued
+    (its own included), answers the others, and hands the role to the new head."""
+    queued: collections.deque[_Request] = collections.deque()
     mu = threading.Lock()
-    writing = [False]
 
     def put() -> None:
-        lock = threading.Lock()
-        lock.acquire()
+        me = _Request()
         with mu:
-            queued.append(lock)
-            if writing[0]:
-                lead = False
-            else:
-                writing[0] = lead = True
-        if not lead:
-            lock.acquire()
-            return
-        while True:  # the writer: write what is queued until nothing is
-            with mu:
-                batch = queued[:]
-                queued.clear()
-                if not batch:
-                    writing[0] = False
-                    return
-            time.sleep(0.001)
-            _busy(work_s * len(batch))
-            for other in batch:
-                if other is not lock:
-                    other.release()
+            queued.append(me)
+            me.lead = len(queued) == 1
+        if not me.lead:
+            me.lock.acquire()  # answered, or made the writer
+            if not me.lead:
+                return
+        with mu:
+            batch = list(queued)
+        time.sleep(0.001)
+        _busy(work_s * len(batch))
+        with mu:
+            for _ in batch:
+                queued.popleft()
+            head = queued[0] if queued else None
+            if head is not None:
+                head.lead = True
+        for r in batch[1:]:
+            r.lock.release()
+        if head is not None:
+            head.lock.release()
 
     return put, lambda: None
 
@@ -119,7 +133,7 @@ def run(mode: str, threads: int, seconds: float, work_us: float) -> dict:
         t.join()
     r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     close()
-    n = sum(counts)
+    n = max(sum(counts), 1)
     return {
         "mode": mode,
         "work_us": work_us,

@@ -1,11 +1,15 @@
 """Deadlines for many futures with one timer: a request that is not answered in time fails
 with the error the caller chose, without a task or timer of its own.
 
-Requests are filed in buckets of GRAIN seconds (a deadline is rounded up, so it fails at
-most GRAIN late and never early) and a bucket is looked at once, when it is due. Nearly
+Requests are filed in buckets of 1/PER_S seconds (a deadline is rounded up, so it fails at
+most one bucket late, never early) and a bucket is looked at once, when it is due. Nearly
 every request is answered long before its deadline: this keeps what it costs to file and
 forget one to a dict lookup and a list append. (A heap of single deadlines cost 6-8 % of a
 busy leader's event loop, pushing and later popping one entry per write.)
+
+A bucket's time is n / PER_S: uvloop's clock is whole milliseconds divided by 1000, so
+the two are the same float when the bucket's timer fires (n * 0.01 may be one float step
+above it, and the timer would find nothing due and spin until the next millisecond).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import heapq
 import math
 from collections.abc import Callable
 
-GRAIN = 0.01
+PER_S = 100  # buckets per second
 
 
 class Deadlines:
@@ -23,13 +27,19 @@ class Deadlines:
         # make_error gives each expired waiter its own exception instance
         self._make_error = make_error
         self._buckets: dict[int, list] = {}
-        self._due: list[int] = []  # heap of the buckets' numbers (their deadline / GRAIN)
+        self._due: list[int] = []  # heap of the buckets' numbers (deadline * PER_S, rounded up)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
 
     def add(self, deadline: float, fut) -> None:
         """Fail fut at `deadline` (loop.time()) unless it is done by then."""
-        n = math.ceil(deadline / GRAIN)
+        if not math.isfinite(deadline):
+            if deadline > 0 or deadline != deadline:
+                return  # an infinite timeout: never due
+            deadline = 0.0
+        n = math.ceil(deadline * PER_S)
+        if n / PER_S < deadline:  # the product was rounded down
+            n += 1
         bucket = self._buckets.get(n)
         if bucket is not None:
             bucket.append(fut)
@@ -37,25 +47,29 @@ class Deadlines:
         self._buckets[n] = [fut]
         heapq.heappush(self._due, n)
         if self._timer is None or n < self._timer_at:
-            self._arm()
+            self._arm(0.0)
 
-    def _arm(self) -> None:
+    def _arm(self, not_before: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if self._due:
             self._timer_at = self._due[0]
-            self._timer = asyncio.get_running_loop().call_at(self._timer_at * GRAIN, self._fire)
+            self._timer = asyncio.get_running_loop().call_at(max(self._timer_at / PER_S, not_before), self._fire)
 
     def _fire(self) -> None:
         self._timer = None
         now = asyncio.get_running_loop().time()
         due = self._due
-        while due and due[0] * GRAIN <= now:
+        fired = False
+        while due and due[0] / PER_S <= now:
+            fired = True
             for fut in self._buckets.pop(heapq.heappop(due)):
                 if not fut.done():
                     fut.set_exception(self._make_error())
-        self._arm()
+        # A loop whose timers fire a little before their time (asyncio allows its clock's
+        # resolution) comes back a millisecond later, instead of at once and again.
+        self._arm(0.0 if fired else now + 0.001)
 
     def close(self) -> None:
         if self._timer is not None:
