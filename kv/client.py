@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import logging
 import random
 import time
 import weakref
@@ -99,6 +100,16 @@ def _decode_value(d: dict) -> bytes:
     return d["value"].encode()
 
 
+log = logging.getLogger("kv.client")
+
+NOTHING_LISTENS = "is the cluster running (kv cluster up), and are these its client URLs (--endpoints, $KV_ENDPOINTS)?"
+REFUSED_NOTICE_S = 2.0  # every endpoint refusing connections this long: say so while waiting
+
+
+def _refused(e: Exception | None) -> bool:
+    return isinstance(e, aiohttp.ClientConnectorError) and isinstance(e.os_error, ConnectionRefusedError)
+
+
 class AsyncClient:
     """    async with kv.AsyncClient("http://127.0.0.1:8001,http://127.0.0.1:8002") as c:
             await c.put("a", b"1")
@@ -178,6 +189,9 @@ class AsyncClient:
         delay = 0.05
         tries = 0
         last: Exception | None = None
+        refused: set[str] = set()  # endpoints that refused the connection, since anything else
+        refused_since = 0.0
+        noticed = False
         while True:
             ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
             tries += 1
@@ -208,10 +222,23 @@ class AsyncClient:
             if time.monotonic() + delay > deadline or (endpoint is not None and tries > 3):
                 if isinstance(last, errors.KVError):
                     raise last
-                hint = ""
-                if isinstance(last, aiohttp.ClientConnectorError) and isinstance(last.os_error, ConnectionRefusedError):
-                    hint = " — nothing listens there: is the cluster running (kv cluster up), and are these its client URLs (--endpoints, $KV_ENDPOINTS)?"
+                hint = f" — nothing listens there: {NOTHING_LISTENS}" if _refused(last) else ""
                 raise errors.Unavailable(f"no endpoint answered in {self.timeout:g}s ({', '.join(self.endpoints)}): {last}{hint}")
+            if not _refused(last):
+                refused.clear()
+            elif not noticed:
+                # A node restarting, or a cluster still starting, listens again within
+                # seconds; all of them refusing for longer is worth saying before the
+                # timeout ends the wait (an operator's first mistake: nothing is running).
+                if not refused:
+                    refused_since = time.monotonic()
+                refused.add(ep)
+                if refused >= ({endpoint} if endpoint else set(self.endpoints)) and time.monotonic() - refused_since >= REFUSED_NOTICE_S:
+                    noticed = True
+                    log.warning(
+                        "nothing listens at %s (connection refused); still trying until the %gs timeout: %s",
+                        ", ".join(sorted(refused)), self.timeout, NOTHING_LISTENS,
+                    )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 

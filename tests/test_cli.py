@@ -59,6 +59,31 @@ def test_help_and_errors_from_the_real_command():
     assert r.returncode == 1 and "no endpoint answered" in r.stderr
 
 
+def test_a_cluster_that_is_not_running_is_named_while_the_command_waits():
+    """An operator's first mistake: nothing runs at the endpoints. The command says so on
+    stderr while it still waits out its timeout, instead of after it, in silence."""
+    import selectors
+
+    from kv.harness import free_port
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kv", "get", "k", "--endpoints", ",".join(urls), "--timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stderr, selectors.EVENT_READ)
+            assert sel.select(timeout=60), "nothing on stderr within 60 s"
+        line = proc.stderr.readline()
+        assert proc.poll() is None, "it gave up instead of waiting for its timeout"
+        assert line.startswith("kv get: nothing listens at ") and all(u in line for u in urls), line
+        assert "is the cluster running" in line and "120s timeout" in line, line
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
 def test_scan_and_watch_lines_escape_what_would_break_them():
     """A value in a tab-separated listing stays on its line: bytes that are not UTF-8 and
     control characters (NUL, tab, newline) are escaped; other text is kept as it is."""
