@@ -29,7 +29,7 @@ from . import errors, tls
 from ._loop import LoopThread
 from .logstream import RecordReader
 from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
-from .node import DeleteResult, Item, LeaseStatus, Page, RevokeResult, TxnResult, WriteResult, lease_id
+from .node import DeleteResult, Item, LeaseStatus, Page, RevokeResult, TxnResult, WriteResult, lease_id, value_bytes
 from .scan import Scan
 from .raft.messages import Entry
 from .statemachine.commands import Cond, Delete, Get, Put
@@ -259,7 +259,7 @@ class AsyncClient:
         if if_absent:
             headers["If-None-Match"] = "*"
         params = {"lease": str(lease_id(lease))} if lease is not None else None
-        d = await self._json("PUT", _key_path(key), data=bytes(value), headers=headers, params=params)
+        d = await self._json("PUT", _key_path(key), data=value_bytes(value), headers=headers, params=params)
         return WriteResult(d["index"], d["term"])
 
     async def cas(self, key: str, expected_mod_index: int, value: bytes) -> WriteResult:
@@ -463,10 +463,11 @@ class AsyncClient:
 
 
 def _value_json(v: bytes) -> dict:
+    v = value_bytes(v)
     try:
-        return {"value": bytes(v).decode("utf-8")}
+        return {"value": v.decode("utf-8")}
     except UnicodeDecodeError:
-        return {"value": base64.b64encode(bytes(v)).decode(), "encoding": "base64"}
+        return {"value": base64.b64encode(v).decode(), "encoding": "base64"}
 
 
 def _cond_json(c: Cond) -> dict:

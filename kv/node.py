@@ -385,11 +385,10 @@ class Node:
         return len(got[1]) if got else 0
 
     def _value(self, value: bytes) -> bytes:
-        if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise BadRequest(f"values are bytes, not {type(value).__name__}: encode it first")
+        value = value_bytes(value)
         if len(value) > self.config.max_value_bytes:
             raise ValueTooLarge(f"value is {len(value)} bytes; the limit is {self.config.max_value_bytes} (--max-value-bytes)")
-        return bytes(value)
+        return value
 
     async def submit(self, cmd: cmds.Command, timeout: float | None = None) -> Applied:
         """Replicate a command and wait until it is applied here (retrying while no leader
@@ -867,6 +866,14 @@ def ttl_ms(ttl: float) -> int:
     if not 0 < ms <= cmds.MAX_TTL_MS:
         raise BadRequest(f"a lease's ttl is more than 0 and at most a year ({cmds.MAX_TTL_MS // 1000} s), not {ttl!r}")
     return ms
+
+
+def value_bytes(value) -> bytes:
+    """A value as bytes: bytes, bytearray or memoryview; anything else is refused (bytes(5)
+    would be five NUL bytes, and a str has no one right encoding)."""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise BadRequest(f"values are bytes, not {type(value).__name__}: encode it first")
+    return bytes(value)
 
 
 def lease_id(lease) -> int:

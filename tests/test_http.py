@@ -131,6 +131,26 @@ async def test_the_client_sends_binary_values_the_server_reads_back(api):
     assert await (await api.get("/v1/kv/cb")).read() == raw
 
 
+@pytest.mark.parametrize("value", [123, "text", None])
+async def test_the_client_refuses_a_value_that_is_not_bytes_and_writes_nothing(api, value):
+    """bytes(123) is 123 NUL bytes: the client stored them (a newcomer's run found it), where
+    kv.open and kv.Node refuse. Every way the client writes a value refuses it alike."""
+    import kv
+
+    async with kv.AsyncClient(f"http://{api.host}:{api.port}") as c:
+        writes = [
+            lambda: c.put("typed", value),
+            lambda: c.cas("typed", 0, value),
+            lambda: c.put_many({"typed": value}),
+            lambda: c.txn(ops=[Put("typed", value)]),
+            lambda: c.txn([Cond("typed", "value", value)], [Put("typed", b"x")]),
+        ]
+        for write in writes:
+            with pytest.raises(kv.BadRequest, match="values are bytes, not"):
+                await write()
+        assert await c.get("typed") is None
+
+
 @pytest.mark.parametrize(
     "part, message",
     [
