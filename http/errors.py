@@ -59,18 +59,20 @@ async def run_handler(request: web.Request, handler):
         return error_response(500, "INTERNAL", "internal error; see the node's log")
 
 
-async def read_body(request: web.Request, limit: int, what: str = "the body") -> bytes:
+async def read_body(request: web.Request, limit: int, what: str = "the body", limit_flag: str = "") -> bytes:
     """The whole request body, refusing (413) anything over `limit` — before reading it
     when Content-Length says so, else as soon as more than `limit` bytes arrived — and
     (408) one that has not fully arrived within the idle timeout (--http-idle-timeout-s):
-    a slow sender would otherwise hold its connection for ever."""
+    a slow sender would otherwise hold its connection for ever. `limit_flag` names the
+    setting that sets `limit`, for the 413's message."""
+    the_limit = f"the limit is {limit} bytes" + (f" ({limit_flag})" if limit_flag else "")
     if request.content_length is not None and request.content_length > limit:
-        raise ValueTooLarge(f"{what} is {request.content_length} bytes; the limit is {limit}")
+        raise ValueTooLarge(f"{what} is {request.content_length} bytes; {the_limit}")
     content = request.content
     if content.is_eof():  # the usual small body: it came with the headers, no timer needed
         body = content.read_nowait()
         if len(body) > limit:
-            raise ValueTooLarge(f"{what} is larger than the limit of {limit} bytes")
+            raise ValueTooLarge(f"{what} is larger than allowed: {the_limit}")
         return body
     parts, size = [], 0
     idle_s = request.app[CONTEXT].node.config.http_idle_timeout_s
@@ -82,7 +84,7 @@ async def read_body(request: web.Request, limit: int, what: str = "the body") ->
                     return b"".join(parts)
                 size += len(chunk)
                 if size > limit:
-                    raise ValueTooLarge(f"{what} is larger than the limit of {limit} bytes")
+                    raise ValueTooLarge(f"{what} is larger than allowed: {the_limit}")
                 parts.append(chunk)
     except TimeoutError:
         raise web.HTTPRequestTimeout(text=f"{what} did not arrive within {idle_s:g}s (--http-idle-timeout-s); send it without pauses") from None

@@ -38,7 +38,7 @@ def _etag_index(value: str, header: str) -> int:
 async def put_key(request: web.Request) -> web.Response:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
-    value = await read_body(request, c.node.config.max_value_bytes, "the value (--max-value-bytes)")
+    value = await read_body(request, c.node.config.max_value_bytes, "the value", "--max-value-bytes")
     if_match = request.headers.get("If-Match")
     if_none = request.headers.get("If-None-Match")
     if if_none is not None and if_none.strip() != "*":

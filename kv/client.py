@@ -223,6 +223,8 @@ class AsyncClient:
                 if isinstance(last, errors.KVError):
                     raise last
                 hint = f" — nothing listens there: {NOTHING_LISTENS}" if _refused(last) else ""
+                if endpoint is not None:  # one node asked for (kv status asks each)
+                    raise errors.Unavailable(f"{endpoint} did not answer ({tries} tries): {last}{hint}")
                 raise errors.Unavailable(f"no endpoint answered in {self.timeout:g}s ({', '.join(self.endpoints)}): {last}{hint}")
             if not _refused(last):
                 refused.clear()

@@ -286,6 +286,7 @@ def test_slowly_sent_request_heads_and_bodies_are_cut_off(cluster):
         assert answer is not None and (answer == b"" or answer.startswith(b"HTTP/1.1 408")), answer
         if answer:
             assert b"\r\nConnection: close\r\n" in answer, answer
+            assert b"--http-idle-timeout-s" in answer and b"--max-value-bytes" not in answer, answer  # the limit it hit
     assert c.get(c.leader(), "slow")[0] == 404  # nothing was written
     assert_intact(c, c.seeds)
 

@@ -169,6 +169,8 @@ def test_status_json_marks_unreachable_nodes(node):
     r = run_kv("status", "--endpoints", f"{node.url('n1')},http://127.0.0.1:9", "-o", "json", "--timeout", "1", env={"KV_TOKEN": "s3cret"})
     nodes = orjson.loads(r.stdout)["nodes"]
     assert r.returncode == 0 and [n["reachable"] for n in nodes] == [True, False] and nodes[1]["error"]
+    # the dead node's own reason, not one about every endpoint (the other one answered)
+    assert nodes[1]["error"].startswith("http://127.0.0.1:9 did not answer") and "no endpoint answered" not in nodes[1]["error"]
 
 
 def test_json_log_lines_carry_node_and_term_and_the_access_log(node):
