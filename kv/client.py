@@ -19,7 +19,7 @@ import time
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Concatenate, ParamSpec, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import orjson
@@ -62,7 +62,15 @@ def parse_endpoints(spec: str | Sequence[str] | None) -> list[str]:
     for e in (x.strip().rstrip("/") for x in items):
         if not e:
             continue
-        out.append(e if "://" in e else f"http://{e}")
+        url = e if "://" in e else f"http://{e}"
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+            raise errors.BadRequest(f"endpoint {e!r} is not a client URL: give http://HOST:PORT or https://HOST:PORT, comma-separated")
+        out.append(url)
     if not out:
         raise errors.BadRequest("no endpoints given: e.g. --endpoints http://127.0.0.1:8001")
     return out
@@ -151,7 +159,7 @@ class AsyncClient:
         # aiohttp's "Unclosed client session" / "Unclosed connector" reports at exit.
         # (_close is the synchronous part of the connector's close, which aiohttp's own
         # __del__ calls; the public close() is a coroutine nobody could await here.)
-        s = self._session
+        s = getattr(self, "_session", None)  # None too when __init__ refused its arguments
         if s is not None and not s.closed:
             connector = s.connector
             s.detach()

@@ -73,7 +73,8 @@ CASES = [
     pytest.param(["get", "k", "--timeout", "0.5"], {"KV_ENDPOINTS": "http://127.0.0.1:9"}, {}, "kv get: no endpoint answered", 1, id="unreachable"),
     pytest.param(["snapshot", "save", "x.lkvs", "--endpoints", "http://127.0.0.1:9"], {}, {},
                  "kv snapshot save: cannot reach 127.0.0.1:9 (Connect call failed ('127.0.0.1', 9)); is a node running there?", 1, id="download-unreachable"),
-    pytest.param(["put", "k", "v", "--endpoints", "ftp://x", "--timeout", "1"], {}, {}, "kv put: HTTP request failed (NonHttpUrlClientError: ftp://x/v1/kv/k); check --endpoints", 1, id="endpoint-scheme"),
+    pytest.param(["put", "k", "v", "--endpoints", "ftp://x", "--timeout", "1"], {}, {}, "kv put: endpoint 'ftp://x' is not a client URL: give http://HOST:PORT or https://HOST:PORT, comma-separated", 1, id="endpoint-scheme"),
+    pytest.param(["get", "k", "--endpoints", "http://127.0.0.1:80O1"], {}, {}, "kv get: endpoint 'http://127.0.0.1:80O1' is not a client URL", 1, id="endpoint-port"),
     pytest.param(["cluster", "up", "--nodes", "0", "--data-dir", "d"], {}, {}, "kv cluster up: argument --nodes: expected a whole number of at least 1, not '0'", 2, id="cluster-nodes"),
     pytest.param(["cluster", "up", "--base-port", "99999", "--data-dir", "d"], {}, {}, "kv cluster up: argument --base-port: expected a port from 1 to 65000", 2, id="cluster-port"),
 ]
