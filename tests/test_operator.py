@@ -137,6 +137,20 @@ def kv_json(c: ProcCluster, *argv: str, stdin: bytes | None = None) -> list:
     return [orjson.loads(line) for line in r.stdout.splitlines()]
 
 
+def test_put_and_del_are_conditional_on_if_match(node):
+    c = node
+    [put] = kv_json(c, "put", "cond/k", "v1", "--if-match", "0")  # 0: only if absent
+    stale = str(put["index"])
+    kv_json(c, "put", "cond/k", "v2", "--if-match", stale)
+    for argv in (["put", "cond/k", "v3"], ["del", "cond/k"]):
+        r = run_kv(*argv, "--if-match", stale, "--endpoints", c.url("n1"), env={"KV_TOKEN": "s3cret"})
+        assert r.returncode == 1 and "did not hold" in refusal(r), r.stderr
+    [got] = kv_json(c, "get", "cond/k")
+    assert got["value"] == "v2"
+    [deleted] = kv_json(c, "del", "cond/k", "--if-match", str(got["mod_index"]))
+    assert deleted["deleted"] is True
+
+
 def test_json_output_of_every_command(node, tmp_path):
     c = node
     [put] = kv_json(c, "put", "j/text", "hello")

@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
     a.add_argument("--stale", action="store_true", help="read the node's local state without a quorum check")
     a = client_command(sub, "del", "delete a key", run)
     a.add_argument("key")
+    a.add_argument("--if-match", type=int, help="delete only if the key's mod_index is this")
     a = client_command(sub, "scan", "list keys under a prefix", run)
     a.add_argument("prefix", nargs="?", default="")
     a.add_argument("--limit", type=int, default=None)
@@ -61,7 +62,7 @@ async def _run(c, args: argparse.Namespace) -> int:
         else:
             _out(item.value)
     elif cmd == "del":
-        r = await c.delete(args.key)
+        r = await c.delete(args.key, if_mod_index=args.if_match)
         text = f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}"
         report(args, {"key": args.key, "index": r.index, "term": r.term, "deleted": r.deleted}, text)
     elif cmd == "scan":
