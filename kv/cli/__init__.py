@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from .refusal import debug_wanted, describe
@@ -88,6 +89,17 @@ def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
     return argv[:i], argv[i + 1 :]
 
 
+def _client_notices_to_stderr(prog: str) -> None:
+    """What a client says while it waits (no node listening, say) is a line on stderr, as
+    a refusal is: every command that talks to a cluster (the data commands, snapshot save,
+    spark) uses kv.Client."""
+    notices = logging.StreamHandler(sys.stderr)
+    notices.setFormatter(logging.Formatter(f"{prog}: %(message)s"))
+    log = logging.getLogger("kv.client")
+    log.handlers[:] = [notices]
+    log.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Every refusal is one line on stderr and a non-zero exit status:
     commands raise, and this is the one place that turns what they raise into that line."""
@@ -99,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd is None:
         parser.print_help()
         return 2
+    if args.cmd != "serve":  # kv serve routes every logger to its own log
+        _client_notices_to_stderr(args.prog_name)
     try:
         return args.run(args)
     except KeyboardInterrupt:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
-import sys
 from collections.abc import Awaitable, Callable
 
 from .output import add_output_option
@@ -47,15 +45,8 @@ def client_command(sub, name: str, help_: str, run: Callable[[argparse.Namespace
 
 
 def with_client(args: argparse.Namespace, fn: Callable[..., Awaitable[int]]) -> int:
-    """Run fn(client, args) with an AsyncClient on the command's endpoints. What the client
-    says while it waits (no node listening, say) is a line on stderr, as errors are."""
-    from ..client import AsyncClient, log
-
-    if not log.handlers:
-        notices = logging.StreamHandler(sys.stderr)
-        notices.setFormatter(logging.Formatter(f"{args.prog_name}: %(message)s"))
-        log.addHandler(notices)
-        log.propagate = False
+    """Run fn(client, args) with an AsyncClient on the command's endpoints."""
+    from ..client import AsyncClient
 
     async def go() -> int:
         async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout, cacert=args.cacert) as c:
