@@ -59,6 +59,23 @@ def test_help_and_errors_from_the_real_command():
     assert r.returncode == 1 and "no endpoint answered" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # No abbreviations: a script that says --endpoint would break when an option
+        # sharing the prefix is added, and --endpoint is what people type for --endpoints.
+        (["get", "k", "--endpoint", "http://127.0.0.1:9"], "(did you mean --endpoints?)"),
+        (["put", "--if-mach", "3", "k", "v"], "(did you mean --if-match?)"),
+        (["--endpoints=http://127.0.0.1:9", "get", "k"], "(--endpoints goes after the command: kv get --endpoints ...)"),
+        (["get", "k", "--zzz"], "unrecognized arguments: --zzz; see kv get --help"),
+    ],
+)
+def test_a_mistyped_option_is_refused_with_what_was_meant(argv, message):
+    r = subprocess.run([sys.executable, "-m", "kv", *argv], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r
+    assert message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
 def test_a_cluster_that_is_not_running_is_named_while_the_command_waits():
     """An operator's first mistake: nothing runs at the endpoints. The command says so on
     stderr while it still waits out its timeout, instead of after it, in silence."""

@@ -7,6 +7,7 @@ the one place that turns what a command raises into a one-line refusal."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import sys
@@ -21,7 +22,14 @@ GROUPS = ("serve", "cluster", "data", "member", "snapshot", "bench", "spark", "l
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line that says where to look."""
+    """argparse, but a usage error is one line that says where to look, and an option is
+    spelled in full: argparse would take `--endpoint` for `--endpoints`, and a script
+    written so would break when a new option shares the prefix. Subcommands' parsers are
+    of this class too (add_subparsers makes them of the parent's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
@@ -32,8 +40,23 @@ class _Parser(argparse.ArgumentParser):
         ns, extras = self.parse_known_args(args, namespace)
         if extras:
             prog = getattr(ns, "prog_name", self.prog)
-            self.exit(2, f"{prog}: unrecognized arguments: {' '.join(extras)}; see {prog} --help\n")
+            self.exit(2, f"{prog}: unrecognized arguments: {' '.join(extras)}{_did_you_mean(self, prog, extras)}; see {prog} --help\n")
         return ns
+
+
+def _did_you_mean(root: argparse.ArgumentParser, prog: str, extras: list[str]) -> str:
+    """`--endpoint`: did you mean --endpoints? (options are not abbreviated)."""
+    parser = next((p for p in _all_parsers(root) if p.prog == prog), root)
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    for word in extras:
+        name = word.partition("=")[0]
+        if name in options:  # given before the command: `kv --endpoints URL get k`
+            return f" ({name} goes after the command: {prog} {name} ...)"
+        if name.startswith("--"):
+            close = [o for o in options if o.startswith(name)] or difflib.get_close_matches(name, options, n=1)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 def _version() -> str:
