@@ -186,6 +186,11 @@ def test_status_json_marks_unreachable_nodes(node):
     assert r.returncode == 0 and [n["reachable"] for n in nodes] == [True, False] and nodes[1]["error"]
     # the dead node's own reason, not one about every endpoint (the other one answered)
     assert nodes[1]["error"].startswith("http://127.0.0.1:9 did not answer") and "no endpoint answered" not in nodes[1]["error"]
+    # the table says why too, under it
+    r = run_kv("status", "--endpoints", f"{node.url('n1')},http://127.0.0.1:9", "--timeout", "1", env={"KV_TOKEN": "s3cret"})
+    lines = r.stdout.decode().splitlines()
+    assert r.returncode == 0 and lines[2].split()[1] == "unreachable", lines
+    assert lines[3].startswith("http://127.0.0.1:9 did not answer ("), lines
 
 
 def test_json_log_lines_carry_node_and_term_and_the_access_log(node):

@@ -29,6 +29,28 @@ def test_metadata_store_example_does_what_it_says(tmp_path):
     assert "refused:" in out and "delete hosts/7" in out
 
 
+def test_metadata_store_example_runs_unchanged_against_a_cluster_and_again(tmp_path):
+    """As the README says: kv.Client in place of kv.open, from another process; and a
+    second run against the same data (a user runs an example more than once)."""
+    from cluster import ProcCluster
+
+    c = ProcCluster(str(tmp_path / "cluster"), n=1, proxies=False)
+    try:
+        c.start()
+        c.leader()
+        code = BLOCKS[0].replace("kv.open(tempfile.mkdtemp())", f"kv.Client({c.url(c.ids[0])!r})")
+        assert code != BLOCKS[0]
+        outs = []
+        for _ in range(2):
+            r = run_python(code, str(tmp_path))
+            assert r.returncode == 0, r.stderr[-3000:]
+            outs.append(r.stdout)
+        assert "created services/db" in outs[0] and "services/db was there already" in outs[1]
+        assert all("refused:" in out and "delete hosts/7" in out for out in outs)
+    finally:
+        c.close()
+
+
 @pytest.mark.slow
 @pytest.mark.spark
 def test_spark_example_runs_against_a_real_cluster(tmp_path):

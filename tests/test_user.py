@@ -6,6 +6,7 @@ checks afterwards that nothing was lost and nothing in the data dir was touched.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -228,9 +229,11 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         wait_until(lambda: "to bring n3 back" in up_out.read_text(), 30, "cluster up telling how to restart n3")
         line = next(ln for ln in up_out.read_text().splitlines() if "to bring n3 back" in ln)
         command = line.split("in another shell: ", 1)[1]
-        assert command.startswith("kv serve --id n3 ")
+        # Runnable as printed, in a shell where the venv is not active (the same
+        # interpreter `kv cluster up` started the node with).
+        assert command.startswith(f"{shlex.quote(sys.executable)} -m kv serve --id n3 ")
         assert kv_cli("put", "while-down", "2", "--endpoints", endpoints).returncode == 0
-        back = subprocess.Popen(["bash", "-c", f"exec {PY} -m {command[:2]} {command[3:]}"])
+        back = subprocess.Popen(["bash", "-c", f"exec {command}"], env={"PATH": "/usr/bin:/bin"})
         n3_url = f"http://127.0.0.1:{base + 2}"
         wait_until(
             lambda: kv_cli("get", "while-down", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 60, "n3 back and caught up"

@@ -159,7 +159,7 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                     last = _last_line(log_paths[nid])
                     _say(f"node {nid} exited with code {p.returncode}; its log is {log_paths[nid]}" + (f": {last}" if last else ""))
                     args = next(n["args"] for n in plan if n["id"] == nid)
-                    _say(f"  the others go on; to bring {nid} back, in another shell: kv serve {shlex.join(args)} >> {shlex.quote(log_paths[nid])} 2>&1")
+                    _say(f"  the others go on; to bring {nid} back, in another shell: {shlex.join([*SERVE, *args])} >> {shlex.quote(log_paths[nid])} 2>&1")
             if len(exited) == len(procs):
                 _say("every node has exited; see their logs above")
                 return exited

@@ -85,4 +85,7 @@ def _print_status(rows: list) -> int:
     widths = [max(len(r[i]) for r in table) for i in range(len(heads))]
     for r in table:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    for ep, st in rows:  # why, under the table (the reasons are too long for a column)
+        if isinstance(st, Exception):
+            print(str(st) if str(st).startswith(ep) else f"{ep}: {st}")
     return 1 if down == len(rows) else 0  # the same rule as _emit_status
