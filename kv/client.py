@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import random
+import socket
 import time
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -111,11 +112,27 @@ def _decode_value(d: dict) -> bytes:
 log = logging.getLogger("kv.client")
 
 NOTHING_LISTENS = "is the cluster running (kv cluster up), and are these its client URLs (--endpoints, $KV_ENDPOINTS)?"
-REFUSED_NOTICE_S = 2.0  # every endpoint refusing connections this long: say so while waiting
+NO_SUCH_HOST = "is the name spelled right, and are these the cluster's client URLs (--endpoints, $KV_ENDPOINTS)?"
+UNREACHABLE_NOTICE_S = 2.0  # every endpoint unreachable this long: say so while waiting
 
 
-def _refused(e: Exception | None) -> bool:
-    return isinstance(e, aiohttp.ClientConnectorError) and isinstance(e.os_error, ConnectionRefusedError)
+def _unreachable(e: Exception | None) -> str | None:
+    """Why no node can answer at an endpoint, where that is worth saying before the
+    timeout ends the wait: nothing listens, or the host name does not resolve (a typo,
+    or a container not started yet). None for anything else (a slow node, a reset)."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        if isinstance(e.os_error, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(e.os_error, socket.gaierror):
+            return "the host name does not resolve"
+    return None
+
+
+def _unreachable_hint(e: Exception | None) -> str:
+    why = _unreachable(e)
+    if why is None:
+        return ""
+    return f" — nothing listens there: {NOTHING_LISTENS}" if why == "connection refused" else f" — {why}: {NO_SUCH_HOST}"
 
 
 class AsyncClient:
@@ -197,8 +214,8 @@ class AsyncClient:
         delay = 0.05
         tries = 0
         last: Exception | None = None
-        refused: set[str] = set()  # endpoints that refused the connection, since anything else
-        refused_since = 0.0
+        unreachable: dict[str, str] = {}  # endpoint: why no node can answer there, since anything else
+        unreachable_since = 0.0
         noticed = False
         while True:
             ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
@@ -230,24 +247,29 @@ class AsyncClient:
             if time.monotonic() + delay > deadline or (endpoint is not None and tries > 3):
                 if isinstance(last, errors.KVError):
                     raise last
-                hint = f" — nothing listens there: {NOTHING_LISTENS}" if _refused(last) else ""
+                hint = _unreachable_hint(last)
                 if endpoint is not None:  # one node asked for (kv status asks each)
                     raise errors.Unavailable(f"{endpoint} did not answer ({tries} tries): {last}{hint}")
                 raise errors.Unavailable(f"no endpoint answered in {self.timeout:g}s ({', '.join(self.endpoints)}): {last}{hint}")
-            if not _refused(last):
-                refused.clear()
+            why = _unreachable(last)
+            if why is None:
+                unreachable.clear()
             elif not noticed:
-                # A node restarting, or a cluster still starting, listens again within
-                # seconds; all of them refusing for longer is worth saying before the
-                # timeout ends the wait (an operator's first mistake: nothing is running).
-                if not refused:
-                    refused_since = time.monotonic()
-                refused.add(ep)
-                if refused >= ({endpoint} if endpoint else set(self.endpoints)) and time.monotonic() - refused_since >= REFUSED_NOTICE_S:
+                # A node restarting, or a cluster still starting, answers again within
+                # seconds; all of them unreachable for longer is worth saying before the
+                # timeout ends the wait (an operator's first mistake: nothing is running,
+                # or a URL is mistyped).
+                if not unreachable:
+                    unreachable_since = time.monotonic()
+                unreachable[ep] = why
+                if unreachable.keys() >= ({endpoint} if endpoint else set(self.endpoints)) and time.monotonic() - unreachable_since >= UNREACHABLE_NOTICE_S:
                     noticed = True
+                    whys = set(unreachable.values())
                     log.warning(
-                        "nothing listens at %s (connection refused); still trying until the %gs timeout: %s",
-                        ", ".join(sorted(refused)), self.timeout, NOTHING_LISTENS,
+                        "%s at %s (%s); still trying until the %gs timeout: %s",
+                        "nothing listens" if whys == {"connection refused"} else "no node can answer",
+                        ", ".join(sorted(unreachable)), "; ".join(sorted(whys)), self.timeout,
+                        NOTHING_LISTENS if whys == {"connection refused"} else NO_SUCH_HOST,
                     )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
