@@ -13,6 +13,7 @@ from kv import Node, tls
 from kv.metrics import request_forwarded
 
 from . import routes_admin, routes_kv, routes_leases, routes_members, routes_watch
+from .answer import Answer
 from .auth import ADMIN, Grant, authorize
 from .context import CONTEXT, HttpContext
 from .errors import run_handler
@@ -27,10 +28,16 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 @web.middleware
-async def middleware(request: web.Request, handler):
-    """One layer for every request: the token and role check, the error model, the
-    latency histogram and the access log (one middleware instead of four: this runs on
-    every request)."""
+async def middleware(request: web.Request, handler) -> web.StreamResponse:
+    """handle(), for a request that aiohttp serves: an Answer becomes aiohttp's Response."""
+    resp = await handle(request, handler)
+    return resp.to_response() if type(resp) is Answer else resp
+
+
+async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
+    """One layer for every request, whichever front parsed it (aiohttp, or the fast path
+    for the key routes): the token and role check, the error model, the latency histogram
+    and the access log (one layer instead of four: this runs on every request)."""
     c = request.app[CONTEXT]
     t0 = time.perf_counter()
     request_forwarded.set(False)  # requests of one keep-alive connection share a task
@@ -122,7 +129,7 @@ async def serve(
     await runner.setup()
     # A fast-path request is a key's read or write or a transaction: done within the node's timeouts.
     in_flight_s = max(node.config.write_timeout_s, node.config.read_timeout_s) + 1.0
-    fast = FastFront(app, middleware, runner.server, idle_timeout_s, in_flight_s) if fast_path else None
+    fast = FastFront(app, handle, runner.server, idle_timeout_s, in_flight_s) if fast_path else None
     site = CappedSite(runner, host, port, max_connections=max_connections, handshake_timeout_s=idle_timeout_s, fast=fast, ssl_context=ssl_context, backlog=1024)
     await site.start()
     node.metrics.http_refused = lambda: site.refused

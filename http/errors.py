@@ -10,6 +10,7 @@ from aiohttp import web
 
 from kv import KVError, ValueTooLarge
 
+from .answer import Answer
 from .context import CONTEXT
 
 log = logging.getLogger("kv.http")
@@ -17,11 +18,11 @@ log = logging.getLogger("kv.http")
 RETRY_AFTER_S = "1"
 
 
-def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
+def json_response(data, status: int = 200, headers: dict | None = None) -> Answer:
+    return Answer(orjson.dumps(data), status, "application/json", headers)
 
 
-def error_response(status: int, code: str, message: str, details: dict | None = None) -> web.Response:
+def error_response(status: int, code: str, message: str, details: dict | None = None) -> Answer:
     headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
     return json_response({"error": {"code": code, "message": message, **(details or {})}}, status, headers)
 
@@ -29,7 +30,7 @@ def error_response(status: int, code: str, message: str, details: dict | None = 
 _HTTP_CODES = {400: "BAD_REQUEST", 401: "UNAUTHORIZED", 403: "FORBIDDEN", 404: "NOT_FOUND", 408: "REQUEST_TIMEOUT", 405: "METHOD_NOT_ALLOWED", 413: "VALUE_TOO_LARGE"}
 
 
-async def run_handler(request: web.Request, handler):
+async def run_handler(request: web.Request, handler) -> Answer | web.StreamResponse:
     """Run the handler and turn what it raises into the error model."""
     try:
         return await handler(request)
@@ -46,13 +47,13 @@ async def run_handler(request: web.Request, handler):
             message = f"{request.method} is not allowed on {request.path}"
         resp = error_response(e.status, code, message)
         if e.status == 405 and "Allow" in e.headers:
-            resp.headers["Allow"] = e.headers["Allow"]
+            resp.headers = {"Allow": e.headers["Allow"]}
         elif e.status == 408:
             # The rest of the request is not coming in time: no next request on this
             # connection either (RFC 9110 §15.5.9). aiohttp sends "Connection: close",
             # reads on for its lingering time so that the answer is not lost to a reset,
             # and closes.
-            resp.force_close()
+            resp.close = True
         return resp
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)

@@ -3,9 +3,10 @@
 A bare aiohttp PUT handler costs about 160 µs of server CPU a request on this project's
 2-core machine, more than the Raft work of a batched write. FastProtocol parses a plain,
 well-formed request itself (parsing and encoding the answer take under 10 µs of that) and
-runs the very same middleware and
-handlers on a FastRequest, the part of aiohttp's Request that they use. So the auth, the
-error model, the metrics and the access log are one code, whichever front parsed the request.
+runs the very same middleware (http.app.handle) and handlers on a FastRequest, the part of
+aiohttp's Request that they use, and writes the Answer they return (http/answer.py). So the
+auth, the error model, the metrics and the access log are one code, whichever front parsed
+the request.
 
 Anything else hands the connection to aiohttp for good: another route, a body that has not
 fully arrived or is over 64 KiB, chunked bodies, `Expect`, HTTP/1.0, an upgrade, a head that
@@ -19,15 +20,12 @@ renews leases on the same connection moves to aiohttp at its first such request.
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import logging
 import re
-import time
 import urllib.parse
 from types import SimpleNamespace
 
 from aiohttp import web
-from aiohttp.http import SERVER_SOFTWARE
 
 from . import routes_kv
 
@@ -109,39 +107,15 @@ def _query(qs: str) -> dict[str, str]:
     return out
 
 
-class _Date:
-    """The Date header, formatted once a second."""
-
-    second, text = 0, ""
-
-    @classmethod
-    def now(cls) -> str:
-        t = int(time.time())
-        if t != cls.second:
-            cls.second, cls.text = t, email.utils.formatdate(t, usegmt=True)
-        return cls.text
-
-
-def encode_response(resp: web.Response, keep_alive: bool) -> bytes:
-    body = resp.body or b""
-    head = [f"HTTP/1.1 {resp.status} {resp.reason}\r\n"]
-    head += [f"{k}: {v}\r\n" for k, v in resp.headers.items()]
-    head.append(f"Content-Length: {len(body)}\r\nDate: {_Date.now()}\r\nServer: {SERVER_SOFTWARE}\r\n")
-    if not keep_alive:
-        head.append("Connection: close\r\n")
-    head.append("\r\n")
-    return "".join(head).encode() + body
-
-
 class FastFront:
     """The fast path's share of a listening site: its open connections, the requests in
     flight, and the sweep that closes idle connections (aiohttp's keep-alive rule: a
     connection that has not sent a whole request within the idle timeout of opening, or of
     its last response, is closed)."""
 
-    def __init__(self, app: web.Application, middleware, server, idle_timeout_s: float, shutdown_timeout_s: float) -> None:
+    def __init__(self, app: web.Application, handle, server, idle_timeout_s: float, shutdown_timeout_s: float) -> None:
         self.app = app
-        self.middleware = middleware
+        self.handle = handle  # http.app.handle: auth, errors, metrics, access log; returns an Answer
         self.server = server  # aiohttp's protocol factory, for the connections handed over
         self.idle_timeout_s = idle_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s  # how long stop() lets requests in flight finish
@@ -282,22 +256,22 @@ class FastProtocol(asyncio.Protocol):
             return None
         if qs and _QUERY.fullmatch(qs) is None:
             return None
-        length = headers.get("content-length", "0")
+        length = dict.get(headers, "content-length", "0")  # the names are stored lower-case
         if not (length.isdigit() and len(length) <= 6):
             return None
         start, stop = end + 4, end + 4 + int(length)
         if stop - start > BODY_MAX or stop > len(buf):
             return None  # large, or still arriving: aiohttp reads it with its limit and timeout
         self.buf = buf[stop:]
-        keep_alive = "close" not in {t.strip() for t in headers.get("connection", "").lower().split(",")}
+        connection = dict.get(headers, "connection")  # HTTP/1.1 clients seldom send it
+        keep_alive = connection is None or "close" not in {t.strip() for t in connection.lower().split(",")}
         request = FastRequest(self.front.app, self.transport, method, target, path, qs, headers, buf[start:stop], match)
         return request, handler, keep_alive
 
     async def _serve(self, request: FastRequest, handler, keep_alive: bool) -> None:
         try:
-            resp = await self.front.middleware(request, handler)
-            answer = encode_response(resp, keep_alive)
-        except Exception:  # the middleware turns handler errors into answers: this is a bug
+            answer = (await self.front.handle(request, handler)).encode(keep_alive)
+        except Exception:  # handle() turns handler errors into Answers: this is a bug
             log.exception("the fast path failed on %s %s", request.method, request.path)
             self.close()
             return

@@ -12,6 +12,7 @@ from kv import BadRequest, Compacted, NotFound, NotLeader
 from kv import logstream
 from kv.metrics import CONTENT_TYPE, request_forwarded
 
+from .answer import Answer
 from .context import ctx
 from .errors import json_response, read_body
 
@@ -19,19 +20,19 @@ OPENAPI_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
 FORWARDED = "X-Kv-Forwarded"
 
 
-async def status(request: web.Request) -> web.Response:
+async def status(request: web.Request) -> Answer:
     """This node's own view; never forwarded."""
     return json_response(ctx(request).node.status())
 
 
-async def healthz(request: web.Request) -> web.Response:
+async def healthz(request: web.Request) -> Answer:
     node = ctx(request).node
     if node.raft is None or node.raft.failure is not None:
         return json_response({"ok": False, "error": str(node.raft.failure) if node.raft else "not started"}, 503)
     return json_response({"ok": True})
 
 
-async def readyz(request: web.Request) -> web.Response:
+async def readyz(request: web.Request) -> Answer:
     """Ready when a leader is known and this node has applied what it knows is committed."""
     node = ctx(request).node
     s = node.status()
@@ -41,12 +42,12 @@ async def readyz(request: web.Request) -> web.Response:
     return json_response(body, 200 if ready else 503, {"Retry-After": "1"} if not ready else None)
 
 
-async def metrics(request: web.Request) -> web.Response:
+async def metrics(request: web.Request) -> Answer:
     body = ctx(request).node.metrics.render()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE, "X-Content-Type-Options": "nosniff"})
+    return Answer(body, 200, CONTENT_TYPE, {"X-Content-Type-Options": "nosniff"})
 
 
-async def take_snapshot(request: web.Request) -> web.Response:
+async def take_snapshot(request: web.Request) -> Answer:
     snap = await ctx(request).node.snapshots.take()
     return json_response({"index": snap.index, "term": snap.term})
 
@@ -121,7 +122,7 @@ async def _json_body(request: web.Request) -> dict:
     return doc
 
 
-async def leader_transfer(request: web.Request) -> web.Response:
+async def leader_transfer(request: web.Request) -> Answer:
     doc = await _json_body(request)
     to = doc.get("to")
     if not isinstance(to, str) or not to:
@@ -134,7 +135,7 @@ async def leader_transfer(request: web.Request) -> web.Response:
     return json_response({"leader": leader})
 
 
-async def forward_to_leader(request: web.Request, body: bytes) -> web.Response:
+async def forward_to_leader(request: web.Request, body: bytes) -> Answer:
     """Pass an admin request to the leader's HTTP API and return its answer."""
     c = ctx(request)
     url = c.node.leader_url()
@@ -147,14 +148,14 @@ async def forward_to_leader(request: web.Request, body: bytes) -> web.Response:
     try:
         async with c.session.request(request.method, url + request.path_qs, data=body, headers=headers) as resp:
             data = await resp.read()
-            return web.Response(body=data, status=resp.status, content_type=resp.content_type)
+            return Answer(data, resp.status, resp.content_type)
     except Exception as e:
         raise NotLeader(f"forwarding to the leader at {url} failed: {e}", c.node.raft.leader_id) from e
 
 
-async def openapi(request: web.Request) -> web.Response:
+async def openapi(request: web.Request) -> Answer:
     with open(OPENAPI_PATH, "rb") as f:
-        return web.Response(body=f.read(), content_type="application/json")
+        return Answer(f.read())
 
 
 def add_routes(app: web.Application) -> None:

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from kv import BadRequest, Cond, Delete, Get, NotFound, PreconditionFailed, Put
 
+from .answer import Answer
 from .auth import check_keys
 from .context import ctx
 from .errors import json_response, read_body
@@ -35,7 +36,7 @@ def _etag_index(value: str, header: str) -> int:
     return int(m.group(1))
 
 
-async def put_key(request: web.Request) -> web.Response:
+async def put_key(request: web.Request) -> Answer:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
     value = await read_body(request, c.node.config.max_value_bytes, "the value", "--max-value-bytes")
@@ -56,16 +57,16 @@ async def put_key(request: web.Request) -> web.Response:
     return json_response({"index": r.index, "term": r.term}, headers={"ETag": f'"{r.index}"'})
 
 
-async def get_key(request: web.Request) -> web.Response:
+async def get_key(request: web.Request) -> Answer:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
     item, index = await c.node.get_at(key, consistency=_consistency(request))
     if item is None:
         raise NotFound(f"key {key!r} does not exist")
-    return web.Response(body=item.value, content_type="application/octet-stream", headers={"ETag": f'"{item.mod_index}"', "X-Kv-Index": str(index)})
+    return Answer(item.value, 200, "application/octet-stream", {"ETag": f'"{item.mod_index}"', "X-Kv-Index": str(index)})
 
 
-async def delete_key(request: web.Request) -> web.Response:
+async def delete_key(request: web.Request) -> Answer:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
     if "If-None-Match" in request.headers:
@@ -84,7 +85,7 @@ def _encode_value(value: bytes, force_b64: bool) -> dict:
     return {"value": base64.b64encode(value).decode(), "encoding": "base64"}
 
 
-async def list_keys(request: web.Request) -> web.Response:
+async def list_keys(request: web.Request) -> Answer:
     c = ctx(request)
     q = request.query
     try:
@@ -202,7 +203,7 @@ def _op_result(r, force_b64: bool):
     return {"index": r.index}
 
 
-async def txn(request: web.Request) -> web.Response:
+async def txn(request: web.Request) -> Answer:
     """{"compare": [...], "success": [...], "failure": [...]}: 200 when the comparisons held
     (success ran), 412 when they did not (failure ran)."""
     c = ctx(request)

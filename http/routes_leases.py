@@ -8,6 +8,7 @@ from aiohttp import web
 
 from kv import BadRequest, LeaseStatus
 
+from .answer import Answer
 from .context import ctx
 from .errors import json_response
 from .routes_admin import _json_body
@@ -33,7 +34,7 @@ def lease_json(s: LeaseStatus, *, remaining: bool = True, keys: bool = True) -> 
     return out
 
 
-async def grant(request: web.Request) -> web.Response:
+async def grant(request: web.Request) -> Answer:
     doc = await _json_body(request)
     if set(doc) != {"ttl"}:
         raise BadRequest('give the lease\'s time to live in seconds: {"ttl": 10}')
@@ -41,12 +42,12 @@ async def grant(request: web.Request) -> web.Response:
     return json_response(lease_json(s, remaining=False, keys=False))
 
 
-async def keepalive(request: web.Request) -> web.Response:
+async def keepalive(request: web.Request) -> Answer:
     s = await ctx(request).node.lease_keepalive(lease_path_id(request))
     return json_response(lease_json(s, remaining=False, keys=False))
 
 
-async def keepalive_many(request: web.Request) -> web.Response:
+async def keepalive_many(request: web.Request) -> Answer:
     doc = await _json_body(request)
     example = '{"ids": [7587862104061, 7587862104062]}'
     if set(doc) - {"ids"}:
@@ -66,16 +67,16 @@ async def keepalive_many(request: web.Request) -> web.Response:
     )
 
 
-async def info(request: web.Request) -> web.Response:
+async def info(request: web.Request) -> Answer:
     return json_response(lease_json(await ctx(request).node.lease_info(lease_path_id(request))))
 
 
-async def list_leases(request: web.Request) -> web.Response:
+async def list_leases(request: web.Request) -> Answer:
     leases = await ctx(request).node.lease_list()
     return json_response({"leases": [lease_json(s, keys=False) for s in leases]})
 
 
-async def revoke(request: web.Request) -> web.Response:
+async def revoke(request: web.Request) -> Answer:
     lease = lease_path_id(request)
     r = await ctx(request).node.lease_revoke(lease)
     return json_response({"id": lease, "index": r.index, "keys": list(r.keys)})

@@ -8,16 +8,17 @@ from aiohttp import web
 
 from kv import BadRequest, NotLeader
 
+from .answer import Answer
 from .context import ctx
 from .errors import json_response
 from .routes_admin import _json_body, forward_to_leader
 
 
-async def list_members(request: web.Request) -> web.Response:
+async def list_members(request: web.Request) -> Answer:
     return json_response({"members": ctx(request).node.members()})
 
 
-async def _on_leader(request: web.Request, change, body: dict | None = None) -> web.Response:
+async def _on_leader(request: web.Request, change, body: dict | None = None) -> Answer:
     try:
         members = await change()
     except NotLeader:
@@ -25,7 +26,7 @@ async def _on_leader(request: web.Request, change, body: dict | None = None) -> 
     return json_response({"members": members})
 
 
-async def add_member(request: web.Request) -> web.Response:
+async def add_member(request: web.Request) -> Answer:
     doc = await _json_body(request)
     mid, peer, http = doc.get("id"), doc.get("peer"), doc.get("http", "")
     voter, replace = doc.get("voter", False), doc.get("replace", False)
@@ -37,13 +38,13 @@ async def add_member(request: web.Request) -> web.Response:
     return await _on_leader(request, lambda: node.add_member(mid, peer, http, voter=voter, replace=replace), doc)
 
 
-async def remove_member(request: web.Request) -> web.Response:
+async def remove_member(request: web.Request) -> Answer:
     node = ctx(request).node
     mid = request.match_info["id"]
     return await _on_leader(request, lambda: node.remove_member(mid))
 
 
-async def promote_member(request: web.Request) -> web.Response:
+async def promote_member(request: web.Request) -> Answer:
     node = ctx(request).node
     mid = request.match_info["id"]
     return await _on_leader(request, lambda: node.promote_member(mid))
