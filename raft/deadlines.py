@@ -30,9 +30,13 @@ class Deadlines:
         self._due: list[int] = []  # heap of the buckets' numbers (deadline * PER_S, rounded up)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
+        self._closed = False
 
     def add(self, deadline: float, fut) -> None:
-        """Fail fut at `deadline` (loop.time()) unless it is done by then."""
+        """Fail fut at `deadline` (loop.time()) unless it is done by then. After close(),
+        nothing is filed (and no timer armed): the owner fails what it still holds."""
+        if self._closed:
+            return
         if not math.isfinite(deadline):
             if deadline > 0 or deadline != deadline:
                 return  # an infinite timeout: never due
@@ -72,6 +76,7 @@ class Deadlines:
         self._arm(0.0 if fired else now + 0.001)
 
     def close(self) -> None:
+        self._closed = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

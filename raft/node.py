@@ -397,6 +397,7 @@ class RaftNode:
     async def wait_applied(self, index: int, deadline: float | None = None) -> None:
         if self.applied_index >= index:
             return
+        self._check_running()  # a stopped node applies nothing more (and fails its waiters once)
         fut = self.loop.create_future()
         self._apply_waiters.append((index, fut))
         if deadline is not None:

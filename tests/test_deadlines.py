@@ -116,3 +116,10 @@ async def test_a_batch_under_one_deadline_fails_only_its_unanswered_members_and_
     d.close()
     await asyncio.sleep(0.1)
     assert not c.done()
+    # close() is final: what is filed after it arms no timer (the owner fails what it
+    # holds: RaftNode.stop fails every waiter).
+    late = loop.create_future()
+    d.add(loop.time() + 0.01, late)
+    assert d._timer is None and not d._buckets
+    await asyncio.sleep(0.05)
+    assert not late.done()

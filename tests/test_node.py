@@ -52,6 +52,20 @@ async def test_waiting_for_a_leader_and_for_an_applied_index(cluster):
         await f.wait_leader(timeout=3)
 
 
+async def test_waiting_on_a_stopped_raft_node_fails_at_once_instead_of_for_ever(tmp_path):
+    """A waiter that arrives while the node stops (after its deadlines were closed, before
+    or after its waiters were failed) is refused, not left waiting with no deadline."""
+    from kv.raft.node import NodeStopped
+
+    node = kv.Node(id="n1", data_dir=str(tmp_path / "n1"))
+    await node.start()
+    w = await node.put("k", b"v")
+    raft = node.raft
+    await node.stop()
+    with pytest.raises(NodeStopped):
+        await asyncio.wait_for(raft.wait_applied(w.index + 1), 5)
+
+
 async def test_writes_commit_and_replicate_over_a_lossy_slow_network(tmp_path):
     c = InprocCluster(str(tmp_path), net=LoopbackNetwork(drop_rate=0.1, delay=0.005, seed=3))
     await c.start()
