@@ -51,6 +51,9 @@ class Progress:
     # since a large one takes longer than the push timeout to send, verify and install
     # and the stream has its own stall detection.
     streaming: bool = False
+    # The snapshot stream ended well: the follower has it. If its answer is lost, the
+    # re-push asks where it is (COMPARE) instead of streaming the whole snapshot again.
+    delivered: bool = False
     sent_commit: int = 0  # the highest commit index sent to this follower
     commit_due: float | None = None  # when to send a COMMIT if no APPEND carries it first
     recent_active: bool = False  # heard from within the current check-quorum period
@@ -69,6 +72,7 @@ class Progress:
         self.inflight_bytes = 0
         self.probe_sent_at = None
         self.streaming = False
+        self.delivered = False
 
     def ack(self, index: int) -> bool:
         """The follower holds entries up to index. Returns whether match moved."""

@@ -160,6 +160,12 @@ class Replication:
         """Nothing came back in time: send again from the follower's match point."""
         if pr.state == DispatcherState.APPEND:
             pr.reset(DispatcherState.APPEND, pr.match + 1)
+        elif pr.delivered:
+            # The follower got the whole snapshot but its answer was lost (a full link
+            # drops it): ask where its log is now. Unless it failed to install it, that is
+            # at the snapshot's index, at or past our log's start, and replication goes on
+            # from there; else the COMPARE fails and the snapshot is sent again.
+            pr.reset(DispatcherState.COMPARE, self.log.before_index + 1)
         else:
             pr.reset(pr.state, pr.next)
         self.needed = True
@@ -176,8 +182,9 @@ class Replication:
             return
         # Failed: sent again after the push timeout. Succeeded: the follower's core has the
         # snapshot and answers with a PushResponse (after its ledger is reset), which moves
-        # us on; if that answer does not come within the push timeout, the snapshot goes again.
-        pr.probe_sent_at, pr.streaming = now, False
+        # us on; if that answer does not come within the push timeout, a COMPARE asks where
+        # the follower is (see _repush).
+        pr.probe_sent_at, pr.streaming, pr.delivered = now, False, ok
 
     # ======================================================================================
     # Answers (the core has checked the term and that `m.src` is followed)

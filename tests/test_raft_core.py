@@ -384,6 +384,30 @@ def test_a_snapshot_slower_than_the_push_timeout_is_sent_once():
     sim.check_converged()
 
 
+def test_a_lost_answer_to_a_delivered_snapshot_is_asked_about_not_sent_again():
+    """The follower installed the snapshot but its answer was lost (a full link drops it):
+    the leader asks where the follower is (COMPARE) instead of streaming it all again."""
+    sim = Sim(3, seed=12, snapshot_every=50, trailing=5)
+    lid, follower = left_behind(sim, 200)
+    sends, lost = [], []
+    sim.on_ready = lambda nid, rd: sends.extend(s.peer for s in rd.snapshot_sends if s.peer == follower)
+    send = sim._send
+
+    def lose_the_first_install_answer(msg):
+        if isinstance(msg, PushResponse) and msg.type == PushType.INSTALL_SNAPSHOT and msg.src == follower and not lost:
+            lost.append(msg)
+            return
+        send(msg)
+
+    sim._send = lose_the_first_install_answer
+    sim.restart(follower)
+    sim.run_for(6000)
+    assert lost and lost[0].code == PushCode.SUCCESS and sim.snapshots_installed == 1
+    assert sends == [follower]
+    assert sim.nodes[follower].applied_index == sim.nodes[lid].applied_index > 200
+    sim.check_converged()
+
+
 def test_fast_backup_skips_a_conflicting_term_in_one_step():
     """xTerm/xIndex: the follower names its conflicting term and where it starts."""
     storage = MemoryStorage()
