@@ -202,7 +202,7 @@ class RaftNode:
         self._heartbeat_sent: dict[str, float] = {}  # peer -> when the oldest unanswered heartbeat left
         self._last_leader: str | None = None
         self._result_encoder = result_encoder
-        self._forwards: dict[int, asyncio.Future] = {}
+        self._forwards: dict[int, tuple[str, asyncio.Future]] = {}  # req_id -> (the leader it went to, its future)
         # For a forwarded request the leader answers itself instead of logging it (a lease
         # keepalive): returns the encoded answer, or None when the payload is to be proposed.
         self._serve_local = serve_local
@@ -274,7 +274,7 @@ class RaftNode:
     def _fail_all(self, exc: BaseException) -> None:
         futs = [f for _, f in self._pending.values()] + [f for *_, f in self._proposals]
         futs += list(self._read_futs.values()) + [f for _, f in self._apply_waiters]
-        futs += list(self._forwards.values())
+        futs += [f for _, f in self._forwards.values()]
         self._forwards.clear()
         self._pending.clear()
         self._proposals.clear()
@@ -339,7 +339,7 @@ class RaftNode:
             raise NotLeader(leader=leader)
         req_id = next(self._ctx)
         fut = self.loop.create_future()
-        self._forwards[req_id] = fut
+        self._forwards[req_id] = (leader, fut)
         if deadline is not None:
             self._deadlines.add(deadline, fut)
         try:
@@ -490,7 +490,7 @@ class RaftNode:
             self.loop.create_task(self._serve_forward(msg))
             return
         if t is ForwardResponse:
-            fut = self._forwards.get(msg.req_id)
+            fut = self._forwards.get(msg.req_id, (None, None))[1]
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             return
@@ -621,6 +621,15 @@ class RaftNode:
             for fut in reads.values():
                 if not fut.done():
                     fut.set_exception(LeaderChanged(f"the leader changed ({self._last_leader} -> {c.leader_id}) while a read waited; retry", c.leader_id))
+        if c.leader_id != self._last_leader and self._forwards:
+            # Writes handed to the old leader: it is dead or cut off (we stopped hearing it,
+            # or a newer term began), so its answer will not come; what it did with them is
+            # unknown (it may have replicated them before it went). Say so now rather than at
+            # the write's deadline.
+            gone = self._last_leader
+            for leader, fut in self._forwards.values():
+                if leader == gone and not fut.done():
+                    fut.set_exception(OutcomeUnknown(f"the leader {gone} was replaced while this write waited for its answer; it may or may not have been committed"))
         self._last_leader = c.leader_id
         self.leader_changed.set()
         self.leader_changed = asyncio.Event()

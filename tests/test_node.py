@@ -66,6 +66,28 @@ async def test_waiting_on_a_stopped_raft_node_fails_at_once_instead_of_for_ever(
         await asyncio.wait_for(raft.wait_applied(w.index + 1), 5)
 
 
+async def test_a_write_forwarded_to_a_leader_that_is_cut_off_is_unknown_once_a_new_one_is_elected(tmp_path):
+    """The leader gets a follower's write but can no longer reach anyone: the follower says
+    the outcome is unknown when a new leader is elected, not at the write's deadline, and
+    the write, which the old leader could not replicate, is not there."""
+    c = InprocCluster(str(tmp_path), write_timeout_s=60.0)
+    await c.start()
+    try:
+        lead = await c.leader()
+        f1, f2 = await c.followers()
+        for f in (f1, f2):
+            c.net.cut(lead.config.id, f.config.id)  # it hears them; they no longer hear it
+        with pytest.raises(kv.Timeout, match=f"the leader {lead.config.id} was replaced while this write waited"):
+            await asyncio.wait_for(f1.put("lost", b"v"), 30)  # far below its 60 s deadline
+        new = await c.leader(exclude=(lead.config.id,))
+        assert await new.get("lost") is None
+        c.net.heal()
+        await poll(lambda: lead.raft.leader_id == new.config.id, timeout=10)
+        assert [await n.get("lost", consistency="linearizable") for n in (lead, f1, f2)] == [None] * 3
+    finally:
+        await c.stop()
+
+
 async def test_writes_commit_and_replicate_over_a_lossy_slow_network(tmp_path):
     c = InprocCluster(str(tmp_path), net=LoopbackNetwork(drop_rate=0.1, delay=0.005, seed=3))
     await c.start()
