@@ -31,7 +31,7 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 async def middleware(request: web.Request, handler) -> web.StreamResponse:
     """handle(), for a request that aiohttp serves: an Answer becomes aiohttp's Response."""
     resp = await handle(request, handler)
-    return resp.to_response() if type(resp) is Answer else resp
+    return resp.to_response() if isinstance(resp, Answer) else resp
 
 
 async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:

@@ -270,7 +270,9 @@ class FastProtocol(asyncio.Protocol):
 
     async def _serve(self, request: FastRequest, handler, keep_alive: bool) -> None:
         try:
-            answer = (await self.front.handle(request, handler)).encode(keep_alive)
+            answer = await self.front.handle(request, handler)
+            keep_alive = keep_alive and not answer.close
+            data = answer.encode(keep_alive)
         except Exception:  # handle() turns handler errors into Answers: this is a bug
             log.exception("the fast path failed on %s %s", request.method, request.path)
             self.close()
@@ -280,7 +282,7 @@ class FastProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return  # the client went away while its request was served
-        transport.write(answer)
+        transport.write(data)
         self.since = self.loop.time()
         if not keep_alive or (self.eof and not self.buf) or self.front.stopping:
             transport.close()

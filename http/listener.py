@@ -2,7 +2,7 @@
 
 aiohttp's own sites accept every connection; a client that opens thousands of idle ones
 would use up the node's file descriptors. CappedSite answers a connection beyond the cap
-with a fixed 503 and closes it, before aiohttp parses anything, so a connection flood costs
+with a 503 and closes it, before aiohttp parses anything, so a connection flood costs
 one short-lived descriptor per attempt and the node keeps answering the connections it has.
 """
 
@@ -12,29 +12,21 @@ import asyncio
 import logging
 import time
 
-import orjson
 from aiohttp import web
 
-from .errors import RETRY_AFTER_S
+from .errors import error_response
 from .fastpath import FastFront, FastProtocol
 
 log = logging.getLogger("kv.http")
 
-_BODY = orjson.dumps(
-    {"error": {"code": "TOO_MANY_CONNECTIONS", "message": "this node has as many client connections open as it allows (--max-http-connections); retry later or reuse a connection"}}
-)
-BUSY_RESPONSE = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-    + f"Retry-After: {RETRY_AFTER_S}\r\nContent-Length: {len(_BODY)}\r\nConnection: close\r\n\r\n".encode()
-    + _BODY
-)
+TOO_MANY = "this node has as many client connections open as it allows (--max-http-connections); retry later or reuse a connection"
 
 
 class _Busy(asyncio.Protocol):
     """A connection beyond the cap: 503, then closed."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(BUSY_RESPONSE)
+        transport.write(error_response(503, "TOO_MANY_CONNECTIONS", TOO_MANY).encode(keep_alive=False))
         transport.close()
 
 

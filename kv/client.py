@@ -123,9 +123,14 @@ def _unreachable(e: Exception | None) -> str | None:
     if isinstance(e, aiohttp.ClientConnectorError):
         if isinstance(e.os_error, ConnectionRefusedError):
             return "connection refused"
-        if isinstance(e.os_error, socket.gaierror):
+        # The threaded resolver raises socket.gaierror; aiodns's (aiohttp[speedups]) a
+        # plain OSError inside aiohttp's DNS error (aiohttp 3.10 and later).
+        if isinstance(e.os_error, socket.gaierror) or isinstance(e, _DNS_ERROR):
             return "the host name does not resolve"
     return None
+
+
+_DNS_ERROR = getattr(aiohttp, "ClientConnectorDNSError", ())
 
 
 def _unreachable_hint(e: Exception | None) -> str:

@@ -230,7 +230,7 @@ def test_idle_http_connections_are_capped_and_closed(cluster):
             head = s.recv(4096)
         fds = open_fds(pid)
         opened_in = time.monotonic() - t0
-        assert head.startswith(b"HTTP/1.1 503") and b"TOO_MANY_CONNECTIONS" in head, head
+        assert head.startswith(b"HTTP/1.1 503") and b"TOO_MANY_CONNECTIONS" in head and b"\r\nRetry-After: 1\r\n" in head, head
         states = [closed_by_server(s) for s in socks]
         still_open = states.count(False)
         print(f"2000 idle HTTP connections in {opened_in:.1f}s: {still_open} held open, {states.count(True)} refused; node fds {fds}, peak RSS {peak_mb(c, target)} MB")

@@ -66,8 +66,11 @@ def test_help_and_errors_from_the_real_command():
         # sharing the prefix is added, and --endpoint is what people type for --endpoints.
         (["get", "k", "--endpoint", "http://127.0.0.1:9"], "(did you mean --endpoints?)"),
         (["put", "--if-mach", "3", "k", "v"], "(did you mean --if-match?)"),
-        (["--endpoints=http://127.0.0.1:9", "get", "k"], "(--endpoints goes after the command: kv get --endpoints ...)"),
+        (["--endpoints=http://127.0.0.1:9", "get", "k"], "kv: --endpoints goes after the command, as in kv"),
+        (["--endpoints", "http://127.0.0.1:9", "get", "k"], "kv: --endpoints goes after the command, as in kv"),
         (["get", "k", "--zzz"], "unrecognized arguments: --zzz; see kv get --help"),
+        (["get", "k", "--t", "1"], "(did you mean --token or --timeout?)"),
+        (["status", "--", "x"], "unrecognized arguments: -- x; see kv status --help"),  # no hint for what follows --
     ],
 )
 def test_a_mistyped_option_is_refused_with_what_was_meant(argv, message):

@@ -46,6 +46,28 @@ async def raw_request(client: TestClient, data: bytes) -> bytes:
     return out
 
 
+@pytest.mark.parametrize("front", FRONTS)
+async def test_a_503_says_when_to_retry_and_a_405_what_is_allowed(tmp_path, front):
+    """No leader (the node's only peer is not running): a write and a linearizable read get
+    503 with Retry-After, on both fronts; a method a route does not take gets 405 with Allow."""
+    from kv.harness import free_port
+
+    peers = {"n1": f"127.0.0.1:{free_port()}", "n2": f"127.0.0.1:{free_port()}"}
+    node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), peers=peers, write_timeout_s=0.3, read_timeout_s=0.3))
+    await node.start()
+    client = TestClient(ServedNode(node, front))
+    await client.start_server()
+    try:
+        for method, path in (("PUT", "/v1/kv/a"), ("GET", "/v1/kv/a")):
+            r = await client.request(method, path, data=b"v" if method == "PUT" else None)
+            assert r.status == 503 and r.headers.get("Retry-After") == "1", (method, r.status, dict(r.headers))
+        r = await client.request("PATCH", "/v1/kv/a")
+        assert r.status == 405 and {"GET", "PUT", "DELETE"} <= {m.strip() for m in r.headers.get("Allow", "").split(",")}, dict(r.headers)
+    finally:
+        await client.close()
+        await node.stop()
+
+
 async def test_put_get_delete_with_etags(api):
     r = await api.put("/v1/kv/dir%2Fsub/key%20x", data=b"\x00binary\xff")
     assert r.status == 200

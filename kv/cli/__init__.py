@@ -49,14 +49,28 @@ def _did_you_mean(root: argparse.ArgumentParser, prog: str, extras: list[str]) -
     parser = next((p for p in _all_parsers(root) if p.prog == prog), root)
     options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     for word in extras:
+        if word == "--":
+            break  # what follows is not options
         name = word.partition("=")[0]
-        if name in options:  # given before the command: `kv --endpoints URL get k`
-            return f" ({name} goes after the command: {prog} {name} ...)"
         if name.startswith("--"):
-            close = [o for o in options if o.startswith(name)] or difflib.get_close_matches(name, options, n=1)
+            close = [o for o in options if o.startswith(name)] or difflib.get_close_matches(name, options, n=1, cutoff=0.75)
             if close:
-                return f" (did you mean {close[0]}?)"
+                return f" (did you mean {' or '.join(close[:3])}?)"
     return ""
+
+
+def _option_before_the_command(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """`kv --endpoints URL get k`: a command's option given before the command. The
+    refusal for it, or None."""
+    if not argv or not argv[0].startswith("--"):
+        return None
+    name = argv[0].partition("=")[0]
+    if any(name in a.option_strings for a in parser._actions):
+        return None  # kv's own (--debug, --version, --help)
+    having = next((p.prog for p in _all_parsers(parser) if any(name in a.option_strings for a in p._actions)), None)
+    if having is None:
+        return None  # no command has it: argparse says so
+    return f"kv: {name} goes after the command, as in {having} {name} ...; see {having} --help"
 
 
 def _version() -> str:
@@ -128,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     commands raise, and this is the one place that turns what they raise into that line."""
     parser = build_parser()
     argv, command = _split_command(sys.argv[1:] if argv is None else list(argv))
+    misplaced = _option_before_the_command(parser, argv)
+    if misplaced is not None:
+        print(misplaced, file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if command is not None:
         args.command = command

@@ -85,7 +85,10 @@ def _print_status(rows: list) -> int:
     widths = [max(len(r[i]) for r in table) for i in range(len(heads))]
     for r in table:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
-    for ep, st in rows:  # why, under the table (the reasons are too long for a column)
+    for ep, st in rows:  # why, on stderr under the table (too long for a column)
         if isinstance(st, Exception):
-            print(str(st) if str(st).startswith(ep) else f"{ep}: {st}")
+            why = str(st) if str(st).startswith(ep) else f"{ep}: {st}"
+            if down < len(rows):  # others answered: "is the cluster running?" is beside the point
+                why = why.split(" — ", 1)[0]
+            print(why, file=sys.stderr)
     return 1 if down == len(rows) else 0  # the same rule as _emit_status
