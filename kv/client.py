@@ -3,8 +3,11 @@
 Any node answers any request (followers forward writes to the leader), so a client only
 needs one reachable endpoint. When a node cannot be reached, or answers 503 (no leader, no
 quorum: nothing was done), the client tries the next endpoint, backing off, until its
-deadline. A write that may have reached a node is never re-sent blindly: a broken connection
-after sending, or a 504, raises kv.Timeout (outcome unknown).
+deadline. A write that may have reached a node is never re-sent blindly: a connection that
+fails once it was made (reset, closed, timed out), or a 504, raises kv.Timeout (outcome
+unknown); only a connection that could not be made moves a write to the next endpoint.
+An endpoint that answers 404 without ledgerkv's error body, or a key's GET without an
+ETag, is another server, not a node: kv.Unavailable names it.
 """
 
 from __future__ import annotations
@@ -77,12 +80,24 @@ def parse_endpoints(spec: str | Sequence[str] | None) -> list[str]:
     return out
 
 
+NOT_A_NODE = "is it a ledgerkv node's client URL (kv serve --http; --endpoints, $KV_ENDPOINTS)?"
+
+
+def _ours(body: bytes) -> bool:
+    """Whether an error's body is ledgerkv's error model ({"error": {"code": ...}})."""
+    try:
+        return isinstance(orjson.loads(body)["error"]["code"], str)
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return False
+
+
 def _raise_for(status: int, body: bytes, endpoint: str):
     try:
         err = orjson.loads(body).get("error", {})
     except (orjson.JSONDecodeError, AttributeError):
         err = {}
-    msg = f"{endpoint}: {err.get('message') or body[:200].decode(errors='replace') or status}"
+    text = " ".join(body[:200].decode(errors="replace").split())  # one line, whatever it was
+    msg = f"{endpoint}: {err.get('message') or (f'HTTP {status}: {text}' if text else status)}"
     if status == 401:  # the server's words are for HTTP; say where a client's token goes
         msg += " — with kv: --token or $KV_TOKEN, or kv.Client(token=...)"
     if status == 412:
@@ -131,6 +146,13 @@ def _unreachable(e: Exception | None) -> str | None:
 
 
 _DNS_ERROR = getattr(aiohttp, "ClientConnectorDNSError", ())
+# Failures before a connection existed, after which a write is sent again safely: it
+# cannot have reached a node. (aiohttp 3.10 and later tell a connect timeout apart.)
+_NOT_CONNECTED = (aiohttp.ClientConnectorError, *(getattr(aiohttp, n) for n in ("ConnectionTimeoutError",) if hasattr(aiohttp, n)))
+
+
+def _describe(e: BaseException) -> str:
+    return str(e) or type(e).__name__  # ServerDisconnectedError and timeouts say nothing
 
 
 def _unreachable_hint(e: Exception | None) -> str:
@@ -225,14 +247,15 @@ class AsyncClient:
         while True:
             ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
             tries += 1
-            sent = False
             try:
                 left = max(deadline - time.monotonic(), 0.05)
                 async with self._sess().request(
                     method, ep + path, data=data, headers=headers, params=params, timeout=aiohttp.ClientTimeout(total=left)
                 ) as resp:
-                    sent = True
                     body = await resp.read()
+                    if resp.status == 404 and not _ours(body):
+                        # Another web server at this URL: its 404 is not "no such key".
+                        raise errors.Unavailable(f"{ep} answered 404 without ledgerkv's error body: {NOT_A_NODE}")
                     if resp.status in ok:
                         return resp.status, resp.headers.copy(), body  # case-insensitive
                     if resp.status != 503:
@@ -244,8 +267,14 @@ class AsyncClient:
                     "give the CA that signed it: --cacert FILE, or kv.Client(cacert=FILE)"
                 ) from e
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, asyncio.TimeoutError) as e:
-                if (sent or isinstance(e, (aiohttp.ServerDisconnectedError, asyncio.TimeoutError))) and not idempotent:
-                    raise errors.Timeout(f"{ep}: the connection broke after the write was sent ({e}); its outcome is unknown") from e
+                if not idempotent and not isinstance(e, _NOT_CONNECTED):
+                    # Connected: the request may have reached the node, which may have
+                    # committed it before the connection reset, closed or timed out. Sent
+                    # again, it could apply twice (or fail its own condition).
+                    raise errors.Timeout(
+                        f"{ep}: the connection failed after the write may have reached the node ({_describe(e)}); "
+                        "its outcome is unknown: read the key before retrying"
+                    ) from e
                 last = e
             if endpoint is None:
                 self._next += 1
@@ -310,7 +339,10 @@ class AsyncClient:
         status, headers, body = await self.request("GET", _key_path(key), params={"consistency": consistency}, ok=(200, 404))
         if status == 404:
             return None
-        return Item(key, body, int(headers.get("ETag", '"0"').strip('"')))
+        etag = headers.get("ETag")
+        if etag is None:  # every ledgerkv answer to a key's GET has one
+            raise errors.Unavailable(f"the answer to GET {_key_path(key)} has no ETag: {NOT_A_NODE}")
+        return Item(key, body, int(etag.strip('"')))
 
     async def delete(self, key: str, *, if_mod_index: int | None = None) -> DeleteResult:
         """Delete a key (`deleted` says whether it existed); conditional like put."""

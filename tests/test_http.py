@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import base64
 import json
 import os
+import socket
+import struct
 
 import pytest
 from aiohttp.test_utils import TestClient
@@ -367,3 +370,67 @@ async def test_log_route_streams_the_committed_entries(tmp_path):
     finally:
         await client.close()
         await node.stop()
+
+
+async def _fake_server(answer):
+    """A server on loopback that reads one request head and then calls answer(writer)."""
+
+    async def serve(reader, writer):
+        with contextlib.suppress(Exception):
+            await reader.readuntil(b"\r\n\r\n")
+            await answer(writer)
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def _reset(writer):
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST on close
+    writer.transport.abort()
+
+
+async def test_a_write_whose_connection_resets_after_it_was_sent_is_not_sent_again(api):
+    """A newcomer's run: a node killed under a write loop; the client sent the write on to
+    the next endpoint, which committed it a second time (or failed its if-absent condition
+    with the write's own value). Once connected, a failure means the outcome is unknown."""
+    import kv
+
+    fake = await _fake_server(_reset)
+    url = f"http://127.0.0.1:{fake.sockets[0].getsockname()[1]}"
+    try:
+        async with kv.AsyncClient([url, f"http://{api.host}:{api.port}"], timeout=5) as c:
+            c._next = 0  # the fake first (a client starts at a random endpoint)
+            for write in (lambda: c.put("once", b"v"), lambda: c.put("once", b"v", if_absent=True), lambda: c.delete("once")):
+                with pytest.raises(kv.Timeout, match="may have reached the node .* outcome is unknown"):
+                    await write()
+            assert await c.get("once") is None  # the retry, or the reset, went to the live node
+    finally:
+        fake.close()
+
+
+async def test_another_web_server_at_an_endpoint_is_not_taken_for_a_node():
+    """Its 404 is not "no such key", and its 200 is not a value."""
+    import kv
+
+    async def html(status):
+        async def answer(writer):
+            body = b"<html><body>\n<h1>Not here</h1>\n</body></html>"
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/html\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            await writer.drain()
+            writer.close()
+
+        return answer
+
+    for status in ("404 Not Found", "200 OK"):
+        fake = await _fake_server(await html(status))
+        url = f"http://127.0.0.1:{fake.sockets[0].getsockname()[1]}"
+        try:
+            async with kv.AsyncClient(url, timeout=2) as c:
+                with pytest.raises(kv.Unavailable, match="is it a ledgerkv node's client URL"):
+                    await c.get("greeting")
+                if status.startswith("404"):
+                    with pytest.raises(kv.KVError) as e:
+                        await c.put("greeting", b"v")
+                    assert "ledgerkv node" in str(e.value) and "\n" not in str(e.value), e.value
+        finally:
+            fake.close()
