@@ -246,8 +246,6 @@ class FastProtocol(asyncio.Protocol):
         path, _, qs = target.partition("?")
         if "%" in path:
             path = urllib.parse.unquote(path)  # as aiohttp's request.path
-            if "\n" in path:
-                return None  # its routes' patterns do not match a newline: aiohttp's 404
         if method in _KEY_ROUTES and path.startswith(routes_kv.KV_PREFIX) and len(path) > len(routes_kv.KV_PREFIX):
             handler, match = _KEY_ROUTES[method]
         elif method == "POST" and path == "/v1/txn":

@@ -236,10 +236,11 @@ async def txn(request: web.Request) -> Answer:
     return json_response(body)
 
 
+ANY = r"[\s\S]+"  # a key is any text, newlines too (".+" would not match them)
 ROUTES = (  # method, path, handler, name (http/fastpath.py serves some of these too)
-    ("PUT", "/v1/kv/{key:.+}", put_key, "kv_put"),
-    ("GET", "/v1/kv/{key:.+}", get_key, "kv_get"),
-    ("DELETE", "/v1/kv/{key:.+}", delete_key, "kv_delete"),
+    ("PUT", f"/v1/kv/{{key:{ANY}}}", put_key, "kv_put"),
+    ("GET", f"/v1/kv/{{key:{ANY}}}", get_key, "kv_get"),
+    ("DELETE", f"/v1/kv/{{key:{ANY}}}", delete_key, "kv_delete"),
     ("GET", "/v1/kv", list_keys, "kv_list"),
     ("POST", "/v1/txn", txn, "txn"),
 )

@@ -28,6 +28,7 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 import orjson
 from multidict import CIMultiDict
+from yarl import URL
 
 from . import errors, tls
 from ._loop import LoopThread
@@ -250,7 +251,9 @@ class AsyncClient:
             try:
                 left = max(deadline - time.monotonic(), 0.05)
                 async with self._sess().request(
-                    method, ep + path, data=data, headers=headers, params=params, timeout=aiohttp.ClientTimeout(total=left)
+                    # encoded: the path is quoted already, and yarl would drop "." and ".."
+                    # segments of a key (dd/x/../y is a key, not the path dd/y)
+                    method, URL(ep + path, encoded=True), data=data, headers=headers, params=params, timeout=aiohttp.ClientTimeout(total=left)
                 ) as resp:
                     body = await resp.read()
                     if resp.status == 404 and not _ours(body):

@@ -92,7 +92,7 @@ SCRIPT = [
     req("GET", "/v1/kv/a").replace(b"\r\n", b"\n"),  # lines ended by a bare LF: 400 in both
     b"GET /v1/kv/a HTTP/1.1\r\n" + AUTH.encode() + b"\r\n",  # no Host: 400 in both
     req("GET", "/v1/kv/a", headers=AUTH + "".join(f"X-H{i}: v\r\n" for i in range(300))),  # too many headers
-    req("PUT", "/v1/kv/a%0Ab", b"v"),  # a newline in the key: no route matches it (404)
+    req("PUT", "/v1/kv/a%0Ab", b"v"),  # a newline in the key
 ]
 
 

@@ -434,3 +434,18 @@ async def test_another_web_server_at_an_endpoint_is_not_taken_for_a_node():
                     assert "ledgerkv node" in str(e.value) and "\n" not in str(e.value), e.value
         finally:
             fake.close()
+
+
+async def test_keys_with_dot_segments_and_control_characters_are_the_keys_given(api):
+    """dd/x/../y is a key, not the path dd/y: the client used to let its URL library fold
+    the dots (a newcomer stored dd/y and deleted pp/b that way), and a key with a newline
+    matched no route."""
+    import kv
+
+    keys = ["dd/x/../y", "a/./b", "..", ".", "dd/y", "tab\tnl\n/x", "sp ace/%41?#"]
+    async with kv.AsyncClient(f"http://{api.host}:{api.port}") as c:
+        for i, k in enumerate(keys):
+            await c.put(k, str(i).encode())
+        assert sorted(it.key for it in await c.scan("")) == sorted(keys)
+        assert [(await c.get(k)).value for k in keys] == [str(i).encode() for i in range(len(keys))]
+        assert (await c.delete("dd/x/../y")).deleted and (await c.get("dd/y")).value == b"4"
