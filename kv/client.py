@@ -34,7 +34,7 @@ from . import errors, tls
 from ._loop import LoopThread
 from .logstream import RecordReader
 from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
-from .node import DeleteResult, Item, LeaseStatus, Page, RevokeResult, TxnResult, WriteResult, lease_id, value_bytes
+from .node import DeleteResult, Item, LeaseStatus, Page, RevokeResult, TxnResult, WriteResult, lease_id, ttl_ms, value_bytes
 from .scan import Scan
 from .raft.messages import Entry
 from .statemachine.commands import Cond, Delete, Get, Put
@@ -422,6 +422,7 @@ class AsyncClient:
 
     async def lease_grant(self, ttl: float) -> LeaseStatus:
         """A new lease of `ttl` seconds (more than 0, at most a year)."""
+        ttl_ms(ttl)  # refused here as the node would (JSON has no inf or nan: they travel as null)
         d = await self._json("POST", "/v1/leases", data=orjson.dumps({"ttl": ttl}), headers=_JSON)
         return LeaseStatus(d["id"], d["ttl"], d["ttl"])
 

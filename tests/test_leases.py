@@ -88,7 +88,7 @@ def test_revoke_and_bad_requests(cluster):
     assert req("POST", f"/v1/leases/{lid}/keepalive") == (200, {"id": lid, "ttl": 60})
     assert any(x["id"] == lid for x in req("GET", "/v1/leases")[1]["leases"])
     before = c.status(c.leader())["commit_index"]
-    for bad in ({"ttl": 0}, {"ttl": -1}, {"ttl": "10"}, {"ttl": True}, {"ttl": 10**9}, {"ttl": None}, {}, {"ttl": 5, "x": 1}):
+    for bad in ({"ttl": 0}, {"ttl": -1}, {"ttl": "10"}, {"ttl": True}, {"ttl": 10**9}, {"ttl": 1e308}, {"ttl": None}, {}, {"ttl": 5, "x": 1}):
         code, body = req("POST", "/v1/leases", bad)
         assert code == 400 and body["error"]["code"] == "BAD_REQUEST", (bad, body)
     for path in ("/v1/leases/abc", "/v1/leases/-3", "/v1/leases/99999999999999999999"):
@@ -206,5 +206,9 @@ def test_lease_cli(cluster):
     assert str(lid) in cli("list").stdout
     assert orjson.loads(cli("info", str(lid), "-o", "json").stdout)["ttl"] == 30
     assert cli("revoke", str(lid)).returncode == 0
+    for ttl in ("inf", "nan", "1e308", "-3"):  # 1e308 was a 500 (an overflow in the node), inf "not None"
+        r = cli("grant", ttl)
+        assert r.returncode == 1 and "a lease's ttl is more than 0 and at most a year" in r.stderr or "a number of seconds, not nan" in r.stderr, (ttl, r.stderr)
+        assert f"not {float(ttl)!r}" in r.stderr and "internal" not in r.stderr, (ttl, r.stderr)
     r = cli("keepalive", str(lid), "--once")
     assert r.returncode != 0 and "does not exist" in r.stderr and "Traceback" not in r.stderr
