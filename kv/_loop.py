@@ -39,14 +39,24 @@ class LoopThread:
         if self.closed:
             coro.close()
             raise Unavailable("closed")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        unwound = threading.Event()
+
+        async def run():
+            try:
+                return await coro
+            finally:
+                unwound.set()
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
         try:
             return fut.result()
         except BaseException:  # KeyboardInterrupt while waiting: stop the coroutine too
             if not fut.done():
                 fut.cancel()  # cancels the task on the loop
-                with contextlib.suppress(BaseException):
-                    fut.result(5)  # let it unwind before the caller cleans up after it
+                # Let it unwind before the caller cleans up after it (closes the client
+                # its cleanup talks through: a lock's waiter withdraws from the queue).
+                # fut.result() would not wait: a cancelled concurrent future is done at once.
+                unwound.wait(5)
             raise
 
     def iterate(self, it: AsyncIterator[T], timeout: float | None = None) -> Iterator[T]:

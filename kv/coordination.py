@@ -145,6 +145,8 @@ class AsyncLease:
                 log.info("lease %d: keepalive failed (%s); retrying", self.id, e or "no answer in time")
 
     def _lose(self, e: KVError) -> None:
+        if self.lost is not None:
+            return  # told once (a lock's key watch may have told already)
         self.lost = e
         log.warning("lease %d is lost: %s", self.id, e)
         if self._on_lost is not None:
@@ -268,6 +270,7 @@ class AsyncLock:
         self._store, self.name, self.ttl, self.timeout, self._on_lost = store, name, ttl, timeout, on_lost
         self.lease: AsyncLease | None = None
         self.key: str | None = None
+        self._guard: asyncio.Task | None = None
 
     async def acquire(self) -> AsyncLock:
         self.lease = await AsyncLease(self._store, self.ttl, on_lost=self._on_lost).grant()
@@ -285,9 +288,33 @@ class AsyncLock:
         except BaseException:
             await self.release()
             raise
+        self._guard = asyncio.get_running_loop().create_task(self._watch_own_key(w.index + 1), name=f"lock-{self.key}")
         return self
 
+    async def _watch_own_key(self, since: int) -> None:
+        """Lose the lease the moment the lock's key is deleted (the lease revoked from
+        elsewhere, or expired): the next waiter holds the lock from then on. Its keepalive
+        would notice only at its next renewal, up to a third of the ttl later, and the
+        holder (kv lock's command) would run on beside the next one meanwhile."""
+        lease = self.lease
+        try:
+            watch = self._store.watch(self.key, start_index=since)
+            try:
+                async for ev in watch:
+                    if ev.key == self.key and ev.type == "delete":
+                        lease._lose(LeaseNotFound(lease.id, f"the lock's key {self.key} was deleted: its lease {lease.id} was revoked or expired"))
+                        return
+            finally:
+                await _close(watch)
+        except KVError as e:  # the keepalive still notices a loss, later
+            log.info("lock %s: cannot watch its key (%s); a lost lease is noticed at its next keepalive", self.name, e)
+
     async def release(self) -> None:
+        if self._guard is not None:
+            self._guard.cancel()  # before the revoke, whose delete is no loss
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._guard
+            self._guard = None
         if self.lease is not None:
             await self.lease.revoke()  # deletes the key with it
             self.lease = None

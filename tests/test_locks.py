@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 
+import orjson
 import pytest
 from cluster import ProcCluster, wait_until
 
@@ -194,6 +195,30 @@ def test_holder_killed_with_sigkill_frees_the_lock_within_ttl(cluster):
             b.stop()
 
 
+def test_ctrl_c_while_waiting_for_a_lock_in_python_leaves_the_queue_at_once(cluster):
+    """A newcomer's run: Ctrl-C in c.lock() printed "Task exception was never retrieved
+    ... Session is closed" and left its place in the queue until its lease expired (the
+    client closed before the waiter's cleanup ran), so the next waiter waited that long."""
+    c = cluster
+    ttl = 30.0
+    a = Proc([PY, "-c", HOLDER, endpoints(c, 0), str(ttl), "600"])
+    b = None
+    try:
+        a.expect("held", 60)
+        b = Proc([PY, "-c", HOLDER, endpoints(c, 1), str(ttl), "0"])
+        queued = lambda: len(orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=jobs/k9/")[2])["items"])  # noqa: E731
+        wait_until(lambda: queued() == 2, 60, "the second holder queued")
+        b.p.send_signal(signal.SIGINT)
+        assert b.p.wait(30) != 0
+        wait_until(lambda: queued() == 1, ttl / 3, "the interrupted waiter's key gone, well before its lease's ttl")
+        err = b.p.stderr.read()
+        assert "KeyboardInterrupt" in err and "never retrieved" not in err and "Session is closed" not in err, err
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
 def test_kv_elect_hands_over_when_the_leader_dies(cluster):
     c = cluster
     ttl = 2.0
@@ -265,6 +290,34 @@ def test_kv_lock_killed_with_sigkill_takes_its_command_down(cluster, tmp_path):
         if a.poll() is None:
             a.kill()
         a.wait(10)
+
+
+def test_a_lock_revoked_elsewhere_stops_its_command_before_the_next_holder_starts(cluster, tmp_path):
+    """A newcomer's run: A held a lock (ttl 15), B waited, and A's lease was revoked with
+    kv lease revoke. B's command started at once, but A's ran on until A's next keepalive
+    (up to ttl/3), both holding the lock meanwhile. A now watches its own key."""
+    c = cluster
+    pidfile = str(tmp_path / "a.pid")
+    kv_lock = [PY, "-m", "kv", "lock", "jobs/rev", "--endpoints", endpoints(c), "--ttl", "30", "--"]
+    a = subprocess.Popen(kv_lock + [PY, "-c", HOLDS, pidfile], stderr=subprocess.PIPE, text=True)
+    b = None
+    try:
+        wait_until(lambda: os.path.exists(pidfile) and open(pidfile).read(), 60, "the first command running")
+        b = subprocess.Popen(kv_lock + [PY, "-c", CHECKS_PREDECESSOR_GONE, pidfile], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        waiting = lambda: len(orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=jobs/rev/")[2])["items"]) == 2  # noqa: E731
+        wait_until(waiting, 60, "the second kv lock queued")
+        first = min(orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=jobs/rev/")[2])["items"], key=lambda it: it["mod_index"])
+        lease = int(first["key"].rsplit("/", 1)[1], 16)
+        revoke = subprocess.run([PY, "-m", "kv", "lease", "revoke", str(lease), "--endpoints", endpoints(c)], capture_output=True, text=True, timeout=60)
+        assert revoke.returncode == 0, revoke.stderr
+        out, err = b.communicate(timeout=60)
+        assert b.returncode == 0 and out.strip() == "alone", (out, err)
+        assert a.wait(30) == 1 and "was lost" in a.stderr.read()
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
 
 
 def test_kv_lock_passes_sigterm_to_its_command_then_frees_the_lock(cluster, tmp_path):

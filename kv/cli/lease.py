@@ -27,9 +27,10 @@ def add_parser(sub) -> None:
             usage="kv lock [options] NAME [-- COMMAND ARGS...]",
             description=(
                 "Run COMMAND while holding the lock NAME (FIFO across processes); without a command, hold it until "
-                "Ctrl-C. The lock is freed when the command ends. If the lock is lost, or kv lock is told to stop "
-                "(SIGTERM, Ctrl-C), the command's process group gets SIGTERM (SIGKILL 10 s later) before the lock is "
-                "released; if kv lock is killed, the command is killed with it (Linux) and the lock's lease expires."
+                "Ctrl-C. The lock is freed when the command ends. If the lock is lost (its lease revoked or expired), "
+                "the command's process group is killed at once; if kv lock is told to stop (SIGTERM, Ctrl-C), the group "
+                "gets that signal, and SIGKILL ttl/2 later, before the lock is released; if kv lock is killed, the "
+                "command is killed with it (Linux) and the lock's lease expires."
             ),
         )
     )
