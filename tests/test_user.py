@@ -191,6 +191,11 @@ def test_cluster_up_twice_on_one_dir_refuses_the_second_and_keeps_the_first(tmp_
         assert second.returncode != 0
         assert f"in use by process {first.pid}" in one_line(second.stderr)
         assert first.poll() is None
+        # Another data dir on the first cluster's ports: refused before anything starts
+        # (it said "3/3 nodes answering", the first cluster's, while its own nodes died).
+        third = kv_cli("cluster", "up", "--data-dir", str(tmp_path / "other"), "--base-port", str(base))
+        assert third.returncode == 1 and f"n1's --http 127.0.0.1:{base}: port {base} is already in use" in one_line(third.stderr), third
+        assert not os.path.exists(tmp_path / "other" / "n1")
         got = kv_cli("get", "hello", "--endpoints", endpoints)
         assert got.returncode == 0 and got.stdout.strip() == "world"
         assert {n: set(os.listdir(os.path.join(d, n))) for n in node_dirs} == node_dirs

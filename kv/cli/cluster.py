@@ -18,6 +18,7 @@ import time
 from ..datadir import DataDirLock
 from ..errors import BadRequest
 from ..harness import SERVE, statuses
+from .serve import check_can_listen
 
 
 def _at_least_one(raw: str) -> int:
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 def layout(nodes: int, base_port: int, host: str = "127.0.0.1") -> list[dict]:
     peers = ",".join(f"n{i}={host}:{base_port + 100 + i - 1}" for i in range(1, nodes + 1))
     return [
-        {"id": f"n{i}", "http": f"{host}:{base_port + i - 1}", "url": f"http://{host}:{base_port + i - 1}", "peers": peers}
+        {"id": f"n{i}", "http": f"{host}:{base_port + i - 1}", "url": f"http://{host}:{base_port + i - 1}", "peer": f"{host}:{base_port + 100 + i - 1}", "peers": peers}
         for i in range(1, nodes + 1)
     ]
 
@@ -81,6 +82,9 @@ async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int
 
 async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int:
     plan = layout(nodes, base_port)
+    for n in plan:  # all free, or nothing starts (another cluster's nodes would answer in their place)
+        check_can_listen(n["http"], f"{n['id']}'s --http ")
+        check_can_listen(n["peer"], f"{n['id']}'s peer port ")
     procs: dict[str, asyncio.subprocess.Process] = {}
     logs = {}
     _say(f"starting {nodes} nodes under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
