@@ -156,6 +156,41 @@ def _describe(e: BaseException) -> str:
     return str(e) or type(e).__name__  # ServerDisconnectedError and timeouts say nothing
 
 
+class Unreachable:
+    """Endpoints where no node can answer (nothing listens, or the name does not resolve)
+    since anything else happened there. A node restarting, or a cluster still starting,
+    answers again within seconds; all of them unreachable for longer is worth saying, once,
+    on the kv.client logger, while the caller waits on until its timeout (an operator's
+    first mistake: nothing is running, or a URL is mistyped)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.whys: dict[str, str] = {}
+        self.since = 0.0
+        self.noticed = False
+
+    def saw(self, ep: str, error: Exception | None, endpoints: Sequence[str]) -> None:
+        why = _unreachable(error)
+        if why is None:
+            self.whys.clear()
+            return
+        if self.noticed:
+            return
+        if not self.whys:
+            self.since = time.monotonic()
+        self.whys[ep] = why
+        if self.whys.keys() >= set(endpoints) and time.monotonic() - self.since >= UNREACHABLE_NOTICE_S:
+            self.noticed = True
+            whys = set(self.whys.values())
+            refused = whys == {"connection refused"}
+            log.warning(
+                "%s at %s (%s); still trying until the %gs timeout: %s",
+                "nothing listens" if refused else "no node can answer",
+                ", ".join(sorted(self.whys)), "; ".join(sorted(whys)), self.timeout,
+                NOTHING_LISTENS if refused else NO_SUCH_HOST,
+            )
+
+
 def _unreachable_hint(e: Exception | None) -> str:
     why = _unreachable(e)
     if why is None:
@@ -242,9 +277,7 @@ class AsyncClient:
         delay = 0.05
         tries = 0
         last: Exception | None = None
-        unreachable: dict[str, str] = {}  # endpoint: why no node can answer there, since anything else
-        unreachable_since = 0.0
-        noticed = False
+        unreachable = Unreachable(self.timeout)
         while True:
             ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
             tries += 1
@@ -288,26 +321,7 @@ class AsyncClient:
                 if endpoint is not None:  # one node asked for (kv status asks each)
                     raise errors.Unavailable(f"{endpoint} did not answer ({tries} tries): {last}{hint}")
                 raise errors.Unavailable(f"no endpoint answered in {self.timeout:g}s ({', '.join(self.endpoints)}): {last}{hint}")
-            why = _unreachable(last)
-            if why is None:
-                unreachable.clear()
-            elif not noticed:
-                # A node restarting, or a cluster still starting, answers again within
-                # seconds; all of them unreachable for longer is worth saying before the
-                # timeout ends the wait (an operator's first mistake: nothing is running,
-                # or a URL is mistyped).
-                if not unreachable:
-                    unreachable_since = time.monotonic()
-                unreachable[ep] = why
-                if unreachable.keys() >= ({endpoint} if endpoint else set(self.endpoints)) and time.monotonic() - unreachable_since >= UNREACHABLE_NOTICE_S:
-                    noticed = True
-                    whys = set(unreachable.values())
-                    log.warning(
-                        "%s at %s (%s); still trying until the %gs timeout: %s",
-                        "nothing listens" if whys == {"connection refused"} else "no node can answer",
-                        ", ".join(sorted(unreachable)), "; ".join(sorted(whys)), self.timeout,
-                        NOTHING_LISTENS if whys == {"connection refused"} else NO_SUCH_HOST,
-                    )
+            unreachable.saw(ep, last, [endpoint] if endpoint else self.endpoints)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 

@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 
 from . import errors
-from .client import AsyncClient, _raise_for
+from .client import AsyncClient, Unreachable, _describe, _raise_for, _unreachable_hint
 from .watch import Event
 
 
@@ -71,6 +71,7 @@ async def watch(client: AsyncClient, prefix: str, start_index: int | None, idle_
     last_error: Exception | str = ""
     delay = 0.05
     failing_since: float | None = None
+    unreachable = Unreachable(client.timeout)
     while True:
         ep = eps[client._next % len(eps)]
         params = {"prefix": prefix, **pos.resume(), **bound}
@@ -106,8 +107,10 @@ async def watch(client: AsyncClient, prefix: str, start_index: int | None, idle_
                             elif pos.accept(d["index"]):
                                 yield _event(d)
                     last_error = last_error or f"{ep} closed the stream"
+            unreachable.saw(ep, None, eps)
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
-            last_error = f"{ep}: {e!r}"
+            last_error = f"{ep}: {_describe(e)}{_unreachable_hint(e)}"
+            unreachable.saw(ep, e, eps)
         if len(compacted) >= len(eps):
             raise errors.Compacted(
                 f"no endpoint still holds the changes from index {params.get('from')} ({last_error}); read the prefix "

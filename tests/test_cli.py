@@ -86,22 +86,23 @@ def _free_urls():
 
 
 @pytest.mark.parametrize(
-    "urls, says, asks",
+    "command, urls, says, asks",
     [
-        (_free_urls(), "kv get: nothing listens at ", "is the cluster running"),
+        (["get", "k"], _free_urls(), "kv get: nothing listens at ", "is the cluster running"),
         # A mistyped host name (.invalid never resolves: RFC 6761)
-        (["http://ledgerkv-n1.invalid:8001"], "kv get: no node can answer at ", "the host name does not resolve); still trying"),
+        (["get", "k"], ["http://ledgerkv-n1.invalid:8001"], "kv get: no node can answer at ", "the host name does not resolve); still trying"),
+        (["watch", "jobs/"], _free_urls(), "kv watch: nothing listens at ", "is the cluster running"),  # a stream, not a request
     ],
-    ids=["nothing-listens", "name-does-not-resolve"],
+    ids=["nothing-listens", "name-does-not-resolve", "watch"],
 )
-def test_a_cluster_that_cannot_be_reached_is_named_while_the_command_waits(urls, says, asks):
+def test_a_cluster_that_cannot_be_reached_is_named_while_the_command_waits(command, urls, says, asks):
     """An operator's first mistake: nothing runs at the endpoints, or a URL is mistyped.
     The command says so on stderr while it still waits out its timeout, instead of after
     it, in silence."""
     import selectors
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kv", "get", "k", "--endpoints", ",".join(urls), "--timeout", "120"],
+        [sys.executable, "-m", "kv", *command, "--endpoints", ",".join(urls), "--timeout", "120"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
