@@ -71,6 +71,9 @@ def test_help_and_errors_from_the_real_command():
         (["get", "k", "--zzz"], "unrecognized arguments: --zzz; see kv get --help"),
         (["get", "k", "--t", "1"], "(did you mean --token or --timeout?)"),
         (["status", "--", "x"], "unrecognized arguments: -- x; see kv status --help"),  # no hint for what follows --
+        (["watch", "x/", "--from", "0"], "argument --from: expected a whole number of at least 1, not '0'"),
+        (["put", "--if-match", "-1", "k", "v"], "argument --if-match: expected a whole number of at least 0, not '-1'"),
+        (["lock", "x", "--wait", "-1", "--", "true"], "argument --wait: -1 is not a positive number of seconds"),
     ],
 )
 def test_a_mistyped_option_is_refused_with_what_was_meant(argv, message):

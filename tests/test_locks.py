@@ -320,6 +320,27 @@ def test_a_lock_revoked_elsewhere_stops_its_command_before_the_next_holder_start
                 p.wait(10)
 
 
+def test_kv_lock_interrupted_while_waiting_exits_130_without_running_its_command(cluster, tmp_path):
+    c = cluster
+    pidfile, ran = str(tmp_path / "a.pid"), tmp_path / "ran"
+    kv_lock = [PY, "-m", "kv", "lock", "jobs/int", "--endpoints", endpoints(c), "--"]
+    a = subprocess.Popen(kv_lock + [PY, "-c", HOLDS, pidfile], stderr=subprocess.PIPE, text=True)
+    w = None
+    try:
+        wait_until(lambda: os.path.exists(pidfile) and open(pidfile).read(), 60, "the first command running")
+        w = subprocess.Popen(kv_lock + ["touch", str(ran)], stderr=subprocess.PIPE, text=True)
+        queued = lambda: len(orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=jobs/int/")[2])["items"])  # noqa: E731
+        wait_until(lambda: queued() == 2, 60, "the second kv lock queued")
+        w.send_signal(signal.SIGINT)
+        assert w.wait(30) == 130, w.stderr.read()  # it was 0, as if its command had run and succeeded
+        assert not ran.exists() and queued() == 1
+    finally:
+        for p in (a, w):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 def test_kv_lock_passes_sigterm_to_its_command_then_frees_the_lock(cluster, tmp_path):
     c = cluster
     pidfile = str(tmp_path / "c.pid")

@@ -18,13 +18,8 @@ import time
 from ..datadir import DataDirLock
 from ..errors import BadRequest
 from ..harness import SERVE, statuses
+from .options import at_least
 from .serve import check_can_listen
-
-
-def _at_least_one(raw: str) -> int:
-    if not raw.isdigit() or int(raw) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {raw!r}")
-    return int(raw)
 
 
 def _base_port(raw: str) -> int:
@@ -39,7 +34,7 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run, usage=p)
     c = p.add_subparsers(dest="cluster_cmd", metavar="ACTION")
     up = c.add_parser("up", help="run a local cluster in the foreground; Ctrl-C stops it")
-    up.add_argument("--nodes", type=_at_least_one, default=3, help="how many nodes (default 3)")
+    up.add_argument("--nodes", type=at_least(1), default=3, help="how many nodes (default 3)")
     up.add_argument("--data-dir", default="./kvdata", help="where the nodes keep their data (default ./kvdata)")
     up.add_argument("--base-port", type=_base_port, default=8001, help="HTTP port of n1; peers listen 100 higher (default 8001)")
     up.add_argument("--heartbeat-ms", type=float, default=None)

@@ -7,8 +7,8 @@ import sys
 
 import orjson
 
-from ..errors import BadRequest, NotFound
-from .options import client_command, with_client
+from ..errors import NotFound
+from .options import at_least, client_command, with_client
 from .output import emit, listing_text, report, value_fields, wants_json
 
 
@@ -16,20 +16,20 @@ def add_parser(sub) -> None:
     a = client_command(sub, "put", "write a value", run)
     a.add_argument("key")
     a.add_argument("value", help="the value; '-' reads it from standard input")
-    a.add_argument("--if-match", type=int, help="write only if the key's mod_index is this (0: absent)")
+    a.add_argument("--if-match", type=at_least(0), help="write only if the key's mod_index is this (0: absent)")
     a.add_argument("--lease", type=int, help="attach the key to this lease (kv lease grant)")
     a = client_command(sub, "get", "read a value (linearizable unless --stale)", run)
     a.add_argument("key")
     a.add_argument("--stale", action="store_true", help="read the node's local state without a quorum check")
     a = client_command(sub, "del", "delete a key", run)
     a.add_argument("key")
-    a.add_argument("--if-match", type=int, help="delete only if the key's mod_index is this")
+    a.add_argument("--if-match", type=at_least(0), help="delete only if the key's mod_index is this")
     a = client_command(sub, "scan", "list keys under a prefix", run)
     a.add_argument("prefix", nargs="?", default="")
     a.add_argument("--limit", type=int, default=None)
     a = client_command(sub, "watch", "print every change under a prefix as it commits (Ctrl-C stops)", run)
     a.add_argument("prefix", nargs="?", default="")
-    a.add_argument("--from", dest="from_index", type=int, default=None, help="start at this log index (default: the next commit)")
+    a.add_argument("--from", dest="from_index", type=at_least(1), default=None, help="start at this log index (default: the next commit)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,8 +74,6 @@ async def _run(c, args: argparse.Namespace) -> int:
 
 
 async def _watch(c, args: argparse.Namespace) -> None:
-    if args.from_index is not None and args.from_index < 1:
-        raise BadRequest("--from is a log index: 1 or more")
     out = sys.stdout.buffer
     async for ev in c.watch(args.prefix, args.from_index):
         if args.output == "json":

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from ..node import LeaseStatus
-from .options import client_options, with_client
+from .options import client_options, positive_seconds, with_client
 from .output import add_output_option, emit, listing_text
 
 
@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     lk.add_argument("name")
     lk.set_defaults(command=[])
     lk.add_argument("--ttl", type=float, default=10.0, help="lease ttl in seconds: how soon a dead holder frees the lock (default 10)")
-    lk.add_argument("--wait", type=float, default=None, help="give up after this many seconds of waiting (default: wait)")
+    lk.add_argument("--wait", type=positive_seconds, default=None, help="give up after this many seconds of waiting (default: wait)")
     el = _client_options(sub.add_parser("elect", help="campaign in an election, or watch one", description="Campaign with VALUE and hold the leadership until Ctrl-C; with --listen, print the leader's value each time it changes."))
     el.add_argument("name")
     el.add_argument("value", nargs="?")
@@ -183,4 +183,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return with_client(args, _run)
     except KeyboardInterrupt:
-        return 0
+        # Ctrl-C is how a keepalive or a campaign is ended: done. kv lock stopped while it
+        # waited never ran its command: interrupted (a lock holder's Ctrl-C goes to its
+        # command and comes back as 128 + the signal).
+        return 130 if args.cmd == "lock" else 0

@@ -19,7 +19,20 @@ def positive_seconds(raw: str) -> float:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{raw} is not a positive number of seconds")
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{raw} is not a number of seconds (leave the option out to wait without end)")
     return value
+
+
+def at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `least`."""
+
+    def whole_number(raw: str) -> int:
+        if not raw.isdigit() or int(raw) < least:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {least}, not {raw!r}")
+        return int(raw)
+
+    return whole_number
 
 
 def client_options(
