@@ -430,9 +430,10 @@ class AsyncClient:
         """Mutual exclusion across processes, FIFO: `async with client.lock("jobs"):`."""
         return AsyncLock(self, name, ttl=ttl, timeout=timeout)
 
-    def election(self, name: str, *, ttl: float = 10) -> AsyncElection:
-        """Leader election: campaign(value), leader(), observe(), resign()."""
-        return AsyncElection(self, name, ttl=ttl)
+    def election(self, name: str, *, ttl: float = 10, on_lost=None) -> AsyncElection:
+        """Leader election: campaign(value), leader(), observe(), resign(); on_lost(error)
+        is called if a leadership won is lost."""
+        return AsyncElection(self, name, ttl=ttl, on_lost=on_lost)
 
     async def lease_grant(self, ttl: float) -> LeaseStatus:
         """A new lease of `ttl` seconds (more than 0, at most a year)."""
@@ -665,9 +666,10 @@ class Client:
         """Mutual exclusion across processes, FIFO: `with client.lock("jobs/nightly"):`."""
         return Lock(AsyncLock(self._async, name, ttl=ttl, timeout=timeout), self._lt)
 
-    def election(self, name: str, *, ttl: float = 10) -> Election:
-        """Leader election: campaign(value), leader(), observe(), resign()."""
-        return Election(AsyncElection(self._async, name, ttl=ttl), self._lt)
+    def election(self, name: str, *, ttl: float = 10, on_lost=None) -> Election:
+        """Leader election: campaign(value), leader(), observe(), resign(); on_lost(error)
+        is called (on the client's thread) if a leadership won is lost."""
+        return Election(AsyncElection(self._async, name, ttl=ttl, on_lost=on_lost), self._lt)
 
     def close(self) -> None:
         self._closer()

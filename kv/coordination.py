@@ -264,10 +264,14 @@ class AsyncLock:
     A holder that dies frees the lock once its lease expires (ttl, plus at most the
     election timeout and a second). `timeout` bounds the wait (kv.Timeout)."""
 
-    def __init__(self, store, name: str, *, ttl: float = 10, timeout: float | None = None, on_lost: Callable[[KVError], None] | None = None) -> None:
+    def __init__(
+        self, store, name: str, *, ttl: float = 10, timeout: float | None = None,
+        on_lost: Callable[[KVError], None] | None = None, value: bytes = b"",
+    ) -> None:
         if not name or not isinstance(name, str):
             raise BadRequest("a lock needs a name, e.g. 'jobs/nightly'")
         self._store, self.name, self.ttl, self.timeout, self._on_lost = store, name, ttl, timeout, on_lost
+        self.value = value  # the key's value (an election's candidate says who it is)
         self.lease: AsyncLease | None = None
         self.key: str | None = None
         self._guard: asyncio.Task | None = None
@@ -276,7 +280,7 @@ class AsyncLock:
         self.lease = await AsyncLease(self._store, self.ttl, on_lost=self._on_lost).grant()
         try:
             self.key = f"{self.name}/{self.lease.id:016x}"
-            w = await self._store.put(self.key, b"", if_absent=True, lease=self.lease.id)
+            w = await self._store.put(self.key, self.value, if_absent=True, lease=self.lease.id)
             wait = _wait_until_first(self._store, self.name + "/", self.key, w.index)
             if self.timeout is None:
                 await wait
@@ -336,27 +340,30 @@ class AsyncElection:
         await e.resign()
     """
 
-    def __init__(self, store, name: str, *, ttl: float = 10) -> None:
+    def __init__(self, store, name: str, *, ttl: float = 10, on_lost: Callable[[KVError], None] | None = None) -> None:
         if not name or not isinstance(name, str):
             raise BadRequest("an election needs a name, e.g. 'scheduler'")
-        self._store, self.name, self.ttl = store, name, ttl
-        self.lease: AsyncLease | None = None
-        self.key: str | None = None
+        self._store, self.name, self.ttl, self._on_lost = store, name, ttl, on_lost
+        self._lock: AsyncLock | None = None
+
+    @property
+    def lease(self) -> AsyncLease | None:
+        return self._lock.lease if self._lock is not None else None
+
+    @property
+    def key(self) -> str | None:
+        return self._lock.key if self._lock is not None else None
 
     async def campaign(self, value: bytes, *, timeout: float | None = None) -> None:
-        lock = AsyncLock(self._store, self.name, ttl=self.ttl, timeout=timeout)
-        lock.lease = await AsyncLease(self._store, self.ttl).grant()
+        """Return once elected. Leading is holding the election's lock with `value` as the
+        key's value; `on_lost` is called if the leadership is lost (its lease revoked or
+        expired, or no keepalive got through)."""
+        lock = AsyncLock(self._store, self.name, ttl=self.ttl, timeout=timeout, on_lost=self._on_lost, value=bytes(value))
         try:
-            lock.key = f"{self.name}/{lock.lease.id:016x}"
-            w = await self._store.put(lock.key, bytes(value), if_absent=True, lease=lock.lease.id)
-            await asyncio.wait_for(_wait_until_first(self._store, self.name + "/", lock.key, w.index), timeout)
-        except (asyncio.TimeoutError, TimeoutError):
-            await lock.release()
+            await lock.acquire()
+        except Timeout:
             raise Timeout(f"not elected in {self.name!r} within {timeout:g}s") from None
-        except BaseException:
-            await lock.release()
-            raise
-        self.lease, self.key = lock.lease, lock.key
+        self._lock = lock
 
     async def leader(self) -> bytes | None:
         """The current leader's value, or None when nobody leads."""
@@ -386,9 +393,9 @@ class AsyncElection:
             items = await self._store.scan(self.name + "/")
 
     async def resign(self) -> None:
-        if self.lease is not None:
-            await self.lease.revoke()
-            self.lease = self.key = None
+        if self._lock is not None:
+            await self._lock.release()
+            self._lock = None
 
 
 class Lock:

@@ -599,9 +599,10 @@ class Node:
         """Mutual exclusion across processes, FIFO: `async with node.lock("jobs"):`."""
         return AsyncLock(self, name, ttl=ttl, timeout=timeout)
 
-    def election(self, name: str, *, ttl: float = 10) -> AsyncElection:
-        """Leader election: campaign(value), leader(), observe(), resign()."""
-        return AsyncElection(self, name, ttl=ttl)
+    def election(self, name: str, *, ttl: float = 10, on_lost=None) -> AsyncElection:
+        """Leader election: campaign(value), leader(), observe(), resign(); on_lost(error)
+        is called if a leadership won is lost."""
+        return AsyncElection(self, name, ttl=ttl, on_lost=on_lost)
 
     async def lease_grant(self, ttl: float, *, timeout: float | None = None) -> LeaseStatus:
         """A new lease of `ttl` seconds (more than 0, at most a year); keep it alive with

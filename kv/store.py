@@ -198,8 +198,8 @@ class Store:
         """Mutual exclusion between threads of this process: `with db.lock("jobs"):`."""
         return Lock(AsyncLock(self._node, name, ttl=ttl, timeout=timeout), self._lt)
 
-    def election(self, name: str, *, ttl: float = 10) -> Election:
-        return Election(AsyncElection(self._node, name, ttl=ttl), self._lt)
+    def election(self, name: str, *, ttl: float = 10, on_lost=None) -> Election:
+        return Election(AsyncElection(self._node, name, ttl=ttl, on_lost=on_lost), self._lt)
 
     def lease_grant(self, ttl: float) -> LeaseStatus:
         return self._call(self._node.lease_grant(ttl))

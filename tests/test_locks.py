@@ -219,6 +219,30 @@ def test_ctrl_c_while_waiting_for_a_lock_in_python_leaves_the_queue_at_once(clus
             b.stop()
 
 
+def test_kv_elect_says_when_it_lost_the_leadership_and_exits(cluster):
+    """`kv elect` held on after its lease was revoked elsewhere, still "elected", beside the
+    next leader. It now watches its key and exits 1 saying so."""
+    c = cluster
+    kv_cmd = [PY, "-m", "kv", "elect", "--endpoints", endpoints(c), "--ttl", "30", "revoked"]
+    a = Proc(kv_cmd + ["host-a"])
+    b = None
+    try:
+        a.expect("elected: host-a", 30)
+        b = Proc(kv_cmd + ["host-b"])
+        queued = lambda: orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=revoked/")[2])["items"]  # noqa: E731
+        wait_until(lambda: len(queued()) == 2, 60, "host-b campaigning")
+        first = min(queued(), key=lambda it: it["mod_index"])
+        revoke = subprocess.run([PY, "-m", "kv", "lease", "revoke", str(int(first["key"].rsplit("/", 1)[1], 16)), "--endpoints", endpoints(c)], capture_output=True, text=True, timeout=60)
+        assert revoke.returncode == 0, revoke.stderr
+        b.expect("elected: host-b", 30)
+        assert a.p.wait(10) == 1  # well before a keepalive (every 10 s) would have told it
+        assert "kv elect: lost the leadership of revoked" in a.stderr()
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+
+
 def test_kv_elect_hands_over_when_the_leader_dies(cluster):
     c = cluster
     ttl = 2.0

@@ -129,7 +129,13 @@ async def _first(*aws) -> None:
 
 
 async def _elect(c, args: argparse.Namespace) -> int:
-    e = c.election(args.name, ttl=args.ttl)
+    lost, why = asyncio.Event(), []
+
+    def on_lost(err) -> None:
+        why.append(err)
+        lost.set()
+
+    e = c.election(args.name, ttl=args.ttl, on_lost=on_lost)
     if args.listen:
         async for value in e.observe():
             print("-" if value is None else listing_text(value), flush=True)
@@ -141,9 +147,12 @@ async def _elect(c, args: argparse.Namespace) -> int:
     stop = _Stop()
     print(f"elected: {args.value}", flush=True)
     try:
-        await stop.wait()
+        await _first(stop.wait(), lost.wait())
     finally:
         await e.resign()
+    if lost.is_set():  # another candidate may lead already: say so and stop claiming it
+        print(f"kv elect: lost the leadership of {args.name} ({why[0]})", file=sys.stderr)
+        return 1
     return 0
 
 
