@@ -35,11 +35,18 @@ def cluster(tmp_path):
     c.close()
 
 
+def ctrl_c_able() -> None:
+    """preexec_fn: Ctrl-C (SIGINT) acts on the child as at a terminal. A test run started
+    in the background by a shell without job control ignores SIGINT, and every child would
+    inherit that (Python then installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Proc:
     """A child process whose stdout lines can be awaited with a timeout."""
 
     def __init__(self, args: list[str], env: dict | None = None) -> None:
-        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=ctrl_c_able)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
@@ -352,7 +359,7 @@ def test_kv_lock_interrupted_while_waiting_exits_130_without_running_its_command
     w = None
     try:
         wait_until(lambda: os.path.exists(pidfile) and open(pidfile).read(), 60, "the first command running")
-        w = subprocess.Popen(kv_lock + ["touch", str(ran)], stderr=subprocess.PIPE, text=True)
+        w = subprocess.Popen(kv_lock + ["touch", str(ran)], stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_able)
         queued = lambda: len(orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=jobs/int/")[2])["items"])  # noqa: E731
         wait_until(lambda: queued() == 2, 60, "the second kv lock queued")
         w.send_signal(signal.SIGINT)
