@@ -306,7 +306,7 @@ class AsyncLock:
             try:
                 async for ev in watch:
                     if ev.key == self.key and ev.type == "delete":
-                        lease._lose(LeaseNotFound(lease.id, f"the lock's key {self.key} was deleted: its lease {lease.id} was revoked or expired"))
+                        lease._lose(LeaseNotFound(lease.id, f"its key {self.key} was deleted: its lease {lease.id} was revoked or expired"))
                         return
             finally:
                 await _close(watch)

@@ -67,10 +67,20 @@ def _option_before_the_command(parser: argparse.ArgumentParser, argv: list[str])
     name = argv[0].partition("=")[0]
     if any(name in a.option_strings for a in parser._actions):
         return None  # kv's own (--debug, --version, --help)
-    having = next((p.prog for p in _all_parsers(parser) if any(name in a.option_strings for a in p._actions)), None)
-    if having is None:
+    having = [p.prog for p in _all_parsers(parser) if any(name in a.option_strings for a in p._actions)]
+    if not having:
         return None  # no command has it: argparse says so
-    return f"kv: {name} goes after the command, as in {having} {name} ...; see {having} --help"
+    words = [w for w in argv[1:] if not w.startswith("-")]
+    typed = [p for p in having if _in_order(p.split()[1:], words)]  # the command given, if it takes it
+    if not typed:
+        return f"kv: {name} goes after a command that takes it: {', '.join(having)}"
+    prog = max(typed, key=len)
+    return f"kv: {name} goes after the command, as in {prog} {name} ...; see {prog} --help"
+
+
+def _in_order(needles: list[str], words: list[str]) -> bool:
+    it = iter(words)
+    return all(n in it for n in needles)
 
 
 def _version() -> str:
@@ -154,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd != "serve":  # kv serve routes every logger to its own log
         _client_notices_to_stderr(args.prog_name)
+        # A lost lease is the command's to report, in its one line (kv lock, kv elect).
+        logging.getLogger("kv.coordination").setLevel(logging.ERROR)
     try:
         return args.run(args)
     except KeyboardInterrupt:

@@ -9,7 +9,8 @@ import os
 import signal
 import sys
 
-from ..node import LeaseStatus
+from ..errors import BadRequest
+from ..node import LeaseStatus, ttl_ms
 from .options import client_options, positive_seconds, with_client
 from .output import add_output_option, emit, listing_text
 
@@ -52,7 +53,7 @@ def add_parser(sub) -> None:
         add_output_option(a)
         return a
 
-    action("grant", "grant a lease and print its id").add_argument("ttl", type=float, help="seconds it lives without a keepalive")
+    action("grant", "grant a lease and print its id").add_argument("ttl", type=lease_ttl, help="seconds it lives without a keepalive")
     k = action("keepalive", "keep a lease alive until Ctrl-C (or renew it once with --once)")
     k.add_argument("id", type=int)
     k.add_argument("--once", action="store_true", help="renew it once and exit")
@@ -69,6 +70,16 @@ def _show(args: argparse.Namespace, s: LeaseStatus, *, full: bool = True) -> Non
         print(f"{s.id}\tttl={s.ttl:g}s\tremaining={s.remaining:g}s" + (f"\tkeys={','.join(s.keys)}" if s.keys else ""), flush=True)
     else:
         print(f"{s.id}\tttl={s.ttl:g}s", flush=True)
+
+
+def lease_ttl(raw: str) -> float:
+    """An argparse type: a lease's ttl, checked as the node checks it (a usage error)."""
+    try:
+        ttl = float(raw)
+        ttl_ms(ttl)
+    except (ValueError, BadRequest) as e:
+        raise argparse.ArgumentTypeError(str(e) if isinstance(e, BadRequest) else f"expected a number of seconds, not {raw!r}") from None
+    return ttl
 
 
 class _Stop:
