@@ -173,8 +173,11 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     from ..http.auth import load_tokens
 
     log = logging.getLogger("kv.serve")
+    # Every file a setting names is read before the ports are looked at: a bad file is the
+    # error to report, whatever else holds the port (kv.Node loads the peer files again).
     sslctx = tls.server_context(config.tls_cert, config.tls_key)
     tokens = load_tokens(config.tokens) if config.tokens else None
+    tls.peer_tls(config.peer_cert, config.peer_key, config.peer_ca)
     fd_limit = raise_fd_limit()
     max_http = http_connection_cap(config.max_http_connections, fd_limit)
     if max_http < config.max_http_connections:
