@@ -181,21 +181,20 @@ class Unreachable:
         self.whys[ep] = why
         if self.whys.keys() >= set(endpoints) and time.monotonic() - self.since >= UNREACHABLE_NOTICE_S:
             self.noticed = True
-            whys = set(self.whys.values())
-            refused = whys == {"connection refused"}
+            whys = sorted(set(self.whys.values()))
             log.warning(
                 "%s at %s (%s); still trying until the %gs timeout: %s",
-                "nothing listens" if refused else "no node can answer",
-                ", ".join(sorted(self.whys)), "; ".join(sorted(whys)), self.timeout,
-                NOTHING_LISTENS if refused else NO_SUCH_HOST,
+                "nothing listens" if whys == ["connection refused"] else "no node can answer",
+                ", ".join(sorted(self.whys)), "; ".join(whys), self.timeout, " ".join(_ASK[w] for w in whys),
             )
+
+
+_ASK = {"connection refused": NOTHING_LISTENS, "the host name does not resolve": NO_SUCH_HOST}  # what to check, by _unreachable()
 
 
 def _unreachable_hint(e: Exception | None) -> str:
     why = _unreachable(e)
-    if why is None:
-        return ""
-    return f" — nothing listens there: {NOTHING_LISTENS}" if why == "connection refused" else f" — {why}: {NO_SUCH_HOST}"
+    return f" — {why}: {_ASK[why]}" if why else ""
 
 
 class AsyncClient:
