@@ -85,6 +85,39 @@ def endpoints(c: ProcCluster, first: int = 0) -> str:
     return ",".join(c.url(i) for i in ids)
 
 
+def waiting_line(c: ProcCluster, name: str) -> list[dict]:
+    """The keys of a lock's (or an election's) queue, oldest first: the first holds it."""
+    items = orjson.loads(c.request(c.leader(), "GET", f"/v1/kv?prefix={name}/")[2])["items"]
+    return sorted(items, key=lambda it: it["mod_index"])
+
+
+def lease_of(item: dict) -> int:
+    return int(item["key"].rsplit("/", 1)[1], 16)  # NAME/<lease id in hex>
+
+
+def holding(kv_lock: list[str], pidfile: str) -> subprocess.Popen:
+    """kv lock running HOLDS: returned once its command runs (it holds the lock)."""
+    a = subprocess.Popen(kv_lock + [PY, "-c", HOLDS, pidfile], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: os.path.exists(pidfile) and open(pidfile).read(), 60, "the first command running")
+    except BaseException:
+        stop(a)
+        raise
+    return a
+
+
+def revoke(c: ProcCluster, lease: int) -> None:
+    r = subprocess.run([PY, "-m", "kv", "lease", "revoke", str(lease), "--endpoints", endpoints(c)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def stop(*procs) -> None:
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
 INCREMENTER = """
 import os, sys, time, kv
 eps, n, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -213,11 +246,10 @@ def test_ctrl_c_while_waiting_for_a_lock_in_python_leaves_the_queue_at_once(clus
     try:
         a.expect("held", 60)
         b = Proc([PY, "-c", HOLDER, endpoints(c, 1), str(ttl), "0"])
-        queued = lambda: len(orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=jobs/k9/")[2])["items"])  # noqa: E731
-        wait_until(lambda: queued() == 2, 60, "the second holder queued")
+        wait_until(lambda: len(waiting_line(c, "jobs/k9")) == 2, 60, "the second holder queued")
         b.p.send_signal(signal.SIGINT)
         assert b.p.wait(30) != 0
-        wait_until(lambda: queued() == 1, ttl / 3, "the interrupted waiter's key gone, well before its lease's ttl")
+        wait_until(lambda: len(waiting_line(c, "jobs/k9")) == 1, ttl / 3, "the interrupted waiter's key gone, well before its lease's ttl")
         err = b.p.stderr.read()
         assert "KeyboardInterrupt" in err and "never retrieved" not in err and "Session is closed" not in err, err
     finally:
@@ -236,11 +268,8 @@ def test_kv_elect_says_when_it_lost_the_leadership_and_exits(cluster):
     try:
         a.expect("elected: host-a", 30)
         b = Proc(kv_cmd + ["host-b"])
-        queued = lambda: orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=revoked/")[2])["items"]  # noqa: E731
-        wait_until(lambda: len(queued()) == 2, 60, "host-b campaigning")
-        first = min(queued(), key=lambda it: it["mod_index"])
-        revoke = subprocess.run([PY, "-m", "kv", "lease", "revoke", str(int(first["key"].rsplit("/", 1)[1], 16)), "--endpoints", endpoints(c)], capture_output=True, text=True, timeout=60)
-        assert revoke.returncode == 0, revoke.stderr
+        wait_until(lambda: len(waiting_line(c, "revoked")) == 2, 60, "host-b campaigning")
+        revoke(c, lease_of(waiting_line(c, "revoked")[0]))
         b.expect("elected: host-b", 30)
         assert a.p.wait(10) == 1  # well before a keepalive (every 10 s) would have told it
         said = a.stderr().splitlines()
@@ -331,48 +360,35 @@ def test_a_lock_revoked_elsewhere_stops_its_command_before_the_next_holder_start
     c = cluster
     pidfile = str(tmp_path / "a.pid")
     kv_lock = [PY, "-m", "kv", "lock", "jobs/rev", "--endpoints", endpoints(c), "--ttl", "30", "--"]
-    a = subprocess.Popen(kv_lock + [PY, "-c", HOLDS, pidfile], stderr=subprocess.PIPE, text=True)
+    a = holding(kv_lock, pidfile)
     b = None
     try:
-        wait_until(lambda: os.path.exists(pidfile) and open(pidfile).read(), 60, "the first command running")
         b = subprocess.Popen(kv_lock + [PY, "-c", CHECKS_PREDECESSOR_GONE, pidfile], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        waiting = lambda: len(orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=jobs/rev/")[2])["items"]) == 2  # noqa: E731
-        wait_until(waiting, 60, "the second kv lock queued")
-        first = min(orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=jobs/rev/")[2])["items"], key=lambda it: it["mod_index"])
-        lease = int(first["key"].rsplit("/", 1)[1], 16)
-        revoke = subprocess.run([PY, "-m", "kv", "lease", "revoke", str(lease), "--endpoints", endpoints(c)], capture_output=True, text=True, timeout=60)
-        assert revoke.returncode == 0, revoke.stderr
+        wait_until(lambda: len(waiting_line(c, "jobs/rev")) == 2, 60, "the second kv lock queued")
+        revoke(c, lease_of(waiting_line(c, "jobs/rev")[0]))
         out, err = b.communicate(timeout=60)
         assert b.returncode == 0 and out.strip() == "alone", (out, err)
         assert a.wait(30) == 1
         said = a.stderr.read().splitlines()  # "locked ...", then one line for the loss
         assert len(said) == 2 and said[1].startswith("kv lock: the lock jobs/rev was lost (its key jobs/rev/"), said
     finally:
-        for p in (a, b):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(10)
+        stop(a, b)
 
 
 def test_kv_lock_interrupted_while_waiting_exits_130_without_running_its_command(cluster, tmp_path):
     c = cluster
     pidfile, ran = str(tmp_path / "a.pid"), tmp_path / "ran"
     kv_lock = [PY, "-m", "kv", "lock", "jobs/int", "--endpoints", endpoints(c), "--"]
-    a = subprocess.Popen(kv_lock + [PY, "-c", HOLDS, pidfile], stderr=subprocess.PIPE, text=True)
+    a = holding(kv_lock, pidfile)
     w = None
     try:
-        wait_until(lambda: os.path.exists(pidfile) and open(pidfile).read(), 60, "the first command running")
         w = subprocess.Popen(kv_lock + ["touch", str(ran)], stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_able)
-        queued = lambda: len(orjson.loads(c.request(c.leader(), "GET", "/v1/kv?prefix=jobs/int/")[2])["items"])  # noqa: E731
-        wait_until(lambda: queued() == 2, 60, "the second kv lock queued")
+        wait_until(lambda: len(waiting_line(c, "jobs/int")) == 2, 60, "the second kv lock queued")
         w.send_signal(signal.SIGINT)
         assert w.wait(30) == 130, w.stderr.read()  # it was 0, as if its command had run and succeeded
-        assert not ran.exists() and queued() == 1
+        assert not ran.exists() and len(waiting_line(c, "jobs/int")) == 1
     finally:
-        for p in (a, w):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(10)
+        stop(a, w)
 
 
 def test_kv_lock_passes_sigterm_to_its_command_then_frees_the_lock(cluster, tmp_path):
