@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 
 _REASONS = {s.value: s.phrase for s in http.HTTPStatus}
+RETRY_AFTER_S = "1"  # every 503 (no leader, no quorum, too many connections, not ready) says when to retry
 
 
 class Answer:
@@ -27,6 +28,8 @@ class Answer:
         self.status = status
         self.body = body
         self.content_type = content_type
+        if status == 503 and not (headers and "Retry-After" in headers):
+            headers = {**(headers or {}), "Retry-After": RETRY_AFTER_S}
         self.headers = headers  # more headers, or None
         self.close = False  # no next request on this connection (Connection: close)
 

@@ -15,16 +15,13 @@ from .context import CONTEXT
 
 log = logging.getLogger("kv.http")
 
-RETRY_AFTER_S = "1"
-
 
 def json_response(data, status: int = 200, headers: dict | None = None) -> Answer:
     return Answer(orjson.dumps(data), status, "application/json", headers)
 
 
 def error_response(status: int, code: str, message: str, details: dict | None = None) -> Answer:
-    headers = {"Retry-After": RETRY_AFTER_S} if status == 503 else None
-    return json_response({"error": {"code": code, "message": message, **(details or {})}}, status, headers)
+    return json_response({"error": {"code": code, "message": message, **(details or {})}}, status)
 
 
 _HTTP_CODES = {400: "BAD_REQUEST", 401: "UNAUTHORIZED", 403: "FORBIDDEN", 404: "NOT_FOUND", 408: "REQUEST_TIMEOUT", 405: "METHOD_NOT_ALLOWED", 413: "VALUE_TOO_LARGE"}

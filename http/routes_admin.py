@@ -14,7 +14,7 @@ from kv.metrics import CONTENT_TYPE, request_forwarded
 
 from .answer import Answer
 from .context import ctx
-from .errors import RETRY_AFTER_S, json_response, read_body
+from .errors import json_response, read_body
 
 OPENAPI_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
 FORWARDED = "X-Kv-Forwarded"
@@ -39,7 +39,7 @@ async def readyz(request: web.Request) -> Answer:
     lag = s.get("commit_index", 0) - s.get("applied_index", 0)
     ready = s.get("leader") is not None and lag <= 1000
     body = {"ready": ready, "leader": s.get("leader"), "apply_lag": lag}
-    return json_response(body, 200 if ready else 503, {"Retry-After": RETRY_AFTER_S} if not ready else None)
+    return json_response(body, 200 if ready else 503)
 
 
 async def metrics(request: web.Request) -> Answer:
@@ -148,8 +148,7 @@ async def forward_to_leader(request: web.Request, body: bytes) -> Answer:
     try:
         async with c.session.request(request.method, url + request.path_qs, data=body, headers=headers) as resp:
             data = await resp.read()
-            retry = resp.headers.get("Retry-After")  # the leader's 503 (no quorum, say)
-            return Answer(data, resp.status, resp.content_type, {"Retry-After": retry} if retry else None)
+            return Answer(data, resp.status, resp.content_type)
     except Exception as e:
         raise NotLeader(f"forwarding to the leader at {url} failed: {e}", c.node.raft.leader_id) from e
 

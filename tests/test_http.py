@@ -51,8 +51,9 @@ async def raw_request(client: TestClient, data: bytes) -> bytes:
 
 @pytest.mark.parametrize("front", FRONTS)
 async def test_a_503_says_when_to_retry_and_a_405_what_is_allowed(tmp_path, front):
-    """No leader (the node's only peer is not running): a write and a linearizable read get
-    503 with Retry-After, on both fronts; a method a route does not take gets 405 with Allow."""
+    """No leader (the node's only peer is not running): a write, a linearizable read and the
+    readiness probe get 503 with Retry-After (every 503 has it: http/answer.py), on both
+    fronts; a method a route does not take gets 405 with Allow."""
     from kv.harness import free_port
 
     peers = {"n1": f"127.0.0.1:{free_port()}", "n2": f"127.0.0.1:{free_port()}"}
@@ -61,7 +62,7 @@ async def test_a_503_says_when_to_retry_and_a_405_what_is_allowed(tmp_path, fron
     client = TestClient(ServedNode(node, front))
     await client.start_server()
     try:
-        for method, path in (("PUT", "/v1/kv/a"), ("GET", "/v1/kv/a")):
+        for method, path in (("PUT", "/v1/kv/a"), ("GET", "/v1/kv/a"), ("GET", "/readyz")):
             r = await client.request(method, path, data=b"v" if method == "PUT" else None)
             assert r.status == 503 and r.headers.get("Retry-After") == "1", (method, r.status, dict(r.headers))
         r = await client.request("PATCH", "/v1/kv/a")
