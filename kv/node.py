@@ -863,12 +863,10 @@ def ttl_ms(ttl: float) -> int:
     """A lease ttl in seconds, checked, as whole milliseconds."""
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl != ttl:
         raise BadRequest(f"a lease's ttl is a number of seconds, not {ttl!r}")
-    if not 0 < ttl * 1000 <= cmds.MAX_TTL_MS:  # before round(): inf and 1e308 would overflow it
+    # The range first: round() overflows on inf and 1e308.
+    if not 0 < ttl * 1000 <= cmds.MAX_TTL_MS or round(ttl * 1000) == 0:
         raise BadRequest(f"a lease's ttl is more than 0 and at most a year ({cmds.MAX_TTL_MS // 1000} s), not {ttl!r}")
-    ms = round(ttl * 1000)
-    if ms == 0:
-        raise BadRequest(f"a lease's ttl is more than 0 and at most a year ({cmds.MAX_TTL_MS // 1000} s), not {ttl!r}")
-    return ms
+    return round(ttl * 1000)
 
 
 def value_bytes(value) -> bytes:

@@ -361,7 +361,7 @@ def test_a_lock_revoked_elsewhere_stops_its_command_before_the_next_holder_start
     pidfile = str(tmp_path / "a.pid")
     kv_lock = [PY, "-m", "kv", "lock", "jobs/rev", "--endpoints", endpoints(c), "--ttl", "30", "--"]
     a = holding(kv_lock, pidfile)
-    b = None
+    b = bare = None
     try:
         b = subprocess.Popen(kv_lock + [PY, "-c", CHECKS_PREDECESSOR_GONE, pidfile], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wait_until(lambda: len(waiting_line(c, "jobs/rev")) == 2, 60, "the second kv lock queued")
@@ -371,8 +371,15 @@ def test_a_lock_revoked_elsewhere_stops_its_command_before_the_next_holder_start
         assert a.wait(30) == 1
         said = a.stderr.read().splitlines()  # "locked ...", then one line for the loss
         assert len(said) == 2 and said[1].startswith("kv lock: the lock jobs/rev was lost (its key jobs/rev/"), said
+        # Without a command, kv lock holds until Ctrl-C, or until the lock is lost: said too.
+        bare = subprocess.Popen([PY, "-m", "kv", "lock", "jobs/bare", "--endpoints", endpoints(c), "--ttl", "30"], stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: len(waiting_line(c, "jobs/bare")) == 1, 60, "kv lock holding without a command")
+        revoke(c, lease_of(waiting_line(c, "jobs/bare")[0]))
+        assert bare.wait(30) == 1
+        said = bare.stderr.read().splitlines()
+        assert len(said) == 2 and said[1].startswith("kv lock: the lock jobs/bare was lost (its key jobs/bare/"), said
     finally:
-        stop(a, b)
+        stop(a, b, bare)
 
 
 def test_kv_lock_interrupted_while_waiting_exits_130_without_running_its_command(cluster, tmp_path):

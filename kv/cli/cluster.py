@@ -54,11 +54,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def layout(nodes: int, base_port: int, host: str = "127.0.0.1") -> list[dict]:
-    peers = ",".join(f"n{i}={host}:{base_port + 100 + i - 1}" for i in range(1, nodes + 1))
-    return [
-        {"id": f"n{i}", "http": f"{host}:{base_port + i - 1}", "url": f"http://{host}:{base_port + i - 1}", "peer": f"{host}:{base_port + 100 + i - 1}", "peers": peers}
-        for i in range(1, nodes + 1)
+    plan = [
+        {"id": f"n{i + 1}", "http": f"{host}:{base_port + i}", "url": f"http://{host}:{base_port + i}", "peer": f"{host}:{base_port + 100 + i}"}
+        for i in range(nodes)
     ]
+    peers = ",".join(f"{n['id']}={n['peer']}" for n in plan)
+    return [{**n, "peers": peers} for n in plan]
 
 
 def _say(msg: str) -> None:

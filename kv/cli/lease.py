@@ -102,16 +102,38 @@ class _Stop:
         await self.event.wait()
 
 
+class _Lost:
+    """The on_lost of kv lock and kv elect: set once their lease is lost, with the reason
+    (said in the command's one line: the library's own warning is silenced in the CLI)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.why: Exception | None = None
+
+    def __call__(self, e: Exception) -> None:
+        self.why = e
+        self.event.set()
+
+    def is_set(self) -> bool:
+        return self.event.is_set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+
 async def _lock(c, args: argparse.Namespace) -> int:
     from ..coordination import AsyncLock
 
-    lost = asyncio.Event()
-    async with AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lambda e: lost.set()) as lock:
+    lost = _Lost()
+    async with AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lost) as lock:
         stop = _Stop()
         print(f"locked {args.name} ({lock.key})", file=sys.stderr, flush=True)
         if not args.command:
             await _first(stop.wait(), lost.wait())
-            return 1 if lost.is_set() else 0
+            if lost.is_set():
+                print(f"kv lock: the lock {args.name} was lost ({lost.why})", file=sys.stderr)
+                return 1
+            return 0
         # The command runs under kv.cli.supervise, which takes its whole process group down
         # when told to, or when this process dies: it never runs on without the lock.
         proc = await asyncio.create_subprocess_exec(
@@ -123,7 +145,7 @@ async def _lock(c, args: argparse.Namespace) -> int:
         if lost.is_set():  # another holder may have it already: kill at once, no grace
             proc.send_signal(signal.SIGUSR1)
             await proc.wait()
-            print(f"kv lock: the lock {args.name} was lost ({lock.lease.lost}); killed the command", file=sys.stderr)
+            print(f"kv lock: the lock {args.name} was lost ({lost.why}); killed the command", file=sys.stderr)
             return 1
         proc.send_signal(stop.signal)  # passed on to the command, which has ttl/2 to end
         await proc.wait()
@@ -140,13 +162,8 @@ async def _first(*aws) -> None:
 
 
 async def _elect(c, args: argparse.Namespace) -> int:
-    lost, why = asyncio.Event(), []
-
-    def on_lost(err) -> None:
-        why.append(err)
-        lost.set()
-
-    e = c.election(args.name, ttl=args.ttl, on_lost=on_lost)
+    lost = _Lost()
+    e = c.election(args.name, ttl=args.ttl, on_lost=lost)
     if args.listen:
         async for value in e.observe():
             print("-" if value is None else listing_text(value), flush=True)
@@ -162,7 +179,7 @@ async def _elect(c, args: argparse.Namespace) -> int:
     finally:
         await e.resign()
     if lost.is_set():  # another candidate may lead already: say so and stop claiming it
-        print(f"kv elect: lost the leadership of {args.name} ({why[0]})", file=sys.stderr)
+        print(f"kv elect: lost the leadership of {args.name} ({lost.why})", file=sys.stderr)
         return 1
     return 0
 
