@@ -425,9 +425,10 @@ class AsyncClient:
         `l = await c.lease(10)`; see kv.coordination.AsyncLease."""
         return AsyncLease(self, ttl, on_lost=on_lost)
 
-    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None) -> AsyncLock:
-        """Mutual exclusion across processes, FIFO: `async with client.lock("jobs"):`."""
-        return AsyncLock(self, name, ttl=ttl, timeout=timeout)
+    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None, on_lost=None) -> AsyncLock:
+        """Mutual exclusion across processes, FIFO: `async with client.lock("jobs"):`;
+        on_lost(error) is called if the lock is lost while held."""
+        return AsyncLock(self, name, ttl=ttl, timeout=timeout, on_lost=on_lost)
 
     def election(self, name: str, *, ttl: float = 10, on_lost=None) -> AsyncElection:
         """Leader election: campaign(value), leader(), observe(), resign(); on_lost(error)
@@ -661,9 +662,10 @@ class Client:
         """
         return Lease(self._lt.call(AsyncLease(self._async, ttl, on_lost=on_lost).grant()), self._lt)
 
-    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None) -> Lock:
-        """Mutual exclusion across processes, FIFO: `with client.lock("jobs/nightly"):`."""
-        return Lock(AsyncLock(self._async, name, ttl=ttl, timeout=timeout), self._lt)
+    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None, on_lost=None) -> Lock:
+        """Mutual exclusion across processes, FIFO: `with client.lock("jobs/nightly"):`;
+        on_lost(error) is called (on the client's thread) if the lock is lost while held."""
+        return Lock(AsyncLock(self._async, name, ttl=ttl, timeout=timeout, on_lost=on_lost), self._lt)
 
     def election(self, name: str, *, ttl: float = 10, on_lost=None) -> Election:
         """Leader election: campaign(value), leader(), observe(), resign(); on_lost(error)

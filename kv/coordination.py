@@ -313,6 +313,11 @@ class AsyncLock:
         except KVError as e:  # the keepalive still notices a loss, later
             log.info("lock %s: cannot watch its key (%s); a lost lease is noticed at its next keepalive", self.name, e)
 
+    @property
+    def held(self) -> bool:
+        """True from acquire until release, while the lock's lease lives (False once lost)."""
+        return self._guard is not None and self.lease is not None and self.lease.alive
+
     async def release(self) -> None:
         if self._guard is not None:
             self._guard.cancel()  # before the revoke, whose delete is no loss
@@ -407,6 +412,10 @@ class Lock:
     @property
     def key(self) -> str | None:
         return self._lock.key
+
+    @property
+    def held(self) -> bool:
+        return self._lock.held
 
     def acquire(self) -> Lock:
         self._lt.call(self._lock.acquire())

@@ -595,9 +595,10 @@ class Node:
         or `l = await node.lease(10)`; see kv.coordination.AsyncLease."""
         return AsyncLease(self, ttl, on_lost=on_lost)
 
-    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None) -> AsyncLock:
-        """Mutual exclusion across processes, FIFO: `async with node.lock("jobs"):`."""
-        return AsyncLock(self, name, ttl=ttl, timeout=timeout)
+    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None, on_lost=None) -> AsyncLock:
+        """Mutual exclusion across processes, FIFO: `async with node.lock("jobs"):`;
+        on_lost(error) is called if the lock is lost while held."""
+        return AsyncLock(self, name, ttl=ttl, timeout=timeout, on_lost=on_lost)
 
     def election(self, name: str, *, ttl: float = 10, on_lost=None) -> AsyncElection:
         """Leader election: campaign(value), leader(), observe(), resign(); on_lost(error)

@@ -194,9 +194,10 @@ class Store:
         """A lease that keeps itself alive until revoked (a context manager)."""
         return Lease(self._call(AsyncLease(self._node, ttl, on_lost=on_lost).grant()), self._lt)
 
-    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None) -> Lock:
-        """Mutual exclusion between threads of this process: `with db.lock("jobs"):`."""
-        return Lock(AsyncLock(self._node, name, ttl=ttl, timeout=timeout), self._lt)
+    def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None, on_lost=None) -> Lock:
+        """Mutual exclusion between threads of this process: `with db.lock("jobs"):`;
+        on_lost(error) is called if the lock is lost while held."""
+        return Lock(AsyncLock(self._node, name, ttl=ttl, timeout=timeout, on_lost=on_lost), self._lt)
 
     def election(self, name: str, *, ttl: float = 10, on_lost=None) -> Election:
         return Election(AsyncElection(self._node, name, ttl=ttl, on_lost=on_lost), self._lt)

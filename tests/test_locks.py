@@ -418,3 +418,34 @@ def test_kv_lock_passes_sigterm_to_its_command_then_frees_the_lock(cluster, tmp_
         a.wait(10)
     r = subprocess.run([PY, "-m", "kv", "lock", "jobs/term", "--endpoints", endpoints(c), "--", "/nonexistent/command"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 127 and "cannot run /nonexistent/command" in r.stderr, r.stderr
+
+
+HOLDS_WITH_ON_LOST = """
+import sys, threading, kv
+lost = threading.Event()
+def on_lost(err):
+    print("lost:", type(err).__name__, err, flush=True)
+    lost.set()
+with kv.Client(sys.argv[1]) as c:
+    with c.lock("guarded", ttl=60, on_lost=on_lost) as held:
+        assert held.held
+        print("holding", flush=True)
+        lost.wait(120)
+        print("held:", held.held, flush=True)
+"""
+
+
+def test_python_lock_calls_on_lost_when_its_lease_is_revoked_elsewhere(cluster):
+    """Client.lock(on_lost=) as election(on_lost=): the holder is told at once (it watches
+    its own key), not at its next keepalive 20 s later; `held` turns False."""
+    c = cluster
+    a = Proc([PY, "-c", HOLDS_WITH_ON_LOST, endpoints(c)])
+    try:
+        a.expect("holding", 60)
+        revoke(c, lease_of(waiting_line(c, "guarded")[0]))
+        revoked = time.monotonic()
+        got = a.expect("lost: LeaseNotFound", 30)
+        assert got - revoked < 10, got - revoked  # its keepalive (every ttl/3 = 20 s) would be later
+        a.expect("held: False", 30)
+    finally:
+        a.stop()
