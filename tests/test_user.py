@@ -244,6 +244,11 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
             lambda: kv_cli("get", "while-down", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 60, "n3 back and caught up"
         )
         assert up.poll() is None  # the others went on
+        # Its own nodes all gone, but n3 (started by hand) answers: not "every node has exited".
+        for nid in ("n1", "n2"):
+            os.kill(next(int(ln.split()[-1]) for ln in up_out.read_text().splitlines() if ln.strip().startswith(f"{nid} ")), signal.SIGKILL)
+        wait_until(lambda: "restarted by hand?" in up_out.read_text(), 30, "cluster up noticing n3 still answers")
+        assert "every node has exited" not in up_out.read_text() and up.poll() is None
     finally:
         for p in (back, up):
             if p is not None and p.poll() is None:

@@ -144,6 +144,7 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
 
     leader = None
     exited: list[str] = []
+    told_restarted = False
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
         while not stop.is_set():
             seen = await statuses(s, {n["id"]: n["url"] for n in plan})
@@ -161,8 +162,13 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                     args = next(n["args"] for n in plan if n["id"] == nid)
                     _say(f"  the others go on; to bring {nid} back, in another shell: {shlex.join([*SERVE, *args])} >> {shlex.quote(log_paths[nid])} 2>&1")
             if len(exited) == len(procs):
-                _say("every node has exited; see their logs above")
-                return exited
+                if not seen:
+                    _say("every node has exited; see their logs above")
+                    return exited
+                if not told_restarted:  # nodes brought back by hand, as the hint above says
+                    told_restarted = True
+                    alive = ", ".join(sorted(seen)) + (" answers" if len(seen) == 1 else " answer")
+                    _say(f"every node this command started has exited, but {alive} (restarted by hand?); watching until Ctrl-C")
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except (asyncio.TimeoutError, TimeoutError):
