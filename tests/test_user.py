@@ -229,6 +229,8 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
     back = None
     try:
         wait_until(lambda: kv_cli("put", "before", "1", "--endpoints", endpoints, "--timeout", "5").returncode == 0, 60, "a write")
+        # Not the default ports: it says how to point every command at them.
+        assert f"export KV_ENDPOINTS={endpoints}" in up_out.read_text()
         n3 = next(int(line.split()[-1]) for line in up_out.read_text().splitlines() if line.strip().startswith("n3 "))
         os.kill(n3, signal.SIGKILL)
         wait_until(lambda: "to bring n3 back" in up_out.read_text(), 30, "cluster up telling how to restart n3")

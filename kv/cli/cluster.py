@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 
+from ..client import DEFAULT_ENDPOINTS
 from ..datadir import DataDirLock
 from ..errors import BadRequest
 from ..harness import SERVE, statuses
@@ -105,6 +106,8 @@ async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> i
     print(f"  try:  kv put hello world --endpoints {endpoints}")
     print(f"        kv get hello --endpoints {endpoints}")
     print(f"        kv status --endpoints {endpoints}")
+    if endpoints != ",".join(DEFAULT_ENDPOINTS):  # commands without --endpoints go to those
+        print(f"  or, for every command in a shell:  export KV_ENDPOINTS={endpoints}")
     print("  Ctrl-C stops the cluster.\n", flush=True)
     code = 0
     try:
