@@ -102,6 +102,25 @@ async def test_conditional_writes(api):
     assert await (await api.get("/v1/kv/c")).read() == b"2"
 
 
+async def test_if_match_star_is_the_key_exists(api):
+    r = await api.put("/v1/kv/star", data=b"1", headers={"If-Match": "*"})
+    assert r.status == 412 and (await r.json())["error"]["mod_index"] == 0
+    assert (await api.get("/v1/kv/star")).status == 404  # not created
+    r = await api.delete("/v1/kv/star", headers={"If-Match": " * "})
+    assert r.status == 412
+    idx = (await (await api.put("/v1/kv/star", data=b"1")).json())["index"]
+    r = await api.put("/v1/kv/star", data=b"2", headers={"If-Match": "*"})
+    assert r.status == 200 and r.headers["ETag"] == f'"{(await r.json())["index"]}"' != f'"{idx}"'
+    assert await (await api.get("/v1/kv/star")).read() == b"2"
+    r = await api.put("/v1/kv/star", data=b"3", headers={"If-Match": "*", "If-None-Match": "*"})
+    assert r.status == 400 and "cannot both hold" in (await r.json())["error"]["message"]
+    r = await api.put("/v1/kv/star", data=b"3", headers={"If-Match": "**"})
+    assert r.status == 400 and "(or *: the key exists)" in (await r.json())["error"]["message"]
+    r = await api.delete("/v1/kv/star", headers={"If-Match": "*"})
+    assert r.status == 200 and (await r.json())["deleted"] is True
+    assert (await api.get("/v1/kv/star")).status == 404
+
+
 async def test_listing_pages(api):
     for i in range(25):
         await api.put(f"/v1/kv/list/{i:02d}", data=b"v%d" % i)
