@@ -192,9 +192,12 @@ class Unreachable:
 _ASK = {"connection refused": NOTHING_LISTENS, "the host name does not resolve": NO_SUCH_HOST}  # what to check, by _unreachable()
 
 
+HINT = " — "  # between what failed and what to check (kv status shows only the first part)
+
+
 def _unreachable_hint(e: Exception | None) -> str:
     why = _unreachable(e)
-    return f" — {why}: {_ASK[why]}" if why else ""
+    return f"{HINT}{why}: {_ASK[why]}" if why else ""
 
 
 class AsyncClient:

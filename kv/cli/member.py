@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..client import HINT
 from .options import client_command, with_client
 from .output import emit, report, wants_json
 
@@ -89,6 +90,6 @@ def _print_status(rows: list) -> int:
         if isinstance(st, Exception):
             why = str(st) if str(st).startswith(ep) else f"{ep}: {st}"
             if down < len(rows):  # others answered: "is the cluster running?" is beside the point
-                why = why.split(" — ", 1)[0]
+                why = why.split(HINT, 1)[0]
             print(why, file=sys.stderr)
     return 1 if down == len(rows) else 0  # the same rule as _emit_status
