@@ -12,18 +12,43 @@ def pytest_addoption(parser):
     parser.addoption("--sim-seeds", type=int, default=None, help="how many seeds the simulation tests run")
 
 
-# Tests that wait on no clock of their own: the Spark pipeline (its JVM start-ups are most
-# of the run's time) and the seeded simulators. With pytest-xdist (`-n 2 --dist loadgroup`,
-# pyproject's addopts) they run in one worker while the other runs every test that starts
-# real processes and waits on their timing, one at a time as before.
-UNTIMED_MODULES = {"test_raft_sim.py", "test_lease_sim.py", "test_membership_sim.py"}
+# Two lanes, one per pytest-xdist worker (pyproject's addopts: -n 2). "untimed": the Spark
+# pipeline (its JVM start-ups are most of the run's time) and the seeded simulators, whose
+# tests assert nothing about time. "timed": everything else, one test at a time as in a
+# single process: the real-process tests that wait on elections, ttls and timeouts. The
+# Spark tests' cluster and JVM do load the machine beside the timed lane.
+SIM_MODULES = ("test_raft_sim.py", "test_lease_sim.py", "test_membership_sim.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def lane(nodeid: str) -> str:
+    module = nodeid.partition("::")[0]
+    return "untimed" if "spark" in nodeid or module.endswith(SIM_MODULES) else "timed"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Each lane is one unit of work: a worker runs one lane whole, in collection order."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Lanes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return lane(nodeid)
+
+    return Lanes(config, log)
+
+
+_lanes_here: set[str] = set()
+
+
+def pytest_runtest_setup(item):
+    # A worker given tests of both lanes would run timed tests beside each other.
+    if hasattr(item.config, "workerinput"):
+        _lanes_here.add(lane(item.nodeid))
+        if len(_lanes_here) > 1:
+            pytest.fail(f"this xdist worker was given tests of both lanes ({item.nodeid}); see tests/conftest.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        untimed = "spark" in item.keywords or item.path.name in UNTIMED_MODULES
-        item.add_marker(pytest.mark.xdist_group("untimed" if untimed else "timed"))
     if config.getoption("--soak") or os.environ.get("KV_SOAK"):
         return
     skip = pytest.mark.skip(reason="soak run: enable with --soak or KV_SOAK=1")
