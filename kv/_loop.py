@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from .errors import Unavailable
@@ -39,6 +39,9 @@ class LoopThread:
         if self.closed:
             coro.close()
             raise Unavailable("closed")
+        if threading.current_thread() is self._thread:
+            coro.close()
+            self.refuse_own_thread()
         running = threading.Lock()  # held while coro runs (a raw lock: an Event costs 4 µs a call)
         running.acquire()
 
@@ -59,6 +62,26 @@ class LoopThread:
                 # fut.result() would not wait: a cancelled concurrent future is done at once.
                 running.acquire(timeout=5)
             raise
+
+    def refuse_own_thread(self) -> None:
+        """Raise if called on the loop's thread, where a blocking call would wait on itself."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                "a blocking kv call on the client's own event-loop thread would wait on itself for ever; "
+                "make it from another thread (set a flag or a threading.Event here)"
+            )
+
+    def off_loop(self, callback: Callable[..., None] | None) -> Callable[..., None] | None:
+        """`callback` run on a thread of its own, so that it may call the blocking API (an
+        on_lost that releases a lock, say); on the loop's thread such a call would wait
+        on itself."""
+        if callback is None:
+            return None
+
+        def start(*args) -> None:
+            threading.Thread(target=callback, args=args, name=f"{self._thread.name}-callback", daemon=True).start()
+
+        return start
 
     def iterate(self, it: AsyncIterator[T], timeout: float | None = None) -> Iterator[T]:
         """A blocking iterator over an async iterator that lives on the loop; it ends when

@@ -658,22 +658,23 @@ class Client:
     promote_member = _blocking(AsyncClient.promote_member)
 
     def lease(self, ttl: float, *, on_lost=None) -> Lease:
-        """A lease that keeps itself alive (on this client's thread) until revoked:
+        """A lease that keeps itself alive (on this client's thread) until revoked; on_lost
+        (error) is called, on a thread of its own, if it is lost:
 
             with client.lease(10) as lease:
                 client.put("services/api", b"10.0.0.1:8080", lease=lease)
         """
-        return Lease(self._lt.call(AsyncLease(self._async, ttl, on_lost=on_lost).grant()), self._lt)
+        return Lease(self._lt.call(AsyncLease(self._async, ttl, on_lost=self._lt.off_loop(on_lost)).grant()), self._lt)
 
     def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None, on_lost=None) -> Lock:
         """Mutual exclusion across processes, FIFO: `with client.lock("jobs/nightly"):`;
-        on_lost(error) is called (on the client's thread) if the lock is lost while held."""
-        return Lock(AsyncLock(self._async, name, ttl=ttl, timeout=timeout, on_lost=on_lost), self._lt)
+        on_lost(error) is called, on a thread of its own, if the lock is lost while held."""
+        return Lock(AsyncLock(self._async, name, ttl=ttl, timeout=timeout, on_lost=self._lt.off_loop(on_lost)), self._lt)
 
     def election(self, name: str, *, ttl: float = 10, on_lost=None) -> Election:
         """Leader election: campaign(value), leader(), observe(), resign(); on_lost(error)
-        is called (on the client's thread) if a leadership won is lost."""
-        return Election(AsyncElection(self._async, name, ttl=ttl, on_lost=on_lost), self._lt)
+        is called, on a thread of its own, if a leadership won is lost."""
+        return Election(AsyncElection(self._async, name, ttl=ttl, on_lost=self._lt.off_loop(on_lost)), self._lt)
 
     def close(self) -> None:
         self._closer()

@@ -150,7 +150,10 @@ class AsyncLease:
         self.lost = e
         log.warning("lease %d is lost: %s", self.id, e)
         if self._on_lost is not None:
-            self._on_lost(e)
+            try:
+                self._on_lost(e)
+            except Exception:  # the caller's bug: it must not stop the keepalive's or a release's clean-up
+                log.exception("lease %d: on_lost raised", self.id)
 
     async def revoke(self) -> None:
         """Revoke the lease now (its keys go with it); a lease already gone is fine."""
@@ -274,26 +277,46 @@ class AsyncLock:
         self.value = value  # the key's value (an election's candidate says who it is)
         self.lease: AsyncLease | None = None
         self.key: str | None = None
-        self._guard: asyncio.Task | None = None
+        self._guard: asyncio.Task | None = None  # set while held
+        self._lost_waiting: asyncio.Future | None = None  # set while waiting
 
     async def acquire(self) -> AsyncLock:
-        self.lease = await AsyncLease(self._store, self.ttl, on_lost=self._on_lost).grant()
+        self.lease = await AsyncLease(self._store, self.ttl, on_lost=self._lease_lost).grant()
         try:
             self.key = f"{self.name}/{self.lease.id:016x}"
             w = await self._store.put(self.key, self.value, if_absent=True, lease=self.lease.id)
-            wait = _wait_until_first(self._store, self.name + "/", self.key, w.index)
-            if self.timeout is None:
-                await wait
-            else:
-                try:
-                    await asyncio.wait_for(wait, self.timeout)
-                except (asyncio.TimeoutError, TimeoutError):
-                    raise Timeout(f"lock {self.name!r} not acquired within {self.timeout:g}s") from None
+            await self._wait_for_turn(w.index)
         except BaseException:
             await self.release()
             raise
         self._guard = asyncio.get_running_loop().create_task(self._watch_own_key(w.index + 1), name=f"lock-{self.key}")
         return self
+
+    async def _wait_for_turn(self, since: int) -> None:
+        """Until the lock's key is the oldest; a lease lost meanwhile ends the wait at once
+        (its key is gone from the queue) with the lease's error, and the timeout with Timeout."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_task(_wait_until_first(self._store, self.name + "/", self.key, since))
+        lost = self._lost_waiting = loop.create_future()
+        try:
+            await asyncio.wait((waiter, lost), timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._lost_waiting = None
+            if not waiter.done():
+                waiter.cancel()
+                await asyncio.wait((waiter,))
+        if lost.done():
+            raise lost.result()
+        if not waiter.cancelled():
+            return waiter.result()  # raises if the key was gone when looked at
+        raise Timeout(f"lock {self.name!r} not acquired within {self.timeout:g}s")
+
+    def _lease_lost(self, e: KVError) -> None:
+        if self._guard is not None:  # held: the holder is told
+            if self._on_lost is not None:
+                self._on_lost(e)
+        elif self._lost_waiting is not None and not self._lost_waiting.done():
+            self._lost_waiting.set_result(e)  # never held: acquire raises it
 
     async def _watch_own_key(self, since: int) -> None:
         """Lose the lease the moment the lock's key is deleted (the lease revoked from
@@ -316,7 +339,8 @@ class AsyncLock:
     @property
     def held(self) -> bool:
         """True from acquire until release, while the lock's lease lives (False once lost)."""
-        return self._guard is not None and self.lease is not None and self.lease.alive
+        lease = self.lease  # once: release() on the loop may clear it while another thread reads
+        return self._guard is not None and lease is not None and lease.alive
 
     async def release(self) -> None:
         if self._guard is not None:
@@ -415,6 +439,7 @@ class Lock:
 
     @property
     def held(self) -> bool:
+        """True from acquire until release, while the lock's lease lives (False once lost)."""
         return self._lock.held
 
     def acquire(self) -> Lock:

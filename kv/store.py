@@ -155,6 +155,7 @@ class Store:
     def _submit(self, cmd):
         if self._closed:
             raise Unavailable("the store is closed")
+        self._lt.refuse_own_thread()
         slot = _Slot(cmd, encode_command(cmd))
         self._queue.append(slot)
         if not self._drain_scheduled:
@@ -192,15 +193,15 @@ class Store:
 
     def lease(self, ttl: float, *, on_lost=None) -> Lease:
         """A lease that keeps itself alive until revoked (a context manager)."""
-        return Lease(self._call(AsyncLease(self._node, ttl, on_lost=on_lost).grant()), self._lt)
+        return Lease(self._call(AsyncLease(self._node, ttl, on_lost=self._lt.off_loop(on_lost)).grant()), self._lt)
 
     def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None, on_lost=None) -> Lock:
         """Mutual exclusion between threads of this process: `with db.lock("jobs"):`;
-        on_lost(error) is called if the lock is lost while held."""
-        return Lock(AsyncLock(self._node, name, ttl=ttl, timeout=timeout, on_lost=on_lost), self._lt)
+        on_lost(error) is called, on a thread of its own, if the lock is lost while held."""
+        return Lock(AsyncLock(self._node, name, ttl=ttl, timeout=timeout, on_lost=self._lt.off_loop(on_lost)), self._lt)
 
     def election(self, name: str, *, ttl: float = 10, on_lost=None) -> Election:
-        return Election(AsyncElection(self._node, name, ttl=ttl, on_lost=on_lost), self._lt)
+        return Election(AsyncElection(self._node, name, ttl=ttl, on_lost=self._lt.off_loop(on_lost)), self._lt)
 
     def lease_grant(self, ttl: float) -> LeaseStatus:
         return self._call(self._node.lease_grant(ttl))

@@ -125,3 +125,68 @@ def test_every_acknowledged_write_survives_kill9(tmp_path):
         with kv.open(path) as s:
             missing = [i for i in range(acked + 1) if s.get(f"k{i}") is None]
             assert missing == []
+
+
+def test_lock_on_lost_runs_off_the_loop_only_for_a_held_lock(db):
+    """kv.open's lock(on_lost=): told once the held lock's lease is revoked, on a thread
+    where the blocking API works; a waiter whose lease goes is not "lost" a lock it never
+    held: its acquire fails at once instead; a normal release tells nothing."""
+    import threading
+
+    told: list[tuple[str, str]] = []
+    done = threading.Event()
+
+    def on_lost(err):
+        db.put("lost-marker", b"written from on_lost")  # a blocking write: on the loop's thread it would hang
+        told.append((type(err).__name__, db.get("lost-marker").value.decode()))
+        done.set()
+
+    lock = db.lock("jobs", ttl=30, on_lost=on_lost)
+    assert not lock.held
+    with lock:
+        assert lock.held
+        waiter = db.lock("jobs", ttl=1.5, timeout=60, on_lost=on_lost)  # its keepalive (every 0.5 s) notices
+        failed: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                waiter.acquire()
+            except BaseException as e:
+                failed.append(e)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        wait_for = time.monotonic() + 10
+        while len(list(db.scan("jobs/"))) < 2 and time.monotonic() < wait_for:
+            time.sleep(0.01)
+        second = max(db.scan("jobs/"), key=lambda it: it.mod_index)
+        db.lease_revoke(int(second.key.rsplit("/", 1)[1], 16))
+        t.join(10)
+        # At its next keepalive, while the lock is still held: not once the holder lets go.
+        assert not t.is_alive() and len(failed) == 1 and isinstance(failed[0], kv.LeaseNotFound), failed
+        assert told == [] and not waiter.held
+
+        db.lease_revoke(int(lock.key.rsplit("/", 1)[1], 16))
+        assert done.wait(10)
+        assert told == [("LeaseNotFound", "written from on_lost")] and not lock.held
+    assert not lock.held
+
+    again = db.lock("jobs", ttl=30, on_lost=on_lost)
+    with again:
+        assert again.held
+    assert not again.held and len(told) == 1  # released, not lost
+
+
+def test_a_blocking_call_from_the_stores_own_loop_thread_is_refused(db):
+    """Rather than waiting on itself for ever (an on_lost of the async API calling the
+    blocking one, say)."""
+    got: list[BaseException] = []
+
+    async def calls_back():
+        try:
+            db.put("x", b"1")
+        except RuntimeError as e:
+            got.append(e)
+
+    db._lt.call(calls_back())
+    assert len(got) == 1 and "wait on itself" in str(got[0])
