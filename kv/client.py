@@ -75,6 +75,9 @@ def parse_endpoints(spec: str | Sequence[str] | None) -> list[str]:
             port = -1
         if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
             raise errors.BadRequest(f"endpoint {e!r} is not a client URL: give http://HOST:PORT or https://HOST:PORT, comma-separated")
+        if parts.path or parts.query or parts.fragment:  # /v1/kv/... is added to it: it would miss every route
+            rest = url[len(f"{parts.scheme}://{parts.netloc}"):]
+            raise errors.BadRequest(f"endpoint {e!r} has more than a host and port ({rest!r}): give {parts.scheme}://{parts.netloc}")
         out.append(url)
     if not out:
         raise errors.BadRequest("no endpoints given: e.g. --endpoints http://127.0.0.1:8001")

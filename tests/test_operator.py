@@ -75,6 +75,9 @@ CASES = [
                  "kv snapshot save: cannot reach 127.0.0.1:9 (Connect call failed ('127.0.0.1', 9)); is a node running there?", 1, id="download-unreachable"),
     pytest.param(["put", "k", "v", "--endpoints", "ftp://x", "--timeout", "1"], {}, {}, "kv put: endpoint 'ftp://x' is not a client URL: give http://HOST:PORT or https://HOST:PORT, comma-separated", 1, id="endpoint-scheme"),
     pytest.param(["get", "k", "--endpoints", "http://127.0.0.1:80O1"], {}, {}, "kv get: endpoint 'http://127.0.0.1:80O1' is not a client URL", 1, id="endpoint-port"),
+    # A path would be put before /v1/kv/...: every request would miss its route, and a
+    # key's GET would read as "no such key".
+    pytest.param(["get", "k", "--endpoints", "http://127.0.0.1:8001,http://127.0.0.1:8002/v1"], {}, {}, "kv get: endpoint 'http://127.0.0.1:8002/v1' has more than a host and port ('/v1'): give http://127.0.0.1:8002", 1, id="endpoint-path"),
     pytest.param(["cluster", "up", "--nodes", "0", "--data-dir", "d"], {}, {}, "kv cluster up: argument --nodes: expected a whole number of at least 1, not '0'", 2, id="cluster-nodes"),
     pytest.param(["cluster", "up", "--base-port", "99999", "--data-dir", "d"], {}, {}, "kv cluster up: argument --base-port: expected a port from 1 to 65000", 2, id="cluster-port"),
 ]
