@@ -302,6 +302,8 @@ class AsyncClient:
                     if resp.status != 503:
                         _raise_for(resp.status, body, ep)
                     last = errors.NotLeader(f"{ep}: {body[:300].decode(errors='replace')}")
+            except errors.KVError:
+                raise  # the node's answer (kv.Timeout is a TimeoutError too: not ours to wrap below)
             except aiohttp.ClientConnectorCertificateError as e:
                 raise errors.Unavailable(
                     f"{ep}: the server's TLS certificate is not trusted ({e.certificate_error}); "
@@ -312,10 +314,11 @@ class AsyncClient:
                     # Connected: the request may have reached the node, which may have
                     # committed it before the connection reset, closed or timed out. Sent
                     # again, it could apply twice (or fail its own condition).
-                    raise errors.Timeout(
-                        f"{ep}: the connection failed after the write may have reached the node ({_describe(e)}); "
-                        "its outcome is unknown: read the key before retrying"
-                    ) from e
+                    what = (
+                        f"no answer in {self.timeout:g}s after the write was sent (a node without a leader holds a write until one is elected: kv status)"
+                        if isinstance(e, asyncio.TimeoutError) else f"the connection failed after the write may have reached the node ({_describe(e)})"
+                    )
+                    raise errors.Timeout(f"{ep}: {what}; its outcome is unknown: read the key before retrying") from e
                 last = e
             if endpoint is None:
                 self._next += 1
@@ -324,8 +327,8 @@ class AsyncClient:
                     raise last
                 hint = _unreachable_hint(last)
                 if endpoint is not None:  # one node asked for (kv status asks each)
-                    raise errors.Unavailable(f"{endpoint} did not answer ({tries} tries): {last}{hint}")
-                raise errors.Unavailable(f"no endpoint answered in {self.timeout:g}s ({', '.join(self.endpoints)}): {last}{hint}")
+                    raise errors.Unavailable(f"{endpoint} did not answer ({tries} tries): {_describe(last)}{hint}")
+                raise errors.Unavailable(f"no endpoint answered in {self.timeout:g}s ({', '.join(self.endpoints)}): {_describe(last)}{hint}")
             unreachable.saw(ep, last, [endpoint] if endpoint else self.endpoints)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)

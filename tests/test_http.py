@@ -428,6 +428,32 @@ async def test_a_write_whose_connection_resets_after_it_was_sent_is_not_sent_aga
         fake.close()
 
 
+async def test_a_nodes_504_and_a_silent_node_are_each_told_once_as_timeout():
+    """A node's own 504 (a kv.Timeout, which is a TimeoutError) was wrapped in the client's
+    "the connection failed" message; a node that never answers gets its own words."""
+    import kv
+
+    said = "the leader n3 was replaced while this write waited for its answer; read the key before retrying"
+
+    async def answer_504(writer):
+        body = json.dumps({"error": {"code": "TIMEOUT", "message": said}}).encode()
+        writer.write(b"HTTP/1.1 504 Gateway Timeout\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+
+    async def silent(writer):
+        await asyncio.sleep(30)
+
+    for answer, want in ((answer_504, f": {said}$"), (silent, r": no answer in 1s after the write was sent \(a node without a leader .*outcome is unknown")):
+        fake = await _fake_server(answer)
+        try:
+            async with kv.AsyncClient(f"http://127.0.0.1:{fake.sockets[0].getsockname()[1]}", timeout=1) as c:
+                with pytest.raises(kv.Timeout, match=want) as got:
+                    await c.put("k", b"v")
+                assert "connection failed" not in str(got.value)
+        finally:
+            fake.close()
+
+
 async def test_another_web_server_at_an_endpoint_is_not_taken_for_a_node():
     """Its 404 is not "no such key", and its 200 is not a value."""
     import kv
