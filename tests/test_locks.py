@@ -382,18 +382,25 @@ def test_a_lock_revoked_elsewhere_stops_its_command_before_the_next_holder_start
         stop(a, b, bare)
 
 
-def test_kv_lock_interrupted_while_waiting_exits_130_without_running_its_command(cluster, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_kv_lock_and_elect_interrupted_while_waiting_leave_the_queue_at_once(cluster, tmp_path, sig):
+    """128 + the signal, the command not run, the waiter's key gone at once. Ctrl-C of kv
+    lock was 0, as if its command had run and succeeded; kv elect's was 0; SIGTERM left
+    the key in the queue for a ttl (30 s here), holding up whoever came next."""
     c = cluster
     pidfile, ran = str(tmp_path / "a.pid"), tmp_path / "ran"
-    kv_lock = [PY, "-m", "kv", "lock", "jobs/int", "--endpoints", endpoints(c), "--"]
+    kv_lock = [PY, "-m", "kv", "lock", "jobs/int", "--ttl", "30", "--endpoints", endpoints(c), "--"]
+    kv_elect = [PY, "-m", "kv", "elect", "--endpoints", endpoints(c), "--ttl", "30", "jobs/int", "host-w"]
     a = holding(kv_lock, pidfile)
     w = None
     try:
-        w = subprocess.Popen(kv_lock + ["touch", str(ran)], stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_able)
-        wait_until(lambda: len(waiting_line(c, "jobs/int")) == 2, 60, "the second kv lock queued")
-        w.send_signal(signal.SIGINT)
-        assert w.wait(30) == 130, w.stderr.read()  # it was 0, as if its command had run and succeeded
-        assert not ran.exists() and len(waiting_line(c, "jobs/int")) == 1
+        for waiter in (kv_lock + ["touch", str(ran)], kv_elect):
+            w = subprocess.Popen(waiter, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_able)
+            wait_until(lambda: len(waiting_line(c, "jobs/int")) == 2, 60, f"{waiter[3]} queued")
+            w.send_signal(sig)
+            assert w.wait(30) == 128 + sig, w.stderr.read()
+            assert not ran.exists() and w.stdout.read() == ""  # neither ran nor was elected
+            assert len(waiting_line(c, "jobs/int")) == 1  # at once: not when its lease runs out
     finally:
         stop(a, w)
 

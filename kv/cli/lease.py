@@ -92,7 +92,8 @@ class _Stop:
         self.signal = signal.SIGTERM
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._set, sig)
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # kept, as a background job's SIGINT
+                loop.add_signal_handler(sig, self._set, sig)
 
     def _set(self, sig: int) -> None:
         self.signal = sig
@@ -121,12 +122,28 @@ class _Lost:
         await self.event.wait()
 
 
+async def _unless_stopped(aw, stop: _Stop) -> bool:
+    """Await a lock's acquire or a campaign unless SIGINT or SIGTERM comes first; then it is
+    cancelled and withdraws its key from the queue at once (not a ttl later). True if it
+    finished."""
+    task = asyncio.ensure_future(aw)
+    await _first(task, stop.wait())
+    await asyncio.wait((task,))  # its clean-up, if cancelled
+    if task.cancelled():
+        return False
+    task.result()  # its error, if any
+    return True
+
+
 async def _lock(c, args: argparse.Namespace) -> int:
     from ..coordination import AsyncLock
 
     lost = _Lost()
-    async with AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lost) as lock:
-        stop = _Stop()
+    stop = _Stop()
+    lock = AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lost)
+    if not await _unless_stopped(lock.acquire(), stop):
+        return 128 + stop.signal  # interrupted while waiting: its command never ran
+    try:
         print(f"locked {args.name} ({lock.key})", file=sys.stderr, flush=True)
         if not args.command:
             await _first(stop.wait(), lost.wait())
@@ -150,6 +167,8 @@ async def _lock(c, args: argparse.Namespace) -> int:
         proc.send_signal(stop.signal)  # passed on to the command, which has ttl/2 to end
         await proc.wait()
         return 128 + stop.signal
+    finally:
+        await lock.release()
 
 
 async def _first(*aws) -> None:
@@ -171,8 +190,9 @@ async def _elect(c, args: argparse.Namespace) -> int:
     if args.value is None:
         print("kv elect: give the VALUE to campaign with, or --listen", file=sys.stderr)
         return 2
-    await e.campaign(args.value.encode())
     stop = _Stop()
+    if not await _unless_stopped(e.campaign(args.value.encode()), stop):
+        return 128 + stop.signal  # interrupted while campaigning: never elected
     print(f"elected: {args.value}", flush=True)
     try:
         await _first(stop.wait(), lost.wait())
@@ -220,7 +240,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         return with_client(args, _run)
     except KeyboardInterrupt:
-        # Ctrl-C is how a keepalive or a campaign is ended: done. kv lock stopped while it
-        # waited never ran its command: interrupted (a lock holder's Ctrl-C goes to its
-        # command and comes back as 128 + the signal).
-        return 130 if args.cmd == "lock" else 0
+        # Ctrl-C is how a keepalive or a listener is ended: done. (kv lock and kv elect
+        # catch it themselves: 128 + the signal while waiting.)
+        return 0
