@@ -231,8 +231,11 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         wait_until(lambda: kv_cli("put", "before", "1", "--endpoints", endpoints, "--timeout", "5").returncode == 0, 60, "a write")
         # Not the default ports: it says how to point every command at them.
         assert f"export KV_ENDPOINTS={endpoints}" in up_out.read_text()
-        n3 = next(int(line.split()[-1]) for line in up_out.read_text().splitlines() if line.strip().startswith("n3 "))
-        os.kill(n3, signal.SIGKILL)
+
+        def pid_of(nid: str) -> int:  # from the table cluster up printed
+            return next(int(ln.split()[-1]) for ln in up_out.read_text().splitlines() if ln.strip().startswith(f"{nid} "))
+
+        os.kill(pid_of("n3"), signal.SIGKILL)
         wait_until(lambda: "to bring n3 back" in up_out.read_text(), 30, "cluster up telling how to restart n3")
         line = next(ln for ln in up_out.read_text().splitlines() if "to bring n3 back" in ln)
         command = line.split("in another shell: ", 1)[1]
@@ -248,9 +251,13 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         assert up.poll() is None  # the others went on
         # Its own nodes all gone, but n3 (started by hand) answers: not "every node has exited".
         for nid in ("n1", "n2"):
-            os.kill(next(int(ln.split()[-1]) for ln in up_out.read_text().splitlines() if ln.strip().startswith(f"{nid} ")), signal.SIGKILL)
+            os.kill(pid_of(nid), signal.SIGKILL)
         wait_until(lambda: "restarted by hand?" in up_out.read_text(), 30, "cluster up noticing n3 still answers")
         assert "every node has exited" not in up_out.read_text() and up.poll() is None
+        wait_until(lambda: "no leader: 1/3 nodes answering, and 2 are needed" in up_out.read_text(), 30, "cluster up saying n3 cannot lead alone")
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 1  # its nodes died
+        assert f"still running (not started by this command): n3 at {n3_url}; stop it yourself" in up_out.read_text()
     finally:
         for p in (back, up):
             if p is not None and p.poll() is None:

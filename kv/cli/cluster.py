@@ -106,7 +106,7 @@ async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> i
     print(f"  try:  kv put hello world --endpoints {endpoints}")
     print(f"        kv get hello --endpoints {endpoints}")
     print(f"        kv status --endpoints {endpoints}")
-    if endpoints != ",".join(DEFAULT_ENDPOINTS):  # commands without --endpoints go to those
+    if endpoints != (os.environ.get("KV_ENDPOINTS") or ",".join(DEFAULT_ENDPOINTS)):  # where commands without --endpoints go
         print(f"  or, for every command in a shell:  export KV_ENDPOINTS={endpoints}")
     print("  Ctrl-C stops the cluster.\n", flush=True)
     code = 0
@@ -127,7 +127,18 @@ async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> i
                 code = 1
             logs[nid].close()
         _say("stopped")
+        others = await _answering(plan)
+        if others:  # restarted by hand, as the hint says: not this command's to stop
+            _say(f"still running (not started by this command): {', '.join(f'{n} at {u}' for n, u in others.items())}; stop it yourself")
     return code
+
+
+async def _answering(plan: list[dict]) -> dict[str, str]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
+        seen = await statuses(s, {n["id"]: n["url"] for n in plan})
+    return {n["id"]: n["url"] for n in plan if n["id"] in seen}
 
 
 def _last_line(path: str) -> str:
@@ -150,20 +161,25 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
     told_restarted = False
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
         while not stop.is_set():
-            seen = await statuses(s, {n["id"]: n["url"] for n in plan})
-            leaders = {st["leader"] for st in seen.values() if st.get("leader")}
-            now = next(iter(leaders)) if len(leaders) == 1 else None
-            if now and now != leader:
-                term = max(st.get("term", 0) for st in seen.values())
-                _say(f"leader: {now} (term {term}); {len(seen)}/{len(plan)} nodes answering")
-                leader = now
-            for nid, p in procs.items():
+            for nid, p in procs.items():  # first: the nodes asked below have not exited since
                 if p.returncode is not None and nid not in exited:
                     exited.append(nid)
                     last = _last_line(log_paths[nid])
                     _say(f"node {nid} exited with code {p.returncode}; its log is {log_paths[nid]}" + (f": {last}" if last else ""))
                     args = next(n["args"] for n in plan if n["id"] == nid)
-                    _say(f"  the others go on; to bring {nid} back, in another shell: {shlex.join([*SERVE, *args])} >> {shlex.quote(log_paths[nid])} 2>&1")
+                    _say(f"  to bring {nid} back, in another shell: {shlex.join([*SERVE, *args])} >> {shlex.quote(log_paths[nid])} 2>&1")
+            seen = await statuses(s, {n["id"]: n["url"] for n in plan})
+            leaders = {st["leader"] for st in seen.values() if st.get("leader")}
+            now = next(iter(leaders)) if len(leaders) == 1 else None
+            if now != leader:
+                answering = f"{len(seen)}/{len(plan)} nodes answering"
+                if now:
+                    _say(f"leader: {now} (term {max(st.get('term', 0) for st in seen.values())}); {answering}")
+                elif len(seen) > len(plan) // 2:
+                    _say(f"no leader yet; {answering}")
+                else:
+                    _say(f"no leader: {answering}, and {len(plan) // 2 + 1} are needed to elect one and commit; bring nodes back")
+                leader = now
             if len(exited) == len(procs):
                 if not seen:
                     _say("every node has exited; see their logs above")
