@@ -10,7 +10,6 @@ import orjson
 from aiohttp import web
 
 from kv import BadRequest, Cond, Delete, Get, NotFound, PreconditionFailed, Put
-from kv.node import delete_result, write_result
 
 from .answer import Answer
 from .auth import check_keys
@@ -49,30 +48,28 @@ async def put_key(request: web.Request) -> Answer:
     lease = request.query.get("lease")
     if lease is not None and not (lease.isascii() and lease.isdigit() and len(lease) <= 19):
         raise BadRequest(f"lease must be a lease id (a positive integer), not {lease!r}")
-    lease_id = int(lease) if lease is not None else None
-    if _any(if_match):
-        if if_none is not None:
-            raise BadRequest("If-Match: * and If-None-Match: * cannot both hold")
-        put = c.node.put_command(key, value, lease=lease_id)._replace(cond=_exists(key))
-        r = write_result(await c.node.submit(put))
-    else:
-        r = await c.node.put(
-            key,
-            value,
-            if_mod_index=_etag_index(if_match, "If-Match") if if_match is not None else None,
-            if_absent=if_none is not None,
-            lease=lease_id,
-        )
+    if_mod_index, if_exists = _if_match(if_match)
+    if if_exists and if_none is not None:
+        raise BadRequest("If-Match: * and If-None-Match: * cannot both hold")
+    r = await c.node.put(
+        key,
+        value,
+        if_mod_index=if_mod_index,
+        if_absent=if_none is not None,
+        if_exists=if_exists,
+        lease=int(lease) if lease is not None else None,
+    )
     return json_response({"index": r.index, "term": r.term}, headers={"ETag": f'"{r.index}"'})
 
 
-def _any(if_match: str | None) -> bool:
-    """If-Match: * (RFC 9110): the key exists, whatever its mod_index."""
-    return if_match is not None and if_match.strip() == "*"
-
-
-def _exists(key: str) -> Cond:
-    return Cond(key, "exists", True)
+def _if_match(value: str | None) -> tuple[int | None, bool]:
+    """If-Match as (if_mod_index, if_exists): "<mod_index>", or * (RFC 9110: the key
+    exists, whatever its mod_index)."""
+    if value is None:
+        return None, False
+    if value.strip() == "*":
+        return None, True
+    return _etag_index(value, "If-Match"), False
 
 
 async def get_key(request: web.Request) -> Answer:
@@ -90,10 +87,8 @@ async def delete_key(request: web.Request) -> Answer:
     if "If-None-Match" in request.headers:
         raise BadRequest("DELETE is conditional on If-Match only (a key that does not exist needs no delete)")
     if_match = request.headers.get("If-Match")
-    if _any(if_match):
-        r = delete_result(await c.node.submit(Delete(key, _exists(key))))
-    else:
-        r = await c.node.delete(key, if_mod_index=_etag_index(if_match, "If-Match") if if_match is not None else None)
+    if_mod_index, if_exists = _if_match(if_match)
+    r = await c.node.delete(key, if_mod_index=if_mod_index, if_exists=if_exists)
     return json_response({"index": r.index, "term": r.term, "deleted": r.deleted})
 
 

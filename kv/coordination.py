@@ -148,7 +148,8 @@ class AsyncLease:
         if self.lost is not None:
             return  # told once (a lock's key watch may have told already)
         self.lost = e
-        log.warning("lease %d is lost: %s", self.id, e)
+        # A caller with an on_lost hears of it there; without one, this is all it hears.
+        log.log(logging.INFO if self._on_lost else logging.WARNING, "lease %d is lost: %s", self.id, e)
         if self._on_lost is not None:
             try:
                 self._on_lost(e)

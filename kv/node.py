@@ -336,19 +336,23 @@ class Node:
 
     # -- writes ----------------------------------------------------------------------------
 
-    async def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None, timeout: float | None = None) -> WriteResult:
+    async def put(
+        self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, if_exists: bool = False,
+        lease: int | None = None, timeout: float | None = None,
+    ) -> WriteResult:
         """Write a value. `if_mod_index=N` writes only if the key's mod_index is N (CAS);
-        `if_absent` only if the key does not exist. Raises PreconditionFailed otherwise.
-        `lease=ID` attaches the key to a lease (LeaseNotFound if there is none); a put
-        without it detaches the key from the lease it had."""
-        return write_result(await self.submit(self.put_command(key, value, if_mod_index, if_absent, lease), timeout))
+        `if_absent` only if the key does not exist, `if_exists` only if it does (HTTP's
+        If-Match: *). Raises PreconditionFailed otherwise. `lease=ID` attaches the key to
+        a lease (LeaseNotFound if there is none); a put without it detaches the key from
+        the lease it had."""
+        return write_result(await self.submit(self.put_command(key, value, if_mod_index, if_absent, lease, if_exists), timeout))
 
     async def cas(self, key: str, expected_mod_index: int, value: bytes, *, timeout: float | None = None) -> WriteResult:
         """Compare-and-set on the key's mod_index (0: the key must not exist)."""
         return await self.put(key, value, if_mod_index=expected_mod_index, timeout=timeout)
 
-    async def delete(self, key: str, *, if_mod_index: int | None = None, timeout: float | None = None) -> DeleteResult:
-        return delete_result(await self.submit(cmds.Delete(key, _cond(key, if_mod_index, False)), timeout))
+    async def delete(self, key: str, *, if_mod_index: int | None = None, if_exists: bool = False, timeout: float | None = None) -> DeleteResult:
+        return delete_result(await self.submit(cmds.Delete(key, _cond(key, if_mod_index, False, if_exists)), timeout))
 
     async def txn(self, conds: Sequence[cmds.Cond] = (), ops: Sequence = (), else_ops: Sequence = (), *, timeout: float | None = None) -> TxnResult:
         """Atomically: if every condition holds run `ops`, else `else_ops`. Ops are
@@ -361,8 +365,10 @@ class Node:
             await self.read_barrier("linearizable", timeout)
         return txn_result(await self.submit(self.txn_command(conds, ops, else_ops), timeout))
 
-    def put_command(self, key: str, value: bytes, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None) -> cmds.Put:
-        return cmds.Put(key, self._value(value), _cond(key, if_mod_index, if_absent), lease_id(lease) if lease is not None else 0)
+    def put_command(
+        self, key: str, value: bytes, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None, if_exists: bool = False,
+    ) -> cmds.Put:
+        return cmds.Put(key, self._value(value), _cond(key, if_mod_index, if_absent, if_exists), lease_id(lease) if lease is not None else 0)
 
     def txn_command(self, conds: Sequence[cmds.Cond], ops: Sequence, else_ops: Sequence) -> cmds.Txn:
         c = self.config
@@ -938,9 +944,11 @@ def validate_key(key: str) -> str:
     return key
 
 
-def _cond(key: str, if_mod_index: int | None, if_absent: bool) -> cmds.Cond | None:
-    if if_absent and if_mod_index is not None:
-        raise BadRequest("give either if_mod_index or if_absent, not both")
+def _cond(key: str, if_mod_index: int | None, if_absent: bool, if_exists: bool = False) -> cmds.Cond | None:
+    if if_absent + if_exists + (if_mod_index is not None) > 1:
+        raise BadRequest("give at most one of if_mod_index, if_absent and if_exists")
+    if if_exists:
+        return cmds.Cond(key, "exists", True)
     if if_absent:
         return cmds.Cond(key, "mod", 0)
     if if_mod_index is not None:
