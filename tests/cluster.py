@@ -25,6 +25,15 @@ __all__ = ["FAST", "ProcCluster", "wait_until"]
 FAST = ["--heartbeat-ms", "50", "--election-timeout-ms", "500"]
 
 
+def ctrl_c_able() -> None:
+    """preexec_fn: Ctrl-C (SIGINT) acts on the child as at a terminal. A test run started
+    in the background by a shell without job control ignores SIGINT, and every child
+    inherits that (Python then installs no KeyboardInterrupt handler) unless this test
+    process happened to have set a SIGINT handler of its own by then (asyncio's
+    remove_signal_handler leaves one), which depends on the tests that ran before."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class ProcCluster:
     def __init__(self, root: str, n: int = 3, *, extra: list[str] | None = None, env: dict | None = None, proxies: bool = True) -> None:
         self.root = root

@@ -17,7 +17,7 @@ import time
 
 import orjson
 import pytest
-from cluster import ProcCluster, wait_until
+from cluster import ProcCluster, ctrl_c_able, wait_until
 
 import kv
 
@@ -33,13 +33,6 @@ def cluster(tmp_path):
     c.leader()
     yield c
     c.close()
-
-
-def ctrl_c_able() -> None:
-    """preexec_fn: Ctrl-C (SIGINT) acts on the child as at a terminal. A test run started
-    in the background by a shell without job control ignores SIGINT, and every child would
-    inherit that (Python then installs no KeyboardInterrupt handler)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Proc:

@@ -15,14 +15,14 @@ import textwrap
 import time
 
 import pytest
-from cluster import ProcCluster, wait_until
+from cluster import ProcCluster, ctrl_c_able, wait_until
 from kv.harness import free_port
 
 PY = sys.executable
 
 
 def run_py(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([PY, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=timeout, preexec_fn=ctrl_c_able)
 
 
 def kv_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
