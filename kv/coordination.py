@@ -135,8 +135,10 @@ class AsyncLease:
             if sent >= self._good_until:
                 return self._lose(KVError(f"lease {self.id}: no keepalive got through for its whole ttl ({self.ttl:g}s)"))
             try:
-                renewal = keepalives(self._store).renew(self.id, min(KEEPALIVE_BATCH_S, self.ttl / 30))
-                await asyncio.wait_for(renewal, self._good_until - sent)
+                # Not wait_for: on 3.11 it swallows a cancel that comes as the renewal ends,
+                # and revoke() then waited for ever on a keepalive loop that went on.
+                async with asyncio.timeout(self._good_until - sent):
+                    await keepalives(self._store).renew(self.id, min(KEEPALIVE_BATCH_S, self.ttl / 30))
                 self._good_until, every = sent + self.ttl, self.ttl / 3
             except LeaseNotFound as e:
                 return self._lose(e)
