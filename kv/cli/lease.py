@@ -82,38 +82,19 @@ def lease_ttl(raw: str) -> float:
     return ttl
 
 
-class _Stop:
-    """Set by SIGINT or SIGTERM (`signal` says which): installed before the line that tells
-    the caller it may send one, so that a signal sent on reading that line is never the
-    default's kill."""
+class _Told:
+    """Set once, with what told it: the signal that stops kv lock or kv elect, or the
+    error their lost lease gave (as on_lost: said in the command's one line, since the
+    library's own warning is silenced in the CLI)."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
-        self.signal = signal.SIGTERM
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(sig) is not signal.SIG_IGN:  # kept, as a background job's SIGINT
-                loop.add_signal_handler(sig, self._set, sig)
+        self.why = None
 
-    def _set(self, sig: int) -> None:
-        self.signal = sig
-        self.event.set()
-
-    async def wait(self) -> None:
-        await self.event.wait()
-
-
-class _Lost:
-    """The on_lost of kv lock and kv elect: set once their lease is lost, with the reason
-    (said in the command's one line: the library's own warning is silenced in the CLI)."""
-
-    def __init__(self) -> None:
-        self.event = asyncio.Event()
-        self.why: Exception | None = None
-
-    def __call__(self, e: Exception) -> None:
-        self.why = e
-        self.event.set()
+    def __call__(self, why) -> None:
+        if not self.event.is_set():
+            self.why = why
+            self.event.set()
 
     def is_set(self) -> bool:
         return self.event.is_set()
@@ -122,7 +103,19 @@ class _Lost:
         await self.event.wait()
 
 
-async def _unless_stopped(aw, stop: _Stop) -> bool:
+def _stop_on_signals() -> _Told:
+    """Told by SIGINT or SIGTERM (`why` says which): installed before the line that tells
+    the caller it may send one, so that a signal sent on reading that line is never the
+    default's kill. An inherited SIG_IGN (a background job's SIGINT) is kept."""
+    stop = _Told()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            loop.add_signal_handler(sig, stop, sig)
+    return stop
+
+
+async def _unless_stopped(aw, stop: _Told) -> bool:
     """Await a lock's acquire or a campaign unless SIGINT or SIGTERM comes first; then it is
     cancelled and withdraws its key from the queue at once (not a ttl later). True if it
     finished."""
@@ -138,11 +131,10 @@ async def _unless_stopped(aw, stop: _Stop) -> bool:
 async def _lock(c, args: argparse.Namespace) -> int:
     from ..coordination import AsyncLock
 
-    lost = _Lost()
-    stop = _Stop()
+    lost, stop = _Told(), _stop_on_signals()
     lock = AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lost)
     if not await _unless_stopped(lock.acquire(), stop):
-        return 128 + stop.signal  # interrupted while waiting: its command never ran
+        return 128 + stop.why  # interrupted while waiting: its command never ran
     try:
         print(f"locked {args.name} ({lock.key})", file=sys.stderr, flush=True)
         if not args.command:
@@ -164,9 +156,9 @@ async def _lock(c, args: argparse.Namespace) -> int:
             await proc.wait()
             print(f"kv lock: the lock {args.name} was lost ({lost.why}); killed the command", file=sys.stderr)
             return 1
-        proc.send_signal(stop.signal)  # passed on to the command, which has ttl/2 to end
+        proc.send_signal(stop.why)  # passed on to the command, which has ttl/2 to end
         await proc.wait()
-        return 128 + stop.signal
+        return 128 + stop.why
     finally:
         await lock.release()
 
@@ -181,7 +173,7 @@ async def _first(*aws) -> None:
 
 
 async def _elect(c, args: argparse.Namespace) -> int:
-    lost = _Lost()
+    lost = _Told()
     e = c.election(args.name, ttl=args.ttl, on_lost=lost)
     if args.listen:
         async for value in e.observe():
@@ -190,9 +182,9 @@ async def _elect(c, args: argparse.Namespace) -> int:
     if args.value is None:
         print("kv elect: give the VALUE to campaign with, or --listen", file=sys.stderr)
         return 2
-    stop = _Stop()
+    stop = _stop_on_signals()
     if not await _unless_stopped(e.campaign(args.value.encode()), stop):
-        return 128 + stop.signal  # interrupted while campaigning: never elected
+        return 128 + stop.why  # interrupted while campaigning: never elected
     print(f"elected: {args.value}", flush=True)
     try:
         await _first(stop.wait(), lost.wait())
