@@ -39,9 +39,7 @@ class LoopThread:
         if self.closed:
             coro.close()
             raise Unavailable("closed")
-        if threading.current_thread() is self._thread:
-            coro.close()
-            self.refuse_own_thread()
+        self.refuse_own_thread(coro)
         running = threading.Lock()  # held while coro runs (a raw lock: an Event costs 4 µs a call)
         running.acquire()
 
@@ -63,9 +61,12 @@ class LoopThread:
                 running.acquire(timeout=5)
             raise
 
-    def refuse_own_thread(self) -> None:
-        """Raise if called on the loop's thread, where a blocking call would wait on itself."""
+    def refuse_own_thread(self, coro: Coroutine | None = None) -> None:
+        """Raise if called on the loop's thread, where a blocking call would wait on itself
+        (closing `coro`, which will never run)."""
         if threading.current_thread() is self._thread:
+            if coro is not None:
+                coro.close()
             raise RuntimeError(
                 "a blocking kv call on the client's own event-loop thread would wait on itself for ever; "
                 "make it from another thread (set a flag or a threading.Event here)"
