@@ -29,14 +29,6 @@ def _consistency(request: web.Request) -> str:
 _ETAG = re.compile(r'(?:W/)?"([0-9]{1,19})"')  # one quoted mod_index, ASCII digits
 
 
-def _etag_index(value: str, header: str) -> int:
-    m = _ETAG.fullmatch(value.strip())
-    if m is None or int(m.group(1)) > MAX_INDEX:
-        star = " (or *: the key exists)" if header == "If-Match" else ""
-        raise BadRequest(f'{header} must be one quoted mod_index from 0 to {MAX_INDEX}{star}, e.g. {header}: "42"')
-    return int(m.group(1))
-
-
 async def put_key(request: web.Request) -> Answer:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
@@ -69,7 +61,10 @@ def _if_match(value: str | None) -> tuple[int | None, bool]:
         return None, False
     if value.strip() == "*":
         return None, True
-    return _etag_index(value, "If-Match"), False
+    m = _ETAG.fullmatch(value.strip())
+    if m is None or int(m.group(1)) > MAX_INDEX:
+        raise BadRequest(f'If-Match must be one quoted mod_index from 0 to {MAX_INDEX} (or *: the key exists), e.g. If-Match: "42"')
+    return int(m.group(1)), False
 
 
 async def get_key(request: web.Request) -> Answer:
