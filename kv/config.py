@@ -46,6 +46,7 @@ class NodeConfig:
     group: str = "default"
     heartbeat_ms: float = 100.0
     election_timeout_ms: float = 1000.0
+    append_hold_ms: float = 5.0  # Nagle's rule for APPENDs (raft.config.CoreConfig.append_hold_ms)
     snapshot_threshold: int = 100_000  # take a snapshot after this many applied entries
     snapshot_trailing: int = 5_000  # entries kept in the ledger behind a snapshot
     snapshot_keep: int = 3  # snapshot files kept

@@ -181,6 +181,7 @@ class Node:
             heartbeat_ms=c.heartbeat_ms,
             election_timeout_ms=c.election_timeout_ms,
             push_timeout_ms=max(1000.0, c.election_timeout_ms),
+            append_hold_ms=c.append_hold_ms,
         )
         if not self.sm.membership() and self.ledger.last_index() == 0:
             self.sm.set_membership(membership.encode())  # bootstrap

@@ -56,6 +56,7 @@ class Progress:
     delivered: bool = False
     sent_commit: int = 0  # the highest commit index sent to this follower
     commit_due: float | None = None  # when to send a COMMIT if no APPEND carries it first
+    hold_due: float | None = None  # when a held-back partial APPEND goes out (Nagle's rule)
     recent_active: bool = False  # heard from within the current check-quorum period
     last_heard: float | None = None  # when it last answered this leader (now, ms)
     read_acked: int = 0  # highest heartbeat round (read_seq) the follower answered
@@ -70,6 +71,7 @@ class Progress:
         self.seq += 1
         self.inflight.clear()
         self.inflight_bytes = 0
+        self.hold_due = None
         self.probe_sent_at = None
         self.streaming = False
         self.delivered = False

@@ -82,12 +82,19 @@ class Replication:
         st = pr.state
         if st == DispatcherState.APPEND:
             last = log.last_index()
+            pr.hold_due = None
             while pr.next <= last and not pr.window_full(cfg.max_inflight_msgs, cfg.max_inflight_bytes):
                 if pr.next <= log.before_index:
                     pr.reset(DispatcherState.INSTALL_SNAPSHOT, pr.next)
                     self._dispatch(pr, commit_index, now)
                     return
                 batch = log.entries(pr.next, last + 1, cfg.max_batch_bytes, cfg.max_batch_entries)
+                if pr.inflight and batch[-1].index == last and now < pr.inflight[-1].sent_at + cfg.append_hold_ms:
+                    # Nagle's rule: a batch that is not full waits for the answer in
+                    # flight (for append_hold_ms at most) and goes out with what is
+                    # proposed meanwhile, as one APPEND. See CoreConfig.append_hold_ms.
+                    pr.hold_due = pr.inflight[-1].sent_at + cfg.append_hold_ms
+                    break
                 size = sum(map(entry_size, batch))
                 if last - pr.next > cfg.quota_lag_entries and not pr.quota_allows(
                     now, size, cfg.quota_bytes_per_second
@@ -146,14 +153,16 @@ class Replication:
         for pr in self.progress.values():
             if pr.timed_out(now, self.cfg.push_timeout_ms):
                 self._repush(pr)
-            elif pr.commit_due is not None and now >= pr.commit_due:
+            elif (pr.commit_due is not None and now >= pr.commit_due) or (pr.hold_due is not None and now >= pr.hold_due):
                 self.needed = True
 
     def next_deadline(self, deadline: float) -> float:
-        """`deadline`, or the earliest COMMIT request due before it."""
+        """`deadline`, or the earliest COMMIT request or held APPEND due before it."""
         for pr in self.progress.values():
             if pr.commit_due is not None and pr.commit_due < deadline:
                 deadline = pr.commit_due
+            if pr.hold_due is not None and pr.hold_due < deadline:
+                deadline = pr.hold_due
         return deadline
 
     def _repush(self, pr: Progress) -> None:

@@ -53,6 +53,7 @@ CASES = [
     pytest.param(SERVE + ["--heartbeat-ms", "-5"], {}, {}, "--heartbeat-ms '-5': expected a number of milliseconds above 0", 1, id="flag-range"),
     pytest.param(SERVE + ["--heartbeat-ms", "600"], {"KV_ELECTION_TIMEOUT_MS": "1000"}, {},
                  "--election-timeout-ms (1000, from KV_ELECTION_TIMEOUT_MS='1000') must be at least twice --heartbeat-ms (600, from --heartbeat-ms '600')", 1, id="flag-relation"),
+    pytest.param(SERVE + ["--append-hold-ms", "nan"], {}, {}, "--append-hold-ms 'nan': expected a number of milliseconds", 1, id="flag-nan"),
     pytest.param(SERVE + ["--http", "nowhere"], {}, {}, "--http 'nowhere': expected HOST:PORT", 1, id="flag-hostport"),
     pytest.param(SERVE + ["--peers", "n1=x"], {}, {}, "--peers 'n1=x': bad address 'x' for peer n1", 1, id="flag-peers"),
     pytest.param(SERVE + ["--join", "foo"], {}, {}, "--join 'foo': expected a URL such as http://10.0.0.1:8001", 1, id="flag-url"),

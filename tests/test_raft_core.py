@@ -289,12 +289,62 @@ def test_a_follower_answers_the_append_frames_of_one_write_with_one_ack():
     leader.on_persisted(leader.ready())
     pr = leader.progress["n2"]
     leader.step(PushResponse("n2", "n1", 2, PushType.COMPARE, pr.seq, PushCode.SUCCESS, index=1, end_index=1), 2.0)
+    for k in range(3):  # each after the last one's hold (append_hold_ms): one APPEND each
+        leader.propose([(EntryKind.NORMAL, b"w%d" % k)], 3.0 + 10 * k)
+        leader.on_persisted(leader.ready())
+    assert len(pr.inflight) == 3 and leader.commit_index < 5
+    leader.step(PushResponse("n2", "n1", 2, PushType.APPEND, pr.seq, PushCode.SUCCESS, index=5, end_index=5), 30.0)
+    assert not pr.inflight and pr.match == 5 and leader.commit_index == 5
+
+
+def _leading_with_n2_in_step(**cfg) -> RaftCore:
+    """A leader of term 2 whose follower n2 has matched its log (APPEND state), n3 silent."""
+    leader = make_core("n1", term=1, log_terms=(1,), pre_vote=False, **cfg)
+    leader.campaign(0.0)
+    leader.step(VoteResponse("n2", "n1", 2, VoteResult.ACCEPT), 1.0)
+    leader.on_persisted(leader.ready())
+    pr = leader.progress["n2"]
+    leader.step(PushResponse("n2", "n1", 2, PushType.COMPARE, pr.seq, PushCode.SUCCESS, index=1, end_index=1), 2.0)
+    leader.on_persisted(leader.ready())  # the no-op (index 2) goes out to n2
+    return leader
+
+
+def _appends_to_n2(leader: RaftCore) -> list[list[int]]:
+    rd = leader.ready()
+    leader.on_persisted(rd)
+    msgs = rd.messages + rd.persisted_messages
+    return [[e.index for e in m.entries] for m in msgs if isinstance(m, PushRequest) and m.dst == "n2" and m.type == PushType.APPEND]
+
+
+def test_a_partial_append_waits_for_the_one_in_flight_and_goes_out_whole():
+    """Nagle's rule (CoreConfig.append_hold_ms): while an APPEND is in flight, what is
+    proposed meanwhile is held and goes out as one APPEND when the ack comes, or when the
+    hold runs out; full batches do not wait."""
+    leader = _leading_with_n2_in_step(append_hold_ms=5.0)
+    pr = leader.progress["n2"]
+    assert [(f.first, f.last) for f in pr.inflight] == [(2, 2)]
     for k in range(3):
         leader.propose([(EntryKind.NORMAL, b"w%d" % k)], 3.0)
-        leader.on_persisted(leader.ready())
-    assert len(pr.inflight) >= 2 and leader.commit_index < 5
-    leader.step(PushResponse("n2", "n1", 2, PushType.APPEND, pr.seq, PushCode.SUCCESS, index=5, end_index=5), 4.0)
-    assert not pr.inflight and pr.match == 5 and leader.commit_index == 5
+        assert _appends_to_n2(leader) == []  # held: the no-op's APPEND is in flight
+    assert leader.next_deadline() <= 2.0 + 5.0  # the node wakes up for the hold's end
+    leader.step(PushResponse("n2", "n1", 2, PushType.APPEND, pr.seq, PushCode.SUCCESS, index=2, end_index=2), 4.0)
+    assert _appends_to_n2(leader) == [[3, 4, 5]]  # the ack sends the three as one
+
+    leader.propose([(EntryKind.NORMAL, b"w3")], 5.0)
+    assert _appends_to_n2(leader) == []
+    leader.tick(8.9)  # the APPEND of 3..5 went out at 4.0: held until 9.0
+    assert _appends_to_n2(leader) == []
+    leader.tick(9.0)
+    assert _appends_to_n2(leader) == [[6]]  # no ack came in time: it goes out anyway
+    assert [(f.first, f.last) for f in pr.inflight] == [(3, 5), (6, 6)]
+
+
+def test_full_append_batches_pipeline_past_the_one_in_flight():
+    leader = _leading_with_n2_in_step(append_hold_ms=5.0, max_batch_entries=2)
+    leader.propose([(EntryKind.NORMAL, b"w%d" % k) for k in range(5)], 3.0)  # indexes 3..7
+    assert _appends_to_n2(leader) == [[3, 4], [5, 6]]  # full ones go; [7] waits
+    leader.step(PushResponse("n2", "n1", 2, PushType.APPEND, leader.progress["n2"].seq, PushCode.SUCCESS, index=6, end_index=6), 4.0)
+    assert _appends_to_n2(leader) == [[7]]
 
 
 def test_follower_with_longer_uncommitted_log_is_truncated():

@@ -8,6 +8,7 @@ flag, the file and line, or the variable (`KV_HEARTBEAT_MS=abc: ...`).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import tomllib
@@ -30,7 +31,7 @@ def _number(what: str, minimum: float, exclusive: bool = True) -> Callable[[Any]
                 v = float(v)
             except ValueError:
                 raise ValueError(f"expected a number of {what}") from None
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"expected a number of {what}")
         if v < minimum or (exclusive and v == minimum):
             raise ValueError(f"expected a number of {what} {'above' if exclusive else 'of at least'} {minimum:g}")
@@ -119,6 +120,7 @@ SERVE_OPTIONS = [
     Option("--group", "group", _text, "cluster name; nodes of other groups are refused (default: default)"),
     Option("--heartbeat-ms", "heartbeat_ms", _number("milliseconds", 0), "leader heartbeat interval (default 100)"),
     Option("--election-timeout-ms", "election_timeout_ms", _number("milliseconds", 0), "follower election timeout (default 1000)"),
+    Option("--append-hold-ms", "append_hold_ms", _number("milliseconds", 0, exclusive=False), "while an APPEND is in flight to a follower, hold the next partial one this long at most for its ack, to send more entries at once (default 5; 0: never hold)"),
     Option("--snapshot-threshold", "snapshot_threshold", _integer(1), "take a snapshot every this many applied entries (default 100000)"),
     Option("--snapshot-trailing", "snapshot_trailing", _integer(0), "entries kept in the ledger behind a snapshot (default 5000)"),
     Option("--snapshot-keep", "snapshot_keep", _integer(1), "snapshot files kept (default 3)"),
