@@ -205,7 +205,12 @@ def test_lease_cli(cluster):
     assert cli("keepalive", str(lid), "--once").returncode == 0
     assert str(lid) in cli("list").stdout
     assert orjson.loads(cli("info", str(lid), "-o", "json").stdout)["ttl"] == 30
-    assert cli("revoke", str(lid)).returncode == 0
+    with kv.Client(endpoints(c)) as client:
+        client.put("cli-lease/a", b"1", lease=lid)
+    r = cli("revoke", str(lid))
+    assert r.returncode == 0 and r.stdout.endswith(" revoked; 1 key deleted with it\n"), r.stdout
+    with kv.Client(endpoints(c)) as client:
+        assert client.get("cli-lease/a") is None
     for ttl in ("inf", "nan", "1e308", "-3"):  # 1e308 was a 500 (an overflow in the node), inf "not None"
         r = cli("grant", ttl)  # a usage error, refused before anything is sent
         assert r.returncode == 2 and "argument ttl:" in r.stderr and f"not {float(ttl)!r}" in r.stderr, (ttl, r.stderr)

@@ -216,7 +216,8 @@ async def _run(c, args: argparse.Namespace) -> int:
         if args.output == "json":
             emit({"id": args.id, "index": r.index, "keys": list(r.keys)})
         else:
-            print(f"OK index={r.index} deleted={len(r.keys)} keys")
+            n = len(r.keys)
+            print(f"OK index={r.index} revoked; {n} key{'' if n == 1 else 's'} deleted with it")
     elif act == "info":
         _show(args, await c.lease_info(args.id))
     else:
