@@ -96,6 +96,11 @@ def _ours(body: bytes) -> bool:
 
 
 def _raise_for(status: int, body: bytes, endpoint: str):
+    raise _error_for(status, body, endpoint)
+
+
+def _error_for(status: int, body: bytes, endpoint: str) -> errors.KVError:
+    """The error a node's answer stands for, in the node's words."""
     try:
         err = orjson.loads(body).get("error", {})
     except (orjson.JSONDecodeError, AttributeError):
@@ -105,15 +110,15 @@ def _raise_for(status: int, body: bytes, endpoint: str):
     if status == 401:  # the server's words are for HTTP; say where a client's token goes
         msg += " — with kv: --token or $KV_TOKEN, or kv.Client(token=...)"
     if status == 412:
-        raise errors.PreconditionFailed(str(err.get("key", "")), int(err.get("mod_index") or 0), msg)
+        return errors.PreconditionFailed(str(err.get("key", "")), int(err.get("mod_index") or 0), msg)
     if err.get("code") == errors.LeaseNotFound.code:
-        raise errors.LeaseNotFound(int(err.get("lease") or 0), msg)
+        return errors.LeaseNotFound(int(err.get("lease") or 0), msg)
     cls = _ERRORS_BY_CODE.get(err.get("code")) or _ERRORS.get(status)
     if cls is not None:
-        raise cls(msg)
+        return cls(msg)
     if status == 503:
-        raise errors.NotLeader(msg)
-    raise errors.KVError(msg)
+        return errors.NotLeader(msg)
+    return errors.KVError(msg)
 
 
 def _key_path(key: str) -> str:
@@ -195,6 +200,7 @@ class Unreachable:
 _ASK = {"connection refused": NOTHING_LISTENS, "the host name does not resolve": NO_SUCH_HOST}  # what to check, by _unreachable()
 
 
+TIMEOUT_HEADER = "X-Kv-Timeout"  # the seconds this client waits for an answer (http/routes_kv.py)
 HINT = " — "  # between what failed and what to check (kv status shows only the first part)
 
 
@@ -288,10 +294,14 @@ class AsyncClient:
             tries += 1
             try:
                 left = max(deadline - time.monotonic(), 0.05)
+                # The node answers within 90 % of what is left (X-Kv-Timeout), so that a
+                # write no leader took comes back as such (NotLeader: nothing written),
+                # not as this client's own time-out (outcome unknown).
+                sent = {**(headers or {}), TIMEOUT_HEADER: f"{left * 0.9:.3f}"}
                 async with self._sess().request(
                     # encoded: the path is quoted already, and yarl would drop "." and ".."
                     # segments of a key (dd/x/../y is a key, not the path dd/y)
-                    method, URL(ep + path, encoded=True), data=data, headers=headers, params=params, timeout=aiohttp.ClientTimeout(total=left)
+                    method, URL(ep + path, encoded=True), data=data, headers=sent, params=params, timeout=aiohttp.ClientTimeout(total=left)
                 ) as resp:
                     body = await resp.read()
                     if resp.status == 404 and not _ours(body):
@@ -299,9 +309,9 @@ class AsyncClient:
                         raise errors.Unavailable(f"{ep} answered 404 without ledgerkv's error body: {NOT_A_NODE}")
                     if resp.status in ok:
                         return resp.status, resp.headers.copy(), body  # case-insensitive
+                    last = _error_for(resp.status, body, ep)
                     if resp.status != 503:
-                        _raise_for(resp.status, body, ep)
-                    last = errors.NotLeader(f"{ep}: {body[:300].decode(errors='replace')}")
+                        raise last
             except errors.KVError:
                 raise  # the node's answer (kv.Timeout is a TimeoutError too: not ours to wrap below)
             except aiohttp.ClientConnectorCertificateError as e:
@@ -315,7 +325,7 @@ class AsyncClient:
                     # committed it before the connection reset, closed or timed out. Sent
                     # again, it could apply twice (or fail its own condition).
                     what = (
-                        f"no answer in {self.timeout:g}s after the write was sent (a node without a leader holds a write until one is elected: kv status)"
+                        f"no answer in {self.timeout:g}s after the write was sent (a node answers by then even without a leader: this one may be overloaded or stuck; kv status)"
                         if isinstance(e, asyncio.TimeoutError) else f"the connection failed after the write may have reached the node ({_describe(e)})"
                     )
                     raise errors.Timeout(f"{ep}: {what}; its outcome is unknown: read the key before retrying") from e

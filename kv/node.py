@@ -470,7 +470,8 @@ class Node:
         raft = self.raft
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
-            raise NotLeader(f"no leader could take the request in time ({cause}); retry shortly", raft.leader_id)
+            why = "none is known, and one needs a majority of the members up and in touch: see kv status" if raft.leader_id is None else cause
+            raise NotLeader(f"no leader could take the request in time ({why}); it was not carried out: retry shortly", raft.leader_id)
         if raft.leader_id is None or force_wait:
             changed = raft.leader_changed
             with contextlib.suppress(asyncio.TimeoutError, TimeoutError):

@@ -183,9 +183,14 @@ def test_oversized_transactions_are_refused_naming_the_limit(cluster, seeded):
         ("If-Match", '"-1"'),
         ("If-Match", "**"),  # "*" alone is a condition: the key exists
         ("If-None-Match", '"3"'),
+        ("X-Kv-Timeout", "0"),
+        ("X-Kv-Timeout", "-1"),
+        ("X-Kv-Timeout", "nan"),
+        ("X-Kv-Timeout", "inf"),
+        ("X-Kv-Timeout", "soon"),
     ],
 )
-def test_malformed_conditional_headers_are_400(cluster, header, value):
+def test_malformed_conditional_and_timeout_headers_are_400(cluster, header, value):
     c = cluster
     lead = c.leader()
     for method in ("PUT", "DELETE"):

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import orjson
 import pytest
@@ -219,3 +220,22 @@ def test_container_healthcheck_follows_kv_http(node):
     port = free_port()
     down = subprocess.run(check, capture_output=True, env={**os.environ, "KV_HTTP": f"0.0.0.0:{port}"}, timeout=30)
     assert down.returncode == 1 and down.stderr.decode().startswith(f"kv healthcheck: http://127.0.0.1:{port}/healthz:")
+
+
+def test_a_write_to_a_node_without_a_leader_is_refused_before_the_client_gives_up(tmp_path):
+    """One member of three, started alone, never has a leader. The client's time-out was
+    as long as the node's own (5 s), so the client gave up first and said the write's
+    outcome was unknown. The client now tells the node how long it waits (X-Kv-Timeout),
+    and the node answers by then that no leader took it: nothing was written."""
+    c = ProcCluster(str(tmp_path), n=3, proxies=False)
+    try:
+        c.start("n1")
+        for argv, says in ((["put", "k", "v"], "no leader could take the request in time"), (["get", "k"], "")):
+            r = run_kv(*argv, "--timeout", "3", "--endpoints", c.url("n1"))
+            line = refusal(r)
+            assert r.returncode == 1 and "outcome is unknown" not in line and says in line, line
+        with urllib.request.urlopen(c.url("n1") + "/v1/status", timeout=10) as resp:
+            status = orjson.loads(resp.read())
+        assert status["leader"] is None and status["ledger_end_index"] == 0, status
+    finally:
+        c.close()
