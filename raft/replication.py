@@ -89,13 +89,19 @@ class Replication:
                     self._dispatch(pr, commit_index, now)
                     return
                 batch = log.entries(pr.next, last + 1, cfg.max_batch_bytes, cfg.max_batch_entries)
-                if pr.inflight and batch[-1].index == last and now < pr.inflight[-1].sent_at + cfg.append_hold_ms:
-                    # Nagle's rule: a batch that is not full waits for the answer in
-                    # flight (for append_hold_ms at most) and goes out with what is
-                    # proposed meanwhile, as one APPEND. See CoreConfig.append_hold_ms.
+                size = sum(map(entry_size, batch))
+                if (
+                    pr.inflight
+                    and now < pr.inflight[-1].sent_at + cfg.append_hold_ms
+                    and batch[-1].index == last
+                    and len(batch) < cfg.max_batch_entries
+                    and size < cfg.max_batch_bytes
+                ):
+                    # Nagle's rule: a batch that is not full waits for the answer in flight,
+                    # for append_hold_ms at most, and goes out with what is proposed
+                    # meanwhile as one APPEND. See CoreConfig.append_hold_ms.
                     pr.hold_due = pr.inflight[-1].sent_at + cfg.append_hold_ms
                     break
-                size = sum(map(entry_size, batch))
                 if last - pr.next > cfg.quota_lag_entries and not pr.quota_allows(
                     now, size, cfg.quota_bytes_per_second
                 ):

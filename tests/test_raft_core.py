@@ -326,9 +326,10 @@ def test_a_partial_append_waits_for_the_one_in_flight_and_goes_out_whole():
     for k in range(3):
         leader.propose([(EntryKind.NORMAL, b"w%d" % k)], 3.0)
         assert _appends_to_n2(leader) == []  # held: the no-op's APPEND is in flight
-    assert leader.next_deadline() <= 2.0 + 5.0  # the node wakes up for the hold's end
+    assert pr.hold_due == 2.0 + 5.0 and leader.next_deadline() == 2.0 + 5.0  # the node wakes up for the hold's end
     leader.step(PushResponse("n2", "n1", 2, PushType.APPEND, pr.seq, PushCode.SUCCESS, index=2, end_index=2), 4.0)
     assert _appends_to_n2(leader) == [[3, 4, 5]]  # the ack sends the three as one
+    assert pr.hold_due is None
 
     leader.propose([(EntryKind.NORMAL, b"w3")], 5.0)
     assert _appends_to_n2(leader) == []
@@ -345,6 +346,24 @@ def test_full_append_batches_pipeline_past_the_one_in_flight():
     assert _appends_to_n2(leader) == [[3, 4], [5, 6]]  # full ones go; [7] waits
     leader.step(PushResponse("n2", "n1", 2, PushType.APPEND, leader.progress["n2"].seq, PushCode.SUCCESS, index=6, end_index=6), 4.0)
     assert _appends_to_n2(leader) == [[7]]
+    leader.propose([(EntryKind.NORMAL, b"w%d" % k) for k in (5, 6)], 4.5)  # exactly full, and the end of the log
+    assert _appends_to_n2(leader) == [[8, 9]]
+
+
+def test_a_held_append_goes_out_after_any_reset_and_not_at_all_with_no_hold():
+    leader = _leading_with_n2_in_step(append_hold_ms=0.0)
+    leader.propose([(EntryKind.NORMAL, b"w")], 3.0)
+    assert _appends_to_n2(leader) == [[3]]  # 0: no hold, as before Nagle's rule
+    for reset in ("repush", "reconnect"):
+        leader = _leading_with_n2_in_step(append_hold_ms=5.0)
+        pr = leader.progress["n2"]
+        leader.propose([(EntryKind.NORMAL, b"w")], 3.0)
+        assert _appends_to_n2(leader) == [] and pr.hold_due == 7.0
+        if reset == "repush":
+            leader.tick(2.0 + 1000.0)  # push timeout: send again from the match point
+        else:
+            leader.peer_connected("n2", 3.5)
+        assert _appends_to_n2(leader) == [[2, 3]] and pr.hold_due is None, reset
 
 
 def test_follower_with_longer_uncommitted_log_is_truncated():
