@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 import orjson
 from aiohttp import web
 
-from kv import KVError, ValueTooLarge
+from kv import BadRequest, KVError, ValueTooLarge
 
 from .answer import Answer
 from .context import CONTEXT
@@ -86,3 +87,21 @@ async def read_body(request: web.Request, limit: int, what: str = "the body", li
                 parts.append(chunk)
     except TimeoutError:
         raise web.HTTPRequestTimeout(text=f"{what} did not arrive within {idle_s:g}s (--http-idle-timeout-s); send it without pauses") from None
+
+
+TIMEOUT_HEADER = "X-Kv-Timeout"  # kv.Client sends it on every request
+_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
+
+
+def request_timeout(request: web.Request, limit_s: float) -> float | None:
+    """X-Kv-Timeout: how many seconds the caller waits for this answer. The node answers
+    within them, at most within its own limit (--write-timeout-s, --read-timeout-s): with
+    503 NO_LEADER when no leader took a write in time (it was not carried out: retry), or
+    504 when its outcome is unknown. Without it the caller could give up first and could
+    not tell the one from the other."""
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    if _SECONDS.fullmatch(value.strip()) is None or float(value) < 0.001:
+        raise BadRequest(f"{TIMEOUT_HEADER} must be a number of seconds of at least 0.001, such as 2.5, not {value!r}")
+    return min(float(value), limit_s)

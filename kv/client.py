@@ -105,6 +105,8 @@ def _error_for(status: int, body: bytes, endpoint: str) -> errors.KVError:
         err = orjson.loads(body).get("error", {})
     except (orjson.JSONDecodeError, AttributeError):
         err = {}
+    if not isinstance(err, dict) or not isinstance(err.get("code", ""), str):
+        err = {}  # not ledgerkv's error model (a proxy's 503, say)
     text = " ".join(body[:200].decode(errors="replace").split())  # one line, whatever it was
     msg = f"{endpoint}: {err.get('message') or (f'HTTP {status}: {text}' if text else status)}"
     if status == 401:  # the server's words are for HTTP; say where a client's token goes
@@ -200,7 +202,14 @@ class Unreachable:
 _ASK = {"connection refused": NOTHING_LISTENS, "the host name does not resolve": NO_SUCH_HOST}  # what to check, by _unreachable()
 
 
-TIMEOUT_HEADER = "X-Kv-Timeout"  # the seconds this client waits for an answer (http/routes_kv.py)
+TIMEOUT_HEADER = "X-Kv-Timeout"  # the seconds this client waits for an answer (http/errors.py)
+
+
+def _margin(left: float) -> float:
+    """Time kept back from the node's share of `left` for connecting and the answer's way back."""
+    return max(0.1 * left, 0.1)
+
+
 HINT = " — "  # between what failed and what to check (kv status shows only the first part)
 
 
@@ -294,10 +303,10 @@ class AsyncClient:
             tries += 1
             try:
                 left = max(deadline - time.monotonic(), 0.05)
-                # The node answers within 90 % of what is left (X-Kv-Timeout), so that a
-                # write no leader took comes back as such (NotLeader: nothing written),
-                # not as this client's own time-out (outcome unknown).
-                sent = {**(headers or {}), TIMEOUT_HEADER: f"{left * 0.9:.3f}"}
+                # The node answers within what is left less a margin (X-Kv-Timeout), so
+                # that a write no leader took comes back as such (NotLeader: not carried
+                # out), not as this client's own time-out (outcome unknown).
+                sent = {**(headers or {}), TIMEOUT_HEADER: f"{max(left - _margin(left), 0.001):.3f}"}
                 async with self._sess().request(
                     # encoded: the path is quoted already, and yarl would drop "." and ".."
                     # segments of a key (dd/x/../y is a key, not the path dd/y)
@@ -332,7 +341,9 @@ class AsyncClient:
                 last = e
             if endpoint is None:
                 self._next += 1
-            if time.monotonic() + delay > deadline or (endpoint is not None and tries > 3):
+            # A write is not sent again unless the node has time to answer it, margin and all.
+            reserve = 0.0 if idempotent else 2 * _margin(deadline - time.monotonic())
+            if time.monotonic() + delay + reserve > deadline or (endpoint is not None and tries > 3):
                 if isinstance(last, errors.KVError):
                     raise last
                 hint = _unreachable_hint(last)

@@ -363,7 +363,12 @@ class Node:
             # What the gets would read is estimated from this node's state (the leader
             # stops reading at the limit anyway): bring it up to date first, so that a
             # write this follower has not applied yet cannot hide a huge value.
+            start = raft.loop.time()
             await self.read_barrier("linearizable", timeout)
+            if timeout is not None:  # one budget for both: the caller waits for the sum
+                timeout -= raft.loop.time() - start
+                if timeout <= 0:
+                    raise NotLeader("the transaction's time ran out while this follower caught up with the leader; it was not carried out: retry shortly")
         return txn_result(await self.submit(self.txn_command(conds, ops, else_ops), timeout))
 
     def put_command(
@@ -466,18 +471,23 @@ class Node:
             raise public_error(e, written=True, wait=wait) from e
 
     async def _await_leader(self, deadline: float, cause: Exception, force_wait: bool = False) -> None:
-        """Wait for a (new) leader, or raise NotLeader when the deadline passes."""
+        """Wait for a (new) leader. Raise NotLeader once the deadline has passed, so that
+        a request is refused (nothing was proposed) rather than proposed too late for its
+        caller to hear how it ended."""
         raft = self.raft
-        left = deadline - asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        left = deadline - loop.time()
+        if left > 0:
+            if raft.leader_id is None or force_wait:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(left, 0.05 if not force_wait else left)):
+                        await raft.leader_changed.wait()
+            else:
+                await asyncio.sleep(min(left, 0.01))
+            left = deadline - loop.time()
         if left <= 0:
             why = "none is known, and one needs a majority of the members up and in touch: see kv status" if raft.leader_id is None else cause
             raise NotLeader(f"no leader could take the request in time ({why}); it was not carried out: retry shortly", raft.leader_id)
-        if raft.leader_id is None or force_wait:
-            changed = raft.leader_changed
-            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(left, 0.05 if not force_wait else left))
-        else:
-            await asyncio.sleep(min(left, 0.01))
 
     def _running(self) -> RaftNode:
         if self.raft is None:

@@ -7,6 +7,7 @@ import contextlib
 import base64
 import json
 import os
+import re
 import socket
 import struct
 
@@ -452,6 +453,49 @@ async def test_a_nodes_504_and_a_silent_node_are_each_told_once_as_timeout():
                 assert "connection failed" not in str(got.value)
         finally:
             fake.close()
+
+
+async def test_the_client_tells_the_node_how_long_it_waits():
+    """X-Kv-Timeout: what the client has left less a margin, so that the node's answer
+    (a 503 when no leader took the write) arrives before the client gives up."""
+    import kv
+
+    heads = []
+
+    async def serve(reader, writer):
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        body = b'{"index": 1, "term": 1}'
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        async with kv.AsyncClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", timeout=2) as c:
+            await c.put("k", b"v")
+        [head] = heads
+        sent = float(re.search(rb"\r\nX-Kv-Timeout: ([0-9.]+)\r\n", head).group(1))
+        assert 1.7 <= sent <= 1.8, head
+    finally:
+        server.close()
+
+
+async def test_a_proxys_503_with_a_body_of_its_own_is_retried_then_told():
+    import kv
+
+    async def busy(writer):
+        body = b'{"error": "Service Unavailable"}'  # not ledgerkv's error model
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        writer.close()
+
+    fake = await _fake_server(busy)
+    try:
+        async with kv.AsyncClient(f"http://127.0.0.1:{fake.sockets[0].getsockname()[1]}", timeout=1) as c:
+            with pytest.raises(kv.NotLeader, match="HTTP 503"):
+                await c.put("k", b"v")
+    finally:
+        fake.close()
 
 
 async def test_another_web_server_at_an_endpoint_is_not_taken_for_a_node():
