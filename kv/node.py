@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from . import limits, logguard, tls
+from . import bootstrap, limits, logguard, tls
 from .config import NodeConfig, check_hostport
 from .coordination import AsyncElection, AsyncLease, AsyncLock
 from .datadir import DataDirLock
@@ -184,7 +184,10 @@ class Node:
             append_hold_ms=c.append_hold_ms,
         )
         if not self.sm.membership() and self.ledger.last_index() == 0:
-            self.sm.set_membership(membership.encode())  # bootstrap
+            bootstrap.record(c.data_dir, c.peers or membership.ids)
+            self.sm.set_membership(membership.encode())
+        elif c.peers:
+            bootstrap.check_peers(c.data_dir, c.id, c.peers, membership.ids)
         self.sm.on_changes = self.watches.publish
         self.raft = RaftNode(
             core_cfg,

@@ -238,3 +238,30 @@ def test_a_write_to_a_node_without_a_leader_is_refused_before_the_client_gives_u
         assert r.returncode == 1 and "does not exist" in r.stderr.decode(), r.stderr
     finally:
         c.close()
+
+
+def test_a_node_started_alone_then_with_the_full_peers_is_refused(tmp_path):
+    """A newcomer's run: n1 started alone first (a cluster of one), then with all three
+    in --peers. n1 went on as a cluster of one, n2 and n3 formed a second cluster of the
+    same name, and both took writes: a key read back differently from each. --peers only
+    describes a new cluster, so n1 now refuses to start with other members than its
+    cluster began with, and the other two are one cluster on their own."""
+    c = ProcCluster(str(tmp_path), n=3, proxies=False)
+    try:
+        alone = ["--id", "n1", "--data-dir", c.data_dir("n1"), "--http", c.http["n1"], "--peers", f"n1={c.listen['n1']}", *c.extra]
+        c.procs.start("n1", alone, os.path.join(c.root, "n1-alone.log"))
+        c.wait_http("n1")
+        r = run_kv("put", "split/a", "from-n1", "--endpoints", c.url("n1"), "--timeout", "20")
+        assert r.returncode == 0, r.stderr
+        c.stop("n1")
+        c.start("n1", wait=False)  # now with n1, n2 and n3 in --peers
+        assert c.procs["n1"].wait(timeout=60) == 1
+        assert "holds a cluster that began with n1 and has the members n1 now, but --peers names n1, n2, n3" in c.log("n1"), c.log("n1")
+        c.start("n2", "n3")
+        r = run_kv("put", "split/a", "from-n2", "--endpoints", f"{c.url('n2')},{c.url('n3')}", "--timeout", "20")
+        assert r.returncode == 0, r.stderr
+        # The restart with the --peers it began with still works.
+        c.procs.start("n1", alone, os.path.join(c.root, "n1-alone-again.log"))
+        c.wait_http("n1")
+    finally:
+        c.close()
