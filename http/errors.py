@@ -103,5 +103,5 @@ def request_timeout(request: web.Request, limit_s: float) -> float | None:
     if value is None:
         return None
     if _SECONDS.fullmatch(value.strip()) is None or float(value) < 0.001:
-        raise BadRequest(f"{TIMEOUT_HEADER} must be a number of seconds of at least 0.001, such as 2.5, not {value!r}")
+        raise BadRequest(f"{TIMEOUT_HEADER} must be a number of seconds of at least 0.001, in digits with an optional fraction such as 2.5, not {value!r}")
     return min(float(value), limit_s)

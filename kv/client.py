@@ -237,6 +237,8 @@ class AsyncClient:
         addition to the system's."""
         self.endpoints = parse_endpoints(endpoints)
         self._ssl = tls.client_context(cacert)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise errors.BadRequest(f"timeout is the seconds a call may take, a positive number, not {timeout!r}")
         self.timeout = timeout
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._connections = connections
@@ -297,6 +299,7 @@ class AsyncClient:
         delay = 0.05
         tries = 0
         last: Exception | None = None
+        told: errors.KVError | None = None  # the last answer a node gave (a 503)
         unreachable = Unreachable(self.timeout)
         while True:
             ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
@@ -343,9 +346,11 @@ class AsyncClient:
                 self._next += 1
             # A write is not sent again unless the node has time to answer it, margin and all.
             reserve = 0.0 if idempotent else 2 * _margin(deadline - time.monotonic())
+            if isinstance(last, errors.KVError):
+                told = last  # a node's answer says more than another endpoint's silence
             if time.monotonic() + delay + reserve > deadline or (endpoint is not None and tries > 3):
-                if isinstance(last, errors.KVError):
-                    raise last
+                if told is not None:
+                    raise told
                 hint = _unreachable_hint(last)
                 if endpoint is not None:  # one node asked for (kv status asks each)
                     raise errors.Unavailable(f"{endpoint} did not answer ({tries} tries): {_describe(last)}{hint}")

@@ -498,6 +498,42 @@ async def test_a_proxys_503_with_a_body_of_its_own_is_retried_then_told():
         fake.close()
 
 
+async def test_a_nodes_no_leader_answer_is_told_over_the_other_endpoints_silence():
+    """A newcomer's run: two of three nodes down, the third without a leader. The client
+    kept only its last error, so a connection refused from a dead endpoint replaced the
+    live node's "no leader", and the user was told the cluster was not running."""
+    import kv
+    from kv.harness import free_port
+
+    said = "no leader could take the request in time (none is known); it was not carried out: retry shortly"
+
+    async def no_leader(writer):
+        body = json.dumps({"error": {"code": "NO_LEADER", "message": said}}).encode()
+        writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        writer.close()
+
+    fake = await _fake_server(no_leader)
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    try:
+        for start in range(3):  # whichever endpoint the client tries first
+            async with kv.AsyncClient([f"http://127.0.0.1:{fake.sockets[0].getsockname()[1]}", *dead], timeout=1) as c:
+                c._next = start
+                for call in (lambda: c.put("k", b"v"), lambda: c.get("k")):
+                    with pytest.raises(kv.NotLeader, match=re.escape(said)):
+                        await call()
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, "abc", None, float("inf"), float("nan"), True])
+def test_a_clients_timeout_must_be_a_positive_number(timeout):
+    import kv
+
+    with pytest.raises(kv.BadRequest, match="timeout is the seconds a call may take"):
+        kv.Client("http://127.0.0.1:9", timeout=timeout)
+
+
 async def test_another_web_server_at_an_endpoint_is_not_taken_for_a_node():
     """Its 404 is not "no such key", and its 200 is not a value."""
     import kv

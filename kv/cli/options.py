@@ -20,7 +20,7 @@ def positive_seconds(raw: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{raw} is not a positive number of seconds")
     if value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{raw} is not a number of seconds (leave the option out to wait without end)")
+        raise argparse.ArgumentTypeError(f"{raw} is not a finite number of seconds (see the option's default in --help)")
     return value
 
 

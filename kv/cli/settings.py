@@ -144,6 +144,7 @@ SERVE_OPTIONS = [
     Option("--join-timeout", "join_timeout_s", _number("seconds", 0), "seconds --join waits through temporary refusals (default 60)"),
     Option("--advertise-http", "advertise_http", _url, "client URL other nodes and clients use for this node"),
     Option("--write-timeout-s", "write_timeout_s", _number("seconds", 0), "how long a write may wait to commit before 504 (default 5)"),
+    Option("--read-timeout-s", "read_timeout_s", _number("seconds", 0), "how long a linearizable read may wait for the leader's confirmation before 503/504 (default 5)"),
     Option("--watch-buffer-bytes", "watch_buffer_bytes", _integer(1), "changes a watch stream may fall behind before it is ended (default 4 MiB)"),
     Option("--watch-progress-ms", "watch_progress_ms", _number("milliseconds", 0), "how often an idle watch stream sends a progress line (default 5000)"),
     Option("--metrics-public", "metrics_public", _bool, "serve /metrics without the token (default: it needs the token)"),
@@ -222,6 +223,12 @@ class ServeSettings:
     access_log: bool = False
 
 
+def _same_port(a: str, b: str) -> bool:
+    """HOST:PORT twice on one port, where one host covers the other (0.0.0.0, or the same name)."""
+    (ha, _, pa), (hb, _, pb) = a.rpartition(":"), b.rpartition(":")
+    return pa == pb and (ha == hb or "0.0.0.0" in (ha, hb) or ha in ("", "::", "[::]") or hb in ("", "::", "[::]"))
+
+
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """Every setting of `kv serve`, checked; BadRequest names the source of a bad one."""
     raw = _collect(args)
@@ -237,14 +244,24 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
         raise BadRequest(f"a node needs {' and '.join(_BY_FIELD[m].flag for m in missing)} (a flag, the --config file or KV_{missing[0].upper()})")
     hb = parsed.get("heartbeat_ms", NodeConfig.heartbeat_ms)
     et = parsed.get("election_timeout_ms", NodeConfig.election_timeout_ms)
-    if et < 2 * hb:
-        def src(f: str) -> str:
-            return raw[f][1] if f in raw else "the default"
+    hold = parsed.get("append_hold_ms", NodeConfig.append_hold_ms)
 
+    def src(f: str) -> str:
+        return raw[f][1] if f in raw else "the default"
+
+    if et < 2 * hb:
         raise BadRequest(
             f"--election-timeout-ms ({et:g}, from {src('election_timeout_ms')}) must be at least twice "
             f"--heartbeat-ms ({hb:g}, from {src('heartbeat_ms')}): raise the timeout or lower the heartbeat"
         )
+    if hold > hb:
+        raise BadRequest(
+            f"--append-hold-ms ({hold:g}, from {src('append_hold_ms')}) must be at most --heartbeat-ms "
+            f"({hb:g}, from {src('heartbeat_ms')}): a write would wait longer than a heartbeat for a batch to fill"
+        )
+    http, own = parsed.get("http"), parsed.get("peers", {}).get(parsed.get("id"))
+    if http and own and _same_port(http, own):
+        raise BadRequest(f"--http {http} and this node's own --peers address {own} are the same port: give each its own")
     extra = {k: parsed.pop(k) for k in [f for f in parsed if not _BY_FIELD[f].node]}
     # A one-off recovery step, so a flag only (never from the file or the environment).
     parsed["force_new_cluster"] = bool(getattr(args, "force_new_cluster", False))
