@@ -40,6 +40,7 @@ import asyncio
 import collections
 import hashlib
 import hmac
+import json
 import logging
 import os
 import ssl
@@ -56,6 +57,10 @@ MAGIC = b"LKV1"
 HELLO, WELCOME, AUTH = 100, 101, 102  # the handshake's frame types
 HANDSHAKE_TIMEOUT = 5.0
 PREAUTH_MAX_FRAME = 4096  # HELLO and AUTH are a few hundred bytes
+# An HTTP request on the peer port: a client given this address instead of the node's
+# --http one. It gets a 400 saying so (ledgerkv's error model, so kv.Client reports it as
+# such), rather than a bare reset that a writer must take for "outcome unknown".
+_HTTP_METHODS = (b"GET ", b"PUT ", b"POST ", b"DELETE ", b"HEAD ", b"PATCH ", b"OPTIONS ")
 MAX_UNAUTHENTICATED = 64
 MAX_CONNECTIONS = 1024
 WRITE_BUFFER_LIMIT = 64 << 20  # beyond this a peer is too slow: drop messages to it
@@ -174,6 +179,17 @@ class _Inbound(asyncio.Protocol):
         if self._timer:
             self._timer.cancel()
 
+    def _refuse_http(self) -> None:
+        message = (
+            f"this is node {self.t.node_id}'s peer port, where the members talk Raft, not its client API: "
+            "give the node's --http address (kv status lists them; kv cluster up prints them)"
+        )
+        body = json.dumps({"error": {"code": "BAD_REQUEST", "message": message}}).encode()
+        head = b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+        if self.transport and not self.transport.is_closing():
+            self.transport.write(head + body)
+        self.close("an HTTP request: a client was given the peer port instead of the --http address")
+
     def close(self, why: str) -> None:
         if self.transport and not self.transport.is_closing():
             log.warning("closing peer connection from %s: %s", self.peer or "unknown", why[:200])
@@ -184,6 +200,9 @@ class _Inbound(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.peer is not None:
             self.t.received_bytes[self.peer] += len(data)
+        elif data.startswith(_HTTP_METHODS):
+            self._refuse_http()
+            return
         try:
             for ftype, body in self.reader.frames(data):
                 if self.transport.is_closing():

@@ -161,6 +161,16 @@ def test_put_and_del_are_conditional_on_if_match(node):
     assert deleted["deleted"] is True
 
 
+def test_the_peer_port_given_as_an_endpoint_is_named(node):
+    """A newcomer's run: the peer port as --endpoints reset the connection, and a put
+    said its outcome was unknown. Nothing can be written there: the node says what the
+    port is."""
+    for argv in (["put", "k", "v"], ["get", "k"]):
+        r = run_kv(*argv, "--endpoints", f"http://{node.listen['n1']}", env={"KV_TOKEN": "s3cret"})
+        line = refusal(r)
+        assert "this is node n1's peer port" in line and "--http address" in line and "unknown" not in line, line
+
+
 def test_json_output_of_every_command(node, tmp_path):
     c = node
     [put] = kv_json(c, "put", "j/text", "hello")
