@@ -140,6 +140,7 @@ log = logging.getLogger("kv.client")
 NOTHING_LISTENS = "is the cluster running (kv cluster up), and are these its client URLs (--endpoints, $KV_ENDPOINTS)?"
 NO_SUCH_HOST = "is the name spelled right, and are these the cluster's client URLs (--endpoints, $KV_ENDPOINTS)?"
 UNREACHABLE_NOTICE_S = 2.0  # every endpoint unreachable this long: say so while waiting
+UNREACHABLE_REPEAT_S = 60.0  # and not again from the same client sooner (a loop of calls)
 
 
 def _unreachable(e: Exception | None) -> str | None:
@@ -173,8 +174,9 @@ class Unreachable:
     on the kv.client logger, while the caller waits on until its timeout (an operator's
     first mistake: nothing is running, or a URL is mistyped)."""
 
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client  # it keeps when it last said so, across calls
+        self.timeout = client.timeout
         self.whys: dict[str, str] = {}
         self.since = 0.0
         self.noticed = False
@@ -189,8 +191,12 @@ class Unreachable:
         if not self.whys:
             self.since = time.monotonic()
         self.whys[ep] = why
-        if self.whys.keys() >= set(endpoints) and time.monotonic() - self.since >= UNREACHABLE_NOTICE_S:
+        now = time.monotonic()
+        if self.whys.keys() >= set(endpoints) and now - self.since >= UNREACHABLE_NOTICE_S:
             self.noticed = True
+            if now - self.client.unreachable_told < UNREACHABLE_REPEAT_S:
+                return
+            self.client.unreachable_told = now
             whys = sorted(set(self.whys.values()))
             log.warning(
                 "%s at %s (%s); still trying until the %gs timeout: %s",
@@ -244,6 +250,7 @@ class AsyncClient:
         self._connections = connections
         self._session: aiohttp.ClientSession | None = None
         self._next = random.randrange(len(self.endpoints))
+        self.unreachable_told = -UNREACHABLE_REPEAT_S  # when Unreachable last said so
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -300,7 +307,7 @@ class AsyncClient:
         tries = 0
         last: Exception | None = None
         told: errors.KVError | None = None  # the last answer a node gave (a 503)
-        unreachable = Unreachable(self.timeout)
+        unreachable = Unreachable(self)
         while True:
             ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
             tries += 1

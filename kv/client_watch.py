@@ -71,7 +71,7 @@ async def watch(client: AsyncClient, prefix: str, start_index: int | None, idle_
     last_error: Exception | str = ""
     delay = 0.05
     failing_since: float | None = None
-    unreachable = Unreachable(client.timeout)
+    unreachable = Unreachable(client)
     while True:
         ep = eps[client._next % len(eps)]
         params = {"prefix": prefix, **pos.resume(), **bound}

@@ -526,6 +526,19 @@ async def test_a_nodes_no_leader_answer_is_told_over_the_other_endpoints_silence
         fake.close()
 
 
+async def test_a_client_says_nothing_listens_once_for_a_loop_of_calls(caplog):
+    """A newcomer's loop of puts against a stopped cluster printed the notice once per
+    call (131 lines); a client says it once a minute."""
+    import kv
+    from kv.harness import free_port
+
+    async with kv.AsyncClient(f"http://127.0.0.1:{free_port()}", timeout=4.6) as c:  # the notice comes after 2 s of retries
+        for _ in range(2):
+            with pytest.raises(kv.Unavailable, match="no endpoint answered"):
+                await c.get("k")
+    assert [r.getMessage().startswith("nothing listens at") for r in caplog.records if r.name == "kv.client"] == [True]
+
+
 @pytest.mark.parametrize("timeout", [0, -1, "abc", None, float("inf"), float("nan"), True])
 def test_a_clients_timeout_must_be_a_positive_number(timeout):
     import kv
