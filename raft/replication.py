@@ -88,20 +88,17 @@ class Replication:
                     pr.reset(DispatcherState.INSTALL_SNAPSHOT, pr.next)
                     self._dispatch(pr, commit_index, now)
                     return
+                if pr.inflight and last - pr.next + 1 < cfg.max_batch_entries:
+                    # Nagle's rule: a batch short of max_batch_entries waits for the answer in
+                    # flight, for append_hold_ms at most, and goes out with what is proposed
+                    # meanwhile as one APPEND. See CoreConfig.append_hold_ms. (Decided before
+                    # the entries are read: a dispatch while held costs nothing.)
+                    hold_until = pr.inflight[-1].sent_at + cfg.append_hold_ms
+                    if now < hold_until:
+                        pr.hold_due = hold_until
+                        break
                 batch = log.entries(pr.next, last + 1, cfg.max_batch_bytes, cfg.max_batch_entries)
                 size = sum(map(entry_size, batch))
-                if (
-                    pr.inflight
-                    and now < pr.inflight[-1].sent_at + cfg.append_hold_ms
-                    and batch[-1].index == last
-                    and len(batch) < cfg.max_batch_entries
-                    and size < cfg.max_batch_bytes
-                ):
-                    # Nagle's rule: a batch that is not full waits for the answer in flight,
-                    # for append_hold_ms at most, and goes out with what is proposed
-                    # meanwhile as one APPEND. See CoreConfig.append_hold_ms.
-                    pr.hold_due = pr.inflight[-1].sent_at + cfg.append_hold_ms
-                    break
                 if last - pr.next > cfg.quota_lag_entries and not pr.quota_allows(
                     now, size, cfg.quota_bytes_per_second
                 ):
