@@ -93,12 +93,22 @@ TIMEOUT_HEADER = "X-Kv-Timeout"  # kv.Client sends it on every request
 _SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
 
 
-def request_timeout(request: web.Request, limit_s: float) -> float | None:
+def write_timeout(request: web.Request) -> float | None:
+    """The seconds a write may wait here: X-Kv-Timeout, at most --write-timeout-s."""
+    return _timeout(request, request.app[CONTEXT].node.config.write_timeout_s)
+
+
+def read_timeout(request: web.Request) -> float | None:
+    """The seconds a linearizable read may wait here: X-Kv-Timeout, at most --read-timeout-s."""
+    return _timeout(request, request.app[CONTEXT].node.config.read_timeout_s)
+
+
+def _timeout(request: web.Request, limit_s: float) -> float | None:
     """X-Kv-Timeout: how many seconds the caller waits for this answer. The node answers
-    within them, at most within its own limit (--write-timeout-s, --read-timeout-s): with
-    503 NO_LEADER when no leader took a write in time (it was not carried out: retry), or
-    504 when its outcome is unknown. Without it the caller could give up first and could
-    not tell the one from the other."""
+    within them, at most within its own limit: with 503 NO_LEADER when no leader took a
+    write in time (it was not carried out: retry), or 504 when its outcome is unknown.
+    Without it the caller could give up first and could not tell the one from the other.
+    None: the node's own limit."""
     value = request.headers.get(TIMEOUT_HEADER)
     if value is None:
         return None

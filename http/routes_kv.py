@@ -14,7 +14,7 @@ from kv import BadRequest, Cond, Delete, Get, NotFound, PreconditionFailed, Put
 from .answer import Answer
 from .auth import check_keys
 from .context import ctx
-from .errors import json_response, read_body, request_timeout
+from .errors import json_response, read_body, read_timeout, write_timeout
 from .keys import key_from_raw_path
 
 KV_PREFIX = "/v1/kv/"
@@ -50,7 +50,7 @@ async def put_key(request: web.Request) -> Answer:
         if_absent=if_none is not None,
         if_exists=if_exists,
         lease=int(lease) if lease is not None else None,
-        timeout=request_timeout(request, c.node.config.write_timeout_s),
+        timeout=write_timeout(request),
     )
     return json_response({"index": r.index, "term": r.term}, headers={"ETag": f'"{r.index}"'})
 
@@ -71,7 +71,7 @@ def _if_match(value: str | None) -> tuple[int | None, bool]:
 async def get_key(request: web.Request) -> Answer:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
-    item, index = await c.node.get_at(key, consistency=_consistency(request), timeout=request_timeout(request, c.node.config.read_timeout_s))
+    item, index = await c.node.get_at(key, consistency=_consistency(request), timeout=read_timeout(request))
     if item is None:
         raise NotFound(f"key {key!r} does not exist")
     return Answer(item.value, 200, "application/octet-stream", {"ETag": f'"{item.mod_index}"', "X-Kv-Index": str(index)})
@@ -84,7 +84,7 @@ async def delete_key(request: web.Request) -> Answer:
         raise BadRequest("DELETE is conditional on If-Match only (a key that does not exist needs no delete)")
     if_match = request.headers.get("If-Match")
     if_mod_index, if_exists = _if_match(if_match)
-    r = await c.node.delete(key, if_mod_index=if_mod_index, if_exists=if_exists, timeout=request_timeout(request, c.node.config.write_timeout_s))
+    r = await c.node.delete(key, if_mod_index=if_mod_index, if_exists=if_exists, timeout=write_timeout(request))
     return json_response({"index": r.index, "term": r.term, "deleted": r.deleted})
 
 
@@ -108,7 +108,7 @@ async def list_keys(request: web.Request) -> Answer:
         raise BadRequest(f"limit must be between 1 and {MAX_LIST}")
     force_b64 = q.get("encoding") == "base64"
     items, index = await c.node.scan_page(
-        q.get("prefix", ""), after=q.get("after"), limit=limit + 1, consistency=_consistency(request), timeout=request_timeout(request, c.node.config.read_timeout_s)
+        q.get("prefix", ""), after=q.get("after"), limit=limit + 1, consistency=_consistency(request), timeout=read_timeout(request)
     )
     more = len(items) > limit
     items = items[:limit]
@@ -236,7 +236,7 @@ async def txn(request: web.Request) -> Answer:
     ops = _list(doc, "success", _parse_op, max_ops)
     else_ops = _list(doc, "failure", _parse_op, max_ops)
     check_keys(request, [x.key for x in (*conds, *ops, *else_ops)])
-    r = await c.node.txn(conds, ops, else_ops, timeout=request_timeout(request, c.node.config.write_timeout_s))
+    r = await c.node.txn(conds, ops, else_ops, timeout=write_timeout(request))
     force_b64 = request.query.get("encoding") == "base64"
     body = {
         "succeeded": r.succeeded,

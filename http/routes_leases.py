@@ -10,7 +10,7 @@ from kv import BadRequest, LeaseStatus
 
 from .answer import Answer
 from .context import ctx
-from .errors import json_response, request_timeout
+from .errors import json_response, write_timeout
 from .routes_admin import _json_body
 
 
@@ -34,20 +34,16 @@ def lease_json(s: LeaseStatus, *, remaining: bool = True, keys: bool = True) -> 
     return out
 
 
-def _write_timeout(request: web.Request) -> float | None:
-    return request_timeout(request, ctx(request).node.config.write_timeout_s)
-
-
 async def grant(request: web.Request) -> Answer:
     doc = await _json_body(request)
     if set(doc) != {"ttl"}:
         raise BadRequest('give the lease\'s time to live in seconds: {"ttl": 10}')
-    s = await ctx(request).node.lease_grant(doc["ttl"], timeout=_write_timeout(request))
+    s = await ctx(request).node.lease_grant(doc["ttl"], timeout=write_timeout(request))
     return json_response(lease_json(s, remaining=False, keys=False))
 
 
 async def keepalive(request: web.Request) -> Answer:
-    s = await ctx(request).node.lease_keepalive(lease_path_id(request), timeout=_write_timeout(request))
+    s = await ctx(request).node.lease_keepalive(lease_path_id(request), timeout=write_timeout(request))
     return json_response(lease_json(s, remaining=False, keys=False))
 
 
@@ -62,7 +58,7 @@ async def keepalive_many(request: web.Request) -> Answer:
     wrong = [x for x in ids if type(x) is not int]
     if wrong:
         raise BadRequest(f"lease ids are integers, not {wrong[0]!r}: {example}")
-    renewed = dict(zip(ids, await ctx(request).node.lease_keepalives(ids, timeout=_write_timeout(request))))  # each lease once, in order
+    renewed = dict(zip(ids, await ctx(request).node.lease_keepalives(ids, timeout=write_timeout(request))))  # each lease once, in order
     return json_response(
         {
             "leases": [lease_json(s, remaining=False, keys=False) for s in renewed.values() if s is not None],
@@ -82,7 +78,7 @@ async def list_leases(request: web.Request) -> Answer:
 
 async def revoke(request: web.Request) -> Answer:
     lease = lease_path_id(request)
-    r = await ctx(request).node.lease_revoke(lease, timeout=_write_timeout(request))
+    r = await ctx(request).node.lease_revoke(lease, timeout=write_timeout(request))
     return json_response({"id": lease, "index": r.index, "keys": list(r.keys)})
 
 
