@@ -79,9 +79,8 @@ async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int
 
 async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int:
     plan = layout(nodes, base_port)
-    for n in plan:  # all free, or nothing starts (another cluster's nodes would answer in their place)
-        check_can_listen(n["http"], f"{n['id']}'s --http ")
-        check_can_listen(n["peer"], f"{n['id']}'s peer port ")
+    # All free, or nothing starts (another cluster's nodes would answer in their place).
+    check_can_listen(*[pair for n in plan for pair in ((n["http"], f"{n['id']}'s --http "), (n["peer"], f"{n['id']}'s peer port "))])
     procs: dict[str, asyncio.subprocess.Process] = {}
     logs = {}
     _say(f"starting {nodes} nodes under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")

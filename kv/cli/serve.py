@@ -90,17 +90,30 @@ class CannotListen(KVError):
     code = "CANNOT_LISTEN"
 
 
-def check_can_listen(addr: str, what: str) -> None:
+def check_can_listen(*wanted: tuple[str, str]) -> None:
     """Refuse before anything starts when a port is taken (the node binds it moments
-    later: a port taken in between still gets the same message from serve_node())."""
-    host, port = check_hostport(addr, what)
+    later: a port taken in between still gets the same message from serve_node()).
+    `wanted` is (HOST:PORT, what it is) pairs, held all at once: two of them on one port
+    (an --http on the node's own peer port) are refused too, as the kernel sees it."""
+    held: list[tuple[socket.socket, str, int]] = []
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(sockaddr)
-    except OSError as e:
-        raise _listen_error(e, what, addr) from None
+        for addr, what in wanted:
+            host, port = check_hostport(addr, what)
+            try:
+                family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+                s = socket.socket(family, kind, proto)
+                held.append((s, f"{what}{addr}", port))
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(sockaddr)
+                s.listen(1)  # two bound but idle SO_REUSEADDR sockets may share a port
+            except OSError as e:
+                twin = next((name for _, name, p in held[:-1] if p == port), None)
+                if twin is not None and e.errno == errno.EADDRINUSE:
+                    raise CannotListen(f"{twin} and {what}{addr} are the same port: give each its own") from None
+                raise _listen_error(e, what, addr) from None
+    finally:
+        for s, _, _ in held:
+            s.close()
 
 
 def _listen_error(e: OSError, what: str, addr: str) -> KVError | OSError:
@@ -182,10 +195,10 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     max_http = http_connection_cap(config.max_http_connections, fd_limit)
     if max_http < config.max_http_connections:
         log.warning("at most %d client connections (not %d): the descriptor limit is %d", max_http, config.max_http_connections, fd_limit)
-    if config.id in config.peers:
-        check_can_listen(config.peers[config.id], f"--peers {config.id}=")
-    if config.http:
-        check_can_listen(config.http, "--http ")
+    check_can_listen(
+        *([(config.peers[config.id], f"--peers {config.id}=")] if config.id in config.peers else []),
+        *([(config.http, "--http ")] if config.http else []),
+    )
     lock = DataDirLock.acquire(config.data_dir)  # before anything in it is looked at
     try:
         fresh = not os.path.exists(config.ledger_path)

@@ -223,12 +223,6 @@ class ServeSettings:
     access_log: bool = False
 
 
-def _same_port(a: str, b: str) -> bool:
-    """HOST:PORT twice on one port, where one host covers the other (0.0.0.0, or the same name)."""
-    (ha, _, pa), (hb, _, pb) = a.rpartition(":"), b.rpartition(":")
-    return pa == pb and (ha == hb or "0.0.0.0" in (ha, hb) or ha in ("", "::", "[::]") or hb in ("", "::", "[::]"))
-
-
 def serve_settings(args: argparse.Namespace) -> ServeSettings:
     """Every setting of `kv serve`, checked; BadRequest names the source of a bad one."""
     raw = _collect(args)
@@ -259,9 +253,6 @@ def serve_settings(args: argparse.Namespace) -> ServeSettings:
             f"--append-hold-ms ({hold:g}, from {src('append_hold_ms')}) must be at most --heartbeat-ms "
             f"({hb:g}, from {src('heartbeat_ms')}): a write would wait longer than a heartbeat for a batch to fill"
         )
-    http, own = parsed.get("http"), parsed.get("peers", {}).get(parsed.get("id"))
-    if http and own and _same_port(http, own):
-        raise BadRequest(f"--http {http} and this node's own --peers address {own} are the same port: give each its own")
     extra = {k: parsed.pop(k) for k in [f for f in parsed if not _BY_FIELD[f].node]}
     # A one-off recovery step, so a flag only (never from the file or the environment).
     parsed["force_new_cluster"] = bool(getattr(args, "force_new_cluster", False))
