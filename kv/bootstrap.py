@@ -18,6 +18,7 @@ import os
 from collections.abc import Collection
 
 from .errors import BadRequest
+from .snapshot.format import fsync_dir
 
 FILE = "bootstrap.json"
 
@@ -33,11 +34,7 @@ def record(data_dir: str, members: Collection[str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(data_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(data_dir)
 
 
 def recorded(data_dir: str) -> set[str] | None:

@@ -328,9 +328,9 @@ class AsyncClient:
                         raise errors.Unavailable(f"{ep} answered 404 without ledgerkv's error body: {NOT_A_NODE}")
                     if resp.status in ok:
                         return resp.status, resp.headers.copy(), body  # case-insensitive
-                    last = _error_for(resp.status, body, ep)
+                    last = told = _error_for(resp.status, body, ep)  # a node's answer says more than another endpoint's silence
                     if resp.status != 503:
-                        raise last
+                        raise told
             except errors.KVError:
                 raise  # the node's answer (kv.Timeout is a TimeoutError too: not ours to wrap below)
             except aiohttp.ClientConnectorCertificateError as e:
@@ -353,8 +353,6 @@ class AsyncClient:
                 self._next += 1
             # A write is not sent again unless the node has time to answer it, margin and all.
             reserve = 0.0 if idempotent else 2 * _margin(deadline - time.monotonic())
-            if isinstance(last, errors.KVError):
-                told = last  # a node's answer says more than another endpoint's silence
             if time.monotonic() + delay + reserve > deadline or (endpoint is not None and tries > 3):
                 if told is not None:
                     raise told
