@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/ab.py --variant fast= --variant aiohttp=--http-aiohttp-only
     .venv/bin/python benchmarks/ab.py --op "GET linearizable" --rounds 6 --variant a= --variant b=--heartbeat-ms=50
+    git worktree add /tmp/before HEAD~3
+    .venv/bin/python benchmarks/ab.py --variant before= --variant now= --tree before=/tmp/before
+                        # two versions of the code: a variant's nodes run from another checkout
 
 Each round starts a fresh 3-node cluster per variant (preloaded, then one closed-loop run
 of --seconds), and every other round reverses the order: a cluster started right after
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import statistics
 import tempfile
@@ -23,10 +27,12 @@ from kv.bench.measure import closed_loop, http_ops, http_session, preload
 from kv.harness import ServeCluster
 
 
-async def run_once(flags: list[str], op: str, clients: int, seconds: float) -> tuple[float, float, float, float]:
+async def run_once(flags: list[str], op: str, clients: int, seconds: float, tree: str | None = None) -> tuple[float, float, float, float]:
     root = tempfile.mkdtemp(prefix="kv-ab-")
+    # A checkout first on the nodes' path: `python -m kv` imports it (kv/__init__.py maps its folders).
+    env = {**os.environ, "PYTHONPATH": tree} if tree else None
     try:
-        with ServeCluster(root, 3, flags) as c:
+        with ServeCluster(root, 3, flags, env=env) as c:
             c.start()
             async with http_session(8) as s, HttpLoad() as load:
                 lead = await c.leader(s)
@@ -43,11 +49,12 @@ async def main(a) -> None:
     for v in a.variant:
         name, _, flags = v.partition("=")
         variants[name] = flags.split() if flags else []
+    trees = dict(t.partition("=")[::2] for t in a.tree)
     runs: dict[str, list] = {k: [] for k in variants}
     for rnd in range(a.rounds):
         order = list(variants.items())
         for name, flags in order if rnd % 2 == 0 else order[::-1]:
-            runs[name].append(await run_once(flags, a.op, a.clients, a.seconds))
+            runs[name].append(await run_once(flags, a.op, a.clients, a.seconds, trees.get(name)))
             ops, cpu, leader, p99 = runs[name][-1]
             print(f"round {rnd + 1} {name:12} {ops:8,.0f}/s  cluster {cpu:5.0f} µs/op  leader {leader:5.0f} µs/op  p99 {p99:6.1f} ms", flush=True)
     base = next(iter(runs))
@@ -66,6 +73,7 @@ async def main(a) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", action="append", required=True, help="NAME=FLAGS for kv serve (space-separated; may be empty); two or more")
+    p.add_argument("--tree", action="append", default=[], help="NAME=DIR: run that variant's nodes from the checkout in DIR (another version)")
     p.add_argument("--op", default="PUT", choices=["PUT", "GET linearizable", "GET stale"])
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--seconds", type=float, default=4.0)

@@ -12,7 +12,7 @@ from aiohttp import web
 from kv import Node, tls
 from kv.metrics import request_forwarded
 
-from . import routes_admin, routes_kv, routes_leases, routes_members, routes_watch
+from . import routes_admin, routes_kv, routes_leases, routes_members, routes_sessions, routes_watch
 from .answer import Answer
 from .auth import ADMIN, Grant, authorize
 from .context import CONTEXT, HttpContext
@@ -93,6 +93,7 @@ def create_app(node: Node, *, token: str | None = None, tokens: dict[str, Grant]
     routes_admin.add_routes(app)
     routes_members.add_routes(app)
     routes_leases.add_routes(app)
+    routes_sessions.add_routes(app)
     routes_watch.add_routes(app)
 
     async def session_ctx(app: web.Application):

@@ -16,6 +16,7 @@ from .auth import check_keys
 from .context import ctx
 from .errors import json_response, read_body, read_timeout, write_timeout
 from .keys import key_from_raw_path
+from .routes_sessions import request_id
 
 KV_PREFIX = "/v1/kv/"
 MAX_INDEX = (1 << 63) - 1  # a mod_index is a log index, which fits a signed 64-bit integer
@@ -51,6 +52,7 @@ async def put_key(request: web.Request) -> Answer:
         if_exists=if_exists,
         lease=int(lease) if lease is not None else None,
         timeout=write_timeout(request),
+        request_id=request_id(request),
     )
     return json_response({"index": r.index, "term": r.term}, headers={"ETag": f'"{r.index}"'})
 
@@ -84,7 +86,7 @@ async def delete_key(request: web.Request) -> Answer:
         raise BadRequest("DELETE is conditional on If-Match only (a key that does not exist needs no delete)")
     if_match = request.headers.get("If-Match")
     if_mod_index, if_exists = _if_match(if_match)
-    r = await c.node.delete(key, if_mod_index=if_mod_index, if_exists=if_exists, timeout=write_timeout(request))
+    r = await c.node.delete(key, if_mod_index=if_mod_index, if_exists=if_exists, timeout=write_timeout(request), request_id=request_id(request))
     return json_response({"index": r.index, "term": r.term, "deleted": r.deleted})
 
 
@@ -236,7 +238,7 @@ async def txn(request: web.Request) -> Answer:
     ops = _list(doc, "success", _parse_op, max_ops)
     else_ops = _list(doc, "failure", _parse_op, max_ops)
     check_keys(request, [x.key for x in (*conds, *ops, *else_ops)])
-    r = await c.node.txn(conds, ops, else_ops, timeout=write_timeout(request))
+    r = await c.node.txn(conds, ops, else_ops, timeout=write_timeout(request), request_id=request_id(request))
     force_b64 = request.query.get("encoding") == "base64"
     body = {
         "succeeded": r.succeeded,

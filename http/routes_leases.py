@@ -12,6 +12,7 @@ from .answer import Answer
 from .context import ctx
 from .errors import json_response, write_timeout
 from .routes_admin import _json_body
+from .routes_sessions import request_id
 
 
 def lease_path_id(request: web.Request) -> int:
@@ -38,7 +39,7 @@ async def grant(request: web.Request) -> Answer:
     doc = await _json_body(request)
     if set(doc) != {"ttl"}:
         raise BadRequest('give the lease\'s time to live in seconds: {"ttl": 10}')
-    s = await ctx(request).node.lease_grant(doc["ttl"], timeout=write_timeout(request))
+    s = await ctx(request).node.lease_grant(doc["ttl"], timeout=write_timeout(request), request_id=request_id(request))
     return json_response(lease_json(s, remaining=False, keys=False))
 
 
@@ -78,7 +79,7 @@ async def list_leases(request: web.Request) -> Answer:
 
 async def revoke(request: web.Request) -> Answer:
     lease = lease_path_id(request)
-    r = await ctx(request).node.lease_revoke(lease, timeout=write_timeout(request))
+    r = await ctx(request).node.lease_revoke(lease, timeout=write_timeout(request), request_id=request_id(request))
     return json_response({"id": lease, "index": r.index, "keys": list(r.keys)})
 
 

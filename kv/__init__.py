@@ -41,6 +41,7 @@ from .errors import (  # noqa: E402
     NotFound,
     NotLeader,
     PreconditionFailed,
+    SessionExpired,
     SnapshotError,
     Timeout,
     Unauthorized,
@@ -48,6 +49,7 @@ from .errors import (  # noqa: E402
     ValueTooLarge,
 )
 from .node import DeleteResult, Item, LeaseStatus, Node, Page, RevokeResult, TxnResult, WriteResult  # noqa: E402
+from .sessions import RequestId  # noqa: E402
 from .statemachine.commands import Cond, Delete, Get, Put  # noqa: E402
 from .store import Store, open  # noqa: E402,A004
 from .watch import Event, SlowWatcher, Watch, WatchCompacted  # noqa: E402
@@ -78,7 +80,9 @@ __all__ = [
     "Page",
     "PreconditionFailed",
     "Put",
+    "RequestId",
     "RevokeResult",
+    "SessionExpired",
     "SlowWatcher",
     "SnapshotError",
     "Store",

@@ -1,11 +1,14 @@
 """HTTP clients for a ledgerkv cluster: kv.AsyncClient (aiohttp) and kv.Client (synchronous).
 
 Any node answers any request (followers forward writes to the leader), so a client only
-needs one reachable endpoint. When a node cannot be reached, or answers 503 (no leader, no
-quorum: nothing was done), the client tries the next endpoint, backing off, until its
-deadline. A write that may have reached a node is never re-sent blindly: a connection that
-fails once it was made (reset, closed, timed out), or a 504, raises kv.Timeout (outcome
-unknown); only a connection that could not be made moves a write to the next endpoint.
+needs one reachable endpoint. When a node cannot be reached, answers 503 (no leader, no
+quorum: nothing was done), or the connection fails, the client tries the next endpoint,
+backing off, until its deadline. Writes are sent in client sessions (kv/sessions.py): every
+copy of a write carries the same X-Kv-Session and X-Kv-Seq, so the cluster applies it once
+and answers each copy with the first one's result; a write whose connection failed after it
+was sent goes to the next endpoint like any request. kv.Timeout (outcome unknown) remains
+for a write still unanswered at the deadline, a node's 504, and a write resent after its
+session closed.
 An endpoint that answers 404 without ledgerkv's error body, or a key's GET without an
 ETag, is another server, not a node: kv.Unavailable names it.
 """
@@ -36,6 +39,7 @@ from .logstream import RecordReader
 from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
 from .node import DeleteResult, Item, LeaseStatus, Page, RevokeResult, TxnResult, WriteResult, lease_id, ttl_ms, value_bytes
 from .scan import Scan
+from .sessions import RequestId, SessionPool
 from .raft.messages import Entry
 from .statemachine.commands import Cond, Delete, Get, Put
 from .watch import Event
@@ -115,6 +119,8 @@ def _error_for(status: int, body: bytes, endpoint: str) -> errors.KVError:
         return errors.PreconditionFailed(str(err.get("key", "")), int(err.get("mod_index") or 0), msg)
     if err.get("code") == errors.LeaseNotFound.code:
         return errors.LeaseNotFound(int(err.get("lease") or 0), msg)
+    if err.get("code") == errors.SessionExpired.code:
+        return errors.SessionExpired(int(err.get("session") or 0), msg)
     cls = _ERRORS_BY_CODE.get(err.get("code")) or _ERRORS.get(status)
     if cls is not None:
         return cls(msg)
@@ -209,6 +215,7 @@ _ASK = {"connection refused": NOTHING_LISTENS, "the host name does not resolve":
 
 
 TIMEOUT_HEADER = "X-Kv-Timeout"  # the seconds this client waits for an answer (http/errors.py)
+SESSION_HEADER, SEQ_HEADER = "X-Kv-Session", "X-Kv-Seq"  # a write's request id (http/routes_sessions.py)
 
 
 def _margin(left: float) -> float:
@@ -251,6 +258,7 @@ class AsyncClient:
         self._session: aiohttp.ClientSession | None = None
         self._next = random.randrange(len(self.endpoints))
         self.unreachable_told = -UNREACHABLE_REPEAT_S  # when Unreachable last said so
+        self._sessions = SessionPool(self._open_session)  # one per write in flight
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -283,6 +291,10 @@ class AsyncClient:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0),
                 headers=self._headers,
             )
+            # aiohttp sends a PUT or DELETE again by itself when its connection fails; this
+            # client decides what is sent again (a write in a session: the same request, to
+            # any node; without one: nothing that may have reached a node).
+            self._session._retry_connection = False
         return self._session
 
     async def request(
@@ -296,13 +308,18 @@ class AsyncClient:
         endpoint: str | None = None,
         ok: tuple[int, ...] = (200,),
         idempotent: bool | None = None,
+        request_id: RequestId | None = None,
+        deadline: float | None = None,
     ) -> tuple[int, CIMultiDict, bytes]:
         """One request with failover; returns (status, headers, body) for statuses in ok.
         A request that is not idempotent (by default: anything but GET and HEAD) is not
-        sent again once it may have reached a node."""
-        deadline = time.monotonic() + self.timeout
+        sent again once it may have reached a node, unless it is a session's request
+        (`request_id`): the cluster applies that once however often it is sent."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
         if idempotent is None:
-            idempotent = method in ("GET", "HEAD")
+            idempotent = method in ("GET", "HEAD") or request_id is not None
+        reached: Exception | None = None  # why an earlier copy may have reached a node
         delay = 0.05
         tries = 0
         last: Exception | None = None
@@ -317,6 +334,8 @@ class AsyncClient:
                 # that a write no leader took comes back as such (NotLeader: not carried
                 # out), not as this client's own time-out (outcome unknown).
                 sent = {**(headers or {}), TIMEOUT_HEADER: f"{max(left - _margin(left), 0.001):.3f}"}
+                if request_id is not None:
+                    sent[SESSION_HEADER], sent[SEQ_HEADER] = str(request_id.session), str(request_id.seq)
                 async with self._sess().request(
                     # encoded: the path is quoted already, and yarl would drop "." and ".."
                     # segments of a key (dd/x/../y is a key, not the path dd/y)
@@ -329,7 +348,14 @@ class AsyncClient:
                     if resp.status in ok:
                         return resp.status, resp.headers.copy(), body  # case-insensitive
                     last = told = _error_for(resp.status, body, ep)  # a node's answer says more than another endpoint's silence
-                    if resp.status != 503:
+                    if resp.status == 504 and request_id is not None:
+                        reached = told  # the node could not tell in its time: ask again while there is time
+                    elif isinstance(told, errors.SessionExpired) and reached is not None:
+                        raise errors.Timeout(
+                            f"{ep}: the write was sent again after {_describe(reached)}, and by then its session had closed: the "
+                            "first copy may or may not have been applied; read the key before retrying"
+                        ) from told
+                    elif resp.status != 503:
                         raise told
             except errors.KVError:
                 raise  # the node's answer (kv.Timeout is a TimeoutError too: not ours to wrap below)
@@ -339,6 +365,8 @@ class AsyncClient:
                     "give the CA that signed it: --cacert FILE, or kv.Client(cacert=FILE)"
                 ) from e
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, asyncio.TimeoutError) as e:
+                if not isinstance(e, _NOT_CONNECTED) and not isinstance(reached, errors.Timeout):
+                    reached = e  # (a node's own 504 says more)
                 if not idempotent and not isinstance(e, _NOT_CONNECTED):
                     # Connected: the request may have reached the node, which may have
                     # committed it before the connection reset, closed or timed out. Sent
@@ -354,6 +382,13 @@ class AsyncClient:
             # A write is not sent again unless the node has time to answer it, margin and all.
             reserve = 0.0 if idempotent else 2 * _margin(deadline - time.monotonic())
             if time.monotonic() + delay + reserve > deadline or (endpoint is not None and tries > 3):
+                if request_id is not None and reached is not None:
+                    if isinstance(reached, errors.Timeout):
+                        raise reached  # a node's own 504, in its words
+                    raise errors.Timeout(
+                        f"{ep}: no answer in {self.timeout:g}s after the write was sent ({_describe(reached)}; a node answers by then "
+                        "even without a leader: one may be overloaded or stuck; kv status); its outcome is unknown: read the key before retrying"
+                    ) from reached
                 if told is not None:
                     raise told
                 hint = _unreachable_hint(last)
@@ -368,6 +403,37 @@ class AsyncClient:
         _, _, body = await self.request(method, path, **kw)
         return orjson.loads(body)
 
+    async def _write(self, method: str, path: str, **kw) -> tuple[int, CIMultiDict, bytes]:
+        """A write, as the next request of one of this client's sessions (kv/sessions.py):
+        every copy is the same request, which the cluster applies once."""
+        deadline = time.monotonic() + self.timeout
+        if self._sessions is None:  # the cluster predates sessions
+            return await self.request(method, path, deadline=deadline, **kw)
+        try:
+            lane = await self._sessions.acquire(deadline)
+        except errors.NotFound:  # no such route: a node from before sessions
+            log.info("the cluster at %s opens no client sessions (an older version): writes are sent once", ", ".join(self.endpoints))
+            self._sessions = None
+            return await self.request(method, path, deadline=deadline, **kw)
+        try:
+            while True:
+                try:
+                    return await self.request(method, path, request_id=RequestId(lane.id, lane.next_seq()), deadline=deadline, **kw)
+                except errors.SessionExpired:  # closed before this write reached it: applied nowhere
+                    lane = None
+                    lane = await self._sessions.acquire(deadline)
+        finally:
+            if lane is not None and self._sessions is not None:
+                self._sessions.release(lane)
+
+    async def _write_json(self, method: str, path: str, **kw):
+        _, _, body = await self._write(method, path, **kw)
+        return orjson.loads(body)
+
+    async def _open_session(self, deadline: float) -> int:
+        # An opening sent twice leaves an unused session behind, which expires: safe to resend.
+        return (await self._json("POST", "/v1/sessions", idempotent=True, deadline=deadline))["id"]
+
     # -- the store API ---------------------------------------------------------------------
 
     async def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None) -> WriteResult:
@@ -381,7 +447,7 @@ class AsyncClient:
         if if_absent:
             headers["If-None-Match"] = "*"
         params = {"lease": str(lease_id(lease))} if lease is not None else None
-        d = await self._json("PUT", _key_path(key), data=value_bytes(value), headers=headers, params=params)
+        d = await self._write_json("PUT", _key_path(key), data=value_bytes(value), headers=headers, params=params)
         return WriteResult(d["index"], d["term"])
 
     async def cas(self, key: str, expected_mod_index: int, value: bytes) -> WriteResult:
@@ -403,7 +469,7 @@ class AsyncClient:
     async def delete(self, key: str, *, if_mod_index: int | None = None) -> DeleteResult:
         """Delete a key (`deleted` says whether it existed); conditional like put."""
         headers = {"If-Match": f'"{if_mod_index}"'} if if_mod_index is not None else None
-        d = await self._json("DELETE", _key_path(key), headers=headers)
+        d = await self._write_json("DELETE", _key_path(key), headers=headers)
         return DeleteResult(d["index"], d["term"], d["deleted"])
 
     def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", page: int = 1000) -> Scan:
@@ -440,7 +506,7 @@ class AsyncClient:
         """Atomically: if every kv.Cond holds run `ops`, else `else_ops` (kv.Put, kv.Delete,
         kv.Get). `succeeded` says which ran; results has one entry per op."""
         doc = {"compare": [_cond_json(c) for c in conds], "success": [_op_json(o) for o in ops], "failure": [_op_json(o) for o in else_ops]}
-        status, _, body = await self.request("POST", "/v1/txn", data=orjson.dumps(doc), headers={"Content-Type": "application/json"}, ok=(200, 412))
+        status, _, body = await self._write("POST", "/v1/txn", data=orjson.dumps(doc), headers={"Content-Type": "application/json"}, ok=(200, 412))
         d = orjson.loads(body)
         results = []
         for r in d["results"]:
@@ -478,7 +544,7 @@ class AsyncClient:
     async def lease_grant(self, ttl: float) -> LeaseStatus:
         """A new lease of `ttl` seconds (more than 0, at most a year)."""
         ttl_ms(ttl)  # refused here as the node would (JSON has no inf or nan: they travel as null)
-        d = await self._json("POST", "/v1/leases", data=orjson.dumps({"ttl": ttl}), headers=_JSON)
+        d = await self._write_json("POST", "/v1/leases", data=orjson.dumps({"ttl": ttl}), headers=_JSON)
         return LeaseStatus(d["id"], d["ttl"], d["ttl"])
 
     async def lease_keepalive(self, lease: int) -> LeaseStatus:
@@ -496,7 +562,7 @@ class AsyncClient:
 
     async def lease_revoke(self, lease: int) -> RevokeResult:
         """End a lease now; its keys are deleted in the same committed entry."""
-        d = await self._json("DELETE", f"/v1/leases/{lease_id(lease)}")
+        d = await self._write_json("DELETE", f"/v1/leases/{lease_id(lease)}")
         return RevokeResult(d["index"], tuple(d["keys"]))
 
     async def lease_info(self, lease: int) -> LeaseStatus:

@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 from .errors import BadRequest
 from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TXN_OPS, DEFAULT_MAX_TXN_READ_BYTES, REQUEST_OVERHEAD
-from .statemachine.commands import MAX_CONDS
+from .sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S
+from .statemachine.commands import MAX_CONDS, MAX_SESSIONS
+
+MIN_SESSION_TTL_S = 1.0
 
 
 def parse_peers(spec: str | dict) -> dict[str, str]:
@@ -77,6 +80,8 @@ class NodeConfig:
     ledger_map_size: int = 32 << 30
     watch_buffer_bytes: int = 4 << 20  # changes a watcher may fall behind before it is cut off
     watch_progress_ms: float = 5000.0  # an idle watch stream says how far it has seen this often
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S  # a client session unused this long closes (kv/sessions.py)
+    max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most; one more evicts the least recently used
 
     def __post_init__(self) -> None:
         self.peers = parse_peers(self.peers)
@@ -110,6 +115,13 @@ class NodeConfig:
             raise BadRequest("--http-idle-timeout-s must be positive and --max-http-connections at least 1")
         if self.watch_buffer_bytes <= 0 or self.watch_progress_ms <= 0:
             raise BadRequest("--watch-buffer-bytes and --watch-progress-ms must be positive")
+        if not self.session_ttl_s >= MIN_SESSION_TTL_S or self.session_ttl_s == float("inf"):
+            raise BadRequest(
+                f"--session-ttl-s must be at least {MIN_SESSION_TTL_S:g} seconds (a session must outlive every retry of "
+                f"its writes), not {self.session_ttl_s!r}"
+            )
+        if type(self.max_sessions) is not int or not 1 <= self.max_sessions <= MAX_SESSIONS:
+            raise BadRequest(f"--max-sessions must be an integer from 1 to {MAX_SESSIONS}, not {self.max_sessions!r}")
 
     @property
     def advertise_url(self) -> str:

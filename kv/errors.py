@@ -9,7 +9,7 @@ is the snapshot layer's (snapshot/format.py). They are re-exported here.
     ├── BadRequest (ValueError) ── ValueTooLarge     400 / 413
     ├── NotFound (KeyError) ── LeaseNotFound         404
     ├── PreconditionFailed                           412
-    ├── Conflict ── MemberExists                     409
+    ├── Conflict ── MemberExists, SessionExpired     409
     ├── Timeout (TimeoutError)                       504
     ├── Unavailable                                  503
     ├── Unauthorized, Forbidden                      401, 403
@@ -43,6 +43,7 @@ __all__ = [
     "NotFound",
     "NotLeader",
     "PreconditionFailed",
+    "SessionExpired",
     "SnapshotError",
     "Timeout",
     "Unauthorized",
@@ -115,6 +116,27 @@ class MemberExists(Conflict):
     (remove it first, or replace its addresses)."""
 
     code = "MEMBER_EXISTS"
+
+
+class SessionExpired(Conflict):
+    """The write's client session is not open: it was idle longer than --session-ttl-s,
+    evicted beyond --max-sessions, or never opened. The write was not applied; open a new
+    session (POST /v1/sessions) and send it there. (kv.Client and kv.Node do that
+    themselves; if the write had been sent in the closed session before, its outcome is
+    unknown, and they raise kv.Timeout instead.)"""
+
+    code = "SESSION_EXPIRED"
+
+    def __init__(self, session: int, message: str | None = None) -> None:
+        self.session = session
+        super().__init__(
+            message
+            or f"session {session} is not open (idle longer than --session-ttl-s, evicted beyond --max-sessions, or never "
+            "opened); the write was not applied: open a new session (POST /v1/sessions) and send it there"
+        )
+
+    def details(self) -> dict:
+        return {"session": self.session}
 
 
 class Timeout(KVError, TimeoutError):

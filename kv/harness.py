@@ -180,11 +180,12 @@ class ServeCluster:
     """n `kv serve` processes on loopback with free ports, data under root/<id>, logs in
     root/<id>.log; stopped on exit."""
 
-    def __init__(self, root: str, n: int, extra: list[str] | None = None) -> None:
+    def __init__(self, root: str, n: int, extra: list[str] | None = None, env: dict | None = None) -> None:
         self.root, self.ids = root, [f"n{i}" for i in range(1, n + 1)]
         self.peer = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
         self.http = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
         self.extra = extra or []
+        self.env = env  # the nodes' environment (None: this process's)
         self.procs = Procs()
 
     def url(self, i: str) -> str:
@@ -193,7 +194,8 @@ class ServeCluster:
     def start(self, *ids: str) -> None:
         spec = peer_spec(self.peer)
         for i in ids or self.ids:
-            self.procs.start(i, ["--id", i, "--data-dir", os.path.join(self.root, i), "--http", self.http[i], "--peers", spec, *self.extra], os.path.join(self.root, f"{i}.log"))
+            args = ["--id", i, "--data-dir", os.path.join(self.root, i), "--http", self.http[i], "--peers", spec, *self.extra]
+            self.procs.start(i, args, os.path.join(self.root, f"{i}.log"), self.env)
 
     async def leader(self, session, timeout: float = 20.0, among: list[str] | None = None) -> str:
         async def probe() -> str | None:

@@ -12,13 +12,13 @@ node still leads, so no other leader can have started counting before it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from .errors import KVError
 from .raft.errors import NotLeader
 from .raft.messages import Role
 from .statemachine import commands as cmds
+from .sweep import Sweep
 
 log = logging.getLogger("kv.leases")
 
@@ -74,27 +74,16 @@ class LeaseClock:
         self._node = node
         self._deadlines = LeaseDeadlines()
         self._revoking: set[int] = set()
-        self._task: asyncio.Task | None = None
+        self._sweep = Sweep(SWEEP_S, self._expire, f"leases-{node.config.id}")
+        self.start, self.stop = self._sweep.start, self._sweep.stop
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"leases-{self._node.config.id}")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            now = asyncio.get_running_loop().time()
-            if not self._sync(now):
-                continue
-            for lease in self._deadlines.expired(now):
-                if lease not in self._revoking:
-                    self._revoking.add(lease)
-                    asyncio.get_running_loop().create_task(self._revoke(lease))
+    async def _expire(self, now: float) -> None:
+        if not self._sync(now):
+            return
+        for lease in self._deadlines.expired(now):
+            if lease not in self._revoking:
+                self._revoking.add(lease)
+                asyncio.get_running_loop().create_task(self._revoke(lease))
 
     def _sync(self, now: float) -> bool:
         raft = self._node.raft

@@ -15,8 +15,11 @@ does no decoding, the reader (a Spark task, say) does.
 `entry_rows` turns one entry into audit rows (index, term, op, key, value, conditional,
 branch): one per mutation. A conditional mutation (a compare-and-set, or an operation of a
 transaction with conditions) is what was asked; whether its condition held was decided
-when it was applied and is not in the log. Entries without a mutation still get one row
-(op "noop", "config", "read" or "lease"), so every index of the range appears.
+when it was applied and is not in the log, and so is whether a write sent in a client
+session was a copy of one applied before (statemachine/sessions.py): the log holds every
+copy that was appended; a watch (kv/watch.py) shows what took effect. Entries without a
+mutation still get one row (op "noop", "config", "read", "lease" or "session": a session
+opened or expired), so every index of the range appears.
 """
 
 from __future__ import annotations
@@ -99,6 +102,11 @@ def entry_rows(e: Entry) -> Iterator[Row]:
         cmd = cmds.decode(e.data)
     except cmds.CommandError as exc:
         raise LogStreamError(f"entry {e.index} (term {e.term}) is not a command this version can read: {exc}") from None
+    if type(cmd) is cmds.InSession:
+        cmd = cmd.cmd
+    elif isinstance(cmd, (cmds.SessionOpen, cmds.SessionsExpire)):
+        yield (e.index, e.term, "session", None, None, False, None)
+        return
     if isinstance(cmd, (cmds.LeaseGrant, cmds.LeaseRevoke)):
         # Which keys a revoke deletes was decided when it was applied: it is not in the log.
         yield (e.index, e.term, "lease", None, None, False, None)

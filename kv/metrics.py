@@ -96,6 +96,9 @@ class _NodeCollector:
         yield _by_peer(lag, ((p, float(last - pr.match)) for p, pr in r.peers.items()))
         cfg = node.config
         yield _gauge("kv_leases", "Live leases.", len(node.sm.leases.ttl_ms))
+        yield _gauge("kv_sessions", "Open client sessions (exactly-once writes), in the state machine.", len(node.sm.sessions))
+        yield _counter("kv_session_copies", "Writes applied here that were copies of one applied before: answered with its result, not applied again.", node.sm.copies)
+        yield _counter("kv_writes_resent", "Writes this node sent again, in the same session request, after their outcome was unknown (a leader change).", node.counters["writes_resent"])
         watches, buffered = node.watches.stats()
         yield _gauge("kv_watches", "Open watches on this node (in-process and streams).", watches)
         yield _gauge("kv_watch_buffered_bytes", "Bytes of changes buffered for watches that have not taken them yet.", buffered)

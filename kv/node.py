@@ -19,6 +19,7 @@ from .coordination import AsyncElection, AsyncLease, AsyncLock
 from .datadir import DataDirLock
 from .leases import LeaseClock
 from .scan import Scan
+from .sessions import RequestId, SessionPool, SessionSweeper, new_session_id
 from .errors import (
     BadRequest,
     Compacted,
@@ -31,15 +32,17 @@ from .errors import (
     NoQuorum,
     NotLeader,
     PreconditionFailed,
+    SessionExpired,
     Timeout,
     Unavailable,
     ValueTooLarge,
 )
+from .raft import failpoints
 from .raft.errors import ConfigChangeRefused, LeaderChanged, TransferInProgress
 from .raft.ledger import Ledger, LedgerWrite
 from .raft.membership import Member, Membership
 from .raft.messages import Entry, EntryKind, ForwardCode, Role
-from .raft.node import Applied, CoreConfig, DeadlineExceeded, NodeStopped, OutcomeUnknown, Overloaded, RaftNode
+from .raft.node import Applied, CoreConfig, DeadlineExceeded, NeverCommitted, NodeStopped, OutcomeUnknown, Overloaded, RaftNode
 from .raft.transport_protocol import Transport
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
@@ -49,6 +52,7 @@ from .watch import Watch, WatchHub
 log = logging.getLogger("kv.node")
 
 CONSISTENCY = ("linearizable", "lease", "stale")
+_HOLD_ANSWER = failpoints.delay("write.before_answer")  # a fault test's wide window (raft/failpoints.py)
 
 
 class Item(NamedTuple):
@@ -141,6 +145,9 @@ class Node:
         self.snapshots = None  # snapshot.manager.SnapshotManager, set in start()
         self.leases = LeaseClock(self)
         self.watches = WatchHub(self)
+        # Sessions for the writes this node is handed without one (kv/sessions.py).
+        self.sessions = SessionPool(self._open_session)
+        self._session_sweeper: SessionSweeper | None = None
         self.started_at = 0.0
         self.counters = collections.Counter()
         self._metrics = None  # kv.metrics.NodeMetrics, made on first use (see metrics)
@@ -173,6 +180,7 @@ class Node:
         except StateCorrupt as e:
             self.sm = await loop.run_in_executor(None, self._rebuild_state, e)
         await loop.run_in_executor(None, self._reconcile)
+        await loop.run_in_executor(None, self._replay_sessions)
         if c.force_new_cluster:
             await loop.run_in_executor(None, self._force_new_cluster)
         membership = self._membership()
@@ -221,6 +229,10 @@ class Node:
         await self.raft.start()
         self.caller.start()
         self.leases.start()
+        self._session_sweeper = SessionSweeper(
+            c.session_ttl_s, self._leading, self.sm.sessions.oldest_use, self._expire_sessions, f"sessions-{c.id}"
+        )
+        self._session_sweeper.start()
         self.started_at = time.time()
         return self
 
@@ -284,6 +296,22 @@ class Node:
             log.warning("node %s: ledger ends at %d, state at %d: resetting the ledger", self.config.id, ledger.last_index(), idx)
             ledger.write([LedgerWrite(reset_to=(idx, term))])
 
+    def _replay_sessions(self) -> None:
+        """What the plain puts after the session records' `sessions_at` did to their
+        sessions (statemachine/sessions.py): read back from the ledger, which keeps every
+        entry after the newest snapshot."""
+        sm, ledger = self.sm, self.ledger
+        lo, hi = sm.sessions_at + 1, sm.applied()[0]
+        if lo <= hi and lo <= ledger.before_begin_index:
+            raise StateCorrupt(
+                f"the client sessions in {self.config.state_path} are recorded as of index {lo - 1}, and the ledger starts after "
+                f"{ledger.before_begin_index}: restore this member from a snapshot (kv snapshot save, kv snapshot restore)"
+            )
+        while lo <= hi:
+            batch = ledger.entries(lo, hi + 1, 8 << 20)
+            sm.replay_sessions(batch)
+            lo = batch[-1].index + 1
+
     def _force_new_cluster(self) -> None:
         """`--force-new-cluster`: the majority is lost for good, so make this member the
         only one, keeping its data (etcd's flag of that name). A CONFIG entry naming only
@@ -318,6 +346,8 @@ class Node:
 
     async def stop(self) -> None:
         await self.leases.stop()
+        if self._session_sweeper is not None:
+            await self._session_sweeper.stop()
         if self.snapshots is not None:
             await self.snapshots.stop()  # a snapshot in progress still needs the ledger writer
         if self.raft is not None:
@@ -342,23 +372,31 @@ class Node:
 
     async def put(
         self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, if_exists: bool = False,
-        lease: int | None = None, timeout: float | None = None,
+        lease: int | None = None, timeout: float | None = None, request_id: RequestId | None = None,
     ) -> WriteResult:
         """Write a value. `if_mod_index=N` writes only if the key's mod_index is N (CAS);
         `if_absent` only if the key does not exist, `if_exists` only if it does (HTTP's
         If-Match: *). Raises PreconditionFailed otherwise. `lease=ID` attaches the key to
         a lease (LeaseNotFound if there is none); a put without it detaches the key from
-        the lease it had."""
-        return write_result(await self.submit(self.put_command(key, value, if_mod_index, if_absent, lease, if_exists), timeout))
+        the lease it had.
 
-    async def cas(self, key: str, expected_mod_index: int, value: bytes, *, timeout: float | None = None) -> WriteResult:
+        Every write is applied at most once, however often it has to be sent (kv/sessions.py);
+        `request_id=(session, seq)` is a caller's own session request (X-Kv-Session), else
+        the node sends it in one of its own sessions."""
+        return write_result(await self.submit(self.put_command(key, value, if_mod_index, if_absent, lease, if_exists), timeout, request_id=request_id))
+
+    async def cas(self, key: str, expected_mod_index: int, value: bytes, *, timeout: float | None = None, request_id: RequestId | None = None) -> WriteResult:
         """Compare-and-set on the key's mod_index (0: the key must not exist)."""
-        return await self.put(key, value, if_mod_index=expected_mod_index, timeout=timeout)
+        return await self.put(key, value, if_mod_index=expected_mod_index, timeout=timeout, request_id=request_id)
 
-    async def delete(self, key: str, *, if_mod_index: int | None = None, if_exists: bool = False, timeout: float | None = None) -> DeleteResult:
-        return delete_result(await self.submit(cmds.Delete(key, _cond(key, if_mod_index, False, if_exists)), timeout))
+    async def delete(
+        self, key: str, *, if_mod_index: int | None = None, if_exists: bool = False, timeout: float | None = None, request_id: RequestId | None = None
+    ) -> DeleteResult:
+        return delete_result(await self.submit(cmds.Delete(key, _cond(key, if_mod_index, False, if_exists)), timeout, request_id=request_id))
 
-    async def txn(self, conds: Sequence[cmds.Cond] = (), ops: Sequence = (), else_ops: Sequence = (), *, timeout: float | None = None) -> TxnResult:
+    async def txn(
+        self, conds: Sequence[cmds.Cond] = (), ops: Sequence = (), else_ops: Sequence = (), *, timeout: float | None = None, request_id: RequestId | None = None
+    ) -> TxnResult:
         """Atomically: if every condition holds run `ops`, else `else_ops`. Ops are
         kv.Put / kv.Delete / kv.Get; conditions are kv.Cond(key, kind, arg)."""
         raft = self._running()
@@ -372,7 +410,7 @@ class Node:
                 timeout -= raft.loop.time() - start
                 if timeout <= 0:
                     raise NotLeader("the transaction's time ran out while this follower caught up with the leader; it was not carried out: retry shortly")
-        return txn_result(await self.submit(self.txn_command(conds, ops, else_ops), timeout))
+        return txn_result(await self.submit(self.txn_command(conds, ops, else_ops), timeout, request_id=request_id))
 
     def put_command(
         self, key: str, value: bytes, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None, if_exists: bool = False,
@@ -405,54 +443,174 @@ class Node:
             raise ValueTooLarge(f"value is {len(value)} bytes; the limit is {self.config.max_value_bytes} (--max-value-bytes)")
         return value
 
-    async def submit(self, cmd: cmds.Command, timeout: float | None = None) -> Applied:
-        """Replicate a command and wait until it is applied here (retrying while no leader
-        can take it, which is safe: nothing was appended)."""
+    def encode_request(self, cmd: cmds.Command | cmds.LocalCommand) -> bytes:
+        """A request's command, encoded and checked against --max-request-bytes."""
+        payload = encode_command(cmd)
+        limits.check_request_bytes(payload, self.config.max_request_bytes)
+        return payload
+
+    async def submit(
+        self, cmd: cmds.Command | cmds.LocalCommand, timeout: float | None = None, *, request_id: RequestId | None = None, resent: bool = False
+    ) -> Applied:
+        """Replicate a command and wait until it is applied here. A write goes in a client
+        session, its caller's (`request_id`; `resent`: the caller sent it before and does
+        not know how that ended) or one of this node's: then it is sent again whenever its
+        outcome is unknown (a leader died, a forward was lost), until the deadline, and
+        applied once."""
         try:
-            return await self._submit(cmd, timeout)
+            payload = self.encode_request(cmd)
+            raft = self._running()
+            wait = timeout if timeout is not None else self.config.write_timeout_s
+            deadline = raft.loop.time() + wait
+            self.counters["writes"] += 1
+            if payload[1:2] not in cmds.SESSION_OPCODES:  # a lease keepalive or query, a session's opening or expiry
+                return (await self._send(payload, deadline, wait))[0]
+            if request_id is not None:
+                session, seq = request_id
+                applied, unknown = await self._send(self._in_session(session, seq, payload), deadline, wait)
+                return _session_answer(applied, session, seq, unknown, resent)
+            lane = self.sessions.take() or await self._new_lane(deadline, wait)
+            try:
+                while True:
+                    seq = lane.next_seq()
+                    applied, unknown = await self._send(cmds.in_session(lane.id, seq, payload), deadline, wait)
+                    if type(applied.result) not in cmds.NOT_APPLIED:
+                        return applied
+                    if type(applied.result) is not cmds.SessionExpired or resent or unknown is not None:
+                        return _session_answer(applied, lane.id, seq, unknown, resent)
+                    lane = None  # it closed before this write reached it: applied nowhere
+                    lane = await self._new_lane(deadline, wait)
+            finally:
+                if lane is not None:
+                    self.sessions.release(lane)
         except KVError:
             self.counters["proposals_failed"] += 1
             raise
 
-    async def _submit(self, cmd: cmds.Command, timeout: float | None) -> Applied:
-        payload = encode_command(cmd)
-        limits.check_request_bytes(payload, self.config.max_request_bytes)
+    @staticmethod
+    def _in_session(session: int, seq: int, payload: bytes) -> bytes:
+        try:
+            return cmds.in_session(session, seq, payload)
+        except cmds.CommandError as e:
+            raise public_error(e) from e
+
+    async def open_session(self, *, timeout: float | None = None) -> int:
+        """Open a client session (for X-Kv-Session); returns its id. Its writes are applied
+        at most once however often they are sent; it closes after --session-ttl-s unused."""
         raft = self._running()
         wait = timeout if timeout is not None else self.config.write_timeout_s
-        deadline = raft.loop.time() + wait
-        self.counters["writes"] += 1
+        return await self._open_session(raft.loop.time() + wait, wait)  # a new one: never one of the node's own
+
+    def propose_now(self, slots: Sequence) -> None:
+        """kv.open's write path, on the event loop: propose writes encoded by
+        encode_request at once (one Ready, one fsync for all), each as the next request of
+        a session from this node's pool, resolving each slot (a kv.raft.node.Waiter with
+        `.payload`, and `.rid` and `.lane` set here) when it is applied. A slot that cannot
+        go this way (no free session, no leader here) is given up (`slot.give_up()`): its
+        caller takes submit(), with the slot's request id if it has one."""
+        raft = self.raft
+        if raft is None or raft.role != Role.LEADER:
+            for s in slots:
+                s.give_up()
+            return
+        items = []
+        for s in slots:
+            s.lane = lane = self.sessions.take()
+            if lane is None:
+                s.give_up()
+                continue
+            s.rid = rid = RequestId(lane.id, lane.next_seq())
+            items.append((EntryKind.NORMAL, cmds.in_session(rid.session, rid.seq, s.payload), s))
+        if not items:
+            return
+        try:
+            raft.propose_waiters(items, raft.loop.time() + self.config.write_timeout_s)
+        except Exception:  # nothing was appended
+            for *_, s in items:
+                s.give_up()
+
+    async def _new_lane(self, deadline: float, wait: float):
+        try:
+            return await self.sessions.acquire(deadline, wait)
+        except Timeout as e:
+            raise NotLeader(f"no client session could be opened for the write in time ({e}); it was not carried out: retry shortly") from e
+
+    async def _open_session(self, deadline: float, wait: float) -> int:
+        session = new_session_id()
+        applied, _ = await self._send(encode_command(cmds.SessionOpen(session, self.config.max_sessions)), deadline, wait)
+        if type(applied.result) is not cmds.SessionOpened:
+            raise Unavailable(f"opening client session {session} failed: {applied.result!r}")
+        return session
+
+    def _leading(self) -> tuple[bool, int, int]:
+        m = self.raft.metrics()
+        return m.role == Role.LEADER, m.term, m.ledger_end_index
+
+    async def _expire_sessions(self, upto: int) -> None:
+        await self.submit(cmds.SessionsExpire(upto))
+
+    async def _send(self, payload: bytes, deadline: float, wait: float) -> tuple[Applied, Exception | None]:
+        """Propose (on the leader) or forward (elsewhere) until applied or the deadline;
+        returns the result and, if an earlier copy's outcome was unknown, why. Every
+        payload here is applied at most once however often it is sent (a session's
+        request, an opening, an expiry, or a command nobody logs), so one whose outcome
+        is unknown is sent again while there is time."""
+        raft = self._running()
+        unknown: Exception | None = None
         while True:
+            sent = False  # whether this copy may have reached a leader's log
             try:
                 if raft.role == Role.LEADER and cmds.is_local(payload):
-                    return Applied(raft.applied_index, raft.term, await self.leases.answer(cmd))
+                    return Applied(raft.applied_index, raft.term, await self.leases.answer(cmds.decode(payload))), unknown
                 if raft.role == Role.LEADER:
-                    (fut,) = raft.propose_many([(EntryKind.NORMAL, payload)], deadline)
+                    fut = raft.loop.create_future()
+                    raft.propose_waiters(((EntryKind.NORMAL, payload, fut),), deadline)
+                    sent = True
                     t0 = time.perf_counter()
-                    applied = await self._outcome(fut, wait)
-                    if self._metrics is not None:
+                    applied = await fut
+                    if self._metrics is not None and payload[1] == cmds.OP_IN_SESSION:  # a write's
                         self._metrics.commit_latency.observe(time.perf_counter() - t0)
-                    return applied
+                    if _HOLD_ANSWER:  # (0 unless a fault test armed it)
+                        await asyncio.sleep(_HOLD_ANSWER)
+                    return applied, unknown
                 request_forwarded.set(True)
-                resp = await self._outcome(raft.forward(payload, deadline), wait)
+                sent = True
+                resp = await raft.forward(payload, deadline)
             except NoQuorum:
                 raise  # a read barrier (a lease keepalive's) gave up already: so does this
-            except NotLeader as e:
-                # Nothing was appended (or what was appended was replaced): safe to retry
-                # once a leader is known.
-                await self._await_leader(deadline, e)
+            except (NotLeader, TransferInProgress) as e:
+                # Not appended (or replaced by another leader's entry): send it once a leader can take it.
+                await self._await_leader(deadline, e, unknown, force_wait=isinstance(e, TransferInProgress))
                 continue
-            except TransferInProgress as e:
-                await self._await_leader(deadline, e, force_wait=True)
+            except DeadlineExceeded as e:
+                raise _unknown_outcome(e, wait) from e
+            except NodeStopped as e:  # this node stops: no copy goes out any more
+                if sent and not isinstance(e, NeverCommitted):
+                    raise _unknown_outcome(e, wait) from e
+                if unknown is not None:
+                    raise _unknown_outcome(unknown, wait) from e
+                raise public_error(e) from e
+            except OutcomeUnknown as e:
+                unknown = e  # the leader it went to was replaced: send it to the next one
+                self.counters["writes_resent"] += 1
+                await self._await_leader(deadline, e, unknown)
                 continue
-            except (Overloaded, NodeStopped) as e:  # refused before anything was appended
+            except Overloaded as e:  # refused before anything was appended
+                if unknown is not None:
+                    raise _unknown_outcome(unknown, wait) from e
                 raise public_error(e) from e
             if resp.code == ForwardCode.OK:
-                return Applied(resp.index, resp.term, cmds.decode_result(resp.payload))
+                return Applied(resp.index, resp.term, cmds.decode_result(resp.payload)), unknown
             if resp.code in (ForwardCode.NOT_LEADER, ForwardCode.TRANSFERRING):
-                await self._await_leader(deadline, NotLeader(resp.payload.decode()), force_wait=True)
+                await self._await_leader(deadline, NotLeader(resp.payload.decode()), unknown, force_wait=True)
                 continue
-            if resp.code == ForwardCode.STOPPED:
-                raise Timeout(f"the leader could not confirm the write: {resp.payload.decode()}")
+            if resp.code == ForwardCode.STOPPED:  # the leader could not tell how it ended
+                unknown = OutcomeUnknown(f"the leader could not confirm the write: {resp.payload.decode()}")
+                self.counters["writes_resent"] += 1
+                await self._await_leader(deadline, unknown, unknown, force_wait=True)
+                continue
+            if unknown is not None:
+                raise _unknown_outcome(unknown, wait)
             raise Unavailable(resp.payload.decode())
 
     def _serve_local(self, payload: bytes):
@@ -465,18 +623,10 @@ class Node:
         except KVError as e:  # no quorum to confirm the leadership: the follower retries
             raise NotLeader(str(e)) from e
 
-    @staticmethod
-    async def _outcome(waiting, wait: float):
-        """Wait for a proposed write's outcome; from here on a failure means "unknown"."""
-        try:
-            return await waiting
-        except (OutcomeUnknown, NodeStopped) as e:
-            raise public_error(e, written=True, wait=wait) from e
-
-    async def _await_leader(self, deadline: float, cause: Exception, force_wait: bool = False) -> None:
-        """Wait for a (new) leader. Raise NotLeader once the deadline has passed, so that
-        a request is refused (nothing was proposed) rather than proposed too late for its
-        caller to hear how it ended."""
+    async def _await_leader(self, deadline: float, cause: Exception, unknown: Exception | None = None, force_wait: bool = False) -> None:
+        """Wait for a (new) leader. Once the deadline has passed, raise NotLeader (the
+        request was not carried out: nothing was proposed too late for its caller to hear
+        how it ended), or Timeout if an earlier copy's outcome is `unknown`."""
         raft = self.raft
         loop = asyncio.get_running_loop()
         left = deadline - loop.time()
@@ -489,6 +639,8 @@ class Node:
                 await asyncio.sleep(min(left, 0.01))
             left = deadline - loop.time()
         if left <= 0:
+            if unknown is not None:
+                raise _unknown_outcome(unknown, 0.0)
             why = "none is known, and one needs a majority of the members up and in touch: see kv status" if raft.leader_id is None else cause
             raise NotLeader(f"no leader could take the request in time ({why}); it was not carried out: retry shortly", raft.leader_id)
 
@@ -626,10 +778,10 @@ class Node:
         is called if a leadership won is lost."""
         return AsyncElection(self, name, ttl=ttl, on_lost=on_lost)
 
-    async def lease_grant(self, ttl: float, *, timeout: float | None = None) -> LeaseStatus:
+    async def lease_grant(self, ttl: float, *, timeout: float | None = None, request_id: RequestId | None = None) -> LeaseStatus:
         """A new lease of `ttl` seconds (more than 0, at most a year); keep it alive with
         lease_keepalive (or use `lease()`, which does), attach keys with put(lease=...)."""
-        r = _raise_failed((await self.submit(cmds.LeaseGrant(ttl_ms(ttl)), timeout)).result)
+        r = _raise_failed((await self.submit(cmds.LeaseGrant(ttl_ms(ttl)), timeout, request_id=request_id)).result)
         return lease_status(r)
 
     async def lease_keepalive(self, lease: int, *, timeout: float | None = None) -> LeaseStatus:
@@ -648,9 +800,9 @@ class Node:
         renewed = {x.lease: lease_status(x) if type(x) is cmds.LeaseInfo else None for x in r.leases}
         return [renewed[i] for i in ids]
 
-    async def lease_revoke(self, lease: int, *, timeout: float | None = None) -> RevokeResult:
+    async def lease_revoke(self, lease: int, *, timeout: float | None = None, request_id: RequestId | None = None) -> RevokeResult:
         """End a lease now; its keys are deleted in the same committed entry."""
-        r = _raise_failed((await self.submit(cmds.LeaseRevoke(lease_id(lease)), timeout)).result)
+        r = _raise_failed((await self.submit(cmds.LeaseRevoke(lease_id(lease)), timeout, request_id=request_id)).result)
         return RevokeResult(r.index, r.keys)
 
     async def lease_info(self, lease: int, *, timeout: float | None = None) -> LeaseStatus:
@@ -865,6 +1017,25 @@ def public_error(e: KVError, *, written: bool = False, wait: float = 0.0, fix: s
     return e
 
 
+def _session_answer(applied: Applied, session: int, seq: int, unknown: Exception | None, resent: bool) -> Applied:
+    """A session request's answer, or the error that says why it was not applied."""
+    r = applied.result
+    if type(r) is cmds.SessionExpired:
+        if resent or unknown is not None:  # an earlier copy may have been applied before it closed
+            raise Timeout(
+                f"the write was sent again after its outcome was unknown ({unknown or 'the caller resent it'}), and by then its "
+                f"session {session} had closed (idle longer than --session-ttl-s, or evicted beyond --max-sessions): "
+                "the first copy may or may not have been applied; read the key before retrying"
+            )
+        raise SessionExpired(session)
+    if type(r) is cmds.StaleRequest:
+        raise Conflict(
+            f"request {r.seq} of session {r.session} is below its last one ({r.last_seq}): it was answered or given up on "
+            "before, and was not applied again. A session carries one request at a time, numbered upwards"
+        )
+    return applied
+
+
 def encode_command(cmd: cmds.Command) -> bytes:
     try:
         return cmds.encode(cmd)
@@ -920,9 +1091,9 @@ def _raise_failed(result):
         raise public_error(result)
     if isinstance(result, cmds.ReadLimitExceeded):
         raise ValueTooLarge(
-            f"the transaction was applied at index {result.index} ({'success' if result.succeeded else 'failure'} "
-            f"branch: its writes are in), but its gets came to more than {result.limit} bytes "
-            "(--max-txn-read-bytes), so their values are not returned: read those keys one by one"
+            f"the request was applied at index {result.index} ({'success' if result.succeeded else 'failure'} "
+            f"branch: its writes are in), but its answer came to more than {result.limit} bytes (a transaction's gets: "
+            "--max-txn-read-bytes; what a session keeps to answer a copy: 64 KiB), so it is not returned: read those keys one by one"
         )
     return result
 

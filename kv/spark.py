@@ -191,8 +191,10 @@ def _read_blocks(batches):
                     )
                     if prefix:
                         batch = batch.filter(pc.starts_with(batch.column(0), prefix))
-                        if batch.num_rows == 0:
-                            continue
+                    elif kb[:1] == b"\x00":  # ledgerkv's own records (leases, sessions) sort first
+                        batch = batch.filter(pc.invert(pc.starts_with(batch.column(0), "\x00")))
+                    if batch.num_rows == 0:
+                        continue
                     yield batch
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from ._loop import LoopThread
 from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
 from .config import NodeConfig
-from .errors import BadRequest, NotLeader, Unavailable
+from .errors import BadRequest, NotLeader, SessionExpired, Unavailable
 from .node import (
     DeleteResult,
     Item,
@@ -28,14 +28,12 @@ from .node import (
     TxnResult,
     WriteResult,
     delete_result,
-    encode_command,
     public_error,
     txn_result,
     validate_key,
     write_result,
 )
-from .raft.messages import EntryKind
-from .raft.node import NodeStopped, OutcomeUnknown
+from .raft.node import DeadlineExceeded, NeverCommitted, NodeStopped, OutcomeUnknown
 from .statemachine import commands as cmds
 from .statemachine.leveldb import StateCorrupt
 from .watch import Event
@@ -46,9 +44,10 @@ EMBEDDED_MAX_REQUEST_BYTES = 256 << 20
 
 class _Slot:
     """One caller's write, waiting on a plain lock until the event loop resolves it (it is
-    a raft.node.Waiter: the driver calls set_result / set_exception directly)."""
+    a raft.node.Waiter: the driver calls set_result / set_exception directly). kv.Node's
+    propose_now sends it as request `rid` of the session `lane`."""
 
-    __slots__ = ("cmd", "payload", "lock", "applied", "error", "fallback", "_done")
+    __slots__ = ("cmd", "payload", "lock", "applied", "error", "fallback", "_done", "lane", "rid")
 
     def __init__(self, cmd, payload: bytes) -> None:
         self.cmd, self.payload = cmd, payload
@@ -56,6 +55,7 @@ class _Slot:
         self.lock.acquire()
         self.applied = self.error = None
         self.fallback = self._done = False
+        self.lane = self.rid = None
 
     def done(self) -> bool:
         return self._done
@@ -131,10 +131,12 @@ class Store:
 
     # -- writes ----------------------------------------------------------------------------
     #
-    # A write does not go through run_coroutine_threadsafe: the calling thread queues its
-    # command and blocks on a lock; the loop takes everything queued in one proposal (one
-    # Ready, one fsync) and releases each lock when that command is applied. Anything out
-    # of the ordinary (no leader yet) goes the general way, kv.Node.submit, with its retries.
+    # A write does not go through run_coroutine_threadsafe: the calling thread encodes its
+    # command (kv.Node.encode_request: the same checks as every write) and queues it, and
+    # blocks on a lock; the loop hands everything queued to kv.Node.propose_now (one
+    # Ready, one fsync), which releases each lock when that command is applied. Anything
+    # out of the ordinary (no leader yet, no free session, a leader change) goes the
+    # general way, kv.Node.submit, with its retries: as the same session request.
 
     def put(self, key: str, value: bytes, *, if_mod_index: int | None = None, if_absent: bool = False, lease: int | None = None) -> WriteResult:
         """Write durably. With if_mod_index / if_absent it is conditional (PreconditionFailed);
@@ -156,33 +158,41 @@ class Store:
         if self._closed:
             raise Unavailable("the store is closed")
         self._lt.refuse_own_thread()
-        slot = _Slot(cmd, encode_command(cmd))
+        slot = _Slot(cmd, self._node.encode_request(cmd))
         self._queue.append(slot)
         if not self._drain_scheduled:
             self._drain_scheduled = True
             self._loop.call_soon_threadsafe(self._drain)
         slot.lock.acquire()
-        if slot.fallback or isinstance(slot.error, NotLeader):  # not appended, or replaced
-            return self._call(self._node.submit(cmd))
-        if isinstance(slot.error, (OutcomeUnknown, NodeStopped)):
-            raise public_error(slot.error, written=True, wait=self.config.write_timeout_s)
-        if slot.error is not None:
-            raise slot.error
-        return slot.applied
+        lane = slot.lane
+        try:
+            err = slot.error
+            if err is None and not slot.fallback:
+                if type(slot.applied.result) is not cmds.SessionExpired:
+                    return slot.applied
+                lane = slot.rid = None  # the session closed before this write reached it: applied nowhere
+            elif isinstance(err, (DeadlineExceeded, NodeStopped)):
+                raise public_error(err, written=not isinstance(err, NeverCommitted), wait=self.config.write_timeout_s)
+            elif err is not None and not isinstance(err, (NotLeader, OutcomeUnknown)):
+                raise err
+            if slot.rid is None:
+                return self._call(self._node.submit(cmd))
+            try:  # not appended, replaced, or its outcome unknown: the same request again
+                return self._call(self._node.submit(cmd, request_id=slot.rid, resent=isinstance(err, OutcomeUnknown)))
+            except SessionExpired:  # and it was applied nowhere
+                lane = None
+                return self._call(self._node.submit(cmd))
+        finally:
+            if lane is not None:
+                self._node.sessions.release(lane)
 
     def _drain(self) -> None:
         self._drain_scheduled = False  # first: a write queued from now on schedules again
         slots = []
         while self._queue:
             slots.append(self._queue.popleft())
-        if not slots:
-            return
-        deadline = self._loop.time() + self.config.write_timeout_s
-        try:
-            self._node.raft.propose_waiters([(EntryKind.NORMAL, s.payload, s) for s in slots], deadline)
-        except Exception:
-            for s in slots:
-                s.give_up()
+        if slots:
+            self._node.propose_now(slots)
 
     def put_many(self, items: dict[str, bytes] | Sequence[tuple[str, bytes]]) -> TxnResult:
         """Write many keys in one atomic, fsynced transaction."""

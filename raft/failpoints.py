@@ -10,6 +10,11 @@ install.after_adopt, install.after_reset.
 
 Failure points raise InjectedFailure instead (`raise_at()`), to test how the code around
 them copes: apply.raise (the state machine fails to apply a batch of committed entries).
+
+Delay points hold the code there for a while, every time (`delay()`: `name~SECONDS` in
+KV_FAILPOINTS), to widen a window for a fault test: write.before_answer (the leader holds
+the answer to a write that is applied, so that a kill there leaves it committed and
+unacknowledged).
 """
 
 from __future__ import annotations
@@ -19,15 +24,24 @@ import os
 EXIT_CODE = 86
 
 
-def _parse(spec: str) -> dict[str, int]:
-    armed = {}
+def _parse(spec: str) -> tuple[dict[str, int], dict[str, float]]:
+    armed, delays = {}, {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
+        if "~" in item:
+            name, _, seconds = item.partition("~")
+            delays[name] = float(seconds)
+            continue
         name, _, nth = item.partition("@")
         armed[name] = int(nth) if nth else 1
-    return armed
+    return armed, delays
 
 
-_armed = _parse(os.environ.get("KV_FAILPOINTS", ""))
+_armed, _delays = _parse(os.environ.get("KV_FAILPOINTS", ""))
+
+
+def delay(name: str) -> float:
+    """The seconds to hold at this point (0 unless armed with name~SECONDS)."""
+    return _delays.get(name, 0.0)
 
 
 def hit(name: str) -> None:

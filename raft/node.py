@@ -20,10 +20,12 @@ inside the driver's step.
 
 A proposal's future resolves when the state machine has applied its index: with the result
 if the entry there still has the proposal's term, with NotLeader if another leader's entry
-took its place (the write did not happen; retry is safe), with OutcomeUnknown if a snapshot
-from the leader replaced this node's log past it (it may have committed: never retry). A
-deposed leader therefore never acknowledges a write it cannot prove committed; a caller
-that gives up waiting knows only that the outcome is unknown.
+took its place (this copy did not happen), with OutcomeUnknown if a snapshot from the
+leader replaced this node's log past it (it may have committed). A deposed leader therefore
+never acknowledges a write it cannot prove committed; a caller that gives up waiting knows
+only that the outcome is unknown. Either way an earlier copy of the same command may still
+commit, so a command is sent again only if the state machine recognises copies (a client
+session's request, kv/sessions.py), never as a new write.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
+from . import failpoints
 from .committed import CommittedFeed
 from .config import CoreConfig
 from .core import RaftCore, Ready
@@ -75,9 +78,15 @@ class Overloaded(RaftError):
     """Too many writes are waiting to commit on this node; retry after a moment."""
 
 
+class NeverCommitted(NodeStopped):
+    """The node stopped before the proposal could commit anywhere: it was still queued, or
+    its entry was in a ledger write that failed on the only voter."""
+
+
 class OutcomeUnknown(RaftError):
     """This node can no longer tell whether a proposal committed: it may have. Never a
-    reason to re-propose (that could apply the write twice)."""
+    reason to re-propose as a new write (that could apply it twice); only the very same
+    request, which the state machine recognises (a client session's)."""
 
 
 class DeadlineExceeded(OutcomeUnknown):
@@ -271,8 +280,17 @@ class RaftNode:
         await asyncio.get_running_loop().run_in_executor(None, self._writer.shutdown, True)
         self._fail_all(NodeStopped("the node stopped; the outcome of this request is unknown"))
 
-    def _fail_all(self, exc: BaseException) -> None:
-        futs = [f for _, f in self._pending.values()] + [f for *_, f in self._proposals]
+    def _fail_all(self, exc: BaseException, lost_from: int | None = None) -> None:
+        """Fail everything waiting with exc; proposals that cannot have committed (still
+        queued, or at or after `lost_from`) with NeverCommitted."""
+        never = NeverCommitted(f"{exc}; the request was not carried out")
+        for i, (_, f) in self._pending.items():
+            if lost_from is not None and i >= lost_from and not f.done():
+                f.set_exception(never)
+        for *_, f in self._proposals:
+            if not f.done():
+                f.set_exception(never)
+        futs = [f for _, f in self._pending.values()]
         futs += list(self._read_futs.values()) + [f for _, f in self._apply_waiters]
         futs += [f for _, f in self._forwards.values()]
         self._forwards.clear()
@@ -362,6 +380,8 @@ class RaftNode:
                 deadline = self.loop.time() + FORWARD_WAIT_S
                 applied = await self.propose(m.payload, deadline=deadline)
                 index, term, payload = applied.index, applied.term, self._result_encoder(applied.result)
+                if failpoints.delay("write.before_answer"):
+                    await asyncio.sleep(failpoints.delay("write.before_answer"))
         except NotLeader as e:
             code, payload = ForwardCode.NOT_LEADER, str(e).encode()
         except TransferInProgress as e:
@@ -529,11 +549,12 @@ class RaftNode:
             log.exception("node %s failed", self.id)
             self.fail(e)
 
-    def fail(self, e: BaseException) -> None:
-        """Stop serving after an error that leaves this node unable to go on safely."""
+    def fail(self, e: BaseException, lost_from: int | None = None) -> None:
+        """Stop serving after an error that leaves this node unable to go on safely;
+        entries from `lost_from` on are known to have committed nowhere."""
         self.failure = e
         self._stopped = True
-        self._fail_all(NodeStopped(f"node {self.id} failed: {e}"))
+        self._fail_all(NodeStopped(f"node {self.id} failed: {e}"), lost_from)
         self.leader_changed.set()
 
     def _step(self) -> None:
@@ -679,7 +700,10 @@ class RaftNode:
         exc = fut.exception()
         if exc is not None:
             log.error("node %s: ledger write failed, stopping: %s", self.id, exc)
-            self.fail(exc)
+            # With this node the only voter, entries that did not reach its ledger cannot
+            # have committed; elsewhere the followers may commit what they were sent.
+            first = min((rd.entries[0].index for rd in batch if rd.entries), default=None)
+            self.fail(exc, first if self.core.membership.voters == {self.id} else None)
             return
         self.stats["writes"] += 1
         t = self.transport

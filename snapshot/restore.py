@@ -55,7 +55,7 @@ def restore(
     membership = Membership.of(Member(i, addr, (http_urls or {}).get(i, "")) for i, addr in peers.items())
     os.makedirs(data_dir, exist_ok=True)
     try:
-        say(f"loading {trailer.records} keys ...")
+        say(f"loading {trailer.records} records ...")
         sm = LevelDBStateMachine(os.path.join(data_dir, "state"))
         try:
             with open(snapshot_file, "rb") as f:

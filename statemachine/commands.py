@@ -13,6 +13,11 @@ Commands:
 - LeaseGrant(ttl_ms)         a lease; its id is the index of the entry that granted it
 - LeaseRevoke(lease)         end a lease and delete its keys (the leader commits one when a
                              lease expires on its clock)
+- SessionOpen(session, max)  open a client session (Raft dissertation §6.3; see sessions.py)
+- InSession(session, seq, cmd)  a write sent in a session: applied at most once, a repeat
+                             is answered with the first one's result
+- SessionsExpire(upto)       close the sessions last used at or before index `upto` (the
+                             leader commits one when they have been idle --session-ttl-s)
 
 A Put with `lease` attaches the key to that lease (refused with NoSuchLease when the lease
 does not exist); a Put without one, or a Delete, detaches it. Two more commands never enter
@@ -38,6 +43,8 @@ MAX_INDEX = (1 << 63) - 1  # log indexes (and so mod_index) fit a signed 64-bit 
 _OP_PUT, _OP_DELETE, _OP_TXN, _OP_GET = 1, 2, 3, 4
 _OP_PUT_LEASE, _OP_LEASE_GRANT, _OP_LEASE_REVOKE, _OP_LEASE_KEEPALIVE, _OP_LEASE_QUERY = 5, 6, 7, 8, 9
 _OP_LEASE_KEEPALIVES = 10
+_OP_SESSION_OPEN, _OP_SESSION, _OP_SESSIONS_EXPIRE = 11, 12, 13
+OP_IN_SESSION = _OP_SESSION
 MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
 MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
 _COND_MOD, _COND_VALUE, _COND_EXISTS = 1, 2, 3
@@ -122,7 +129,33 @@ class LeaseQuery(NamedTuple):
     lease: int = 0
 
 
-Command = Put | Delete | Txn | LeaseGrant | LeaseRevoke
+class SessionOpen(NamedTuple):
+    """Open a client session with this id (chosen at random by whoever opens it). Opening
+    one more than `max_sessions` (the proposer's --max-sessions, carried in the entry so
+    that every replica evicts alike) closes the least recently used."""
+
+    session: int
+    max_sessions: int
+
+
+class InSession(NamedTuple):
+    """A write sent as request `seq` of a client session: applied at most once, however
+    often it is sent; a repeat gets the first one's result (see sessions.py)."""
+
+    session: int
+    seq: int
+    cmd: Put | Delete | Txn | LeaseGrant | LeaseRevoke
+
+
+class SessionsExpire(NamedTuple):
+    """Close every session last used at or before log index `upto`: the leader's clock
+    decides when they have been idle long enough and commits this, so every replica
+    closes the same ones at the same index."""
+
+    upto: int
+
+
+Command = Put | Delete | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire
 LocalCommand = LeaseKeepAlive | LeaseKeepAlives | LeaseQuery  # what a follower forwards but nobody logs
 
 
@@ -186,6 +219,29 @@ class LeaseRevoked(NamedTuple):
 
 class LeaseList(NamedTuple):
     leases: tuple[LeaseInfo | NoSuchLease, ...]  # without their keys (NoSuchLease: in a keepalive's answer)
+
+
+class SessionOpened(NamedTuple):
+    session: int
+
+
+class SessionExpired(NamedTuple):
+    """The session is not open (it expired, was evicted, or was never opened): the write
+    was not applied."""
+
+    session: int
+
+
+class StaleRequest(NamedTuple):
+    """A request numbered below the session's last one: it was answered already (or given
+    up on); it was not applied again."""
+
+    session: int
+    seq: int
+    last_seq: int
+
+
+NOT_APPLIED = (SessionExpired, StaleRequest)  # a session's answers that applied nothing
 
 
 class ReadLimitExceeded(NamedTuple):
@@ -264,7 +320,7 @@ def _op(op: Put | Delete | Get) -> bytes:
 
 
 _HEAD = bytes((COMMAND_FORMAT,))
-_PUT_HEAD = bytes((COMMAND_FORMAT, _OP_PUT))
+PUT_HEAD = _PUT_HEAD = bytes((COMMAND_FORMAT, _OP_PUT))  # a put without a lease (the state machine's hot path)
 _PUT_OPCODE = bytes((_OP_PUT,))
 
 
@@ -280,14 +336,73 @@ def _lease_id(lease: int) -> bytes:
     return _U64.pack(lease)
 
 
+MAX_SESSION_ID = (1 << 53) - 1  # session ids travel as JSON numbers: exact in every language
+MAX_SESSIONS = 10_000_000
+IN_SESSION = bytes((COMMAND_FORMAT, _OP_SESSION))
+SESSION_IDS = struct.Struct(">QQ")
+SESSION_HEAD_BYTES = len(IN_SESSION) + SESSION_IDS.size
+_SESSION_PREFIX = struct.Struct(">BBQQ")
+
+
+def check_request_id(session: int, seq: int) -> None:
+    if type(session) is not int or not 0 < session <= MAX_SESSION_ID:
+        raise CommandError(f"a session id is an integer from 1 to {MAX_SESSION_ID}, not {session!r}")
+    if type(seq) is not int or not 0 < seq <= MAX_INDEX:
+        raise CommandError(f"a request's sequence number is an integer from 1 to {MAX_INDEX}, not {seq!r}")
+
+
+def _session_id(session: int) -> bytes:
+    check_request_id(session, 1)
+    return _U64.pack(session)
+
+
+def _max_sessions(n: int) -> int:
+    if type(n) is not int or not 0 < n <= MAX_SESSIONS:
+        raise CommandError(f"--max-sessions is an integer from 1 to {MAX_SESSIONS}, not {n!r}")
+    return n
+
+
+def in_session(session: int, seq: int, payload: bytes) -> bytes:
+    """An encoded write, as request `seq` of a session."""
+    if not can_be_in_session(payload):
+        raise CommandError("only puts, deletes, transactions and lease grants and revokes are sent in a session")
+    try:
+        if 0 < session <= MAX_SESSION_ID and 0 < seq <= MAX_INDEX:
+            return _SESSION_PREFIX.pack(COMMAND_FORMAT, _OP_SESSION, session, seq) + payload
+    except (TypeError, struct.error):
+        pass
+    check_request_id(session, seq)  # raises with the reason
+    raise CommandError(f"not a request id: {session!r}, {seq!r}")
+
+
+def can_be_in_session(payload: bytes) -> bool:
+    return payload[1:2] in SESSION_OPCODES and payload[:1] == _HEAD
+
+
+def session_of(data: bytes) -> tuple[int, int, bytes] | None:
+    """(session, seq, the write's own encoding) of a write sent in a session, else None."""
+    if data[:2] != IN_SESSION or len(data) < SESSION_HEAD_BYTES:
+        return None
+    session, seq = SESSION_IDS.unpack_from(data, 2)
+    return session, seq, data[SESSION_HEAD_BYTES:]
+
+
 def encode(cmd: Command | LocalCommand) -> bytes:
     if type(cmd) is Put:
         # The hot path: the value goes last, unprefixed, so the entry is just header + value.
         if cmd.lease:
             return _HEAD + bytes((_OP_PUT_LEASE,)) + _key(cmd.key) + _cond(cmd.cond) + _lease_id(cmd.lease) + bytes(cmd.value)
         return _PUT_HEAD + _key(cmd.key) + _cond(cmd.cond) + bytes(cmd.value)
+    if type(cmd) is InSession:
+        return in_session(cmd.session, cmd.seq, encode(cmd.cmd))
     if type(cmd) is LeaseGrant:
         return _HEAD + bytes((_OP_LEASE_GRANT,)) + _U64.pack(check_ttl_ms(cmd.ttl_ms))
+    if type(cmd) is SessionOpen:
+        return _HEAD + bytes((_OP_SESSION_OPEN,)) + _session_id(cmd.session) + _U32.pack(_max_sessions(cmd.max_sessions))
+    if type(cmd) is SessionsExpire:
+        if type(cmd.upto) is not int or not 0 < cmd.upto <= MAX_INDEX:
+            raise CommandError(f"sessions expire up to a log index, not {cmd.upto!r}")
+        return _HEAD + bytes((_OP_SESSIONS_EXPIRE,)) + _U64.pack(cmd.upto)
     if type(cmd) is LeaseRevoke:
         return _HEAD + bytes((_OP_LEASE_REVOKE,)) + _lease_id(cmd.lease)
     if type(cmd) is LeaseKeepAlive:
@@ -405,6 +520,12 @@ def decode(data: bytes) -> Command | LocalCommand:
             cond = r.cond()
             lease = _U64.unpack(r.take(8))[0]
             return Put(key, data[r.o :], cond, lease)
+        if code == _OP_SESSION:
+            session, seq, inner = session_of(data) or (0, 0, b"")
+            if not can_be_in_session(inner):
+                raise CommandError("a session carries a put, delete, transaction or lease grant or revoke")
+            check_request_id(session, seq)
+            return InSession(session, seq, decode(inner))
         if code == _OP_DELETE:
             cmd = Delete(r.key(), r.cond())
         elif code in _LEASE_OPS:
@@ -414,6 +535,12 @@ def decode(data: bytes) -> Command | LocalCommand:
             if not 0 < n <= MAX_KEEPALIVES:
                 raise CommandError(f"a batched keepalive renews 1 to {MAX_KEEPALIVES} leases, not {n}")
             cmd = LeaseKeepAlives(struct.unpack(f">{n}Q", r.take(8 * n)))
+        elif code == _OP_SESSION_OPEN:
+            session = _U64.unpack(r.take(8))[0]
+            cmd = SessionOpen(session, _max_sessions(r.u32()))
+            check_request_id(session, 1)
+        elif code == _OP_SESSIONS_EXPIRE:
+            cmd = SessionsExpire(_U64.unpack(r.take(8))[0])
         elif code == _OP_TXN:
             conds = tuple(r.cond() for _ in range(r.u16()))
             ops = r.ops(r.u32())
@@ -433,6 +560,8 @@ def is_local(payload: bytes) -> bool:
     return len(payload) > 1 and payload[0] == COMMAND_FORMAT and payload[1] in (_OP_LEASE_KEEPALIVE, _OP_LEASE_KEEPALIVES, _OP_LEASE_QUERY)
 
 
+# The opcodes (as one byte) of the commands sent in a session: the writes that are logged.
+SESSION_OPCODES = frozenset(bytes((op,)) for op in (_OP_PUT, _OP_PUT_LEASE, _OP_DELETE, _OP_TXN, _OP_LEASE_GRANT, _OP_LEASE_REVOKE))
 _LEASE_OPS = {_OP_LEASE_GRANT: LeaseGrant, _OP_LEASE_REVOKE: LeaseRevoke, _OP_LEASE_KEEPALIVE: LeaseKeepAlive, _OP_LEASE_QUERY: LeaseQuery}
 
 
@@ -463,6 +592,12 @@ def _enc_one(r) -> bytes:
         return b"S" + _U32.pack(len(r.leases)) + b"".join(_enc_one(x) for x in r.leases)
     if isinstance(r, ReadLimitExceeded):
         return b"R" + _U64.pack(r.index) + bytes((int(r.succeeded),)) + _U64.pack(r.limit)
+    if isinstance(r, SessionOpened):
+        return b"O" + _U64.pack(r.session)
+    if isinstance(r, SessionExpired):
+        return b"Z" + _U64.pack(r.session)
+    if isinstance(r, StaleRequest):
+        return b"Q" + _U64.pack(r.session) + _U64.pack(r.seq) + _U64.pack(r.last_seq)
     if isinstance(r, CommandError):
         msg = str(r).encode()
         return b"E" + _U32.pack(len(msg)) + msg
@@ -512,6 +647,12 @@ def _dec_one(rd: _Reader):
         idx = _U64.unpack(rd.take(8))[0]
         ok = bool(rd.byte())
         return ReadLimitExceeded(idx, ok, _U64.unpack(rd.take(8))[0])
+    if tag == b"O":
+        return SessionOpened(_U64.unpack(rd.take(8))[0])
+    if tag == b"Z":
+        return SessionExpired(_U64.unpack(rd.take(8))[0])
+    if tag == b"Q":
+        return StaleRequest(*struct.unpack(">QQQ", rd.take(24)))
     if tag == b"E":
         return CommandError(rd.take(rd.u32()).decode())
     if tag == b"N":

@@ -9,6 +9,8 @@ Layout:
     b"k\x00..."        reserved records: leases and the keys attached to them (leases.py)
     b"\\x00fx" + index  what that entry changed, when its log rows do not say (effect_record)
     b"\\x00effects_from" the first index with effect records (the watch history's floor)
+    b"\\x00sessions_at"  the index as of which every client session's record is up to date
+    b"k\\x00sess/..."      client sessions (sessions.py)
 
 The effect records let a watch replay history from the ledger: an entry's mutations are
 in the log, but whether a compare-and-set's condition held, which branch of a transaction
@@ -24,6 +26,7 @@ replays them); `sync()` makes everything durable before the ledger is compacted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -36,7 +39,10 @@ import plyvel
 from ..raft.errors import KVError
 from ..raft.messages import Entry, EntryKind
 from .commands import (
-    COMMAND_FORMAT,
+    IN_SESSION,
+    SESSION_IDS,
+    PUT_HEAD,
+    SESSION_HEAD_BYTES,
     CommandError,
     Cond,
     Delete,
@@ -51,13 +57,22 @@ from .commands import (
     ConditionFailed,
     Put,
     PutResult,
+    InSession,
     ReadLimitExceeded,
+    SessionExpired,
+    SessionOpen,
+    SessionOpened,
+    SessionsExpire,
+    StaleRequest,
     Txn,
     TxnApplied,
     decode,
+    decode_result,
+    encode_result,
     txn_branches,
 )
 from .leases import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
+from .sessions import SESSION_RESULT_MAX, SessionTable, record_value, session_record
 
 _APPLIED = b"\x00applied"
 _MEMBERSHIP = b"\x00membership"
@@ -66,10 +81,10 @@ _SYNC = b"\x00sync"
 _REMOVED = b"\x00removed"  # ids removed from the cluster (JSON list): their peers are refused
 _EFFECTS = b"\x00fx"
 _EFFECTS_FROM = b"\x00effects_from"
+_SESSIONS_AT = b"\x00sessions_at"  # every session record is up to date as of this index
 _DATA = b"k"
 _USER_DATA = _DATA + b"\x01"  # where user keys start: the reserved ones sort before
 _TWO_U64 = struct.Struct(">QQ")
-_PLAIN_PUT = bytes((COMMAND_FORMAT, 1))  # format 1, opcode PUT
 _U64 = struct.Struct(">Q")
 _RESTORE_BATCH = 10_000
 
@@ -104,6 +119,9 @@ class LevelDBStateMachine:
             self._db = plyvel.DB(path, create_if_missing=True, paranoid_checks=True)
             raw = self._db.get(_APPLIED, verify_checksums=True)
             self.incomplete = self._db.get(_RESTORING, verify_checksums=True) is not None
+            self.leases = LeaseTable()
+            self.sessions = SessionTable()
+            self._load_reserved()
         except plyvel.Error as e:
             if getattr(self, "_db", None) is not None:
                 self._db.close()
@@ -113,13 +131,14 @@ class LevelDBStateMachine:
         self._applied = _TWO_U64.unpack(raw) if raw else (0, 0)
         self._membership = self._db.get(_MEMBERSHIP) or b""
         self._removed = set(json.loads(self._db.get(_REMOVED) or b"[]"))
-        self.leases = LeaseTable()
-        self._load_leases()
         raw_from = self._db.get(_EFFECTS_FROM)
         if raw_from is None:  # a new state, or one from a version that kept no records
             raw_from = _U64.pack(self._applied[0] + 1)
             self._db.put(_EFFECTS_FROM, raw_from)
         self.effects_from = _U64.unpack(raw_from)[0]
+        raw_at = self._db.get(_SESSIONS_AT)
+        self.sessions_at = _U64.unpack(raw_at)[0] if raw_at else self._applied[0]
+        self.copies = 0  # session requests applied again and answered with the first one's result
         # Called with the changes of each applied batch, when someone watches.
         self.on_changes: Callable[[list[Change]], None] | None = None
 
@@ -175,9 +194,12 @@ class LevelDBStateMachine:
         with self._db.iterator(start=_USER_DATA, stop=_DATA + b"\xff" * 8, include_value=False) as it:
             return sum(1 for k in it if k.startswith(_DATA))
 
-    def _load_leases(self) -> None:
+    def _load_reserved(self) -> None:
+        """The lease and session tables, from their records."""
         with self._db.iterator(prefix=_DATA + RESERVED, verify_checksums=True) as it:
-            self.leases.load((k[1:], v[8:]) for k, v in it)
+            records = [(k[1:], _U64.unpack_from(v)[0], v[8:]) for k, v in it]
+        self.leases.load((k, v) for k, _, v in records)
+        self.sessions.load(records)
 
     def lease_info(self, lease: int) -> LeaseInfo | None:
         """A lease as applied here (remaining: the full ttl; only the leader's clock knows
@@ -189,8 +211,9 @@ class LevelDBStateMachine:
 
     def apply(self, entries: Sequence[Entry], answering: Container[int] | None = None) -> list[Any]:
         """Apply entries; a transaction's gets are read only for the indexes in `answering`
-        (those whose result someone waits for here; None: every entry). Gets change
-        nothing, so the other replicas skip them and never build a reply nobody reads."""
+        (those whose result someone waits for here; None: every entry) or sent in a session
+        (whose result every replica keeps). Gets change nothing, so the other replicas skip
+        them and never build a reply nobody reads."""
         wb = self._db.write_batch()
         overlay: dict[bytes, tuple[int, bytes] | None] = {}  # this batch's writes, by raw key
         changes: list[Change] | None = [] if self.on_changes is not None else None
@@ -198,46 +221,69 @@ class LevelDBStateMachine:
         put_kind = EntryKind.NORMAL
         pack = _U64.pack
         attached = self.leases.attached
+        sessions = self.sessions.last
         for e in entries:
-            if e.kind == put_kind:
-                d = e.data
-                if d[:2] == _PLAIN_PUT and len(d) > 4:
-                    # The hot path, an unconditional put, read straight from the encoding:
-                    # version, opcode, key length, key, no condition, value.
-                    end = 4 + ((d[2] << 8) | d[3])
-                    if len(d) > end and d[end] == 0:
-                        raw = d[4:end]
-                        try:
-                            key = raw.decode()
-                        except UnicodeDecodeError:
-                            key = None  # the slow path rejects it with a reason
-                        if key is not None:
-                            k = _DATA + raw
-                            value = d[end + 1 :]
-                            overlay[k] = (e.index, value)
-                            wb.put(k, pack(e.index) + value)
-                            if key in attached:
-                                self._detach(key, wb)
-                            if changes is not None:
-                                changes.append((e.index, key, value))
-                            results.append(PutResult(e.index))
+            if e.kind != put_kind:
+                if e.kind == EntryKind.CONFIG:
+                    self._apply_config(e.data, wb)
+                results.append(None)
+                continue
+            d = e.data
+            session = 0
+            if d[:2] == IN_SESSION and len(d) >= SESSION_HEAD_BYTES:
+                session, seq = SESSION_IDS.unpack_from(d, 2)
+                s = sessions.get(session)
+                if s is None or seq <= s[0]:
+                    results.append(self._not_again(e, session, seq, s, wb, overlay))
+                    continue
+                d = d[SESSION_HEAD_BYTES:]
+            result = None
+            if d[:2] == PUT_HEAD and len(d) > 4:
+                # The hot path, an unconditional put, read straight from the encoding:
+                # version, opcode, key length, key, no condition, value.
+                end = 4 + ((d[2] << 8) | d[3])
+                if len(d) > end and d[end] == 0:
+                    raw = d[4:end]
+                    try:
+                        key = raw.decode()
+                    except UnicodeDecodeError:
+                        key = None  # the slow path rejects it with a reason
+                    if key is not None:
+                        k = _DATA + raw
+                        value = d[end + 1 :]
+                        overlay[k] = (e.index, value)
+                        wb.put(k, pack(e.index) + value)
+                        if key in attached:
+                            self._detach(key, wb)
+                        if changes is not None:
+                            changes.append((e.index, key, value))
+                        result = PutResult(e.index)
+                        if session:  # its answer is PutResult(this index): the record can wait (sessions.py)
+                            s = sessions.pop(session)
+                            s[0], s[1], s[2] = seq, e.index, False
+                            sessions[session] = s
+                            self.sessions.dirty.add(session)
+                            results.append(result)
                             continue
+            if result is None:
                 try:
                     cmd = decode(d)
                 except CommandError as err:
                     results.append(err)  # deterministic: every replica rejects it alike
                     continue
-                reads = answering is None or e.index in answering
-                result = self._execute(cmd, e.index, wb, overlay, changes, reads)
-                took = effect_record(cmd, result)
+                if type(cmd) is Txn:
+                    reads = answering is None or session or e.index in answering
+                    applied, over = self._txn(cmd, e.index, wb, overlay, changes, reads)
+                    took = effect_record(cmd, applied)
+                    result = ReadLimitExceeded(e.index, applied.succeeded, self.max_read_bytes) if over else applied
+                else:
+                    result = self._execute(cmd, e.index, wb, overlay, changes)
+                    took = effect_record(cmd, result)
                 if took is not None:
                     wb.put(_EFFECTS + pack(e.index), took)
-                results.append(result)
-            elif e.kind == EntryKind.CONFIG:
-                self._apply_config(e.data, wb)
-                results.append(None)
-            else:
-                results.append(None)
+            if session:
+                self._answered(session, seq, e.index, result, wb, overlay)
+            results.append(result)
         if entries:
             last = entries[-1]
             wb.put(_APPLIED, _TWO_U64.pack(last.index, last.term))
@@ -246,6 +292,87 @@ class LevelDBStateMachine:
         if changes:
             self.on_changes(changes)
         return results
+
+    # -- sessions (sessions.py) ------------------------------------------------------------
+
+    def _answered(self, session: int, seq: int, index: int, result, wb, overlay: dict) -> None:
+        """Keep request `seq`'s result, the answer to any copy of it."""
+        if type(result) is PutResult:
+            encoded = b"P" + _U64.pack(result.index)
+        else:
+            encoded = encode_result(result)
+            if len(encoded) > SESSION_RESULT_MAX:  # a transaction's gets, a revoke's keys
+                encoded = encode_result(ReadLimitExceeded(index, getattr(result, "succeeded", True), SESSION_RESULT_MAX))
+        table = self.sessions.last
+        s = table.pop(session)  # to the end: the most recently used
+        s[0], s[1], s[2] = seq, index, True
+        table[session] = s
+        self.sessions.dirty.discard(session)
+        k = _DATA + session_record(session)
+        v = _U64.pack(seq) + encoded
+        overlay[k] = (index, v)
+        wb.put(k, _U64.pack(index) + v)
+
+    def _not_again(self, e: Entry, session: int, seq: int, s: list[int] | None, wb, overlay: dict):
+        """A write in a session that is not open, or a copy of one applied already: the
+        first one's result, or why it is refused. Nothing is applied; the effect record
+        says so (the ledger holds the copy's mutations)."""
+        if s is None:
+            result = SessionExpired(session)
+        elif seq < s[0]:
+            result = StaleRequest(session, seq, s[0])
+        elif seq == 0:  # never sent by ledgerkv (in_session refuses it): no result to repeat
+            return CommandError("a request's sequence number starts at 1")
+        else:
+            if s[2]:
+                kept = self._current(_DATA + session_record(session), overlay)
+                result = decode_result(kept[1][8:])
+            else:  # a plain put, whose record waits for the next flush
+                result = PutResult(s[1])
+            self.copies += 1
+        try:
+            took = effect_record(decode(e.data).cmd, None)
+        except CommandError:
+            took = None  # nothing to mark: its mutations cannot be read either
+        if took is not None:
+            wb.put(_EFFECTS + _U64.pack(e.index), took)
+        return result
+
+    def flush_sessions(self, wb=None) -> None:
+        """Write the records that plain puts left waiting, and note that every record is up
+        to date as of the applied index (`sessions_at`): a restart replays the session
+        headers of the ledger's entries after it (replay_sessions)."""
+        own = wb is None
+        wb = wb if wb is not None else self._db.write_batch()
+        table = self.sessions.last
+        for session in self.sessions.dirty:
+            seq, used, _ = s = table[session]
+            wb.put(_DATA + session_record(session), _U64.pack(used) + record_value(seq, b"P" + _U64.pack(used)))
+            s[2] = True
+        self.sessions.dirty.clear()
+        self.sessions_at = self._applied[0]
+        wb.put(_SESSIONS_AT, _U64.pack(self.sessions_at))
+        if own:
+            wb.write()
+
+    def replay_sessions(self, entries: Sequence[Entry]) -> None:
+        """After a restart: what the plain puts of these entries (after sessions_at, up to the
+        applied index) did to their sessions, which their records do not say yet."""
+        self.sessions.replay(entries)
+
+    def _open_session(self, cmd: SessionOpen, index: int, wb) -> SessionOpened:
+        for gone in self.sessions.open(cmd.session, index, cmd.max_sessions):
+            wb.delete(_DATA + session_record(gone))
+        if self.sessions.last[cmd.session][1] == index:  # new (opening it again changes nothing)
+            wb.put(_DATA + session_record(cmd.session), _U64.pack(index) + record_value(0, b""))
+        return SessionOpened(cmd.session)
+
+    def _expire_sessions(self, upto: int, wb) -> None:
+        for gone in self.sessions.expire(upto):
+            wb.delete(_DATA + session_record(gone))
+
+    def open_sessions(self) -> int:
+        return len(self.sessions)
 
     def _apply_config(self, data: bytes, wb) -> None:
         before = {m["id"] for m in json.loads(self.membership() or b"[]")}
@@ -290,7 +417,7 @@ class LevelDBStateMachine:
             return None
         return ConditionFailed(cond.key, cur[0] if cur else 0)
 
-    def _execute(self, cmd, index: int, wb, overlay: dict, changes: list | None, reads: bool):
+    def _execute(self, cmd, index: int, wb, overlay: dict, changes: list | None):
         if isinstance(cmd, Put):
             if cmd.lease and cmd.lease not in self.leases.ttl_ms:
                 return NoSuchLease(cmd.lease)
@@ -301,42 +428,49 @@ class LevelDBStateMachine:
             return LeaseInfo(index, cmd.ttl_ms, cmd.ttl_ms)
         if isinstance(cmd, LeaseRevoke):
             return self._revoke(cmd.lease, index, wb, overlay, changes)
+        if isinstance(cmd, SessionOpen):
+            return self._open_session(cmd, index, wb)
+        if isinstance(cmd, SessionsExpire):
+            return self._expire_sessions(cmd.upto, wb)
+        if isinstance(cmd, InSession):  # ledgerkv never sends one (in_session refuses it)
+            return CommandError("a session's request carries a session's request")
         if isinstance(cmd, Delete):
             return self._check(cmd.cond, overlay) or self._delete(cmd, index, wb, overlay, changes)
-        if isinstance(cmd, Txn):
-            ok = all(self._check(c, overlay) is None for c in cmd.conds)
-            out = []
-            put_result = PutResult(index)  # every put of the txn has the same one
-            pack_index = _U64.pack(index)
-            budget = self.max_read_bytes if self.max_read_bytes is not None else float("inf")
-            for op in cmd.ops if ok else cmd.else_ops:
-                t = type(op)
-                if t is Put:
-                    k = _DATA + op.key.encode()
-                    overlay[k] = (index, op.value)
-                    wb.put(k, pack_index + op.value)
-                    if op.key in self.leases.attached:
-                        self._detach(op.key, wb)
-                    if changes is not None:
-                        changes.append((index, op.key, op.value))
-                    out.append(put_result)
-                elif t is Get:
-                    if not reads:
-                        out.append(None)
-                        continue
-                    cur = self._current(_DATA + op.key.encode(), overlay)
-                    budget -= len(cur[1]) if cur else 0
-                    if budget < 0:
-                        reads = False  # read no more (the writes still go on); see below
-                        out.append(None)
-                        continue
-                    out.append(GetResult(op.key, cur[1] if cur else None, cur[0] if cur else 0))
-                else:
-                    out.append(self._delete(op, index, wb, overlay, changes))
-            if budget < 0:
-                return ReadLimitExceeded(index, ok, self.max_read_bytes)
-            return TxnApplied(index, ok, tuple(out))
         raise CommandError(f"unknown command {cmd!r}")
+
+    def _txn(self, cmd: Txn, index: int, wb, overlay: dict, changes: list | None, reads: bool) -> tuple[TxnApplied, bool]:
+        """Run a transaction; returns what it did and whether its gets went over the read
+        budget (then they are not returned)."""
+        ok = all(self._check(c, overlay) is None for c in cmd.conds)
+        out = []
+        put_result = PutResult(index)  # every put of the txn has the same one
+        pack_index = _U64.pack(index)
+        budget = self.max_read_bytes if self.max_read_bytes is not None else float("inf")
+        for op in cmd.ops if ok else cmd.else_ops:
+            t = type(op)
+            if t is Put:
+                k = _DATA + op.key.encode()
+                overlay[k] = (index, op.value)
+                wb.put(k, pack_index + op.value)
+                if op.key in self.leases.attached:
+                    self._detach(op.key, wb)
+                if changes is not None:
+                    changes.append((index, op.key, op.value))
+                out.append(put_result)
+            elif t is Get:
+                if not reads:
+                    out.append(None)
+                    continue
+                cur = self._current(_DATA + op.key.encode(), overlay)
+                budget -= len(cur[1]) if cur else 0
+                if budget < 0:
+                    reads = False  # read no more (the writes still go on); see below
+                    out.append(None)
+                    continue
+                out.append(GetResult(op.key, cur[1] if cur else None, cur[0] if cur else 0))
+            else:
+                out.append(self._delete(op, index, wb, overlay, changes))
+        return TxnApplied(index, ok, tuple(out)), budget < 0
 
     def _put(self, op: Put, index: int, wb, overlay: dict, changes: list | None) -> PutResult:
         k = _DATA + op.key.encode()
@@ -387,23 +521,27 @@ class LevelDBStateMachine:
     # -- snapshots -------------------------------------------------------------------------
 
     def capture(self) -> LevelDBView:
+        self.flush_sessions()  # the snapshot carries every session as of its index
         return LevelDBView(self._db.snapshot(), *self._applied, self.membership())
 
     def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]]) -> int:
-        """Replace everything with a snapshot's records; returns how many were loaded. A
-        marker makes a crash in the middle visible at the next start (`incomplete`)."""
+        """Replace everything with a snapshot's records; returns how many user keys were
+        loaded (besides ledgerkv's own records). A marker makes a crash in the middle
+        visible at the next start (`incomplete`)."""
         self._db.put(_RESTORING, b"1", sync=True)
         self._db.close()
         shutil.rmtree(self.path)
         os.makedirs(self.path)
         self._db = plyvel.DB(self.path, create_if_missing=True, paranoid_checks=True)
         self._db.put(_RESTORING, b"1", sync=True)
-        n = 0
+        n = own = 0
         wb = self._db.write_batch()
         pack = _U64.pack
         for key, value, mod in items:
             wb.put(_DATA + key, pack(mod) + value)
             n += 1
+            if key[:1] == RESERVED:
+                own += 1
             if n % _RESTORE_BATCH == 0:
                 wb.write()
                 wb = self._db.write_batch()
@@ -416,11 +554,13 @@ class LevelDBStateMachine:
         fin.delete(_RESTORING)
         fin.put(_EFFECTS_FROM, _U64.pack(index + 1))  # the records before it were not loaded
         self.effects_from = index + 1
+        fin.put(_SESSIONS_AT, _U64.pack(index))
+        self.sessions_at = index
         fin.write()
         self._applied = (index, term)
         self.incomplete = False
-        self._load_leases()
-        return n
+        self._load_reserved()
+        return n - own
 
     def sync(self) -> None:
         """Make every applied batch durable (before the ledger drops the entries). A synced
@@ -435,6 +575,9 @@ class LevelDBStateMachine:
 
     def close(self) -> None:
         if self._db is not None and not self._db.closed:
+            if not self.incomplete:
+                with contextlib.suppress(plyvel.Error):  # a full disk: the restart replays them instead
+                    self.flush_sessions()  # a restart then has nothing to replay
             self._db.close()
 
 
@@ -453,7 +596,10 @@ def effect_record(cmd, result) -> bytes | None:
         took = [isinstance(result, PutResult)]  # not a failed condition, nor an unknown lease
     elif isinstance(cmd, Delete):
         took = [isinstance(result, DeleteApplied) and result.deleted]
-    elif isinstance(cmd, Txn) and isinstance(result, TxnApplied):
+    elif isinstance(cmd, Txn):
+        if not isinstance(result, TxnApplied):  # refused (a session's copy): nothing took effect
+            n = sum(type(op) is not Get for _, ops in txn_branches(cmd) for op in ops)
+            return EFFECT_MASK + bytes(n) if n else None
         took = []
         for branch, ops in txn_branches(cmd):
             ran = (branch == "else") != result.succeeded

@@ -11,6 +11,13 @@ HTTP outcomes: 200 ok; 412 a CAS that did not apply (a definite outcome); 503 no
 done (no leader: the write was refused before it reached the log) — dropped from the
 history, so a wrong 503 shows up as an anomaly; 504, a timeout or a broken connection:
 unknown (the write may or may not have happened).
+
+With `sessions`, every write goes in a client session (X-Kv-Session, X-Kv-Seq) and a write
+whose outcome is unknown is sent again, the same request, to any node until it is answered
+or its deadline passes: the cluster must apply it once. With `history`, every written value
+is unique and the run ends by reading back every change the cluster made (a watch from
+index 1; the nodes must not compact): each acknowledged write must be there exactly once, a
+refused one (412, 503) never, one of unknown outcome at most once, and no value twice.
 """
 
 from __future__ import annotations
@@ -52,22 +59,35 @@ class Report:
     explored: int = 0  # states the linearizability search visited
     converged: bool = False
     divergence: str = ""
+    # with history: values a watch from index 1 shows twice, acknowledged ones it lacks, refused ones it holds
+    applied_twice: list = field(default_factory=list)
+    acked_missing: list = field(default_factory=list)
+    refused_applied: list = field(default_factory=list)
+    resent: int = 0  # writes sent again, in the same session request, after their outcome was unknown
 
     @property
     def anomalies(self) -> int:
-        return (0 if self.linearizable else 1) + len(self.set_lost) + (0 if self.converged else 1)
+        return (
+            (0 if self.linearizable else 1) + len(self.set_lost) + (0 if self.converged else 1)
+            + len(self.applied_twice) + len(self.acked_missing) + len(self.refused_applied)
+        )
 
     def summary(self) -> str:
         faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
         return (
             f"operations {self.ops} (outcome known {self.ok}, unknown {self.unknown}); acknowledged writes {self.acked_writes + self.set_acked}; "
             f"faults: {faults}; linearizable: {self.linearizable} ({self.explored} states searched{', history in ' + self.history_path if self.history_path else ''}); lost acknowledged set writes: {len(self.set_lost)}; "
-            f"converged: {self.converged}{' (' + self.divergence + ')' if self.divergence else ''}; anomalies: {self.anomalies}"
+            f"converged: {self.converged}{' (' + self.divergence + ')' if self.divergence else ''}; "
+            f"resent {self.resent}; applied twice {len(self.applied_twice)}, acknowledged but missing {len(self.acked_missing)}, "
+            f"refused but applied {len(self.refused_applied)}; anomalies: {self.anomalies}"
         )
 
 
+WRITE_DEADLINE_S = 10.0  # how long a session's write is sent again while its outcome is unknown
+
+
 class Workload:
-    def __init__(self, c: ProcCluster, seed: int) -> None:
+    def __init__(self, c: ProcCluster, seed: int, sessions: bool = False) -> None:
         self.c = c
         self.rng = random.Random(seed)
         self.history: list[Op] = []
@@ -76,6 +96,9 @@ class Workload:
         self.stop = False
         self.report = Report()
         self.started = time.monotonic()
+        self.sessions = sessions
+        self._session: dict[int, tuple[int, int]] = {}  # client -> (session, its last seq)
+        self.written: dict[str, str] = {}  # value -> "ok" | "refused" | "unknown"
 
     def _unique(self, client: int) -> str:
         self.counter += 1
@@ -88,6 +111,46 @@ class Workload:
                 return r.status, await r.read(), r.headers.get("ETag")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return None, b"", None
+
+    async def _write(self, s: aiohttp.ClientSession, client: int, node: str, path: str, value: str, headers=None) -> int | None:
+        """PUT a unique value; the status (None: outcome unknown), noted in `written`."""
+        status = await self._put(s, client, node, path, value.encode(), headers)
+        self.written[value] = "ok" if status == 200 else "unknown" if status in (None, 504) else "refused"
+        return status
+
+    async def _put(self, s: aiohttp.ClientSession, client: int, node: str, path: str, data: bytes, headers) -> int | None:
+        if not self.sessions:
+            return (await self._request(s, node, "PUT", path, data=data, headers=headers))[0]
+        deadline = time.monotonic() + WRITE_DEADLINE_S
+        reached = False  # whether a copy may have reached a node
+        rid = None  # (session, seq): the same on every copy
+        while True:
+            if rid is None:
+                if client not in self._session:
+                    status, body, _ = await self._request(s, node, "POST", "/v1/sessions")
+                    if status == 200:
+                        self._session[client] = (json.loads(body)["id"], 0)
+                if client in self._session:
+                    session, seq = self._session[client]
+                    rid = self._session[client] = (session, seq + 1)
+            if rid is not None:
+                h = {**(headers or {}), "X-Kv-Session": str(rid[0]), "X-Kv-Seq": str(rid[1])}
+                status, body, _ = await self._request(s, node, "PUT", path, data=data, headers=h)
+                if status in (200, 412, 404):
+                    return status
+                if status == 409 and b"SESSION_EXPIRED" in body:
+                    self._session.pop(client, None)
+                    if reached:
+                        return None
+                    rid = None
+                    continue
+                if status is None or status == 504:
+                    reached = True
+                    self.report.resent += 1
+            if time.monotonic() > deadline or self.stop:
+                return None if reached else 503
+            node = self.rng.choice(self.c.ids)
+            await asyncio.sleep(0.05)
 
     async def register_client(self, client: int) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=4)) as s:
@@ -107,7 +170,7 @@ class Workload:
                             await self._cas(s, client, node, key, value, etag)
                     continue
                 value = self._unique(client)
-                status, _, _ = await self._request(s, node, "PUT", f"/v1/kv/{key}", data=value.encode())
+                status = await self._write(s, client, node, f"/v1/kv/{key}", value)
                 t1 = time.monotonic()
                 if status == 200:
                     self._record(Op(client, "write", key, t0, t1, value))
@@ -119,7 +182,7 @@ class Workload:
     async def _cas(self, s, client: int, node: str, key: str, expected: str, etag: str) -> None:
         new = self._unique(client)
         t0 = time.monotonic()
-        status, _, _ = await self._request(s, node, "PUT", f"/v1/kv/{key}", data=new.encode(), headers={"If-Match": etag})
+        status = await self._write(s, client, node, f"/v1/kv/{key}", new, headers={"If-Match": etag})
         t1 = time.monotonic()
         if status == 200:
             self._record(Op(client, "cas", key, t0, t1, (expected, new), True))
@@ -143,7 +206,7 @@ class Workload:
             while not self.stop:
                 n += 1
                 key = f"set/{client}-{n}"
-                status, _, _ = await self._request(s, self.rng.choice(self.c.ids), "PUT", f"/v1/kv/{key}", data=b"x" * 200)
+                status = await self._write(s, client, self.rng.choice(self.c.ids), f"/v1/kv/{key}", key)
                 if status == 200:
                     self.set_acked.add(key)
                     self.report.set_acked += 1
@@ -228,8 +291,11 @@ def save_history(c: ProcCluster, ops: list[Op]) -> str:
 ALL_FAULTS = ["partition", "one-way", "isolate-leader", "kill-leader", "kill-any", "pause-leader", "rolling-restart", "hold-back-follower"]
 
 
-async def run(c: ProcCluster, seconds: float, seed: int, faults: list[str] = ALL_FAULTS, register_clients: int = 5, set_clients: int = 2) -> Report:
-    w = Workload(c, seed)
+async def run(
+    c: ProcCluster, seconds: float, seed: int, faults: list[str] = ALL_FAULTS, register_clients: int = 5, set_clients: int = 2,
+    sessions: bool = False, history: bool = False,
+) -> Report:
+    w = Workload(c, seed, sessions)
     nemesis = Nemesis(c, w.rng, w.report, faults)
     tasks = [asyncio.ensure_future(w.register_client(i)) for i in range(register_clients)]
     tasks += [asyncio.ensure_future(w.set_client(100 + i)) for i in range(set_clients)]
@@ -259,4 +325,24 @@ async def run(c: ProcCluster, seconds: float, seed: int, faults: list[str] = ALL
     if r.converged:
         present = {k for k, _, _ in c.dump(c.ids[0]) if k.startswith("set/")}
         r.set_lost = sorted(w.set_acked - present)
+        if history:
+            await check_applied_once(c, w.written, r)
     return r
+
+
+async def check_applied_once(c: ProcCluster, written: dict[str, str], r: Report) -> None:
+    """Read back every change (a watch from index 1) and hold each written value to its
+    outcome: acknowledged exactly once, refused never, unknown at most once."""
+    from kv import AsyncClient
+
+    node = c.ids[0]
+    st = c.status(node)
+    assert st["ledger_begin_index"] == 0, f"{node} compacted its ledger (to {st['ledger_begin_index']}): run without snapshots"
+    seen: Counter = Counter()
+    async with AsyncClient(c.url(node), timeout=60) as client:
+        async for ev in client.watch("", 1, end_index=st["applied_index"]):
+            if ev.type == "put":
+                seen[ev.value.decode()] += 1
+    r.applied_twice = sorted(v for v, n in seen.items() if n > 1)
+    r.acked_missing = sorted(v for v, o in written.items() if o == "ok" and seen[v] == 0)
+    r.refused_applied = sorted(v for v, o in written.items() if o == "refused" and seen[v] > 0)

@@ -11,6 +11,7 @@ import re
 import socket
 import struct
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 from served import FRONTS, ServedNode
@@ -393,12 +394,17 @@ async def test_log_route_streams_the_committed_entries(tmp_path):
         await node.stop()
 
 
-async def _fake_server(answer):
-    """A server on loopback that reads one request head and then calls answer(writer)."""
+async def _fake_server(answer, sessions=None):
+    """A server on loopback that reads one request head and then calls answer(writer);
+    POST /v1/sessions goes to sessions(writer) if given (on a connection of its own)."""
 
     async def serve(reader, writer):
         with contextlib.suppress(Exception):
-            await reader.readuntil(b"\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            if sessions is not None and head.startswith(b"POST /v1/sessions "):
+                await sessions(writer)
+                writer.close()
+                return
             await answer(writer)
 
     return await asyncio.start_server(serve, "127.0.0.1", 0)
@@ -410,21 +416,48 @@ async def _reset(writer):
     writer.transport.abort()
 
 
-async def test_a_write_whose_connection_resets_after_it_was_sent_is_not_sent_again(api):
+async def test_a_write_whose_answer_is_lost_is_sent_again_and_applied_once(api):
     """A newcomer's run: a node killed under a write loop; the client sent the write on to
     the next endpoint, which committed it a second time (or failed its if-absent condition
-    with the write's own value). Once connected, a failure means the outcome is unknown."""
+    with the write's own value). Now the write goes in a client session: the node in front
+    here carries it to the live node, then resets the connection before the answer; the
+    client sends the same request to the live node, which answers it with the first copy's
+    result instead of applying it again."""
     import kv
 
-    fake = await _fake_server(_reset)
+    live = f"http://{api.host}:{api.port}"
+    forwarded = []
+
+    async def deliver_then_reset(reader, writer):
+        with contextlib.suppress(Exception):
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode().split("\r\n")
+            method, target, _ = lines[0].split(" ")
+            headers = dict(line.split(": ", 1) for line in lines[1:] if line)
+            body = await reader.readexactly(int(headers.get("Content-Length", 0)))
+            async with aiohttp.ClientSession() as s:
+                async with s.request(method, live + target, data=body, headers={k: v for k, v in headers.items() if k.lower().startswith(("x-kv", "if-", "content-type"))}) as r:
+                    await r.read()
+                    forwarded.append((method, target, r.status))
+            await _reset(writer)
+
+    fake = await asyncio.start_server(deliver_then_reset, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{fake.sockets[0].getsockname()[1]}"
     try:
-        async with kv.AsyncClient([url, f"http://{api.host}:{api.port}"], timeout=5) as c:
+        async with kv.AsyncClient([url, live], timeout=5) as c:
+            await c.put("warm", b"up")  # the client opens its session
+            forwarded.clear()
             c._next = 0  # the fake first (a client starts at a random endpoint)
-            for write in (lambda: c.put("once", b"v"), lambda: c.put("once", b"v", if_absent=True), lambda: c.delete("once")):
-                with pytest.raises(kv.Timeout, match="may have reached the node .* outcome is unknown"):
-                    await write()
-            assert await c.get("once") is None  # the retry, or the reset, went to the live node
+            w = await c.put("once", b"v", if_absent=True)  # not 412 against its own first copy
+            assert (await c.get("once")).mod_index == w.index
+            c._next = 0
+            d = await c.delete("once")
+            assert d.deleted and d.index > w.index  # the copy's answer: it found the key
+            assert [x[:2] for x in forwarded if x[0] != "POST"] == [("PUT", "/v1/kv/once"), ("DELETE", "/v1/kv/once")]
+            assert all(status == 200 for *_, status in forwarded)  # each reached the live node, was applied, and its answer lost
+            page = await c.scan_page("once")
+            history = [e async for e in c.watch("once", 1, end_index=page.index)]
+            assert [(e.type, e.index) for e in history] == [("put", w.index), ("delete", d.index)]  # once each
     finally:
         fake.close()
 
@@ -444,8 +477,13 @@ async def test_a_nodes_504_and_a_silent_node_are_each_told_once_as_timeout():
     async def silent(writer):
         await asyncio.sleep(30)
 
-    for answer, want in ((answer_504, f": {said}$"), (silent, r": no answer in 1s after the write was sent \(a node answers by then even without a leader: .*outcome is unknown")):
-        fake = await _fake_server(answer)
+    async def open_session(writer):
+        body = b'{"id": 5, "ttl": 600}'
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+
+    for answer, want in ((answer_504, f": {said}$"), (silent, r": no answer in 1s after the write was sent \(TimeoutError; a node answers by then even without a leader: .*outcome is unknown")):
+        fake = await _fake_server(answer, sessions=open_session)
         try:
             async with kv.AsyncClient(f"http://127.0.0.1:{fake.sockets[0].getsockname()[1]}", timeout=1) as c:
                 with pytest.raises(kv.Timeout, match=want) as got:
@@ -464,7 +502,7 @@ async def test_the_client_tells_the_node_how_long_it_waits():
 
     async def serve(reader, writer):
         heads.append(await reader.readuntil(b"\r\n\r\n"))
-        body = b'{"index": 1, "term": 1}'
+        body = b'{"id": 5, "ttl": 600}' if heads[-1].startswith(b"POST /v1/sessions ") else b'{"index": 1, "term": 1}'
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         await writer.drain()
         writer.close()
@@ -473,7 +511,8 @@ async def test_the_client_tells_the_node_how_long_it_waits():
     try:
         async with kv.AsyncClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", timeout=2) as c:
             await c.put("k", b"v")
-        [head] = heads
+        [head] = [h for h in heads if h.startswith(b"PUT ")]
+        assert b"\r\nX-Kv-Session: 5\r\nX-Kv-Seq: 1\r\n" in head
         sent = float(re.search(rb"\r\nX-Kv-Timeout: ([0-9.]+)\r\n", head).group(1))
         assert 1.7 <= sent <= 1.8, head
     finally:

@@ -66,10 +66,11 @@ async def test_waiting_on_a_stopped_raft_node_fails_at_once_instead_of_for_ever(
         await asyncio.wait_for(raft.wait_applied(w.index + 1), 5)
 
 
-async def test_a_write_forwarded_to_a_leader_that_is_cut_off_is_unknown_once_a_new_one_is_elected(tmp_path):
-    """The leader gets a follower's write but can no longer reach anyone: the follower says
-    the outcome is unknown when a new leader is elected, not at the write's deadline, and
-    the write, which the old leader could not replicate, is not there."""
+async def test_a_write_forwarded_to_a_leader_that_is_cut_off_goes_to_the_next_one_and_applies_once(tmp_path):
+    """The leader gets a follower's write but can no longer reach anyone: when a new leader
+    is elected the follower sends the same request (same session, same seq) to it, long
+    before the write's deadline, and the write is applied once: the old leader's copy,
+    which it could not replicate, is dropped when it rejoins."""
     c = InprocCluster(str(tmp_path), write_timeout_s=60.0)
     await c.start()
     try:
@@ -77,15 +78,34 @@ async def test_a_write_forwarded_to_a_leader_that_is_cut_off_is_unknown_once_a_n
         f1, f2 = await c.followers()
         for f in (f1, f2):
             c.net.cut(lead.config.id, f.config.id)  # it hears them; they no longer hear it
-        with pytest.raises(kv.Timeout, match=f"the leader {lead.config.id} was replaced while this write waited"):
-            await asyncio.wait_for(f1.put("lost", b"v"), 30)  # far below its 60 s deadline
+        before = f1.counters["writes_resent"]
+        w = await asyncio.wait_for(f1.put("once", b"v"), 30)  # far below its 60 s deadline
+        assert f1.counters["writes_resent"] > before
         new = await c.leader(exclude=(lead.config.id,))
-        assert await new.get("lost") is None
+        assert w.term >= new.raft.term - 1 and (await new.get("once")).mod_index == w.index
         c.net.heal()
         await poll(lambda: lead.raft.leader_id == new.config.id, timeout=10)
-        assert [await n.get("lost", consistency="linearizable") for n in (lead, f1, f2)] == [None] * 3
+        await c.wait_applied(w.index, timeout=10)
+        for n in (lead, f1, f2):
+            assert (await n.get("once")).mod_index == w.index
+            page = await n.scan_page("once")
+            history = [e async for e in _events(n.watch("once", start_index=1), page.index)]
+            assert [e.index for e in history] == [w.index], n.config.id
     finally:
         await c.stop()
+
+
+async def _events(w, upto: int):
+    """The events of a watch up to index `upto`, then close it."""
+    try:
+        async for e in w:
+            if e.index > upto:
+                break
+            yield e
+            if e.index == upto:
+                break
+    finally:
+        w.close()
 
 
 async def test_writes_commit_and_replicate_over_a_lossy_slow_network(tmp_path):
@@ -182,8 +202,11 @@ async def test_no_quorum_means_errors_not_answers(cluster):
     await lead.put("k", b"v")
     f1, f2 = await cluster.followers()
     await cluster.stop(f1.config.id, f2.config.id)
-    with pytest.raises((kv.Timeout, kv.NotLeader)):
+    end = lead.raft.metrics().ledger_end_index
+    # The leader appended it (and would commit it once a follower is back): unknown.
+    with pytest.raises(kv.Timeout, match="may or may not"):
         await lead.put("k", b"lost?", timeout=1.5)
+    assert lead.raft.metrics().ledger_end_index == end + 1
     with pytest.raises(kv.NoQuorum):
         await lead.get("k", timeout=1.5)
     assert (await lead.get("k", consistency="stale")).value in (b"v", b"lost?")
@@ -199,8 +222,13 @@ async def test_isolated_leader_serves_no_linearizable_read_and_acks_nothing(clus
     # linearizable read with the stale value, nor acknowledge a write.
     with pytest.raises((kv.NoQuorum, kv.NotLeader)):
         await old.get("x", timeout=1.0)
-    with pytest.raises((kv.Timeout, kv.NotLeader)):
+    # Either it still led and appended the write (which cannot commit: unknown to it), or
+    # it had stepped down and had nobody to send it to (not carried out): the answer says which.
+    end = old.raft.metrics().ledger_end_index
+    with pytest.raises((kv.Timeout, kv.NotLeader)) as refused:
         await old.put("x", b"from-deposed", timeout=1.0)
+    appended = old.raft.metrics().ledger_end_index > end
+    assert isinstance(refused.value, kv.Timeout) == appended, (refused.value, appended)
     cluster.net.heal()
     assert await old.wait_leader(timeout=10) != old.config.id
     assert (await old.get("x")).value == b"2"  # its unacknowledged write was discarded
@@ -280,15 +308,17 @@ async def test_a_snapshot_asked_for_covers_what_was_applied_though_one_was_being
         await node.stop()
 
 
-async def test_a_write_whose_entry_a_snapshot_covers_is_unknown_not_retried(tmp_path):
+async def test_a_write_whose_entry_a_snapshot_covers_is_sent_again_and_answered_with_its_result(tmp_path):
     """Found by the soak: leader L appends a conditional write that reaches follower A only;
     L is cut off, A leads and commits the entry, then compacts past it and installs a
     snapshot on L. L cannot tell whether its proposal committed (it did). Re-proposing it
-    answered 412 for a write that happened; the answer must be "outcome unknown"."""
+    as a new write answered 412 for a write that happened. Sent again as the same session
+    request, it is recognised as a copy: the answer is the first one's success."""
     c = InprocCluster(str(tmp_path), snapshot_threshold=50, snapshot_trailing=0)
     await c.start()
     try:
         lead = await c.leader()
+        await lead.put("warm", b"up")  # L opens its session now, while everyone hears it
         lid = lead.config.id
         a, b = [n.config.id for n in await c.followers()]
         for src, dst in ((lid, b), (b, lid), (a, lid)):  # L's entries reach A only; nobody acks
@@ -304,11 +334,11 @@ async def test_a_write_whose_entry_a_snapshot_covers_is_unknown_not_retried(tmp_
             await new.put(f"fill{i}", b"x")
         assert new.status()["ledger_begin_index"] > before + 1
         c.net.heal()
-        with pytest.raises(kv.Timeout, match="may or may not"):
-            await write
+        w = await write
         assert c.nodes[lid].snapshots.stats.installed >= 1
+        assert lead.counters["writes_resent"] >= 1
         item = await new.get("once")
-        assert item.value == b"1" and item.mod_index == before + 1
+        assert item.value == b"1" and item.mod_index == before + 1 == w.index
     finally:
         await c.stop()
 
@@ -322,7 +352,7 @@ async def test_a_forward_that_cannot_be_sent_leaves_nothing_behind(cluster, capl
     lead = await cluster.leader()
     follower = (await cluster.followers())[0]
     cluster.net.cut(follower.config.id, lead.config.id)
-    with pytest.raises((kv.NotLeader, kv.Timeout)):
+    with pytest.raises(kv.NotLeader, match="not carried out"):  # no attempt could be sent
         await follower.put("cut", b"1", timeout=0.3)
     await asyncio.sleep(0.5)  # past every deadline
     gc.collect()

@@ -147,6 +147,8 @@ SERVE_OPTIONS = [
     Option("--read-timeout-s", "read_timeout_s", _number("seconds", 0), "how long a linearizable read may wait for the leader's confirmation before 503/504 (default 5)"),
     Option("--watch-buffer-bytes", "watch_buffer_bytes", _integer(1), "changes a watch stream may fall behind before it is ended (default 4 MiB)"),
     Option("--watch-progress-ms", "watch_progress_ms", _number("milliseconds", 0), "how often an idle watch stream sends a progress line (default 5000)"),
+    Option("--session-ttl-s", "session_ttl_s", _number("seconds", 0), "a client session unused this long is closed; a write retried in it after that has an unknown outcome (default 600)"),
+    Option("--max-sessions", "max_sessions", _integer(1), "client sessions open at once; opening one more closes the least recently used (default 50000)"),
     Option("--metrics-public", "metrics_public", _bool, "serve /metrics without the token (default: it needs the token)"),
     Option("--log-level", "log_level", _choice(LOG_LEVELS, str.upper), "DEBUG, INFO, WARNING or ERROR (default INFO)", node=False),
     Option("--log-format", "log_format", _choice(LOG_FORMATS, str.lower), "text or json, one object per line (default text)", node=False),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import itertools
 import json
 import os
 import sys
@@ -12,7 +13,8 @@ import time
 
 from ..datadir import DataDirLock
 from ..errors import SnapshotError
-from ..snapshot.format import SnapshotFormatError, verify
+from ..snapshot.format import SnapshotFormatError, iter_records, read_header, verify
+from ..statemachine.leases import RESERVED
 from ..snapshot.restore import RestoreError, check_file, restore
 from .options import client_options
 from .output import add_output_option, emit, report, wants_json
@@ -91,8 +93,13 @@ def _inspect(args: argparse.Namespace) -> int:
         header, trailer = verify(path)
     except SnapshotFormatError as e:
         raise SnapshotError(f"{path} is not a valid ledgerkv snapshot: {e}; save a new one with kv snapshot save") from e
+    with open(path, "rb") as f:  # ledgerkv's own records (leases, client sessions) sort first
+        _, offset = read_header(f)
+        own = sum(1 for _ in itertools.takewhile(lambda r: r[0][:1] == RESERVED, iter_records(f, offset)))
     out = header.to_json()
-    out.update({"keys": trailer.records, "blocks": trailer.blocks, "checksum": f"crc32:{trailer.crc:08x}", "checksum_status": "ok"})
+    out.update({
+        "keys": trailer.records - own, "own_records": own, "blocks": trailer.blocks, "checksum": f"crc32:{trailer.crc:08x}", "checksum_status": "ok",
+    })
     if wants_json(args):
         emit(out)
     else:

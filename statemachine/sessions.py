@@ -1,0 +1,152 @@
+"""Client sessions inside the state machine: exactly-once writes (Raft dissertation §6.3,
+LogCabin).
+
+A write that reached the log may commit even when its sender never hears so: the leader
+that appended it died after replicating it, a follower's forward lost its connection, a
+client's connection reset. Sent again, it would be applied twice (a put moves its key's
+mod_index after it was acknowledged and shows twice to watchers; a compare-and-set fails
+against its own first copy and is answered 412). So every write carries (session, seq):
+the state machine keeps, per session, the last request number it applied and that
+request's result, and answers a copy with the result of the first instead of applying it
+again.
+
+One request at a time per session: a sender with several in flight uses several sessions
+(kv.Client and kv.Node keep a pool of them, see kv/sessions.py). So the table holds one
+(seq, result) per session, and a request numbered below the last is one its sender has
+moved past (StaleRequest; never applied).
+
+Sessions are opened through the log (SessionOpen, with an id the opener chose at random)
+before they are used, and closed through the log: SessionsExpire(upto) closes those last
+used at or before an index (the leader's clock decides when, kv/sessions.py), and opening
+one more than the entry's max_sessions evicts the least recently used. Every replica does
+the same at the same index. A write in a session that is not open is refused
+(SessionExpired) and changes nothing, so a copy that arrives after its session closed can
+never apply a second time.
+
+They are stored as reserved records in the key space, like leases (leases.py), so that
+snapshots, install-snapshot and restore carry them:
+
+    "\\x00sess/" + id as 16 hex digits    mod_index = the index that last used it;
+                                         value = the last seq (u64) + its encoded result
+
+(Keys in snapshots are UTF-8 text, so the id is written in hex.)
+
+The same table lives in memory in least-recently-used order (rebuilt at open and after a
+snapshot load by sorting on the index that last used each session: every entry uses at
+most one, so the order is the same on every replica). Results are read back from the
+record only to answer a copy.
+
+An unconditional put, the hot path, does not rewrite its session's record: its answer is
+PutResult(its own index), which the log says. Its session is marked dirty in memory, and
+the records are brought up to date (and `sessions_at`, the index as of which they are)
+before a snapshot is taken and when the state machine closes. After a crash, a restart
+replays the session headers of the ledger's entries after `sessions_at` (`replay`): the
+ledger keeps them, as it is compacted only behind a snapshot. Everything else a session
+does (its opening, closing, a result that is not a plain put's) is written in the entry's
+own batch.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+
+from .commands import IN_SESSION, PUT_HEAD, SESSION_HEAD_BYTES, SESSION_IDS
+
+SESSION_RECORD = b"\x00sess/"
+SESSION_RESULT_MAX = 64 << 10  # a larger result (a transaction's gets) is kept as "applied, reads not kept"
+_U64 = struct.Struct(">Q")
+
+
+def session_record(session: int) -> bytes:
+    return SESSION_RECORD + b"%016x" % session
+
+
+class SessionTable:
+    def __init__(self) -> None:
+        # session -> [last seq, index that last used it, whether its record holds that
+        # request's result]; least recently used first
+        self.last: dict[int, list] = {}
+        self.dirty: set[int] = set()  # sessions whose record a plain put left behind
+
+    def __len__(self) -> int:
+        return len(self.last)
+
+    def load(self, records: Iterable[tuple[bytes, int, bytes]]) -> None:
+        """Rebuild from the reserved records: (key without the data prefix, mod_index,
+        value without it)."""
+        rows = []
+        for key, used, value in records:
+            if key.startswith(SESSION_RECORD):
+                rows.append((used, int(key[len(SESSION_RECORD) :], 16), _U64.unpack_from(value)[0]))
+        rows.sort()
+        self.last = {session: [seq, used, True] for used, session, seq in rows}
+        self.dirty = set()
+
+    def replay(self, entries: Iterable) -> None:
+        """Apply again what the plain puts of these entries (the ledger's, after the records'
+        `sessions_at`) did to their sessions; everything else is in the records already."""
+        last = self.last
+        for e in entries:
+            head = plain_put_in_session(e.data) if e.kind == 0 else None
+            if head is None:
+                continue
+            session, seq = head
+            s = last.get(session)
+            if s is not None and seq > s[0] and e.index > s[1]:
+                del last[session]
+                s[0], s[1], s[2] = seq, e.index, False
+                last[session] = s
+                self.dirty.add(session)
+
+    def open(self, session: int, index: int, max_sessions: int) -> list[int]:
+        """Open a session (again: a no-op); returns the sessions evicted to make room."""
+        if session in self.last:
+            return []
+        evicted = []
+        while len(self.last) >= max_sessions:
+            oldest = next(iter(self.last))
+            del self.last[oldest]
+            self.dirty.discard(oldest)
+            evicted.append(oldest)
+        self.last[session] = [0, index, True]
+        return evicted
+
+    def expire(self, upto: int) -> list[int]:
+        """Close the sessions last used at or before index `upto`; returns them."""
+        gone = []
+        for session, (_, used, _) in self.last.items():
+            if used > upto:
+                break
+            gone.append(session)
+        for session in gone:
+            del self.last[session]
+            self.dirty.discard(session)
+        return gone
+
+    def oldest_use(self) -> int | None:
+        """The index that used the least recently used session, if there is one."""
+        for s in self.last.values():
+            return s[1]
+        return None
+
+
+def record_value(seq: int, result: bytes) -> bytes:
+    return _U64.pack(seq) + result
+
+
+def plain_put_in_session(data: bytes) -> tuple[int, int] | None:
+    """(session, seq) of an entry that is an unconditional put sent in a session, else None
+    (the state machine's hot path, LevelDBStateMachine.apply: a put without a condition or
+    a lease, with a UTF-8 key)."""
+    h = SESSION_HEAD_BYTES
+    if data[:2] != IN_SESSION or len(data) < h + 4 or data[h : h + 2] != PUT_HEAD:
+        return None
+    end = h + 4 + ((data[h + 2] << 8) | data[h + 3])
+    if len(data) <= end or data[end] != 0:
+        return None
+    try:
+        data[h + 4 : end].decode()
+    except UnicodeDecodeError:
+        return None  # refused when it was applied
+    return SESSION_IDS.unpack_from(data, 2)

@@ -1,0 +1,263 @@
+"""Exactly-once writes: client sessions in the state machine (statemachine/sessions.py), on
+the sending side (kv/sessions.py), in kv.Node and over HTTP (X-Kv-Session, X-Kv-Seq)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_apply_limits import normal
+from test_http import make_client
+
+import kv
+from kv.raft.messages import Entry, EntryKind
+from kv.sessions import IdleSessions, RequestId, SessionPool
+from kv.statemachine import commands as c
+from kv.statemachine.leveldb import LevelDBStateMachine
+from kv.watch import history_events
+
+
+@pytest.fixture
+def sm(tmp_path):
+    s = LevelDBStateMachine(str(tmp_path / "state"))
+    yield s
+    s.close()
+
+
+def in_session(index: int, session: int, seq: int, cmd) -> Entry:
+    return normal(index, c.InSession(session, seq, cmd))
+
+
+# -- the state machine ------------------------------------------------------------------------
+
+
+def test_a_copy_is_answered_with_the_first_result_and_applied_once(sm):
+    cas = c.Put("k", b"2", c.Cond("k", "mod", 2))
+    res = sm.apply([
+        normal(1, c.SessionOpen(7, 100)),
+        in_session(2, 7, 1, c.Put("k", b"1")),
+        in_session(3, 7, 2, cas),
+        in_session(4, 7, 2, cas),  # a copy: its condition no longer holds, and must not be asked again
+        in_session(5, 7, 2, cas),
+    ])
+    assert res == [c.SessionOpened(7), c.PutResult(2), c.PutResult(3), c.PutResult(3), c.PutResult(3)]
+    assert sm.get("k") == (3, b"2")
+    assert sm.copies == 2
+
+
+def test_a_copy_of_a_transaction_keeps_its_branch_and_its_reads(sm):
+    txn = c.Txn((c.Cond("n", "mod", 0),), (c.Put("n", b"1"), c.Get("n")), (c.Get("n"),))
+    res = sm.apply([normal(1, c.SessionOpen(9, 100)), in_session(2, 9, 1, txn), in_session(3, 9, 1, txn)], answering=set())
+    first = c.TxnApplied(2, True, (c.PutResult(2), c.GetResult("n", b"1", 2)))
+    assert res[1:] == [first, first]  # read on every replica (answering is empty), kept for the copy
+
+
+def test_a_request_in_a_closed_session_or_below_the_last_one_applies_nothing(sm):
+    res = sm.apply([
+        in_session(1, 5, 1, c.Put("a", b"x")),  # never opened
+        normal(2, c.SessionOpen(5, 100)),
+        in_session(3, 5, 4, c.Put("a", b"1")),  # numbers may skip (requests given up on)
+        in_session(4, 5, 3, c.Put("a", b"old")),  # below the last: moved past
+        normal(5, c.SessionsExpire(3)),
+        in_session(6, 5, 5, c.Put("a", b"late")),
+    ])
+    assert res == [c.SessionExpired(5), c.SessionOpened(5), c.PutResult(3), c.StaleRequest(5, 3, 4), None, c.SessionExpired(5)]
+    assert sm.get("a") == (3, b"1")
+    assert len(sm.sessions) == 0
+
+
+def test_opening_beyond_the_limit_evicts_the_least_recently_used(sm):
+    sm.apply([normal(1, c.SessionOpen(1, 2)), normal(2, c.SessionOpen(2, 2)), in_session(3, 1, 1, c.Put("k", b"v"))])
+    res = sm.apply([normal(4, c.SessionOpen(3, 2)), normal(5, c.SessionOpen(3, 2))])  # session 2 is the least recently used
+    assert res == [c.SessionOpened(3), c.SessionOpened(3)]
+    assert list(sm.sessions.last) == [1, 3]
+    assert sm.apply([in_session(6, 2, 1, c.Put("k", b"w"))]) == [c.SessionExpired(2)]
+
+
+def test_sessions_survive_a_restart_and_a_snapshot_in_lru_order(tmp_path, sm):
+    sm.apply([normal(1, c.SessionOpen(11, 100)), normal(2, c.SessionOpen(22, 100)), in_session(3, 11, 1, c.Put("k", b"v"))])
+    view = sm.capture()
+    items = list(view.items())
+    view.release()
+    sm.close()
+    again = LevelDBStateMachine(sm.path)
+    assert again.sessions.last == {22: [0, 2, True], 11: [1, 3, True]}
+    assert again.apply([in_session(4, 11, 1, c.Put("k", b"v"))]) == [c.PutResult(3)]
+    again.close()
+    other = LevelDBStateMachine(str(tmp_path / "other"))
+    other.restore(3, 1, b"", iter(items))
+    assert other.sessions.last == {22: [0, 2, True], 11: [1, 3, True]}
+    assert other.apply([in_session(4, 11, 1, c.Put("k", b"v"))]) == [c.PutResult(3)]  # the copy, after install-snapshot
+    assert other.scan("") == [("k", b"v", 3)]  # the session records are not user keys
+    other.close()
+
+
+def test_a_watch_replaying_the_ledger_sees_a_copy_once(sm):
+    entries = [
+        normal(1, c.SessionOpen(3, 100)),
+        in_session(2, 3, 1, c.Put("w/a", b"1")),
+        in_session(3, 3, 1, c.Put("w/a", b"1")),
+        in_session(4, 3, 2, c.Txn((), (c.Put("w/b", b"2"), c.Delete("w/a")))),
+        in_session(5, 3, 2, c.Txn((), (c.Put("w/b", b"2"), c.Delete("w/a")))),
+    ]
+    sm.apply(entries)
+    events = history_events(entries, sm.effects(1, 6), "w/")
+    assert [(e.index, e.key, e.value) for e in events] == [(2, "w/a", b"1"), (4, "w/b", b"2"), (4, "w/a", None)]
+
+
+def test_malformed_session_entries_are_refused_not_fatal(sm):
+    inner = c.encode(c.Put("k", b"v"))
+    nested = c.IN_SESSION + c.SESSION_IDS.pack(1, 1) + c.IN_SESSION + c.SESSION_IDS.pack(1, 1) + inner
+    seq0 = c.IN_SESSION + c.SESSION_IDS.pack(2, 0) + inner
+    short = c.IN_SESSION + b"\x00\x01"
+    sm.apply([normal(0, c.SessionOpen(1, 10)), normal(1, c.SessionOpen(2, 10))])
+    res = sm.apply([Entry(i, 1, EntryKind.NORMAL, d) for i, d in ((2, nested), (3, seq0), (4, short))])
+    assert all(isinstance(r, c.CommandError) for r in res), res
+    assert sm.get("k") is None and sm.applied() == (4, 1)
+
+
+def test_the_codec_carries_sessions_and_refuses_what_cannot_be_one():
+    for cmd in (c.SessionOpen(2**53 - 1, 5), c.SessionsExpire(9), c.InSession(4, 2**63 - 1, c.Txn((), (c.Put("a", b""),)))):
+        assert c.decode(c.encode(cmd)) == cmd
+    for r in (c.SessionOpened(3), c.SessionExpired(4), c.StaleRequest(1, 2, 3)):
+        assert c.decode_result(c.encode_result(r)) == r
+    for bad in (c.InSession(0, 1, c.Put("a", b"")), c.InSession(1, 0, c.Put("a", b"")), c.InSession(2**53, 1, c.Put("a", b""))):
+        with pytest.raises(c.CommandError):
+            c.encode(bad)
+    with pytest.raises(c.CommandError, match="only puts"):
+        c.in_session(1, 1, c.encode(c.LeaseKeepAlive(3)))  # never logged: nothing to apply once
+
+
+# -- the sending side ------------------------------------------------------------------------
+
+
+def test_idle_sessions_are_counted_from_the_leaders_notes_and_from_its_election():
+    idle = IdleSessions(10.0)
+    idle.note(True, 5, 100.0, 40)
+    idle.note(True, 5, 105.0, 60)
+    assert idle.idle_upto(109.9) is None  # nothing is 10 s old yet
+    assert idle.idle_upto(110.0) == 40
+    idle.note(True, 5, 111.0, 70)
+    assert idle.idle_upto(115.0) == 60  # the newest note at least 10 s old
+    idle.note(True, 6, 116.0, 80)  # a new term: everything counts as used at the election
+    assert idle.idle_upto(125.0) is None and idle.idle_upto(126.0) == 80
+    idle.note(False, 6, 127.0, 80)
+    assert idle.idle_upto(1000.0) is None
+
+
+async def test_a_pool_opens_a_session_per_request_in_flight_and_reuses_them():
+    opened = []
+
+    async def open_session() -> int:
+        opened.append(len(opened) + 1)
+        return opened[-1]
+
+    pool = SessionPool(open_session)
+    a, b = await pool.acquire(), await pool.acquire()
+    assert ((a.id, a.next_seq()), (b.id, b.next_seq())) == ((1, 1), (2, 1))
+    pool.release(a)
+    again = await pool.acquire()
+    assert again is a and again.next_seq() == 2 and opened == [1, 2]
+
+
+# -- a node -----------------------------------------------------------------------------------
+
+
+async def test_a_nodes_own_session_that_expired_is_replaced_and_a_callers_is_refused(tmp_path):
+    node = kv.Node(kv.NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), session_ttl_s=1.0))
+    await node.start()
+    try:
+        await node.wait_leader(timeout=10)
+        mine = await node.open_session()
+        assert (await node.put("a", b"1", request_id=RequestId(mine, 1))).index == (await node.put("a", b"1", request_id=RequestId(mine, 1))).index
+        await node.put("b", b"1")  # in the node's own session
+        await asyncio.sleep(3.5)  # both idle past the ttl: the leader commits their expiry
+        assert len(node.sm.sessions) == 0
+        with pytest.raises(kv.SessionExpired):
+            await node.put("a", b"2", request_id=RequestId(mine, 2))
+        with pytest.raises(kv.Timeout, match="may or may not"):  # sent before: it may have applied before the session closed
+            await node.submit(kv.Put("a", b"2"), request_id=RequestId(mine, 2), resent=True)
+        opened = node.sessions.opened
+        w = await node.put("b", b"2")  # the node opens another session for its own writes
+        assert node.sessions.opened == opened + 1 and (await node.get("b")).mod_index == w.index
+        assert (await node.get("a")).value == b"1"
+    finally:
+        await node.stop()
+
+
+async def test_kv_open_checks_the_request_size_as_every_face_does(tmp_path):
+    db = await asyncio.to_thread(kv.open, str(tmp_path / "db"), max_value_bytes=1000, max_request_bytes=6000)
+    try:
+        with pytest.raises(kv.ValueTooLarge, match="--max-request-bytes"):
+            await asyncio.to_thread(db.put_many, {f"k{i}": b"x" * 100 for i in range(70)})
+        assert await asyncio.to_thread(db.get, "k0") is None
+        await asyncio.to_thread(db.put, "small", b"v")
+        assert len(db._node.sm.sessions) == 1  # kv.open writes in a session too
+    finally:
+        await asyncio.to_thread(db.close)
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+
+
+async def test_http_writes_with_a_session_apply_once_and_repeat_their_answer(tmp_path):
+    node, api = await make_client(tmp_path)
+    try:
+        await api.put("/v1/kv/warm", data=b"1")  # in one of the node's own sessions: never handed out
+        r = await api.post("/v1/sessions")
+        assert r.status == 200
+        d = await r.json()
+        assert d["ttl"] == 600 and 0 < d["id"] < 2**53
+        h = {"X-Kv-Session": str(d["id"]), "X-Kv-Seq": "1"}
+        first = await (await api.put("/v1/kv/c", data=b"1", headers={**h, "If-None-Match": "*"})).json()
+        again = await api.put("/v1/kv/c", data=b"1", headers={**h, "If-None-Match": "*"})
+        assert again.status == 200 and await again.json() == first  # not 412: the same request, answered again
+        h2 = {**h, "X-Kv-Seq": "2"}
+        txn = b'{"compare": [{"key": "c", "mod_index": %d}], "success": [{"op": "put", "key": "c", "value": "2"}]}' % first["index"]
+        t1 = await (await api.post("/v1/txn", data=txn, headers=h2)).json()
+        t2 = await api.post("/v1/txn", data=txn, headers=h2)
+        assert t2.status == 200 and await t2.json() == t1 and t1["succeeded"]
+        stale = await api.put("/v1/kv/c", data=b"old", headers=h)
+        assert stale.status == 409 and "below its last one" in (await stale.json())["error"]["message"]
+        unknown = await api.put("/v1/kv/c", data=b"x", headers={"X-Kv-Session": "12345", "X-Kv-Seq": "1"})
+        body = await unknown.json()
+        assert unknown.status == 409 and body["error"]["code"] == "SESSION_EXPIRED" and body["error"]["session"] == 12345
+        assert (await (await api.get("/v1/kv/c")).read()) == b"2"
+        for bad in ({"X-Kv-Session": "1"}, {"X-Kv-Seq": "1"}, {"X-Kv-Session": "0", "X-Kv-Seq": "1"}, {"X-Kv-Session": "x", "X-Kv-Seq": "1"},
+                    {"X-Kv-Session": str(2**53), "X-Kv-Seq": "1"}, {"X-Kv-Session": "1", "X-Kv-Seq": "-1"}):
+            resp = await api.put("/v1/kv/c", data=b"bad", headers=bad)
+            assert resp.status == 400, (bad, await resp.text())
+        assert (await (await api.get("/v1/kv/c")).read()) == b"2"
+    finally:
+        await api.close()
+        await node.stop()
+
+
+def test_after_a_crash_the_plain_puts_session_state_is_replayed_from_the_ledger(tmp_path, sm):
+    import shutil
+
+    opened = [normal(1, c.SessionOpen(1, 100)), normal(2, c.SessionOpen(2, 100))]
+    sm.apply(opened)
+    sm.capture().release()  # a snapshot: every record up to date as of index 2
+    later = [
+        in_session(3, 1, 1, c.Put("a", b"1")),  # plain puts: their records wait
+        in_session(4, 2, 1, c.Put("b", b"1", c.Cond("b", "mod", 0))),  # conditional: written at once
+        in_session(5, 2, 2, c.Put("b", b"2")),
+        in_session(6, 1, 1, c.Put("a", b"1")),  # a copy
+        in_session(7, 9, 1, c.Put("a", b"x")),  # no such session
+    ]
+    sm.apply(later)
+    want = {k: v[:2] for k, v in sm.sessions.last.items()}
+    assert want == {1: [1, 3], 2: [2, 5]} and list(sm.sessions.last) == [1, 2]
+    crashed = str(tmp_path / "crashed")
+    shutil.copytree(sm.path, crashed)  # as a kill -9 leaves it: no flush at close
+    again = LevelDBStateMachine(crashed)
+    try:
+        assert again.sessions_at == 2 and again.applied()[0] == 7
+        again.replay_sessions(opened + later)
+        assert {k: v[:2] for k, v in again.sessions.last.items()} == want and list(again.sessions.last) == [1, 2]
+        # a copy of the plain put after the restart is still recognised, with its answer
+        assert again.apply([in_session(8, 1, 1, c.Put("a", b"1")), in_session(9, 2, 2, c.Put("b", b"2"))]) == [c.PutResult(3), c.PutResult(5)]
+        assert again.get("a") == (3, b"1") and again.get("b") == (5, b"2")
+    finally:
+        again.close()
