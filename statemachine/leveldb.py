@@ -137,7 +137,10 @@ class LevelDBStateMachine:
             self._db.put(_EFFECTS_FROM, raw_from)
         self.effects_from = _U64.unpack(raw_from)[0]
         raw_at = self._db.get(_SESSIONS_AT)
-        self.sessions_at = _U64.unpack(raw_at)[0] if raw_at else self._applied[0]
+        if raw_at is None:  # a new state, or one from a version without sessions: none to replay
+            raw_at = _U64.pack(self._applied[0])
+            self._db.put(_SESSIONS_AT, raw_at)
+        self.sessions_at = _U64.unpack(raw_at)[0]
         self.copies = 0  # session requests applied again and answered with the first one's result
         # Called with the changes of each applied batch, when someone watches.
         self.on_changes: Callable[[list[Change]], None] | None = None
