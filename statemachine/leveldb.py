@@ -232,21 +232,21 @@ class LevelDBStateMachine:
                 results.append(None)
                 continue
             d = e.data
-            session = 0
+            session = o = 0  # o: where the command starts (after a session's header)
             if d[:2] == IN_SESSION and len(d) >= SESSION_HEAD_BYTES:
                 session, seq = SESSION_IDS.unpack_from(d, 2)
                 s = sessions.get(session)
                 if s is None or seq <= s[0]:
                     results.append(self._not_again(e, session, seq, s, wb, overlay))
                     continue
-                d = d[SESSION_HEAD_BYTES:]
+                o = SESSION_HEAD_BYTES
             result = None
-            if d[:2] == PUT_HEAD and len(d) > 4:
+            if d[o : o + 2] == PUT_HEAD and len(d) > o + 4:
                 # The hot path, an unconditional put, read straight from the encoding:
                 # version, opcode, key length, key, no condition, value.
-                end = 4 + ((d[2] << 8) | d[3])
+                end = o + 4 + ((d[o + 2] << 8) | d[o + 3])
                 if len(d) > end and d[end] == 0:
-                    raw = d[4:end]
+                    raw = d[o + 4 : end]
                     try:
                         key = raw.decode()
                     except UnicodeDecodeError:
@@ -270,7 +270,7 @@ class LevelDBStateMachine:
                             continue
             if result is None:
                 try:
-                    cmd = decode(d)
+                    cmd = decode(d[o:] if o else d)
                 except CommandError as err:
                     results.append(err)  # deterministic: every replica rejects it alike
                     continue
