@@ -63,6 +63,43 @@ def decode_entry(index: int, raw: bytes | memoryview) -> Entry:
     return Entry(index, term, kind, data)
 
 
+# LMDB's meta pages (lmdb/mdb.c, MDB_meta after the page header, native byte order): two
+# copies, at page 0 and page 1; the one with the higher txnid is current.
+_LMDB_MAGIC = 0xBEEFC0DE
+_META_MAGIC = struct.Struct("=I")  # at 16
+_META_PSIZE = struct.Struct("=I")  # at 40: mm_dbs[FREE_DBI].md_pad holds the page size
+_META_LAST_TXN = struct.Struct("=QQ")  # at 136: mm_last_pg, mm_txnid
+
+
+def _check_not_truncated(path: str) -> None:
+    """Refuse an LMDB file shorter than its own meta page says it is: mapped, its missing
+    pages would kill the process with SIGBUS (and no message) at the first read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2 * 65536)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return  # a new ledger
+    needed = 0
+    best_txn = -1
+    offsets = [0]
+    if len(head) >= 44 and _META_MAGIC.unpack_from(head, 16)[0] == _LMDB_MAGIC:
+        offsets.append(_META_PSIZE.unpack_from(head, 40)[0])
+    for off in offsets:
+        if len(head) < off + 152 or _META_MAGIC.unpack_from(head, off + 16)[0] != _LMDB_MAGIC:
+            continue
+        psize = _META_PSIZE.unpack_from(head, off + 40)[0]
+        last_pg, txn = _META_LAST_TXN.unpack_from(head, off + 136)
+        if txn > best_txn:
+            best_txn, needed = txn, (last_pg + 1) * psize
+    if best_txn >= 0 and size < needed:  # (no meta page: LMDB itself refuses the file)
+        raise LedgerError(
+            f"{path} is {size} bytes, but its header says it holds {needed}: the file was cut short (a copy that did not "
+            "finish, a full disk). Remove this node's data dir and let it catch up from the cluster, or restore it from a "
+            "snapshot (kv snapshot restore)"
+        )
+
+
 @dataclass(slots=True)
 class LedgerWrite:
     """One unit of a group-committed write, applied in this order."""
@@ -87,6 +124,7 @@ class Ledger:
     ) -> None:
         self.path = path
         os.makedirs(path, exist_ok=True)
+        _check_not_truncated(os.path.join(path, "data.mdb"))
         try:
             self._env = lmdb.open(
                 path, map_size=map_size, max_dbs=4, sync=sync, metasync=sync, subdir=True, lock=True, max_readers=256

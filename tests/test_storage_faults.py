@@ -198,3 +198,18 @@ def test_a_damaged_ledger_is_reported_at_start(tmp_path):
     assert r.returncode == 1
     assert "cannot open the ledger" in r.stderr and "Traceback" not in r.stderr
 
+
+
+def test_a_truncated_ledger_is_refused_with_one_line_not_a_sigbus(tmp_path):
+    path = str(tmp_path / "n1")
+    fill(path, 3000)
+    ledger = os.path.join(path, "ledger", "data.mdb")
+    size = os.path.getsize(ledger)
+    os.truncate(ledger, size // 2)
+    r = subprocess.run(
+        [sys.executable, "-m", "kv", "serve", "--id", "local", "--data-dir", path, "--http", "127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 1, (r.returncode, r.stderr)  # not -7 (SIGBUS)
+    assert "was cut short" in r.stderr and f"is {size // 2} bytes" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.count("\n") == 1
