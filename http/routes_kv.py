@@ -9,7 +9,7 @@ import re
 import orjson
 from aiohttp import web
 
-from kv import BadRequest, Cond, Delete, Get, NotFound, PreconditionFailed, Put
+from kv import BadRequest, Cond, Delete, Get, NotFound, PreconditionFailed, Put, ReadsOmitted
 
 from .answer import Answer
 from .auth import check_keys
@@ -238,14 +238,24 @@ async def txn(request: web.Request) -> Answer:
     ops = _list(doc, "success", _parse_op, max_ops)
     else_ops = _list(doc, "failure", _parse_op, max_ops)
     check_keys(request, [x.key for x in (*conds, *ops, *else_ops)])
-    r = await c.node.txn(conds, ops, else_ops, timeout=write_timeout(request), request_id=request_id(request))
+    try:
+        r = await c.node.txn(conds, ops, else_ops, timeout=write_timeout(request), request_id=request_id(request))
+        omitted = None
+    except ReadsOmitted as e:  # applied: the answer says so, and which gets it leaves out
+        r, omitted = e, e
     force_b64 = request.query.get("encoding") == "base64"
+    branch = ops if r.succeeded else else_ops
     body = {
         "succeeded": r.succeeded,
         "index": r.index,
         "term": r.term,
-        "results": [_op_result(x, force_b64) for x in r.results],
+        "results": [
+            {"omitted": True, "key": op.key} if omitted is not None and type(op) is Get and x is None else _op_result(x, force_b64)
+            for op, x in zip(branch, r.results)
+        ],
     }
+    if omitted is not None:
+        body["reads_omitted"] = {"code": omitted.code, "message": str(omitted)}
     if not r.succeeded:
         body["error"] = {"code": PreconditionFailed.code, "message": "a comparison did not hold; the failure operations ran"}
         return json_response(body, 412)

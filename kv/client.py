@@ -508,14 +508,19 @@ class AsyncClient:
         doc = {"compare": [_cond_json(c) for c in conds], "success": [_op_json(o) for o in ops], "failure": [_op_json(o) for o in else_ops]}
         status, _, body = await self._write("POST", "/v1/txn", data=orjson.dumps(doc), headers={"Content-Type": "application/json"}, ok=(200, 412))
         d = orjson.loads(body)
-        results = []
+        results, omitted = [], []
         for r in d["results"]:
             if "deleted" in r:
                 results.append(DeleteResult(r["index"], d["term"], r["deleted"]))
             elif "found" in r:
                 results.append(Item(r["key"], _decode_value(r), r["mod_index"]) if r["found"] else None)
+            elif r.get("omitted"):
+                omitted.append(r["key"])
+                results.append(None)
             else:
                 results.append(WriteResult(r["index"], d["term"]))
+        if "reads_omitted" in d:
+            raise errors.ReadsOmitted(d["index"], d["term"], d["succeeded"], tuple(results), omitted, d["reads_omitted"]["message"])
         return TxnResult(d["index"], d["term"], d["succeeded"], tuple(results))
 
     async def put_many(self, items: dict[str, bytes] | Sequence[tuple[str, bytes]]) -> TxnResult:

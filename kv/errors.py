@@ -11,6 +11,7 @@ is the snapshot layer's (snapshot/format.py). They are re-exported here.
     ├── PreconditionFailed                           412
     ├── Conflict ── MemberExists, SessionExpired     409
     ├── Timeout (TimeoutError)                       504
+    ├── ReadsOmitted                                 200 (applied; HTTP marks the gets "omitted")
     ├── Unavailable                                  503
     ├── Unauthorized, Forbidden                      401, 403
     ├── DataDirLocked                                409
@@ -43,6 +44,7 @@ __all__ = [
     "NotFound",
     "NotLeader",
     "PreconditionFailed",
+    "ReadsOmitted",
     "SessionExpired",
     "SnapshotError",
     "Timeout",
@@ -137,6 +139,26 @@ class SessionExpired(Conflict):
 
     def details(self) -> dict:
         return {"session": self.session}
+
+
+class ReadsOmitted(KVError):
+    """The transaction WAS applied (at `.index`; `.succeeded` says which branch ran), but its
+    gets' values are not returned: they came to more than the answering node's
+    --max-txn-read-bytes when it was applied (values grew after the request was checked), or
+    it was a copy of a request whose answer was too large to keep. `.results` has the
+    transaction's results, with None for each get that was omitted. Read those keys one by
+    one; do not send the transaction again as a new one."""
+
+    code, http_status = "READS_OMITTED", 200
+
+    def __init__(self, index: int, term: int, succeeded: bool, results: tuple, omitted: list[str], message: str | None = None) -> None:
+        self.index, self.term, self.succeeded, self.results, self.omitted = index, term, succeeded, results, omitted
+        super().__init__(
+            message
+            or f"the transaction was applied at index {index} ({'success' if succeeded else 'failure'} branch: its writes are in), "
+            f"but the values of its gets of {', '.join(repr(k) for k in omitted[:5])}{' ...' if len(omitted) > 5 else ''} are not "
+            "returned (they came to more than the node's --max-txn-read-bytes when it was applied): read those keys one by one"
+        )
 
 
 class Timeout(KVError, TimeoutError):

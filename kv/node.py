@@ -32,6 +32,7 @@ from .errors import (
     NoQuorum,
     NotLeader,
     PreconditionFailed,
+    ReadsOmitted,
     SessionExpired,
     Timeout,
     Unavailable,
@@ -1089,12 +1090,6 @@ def _raise_failed(result):
         raise PreconditionFailed(result.key, result.mod_index)
     if isinstance(result, cmds.CommandError):
         raise public_error(result)
-    if isinstance(result, cmds.ReadLimitExceeded):
-        raise ValueTooLarge(
-            f"the request was applied at index {result.index} ({'success' if result.succeeded else 'failure'} "
-            f"branch: its writes are in), but its answer came to more than {result.limit} bytes (a transaction's gets: "
-            "--max-txn-read-bytes; what a session keeps to answer a copy: 64 KiB), so it is not returned: read those keys one by one"
-        )
     return result
 
 
@@ -1111,13 +1106,19 @@ def txn_result(applied: Applied) -> TxnResult:
     r = _raise_failed(applied.result)
     out = []
     written = WriteResult(r.index, applied.term)  # every put of a txn has the txn's index
+    omitted = []
     for x in r.results:
         if isinstance(x, cmds.PutResult):
             out.append(written)
         elif isinstance(x, cmds.DeleteApplied):
             out.append(DeleteResult(x.index, applied.term, x.deleted))
+        elif isinstance(x, cmds.GetOmitted):
+            omitted.append(x.key)
+            out.append(None)
         else:
             out.append(Item(x.key, x.value, x.mod_index) if x.value is not None else None)
+    if omitted:
+        raise ReadsOmitted(r.index, applied.term, r.succeeded, tuple(out), omitted)
     return TxnResult(r.index, applied.term, r.succeeded, tuple(out))
 
 

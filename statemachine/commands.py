@@ -196,7 +196,7 @@ class ConditionFailed(NamedTuple):
 class TxnApplied(NamedTuple):
     index: int
     succeeded: bool
-    results: tuple[PutResult | DeleteApplied | GetResult, ...]
+    results: tuple[PutResult | DeleteApplied | GetResult | GetOmitted | None, ...]  # None: a get nobody reads here
 
 
 class NoSuchLease(NamedTuple):
@@ -244,15 +244,13 @@ class StaleRequest(NamedTuple):
 NOT_APPLIED = (SessionExpired, StaleRequest)  # a session's answers that applied nothing
 
 
-class ReadLimitExceeded(NamedTuple):
-    """A transaction was applied (its writes are in) but what its gets read came to more
-    than `limit` bytes on the node answering it, so the values are not returned. Only the
-    answering node reads; the limit is checked before proposing, so this happens only when
-    values grew in between."""
+class GetOmitted(NamedTuple):
+    """A transaction's get whose value is not returned: what the transaction's gets read came
+    to more than the answering node's read limit when it was applied (the limit is checked
+    before proposing, so only when values grew in between), or than a session keeps to
+    answer a copy. The transaction itself was applied."""
 
-    index: int
-    succeeded: bool
-    limit: int
+    key: str
 
 
 # -- encoding ---------------------------------------------------------------------------------
@@ -590,8 +588,8 @@ def _enc_one(r) -> bytes:
         return b"V" + _U64.pack(r.index) + _keys(r.keys)
     if isinstance(r, LeaseList):
         return b"S" + _U32.pack(len(r.leases)) + b"".join(_enc_one(x) for x in r.leases)
-    if isinstance(r, ReadLimitExceeded):
-        return b"R" + _U64.pack(r.index) + bytes((int(r.succeeded),)) + _U64.pack(r.limit)
+    if isinstance(r, GetOmitted):
+        return b"g" + _key(r.key)
     if isinstance(r, SessionOpened):
         return b"O" + _U64.pack(r.session)
     if isinstance(r, SessionExpired):
@@ -643,10 +641,8 @@ def _dec_one(rd: _Reader):
         return LeaseRevoked(idx, tuple(rd.key() for _ in range(rd.u32())))
     if tag == b"S":
         return LeaseList(tuple(_dec_one(rd) for _ in range(rd.u32())))
-    if tag == b"R":
-        idx = _U64.unpack(rd.take(8))[0]
-        ok = bool(rd.byte())
-        return ReadLimitExceeded(idx, ok, _U64.unpack(rd.take(8))[0])
+    if tag == b"g":
+        return GetOmitted(rd.key())
     if tag == b"O":
         return SessionOpened(_U64.unpack(rd.take(8))[0])
     if tag == b"Z":

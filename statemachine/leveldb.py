@@ -58,7 +58,7 @@ from .commands import (
     Put,
     PutResult,
     InSession,
-    ReadLimitExceeded,
+    GetOmitted,
     SessionExpired,
     SessionOpen,
     SessionOpened,
@@ -275,13 +275,10 @@ class LevelDBStateMachine:
                     results.append(err)  # deterministic: every replica rejects it alike
                     continue
                 if type(cmd) is Txn:
-                    reads = answering is None or session or e.index in answering
-                    applied, over = self._txn(cmd, e.index, wb, overlay, changes, reads)
-                    took = effect_record(cmd, applied)
-                    result = ReadLimitExceeded(e.index, applied.succeeded, self.max_read_bytes) if over else applied
+                    result = self._txn(cmd, e.index, wb, overlay, changes, answering is None or session or e.index in answering)
                 else:
                     result = self._execute(cmd, e.index, wb, overlay, changes)
-                    took = effect_record(cmd, result)
+                took = effect_record(cmd, result)
                 if took is not None:
                     wb.put(_EFFECTS + pack(e.index), took)
             if session:
@@ -304,8 +301,9 @@ class LevelDBStateMachine:
             encoded = b"P" + _U64.pack(result.index)
         else:
             encoded = encode_result(result)
-            if len(encoded) > SESSION_RESULT_MAX:  # a transaction's gets, a revoke's keys
-                encoded = encode_result(ReadLimitExceeded(index, getattr(result, "succeeded", True), SESSION_RESULT_MAX))
+            if len(encoded) > SESSION_RESULT_MAX and type(result) is TxnApplied:  # its gets: a copy is answered without them
+                kept = tuple(GetOmitted(r.key) if type(r) is GetResult else r for r in result.results)
+                encoded = encode_result(result._replace(results=kept))
         table = self.sessions.last
         s = table.pop(session)  # to the end: the most recently used
         s[0], s[1], s[2] = seq, index, True
@@ -441,9 +439,9 @@ class LevelDBStateMachine:
             return self._check(cmd.cond, overlay) or self._delete(cmd, index, wb, overlay, changes)
         raise CommandError(f"unknown command {cmd!r}")
 
-    def _txn(self, cmd: Txn, index: int, wb, overlay: dict, changes: list | None, reads: bool) -> tuple[TxnApplied, bool]:
-        """Run a transaction; returns what it did and whether its gets went over the read
-        budget (then they are not returned)."""
+    def _txn(self, cmd: Txn, index: int, wb, overlay: dict, changes: list | None, reads: bool) -> TxnApplied:
+        """Run a transaction. Its gets are read if `reads` (else None), up to the read budget
+        (GetOmitted beyond it: the writes still go on)."""
         ok = all(self._check(c, overlay) is None for c in cmd.conds)
         out = []
         put_result = PutResult(index)  # every put of the txn has the same one
@@ -464,16 +462,15 @@ class LevelDBStateMachine:
                 if not reads:
                     out.append(None)
                     continue
+                if budget < 0:
+                    out.append(GetOmitted(op.key))
+                    continue
                 cur = self._current(_DATA + op.key.encode(), overlay)
                 budget -= len(cur[1]) if cur else 0
-                if budget < 0:
-                    reads = False  # read no more (the writes still go on); see below
-                    out.append(None)
-                    continue
-                out.append(GetResult(op.key, cur[1] if cur else None, cur[0] if cur else 0))
+                out.append(GetResult(op.key, cur[1] if cur else None, cur[0] if cur else 0) if budget >= 0 else GetOmitted(op.key))
             else:
                 out.append(self._delete(op, index, wb, overlay, changes))
-        return TxnApplied(index, ok, tuple(out)), budget < 0
+        return TxnApplied(index, ok, tuple(out))
 
     def _put(self, op: Put, index: int, wb, overlay: dict, changes: list | None) -> PutResult:
         k = _DATA + op.key.encode()

@@ -35,11 +35,42 @@ def test_gets_are_read_only_for_the_entries_someone_waits_for(sm):
 def test_reads_over_the_budget_return_no_values_but_the_writes_stay_applied(sm):
     txn = c.Txn((), (c.Get("big"), c.Get("big"), c.Put("w", b"1"), c.Get("big")))
     (res,) = sm.apply([normal(2, txn)], answering={2})
-    assert res == c.ReadLimitExceeded(2, True, 2500)
+    big = c.GetResult("big", b"x" * 1000, 1)
+    assert res == c.TxnApplied(2, True, (big, big, c.PutResult(2), c.GetOmitted("big")))
     assert sm.get("w") == (2, b"1")
     assert c.decode_result(c.encode_result(res)) == res  # it crosses the peer link too
-    with pytest.raises(kv.ValueTooLarge, match="applied at index 2.*--max-txn-read-bytes"):
+    # Not 413 (a refusal): it says it was applied, where, and which gets it leaves out.
+    with pytest.raises(kv.ReadsOmitted, match="applied at index 2 .*gets of 'big' are not returned") as e:
         kv.node.txn_result(kv.raft.node.Applied(2, 1, res))
+    assert (e.value.index, e.value.succeeded, e.value.omitted) == (2, True, ["big"])
+    assert e.value.results[2] == kv.WriteResult(2, 1) and e.value.results[3] is None
+
+
+async def test_a_transaction_whose_reads_grew_past_the_limit_is_answered_as_applied_over_http(tmp_path):
+    from test_http import make_client
+
+    node, api = await make_client(tmp_path, max_txn_read_bytes=2500)
+    try:
+        await api.put("/v1/kv/big", data=b"x" * 900)
+        # The node estimates the reads before proposing (3 x 900 fits); the value grows in
+        # between, as it would under another client's write; then the answer cannot hold them.
+        estimate = node._stored_size
+        node._stored_size = lambda key: 100
+        txn = {"compare": [], "success": [{"op": "get", "key": "big"}, {"op": "put", "key": "w", "value": "1"}, {"op": "get", "key": "big"}, {"op": "get", "key": "big"}]}
+        await api.put("/v1/kv/big", data=b"y" * 1000)
+        r = await api.post("/v1/txn", json=txn)
+        async with kv.AsyncClient(f"http://{api.host}:{api.port}") as client:  # the Python client says so too
+            with pytest.raises(kv.ReadsOmitted) as e:
+                await client.txn(ops=[kv.Get("big"), kv.Put("w", b"2"), kv.Get("big"), kv.Get("big")])
+            assert e.value.omitted == ["big"] and e.value.results[1].index == e.value.index
+        node._stored_size = estimate
+        d = await r.json()
+        assert (await (await api.get("/v1/kv/w")).read()) == b"2"  # both transactions were applied
+        assert r.status == 200 and d["reads_omitted"]["code"] == "READS_OMITTED" and "applied at index" in d["reads_omitted"]["message"]
+        assert d["results"][1] == {"index": d["index"]} and d["results"][3] == {"omitted": True, "key": "big"}
+    finally:
+        await api.close()
+        await node.stop()
 
 
 def test_the_codec_refuses_what_its_format_cannot_hold():
