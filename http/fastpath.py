@@ -40,6 +40,14 @@ _HEAD = re.compile(
 )
 _QUERY = re.compile(r"[A-Za-z0-9_.=&-]*")  # nothing to percent-decode
 _PASSED_ON = frozenset({"transfer-encoding", "expect", "upgrade"})  # aiohttp handles these
+# The start of a pipelined request the fast path takes (or a prefix of one, still arriving).
+_NEXT_REQUEST = re.compile(rb"(?:GET|PUT|DELETE|POST) /|G(?:ET?)?$|P(?:UT?|OST?|OS)?$|D(?:E(?:L(?:E(?:T(?:E)?)?)?)?)?$|(?:GET|PUT|DELETE|POST) ?$")
+
+
+def _path_safe(path: str) -> str:
+    """The path as aiohttp's router matches it: percent-decoded, except %2F and %25 (an
+    encoded slash stays inside its segment: /v1%2Fkv/k is no route, /v1/kv/a%2Fb the key a/b)."""
+    return urllib.parse.unquote(re.sub("%(2[Ff]|25)", r"%25\1", path))
 
 
 def _route(name: str):
@@ -244,11 +252,13 @@ class FastProtocol(asyncio.Protocol):
         if len(headers) != len(lines) - 1 or not _PASSED_ON.isdisjoint(headers) or "host" not in headers:
             return None  # a repeated header, one aiohttp must handle, or no Host (aiohttp: 400)
         path, _, qs = target.partition("?")
+        routed = path
         if "%" in path:
+            routed = _path_safe(path)  # what aiohttp's router matches
             path = urllib.parse.unquote(path)  # as aiohttp's request.path
-        if method in _KEY_ROUTES and path.startswith(routes_kv.KV_PREFIX) and len(path) > len(routes_kv.KV_PREFIX):
+        if method in _KEY_ROUTES and routed.startswith(routes_kv.KV_PREFIX) and len(routed) > len(routes_kv.KV_PREFIX):
             handler, match = _KEY_ROUTES[method]
-        elif method == "POST" and path == "/v1/txn":
+        elif method == "POST" and routed == "/v1/txn":
             handler, match = _TXN
         else:
             return None
@@ -260,9 +270,15 @@ class FastProtocol(asyncio.Protocol):
         start, stop = end + 4, end + 4 + int(length)
         if stop - start > BODY_MAX or stop > len(buf):
             return None  # large, or still arriving: aiohttp reads it with its limit and timeout
-        self.buf = buf[stop:]
         connection = dict.get(headers, "connection")  # HTTP/1.1 clients seldom send it
         keep_alive = connection is None or "close" not in {t.strip() for t in connection.lower().split(",")}
+        rest = buf[stop : stop + 8]
+        if rest and (not keep_alive or not _NEXT_REQUEST.match(rest)):
+            # Bytes after the body that are not the start of a next request the fast path
+            # takes (or any after Connection: close): aiohttp's parser refuses the whole
+            # buffer, this request included, with 400; so does the fast path, through it.
+            return None
+        self.buf = buf[stop:]
         request = FastRequest(self.front.app, self.transport, method, target, path, qs, headers, buf[start:stop], match)
         return request, handler, keep_alive
 
