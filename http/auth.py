@@ -124,6 +124,32 @@ def authorize(request: web.Request, grants: dict[str, Grant]) -> None:
                 raise Forbidden(f"this token reaches only keys under {grant.prefix!r}: ask for ?prefix= starting with it, not {prefix!r}")
 
 
+def lease_prefix(request: web.Request) -> str:
+    """The key prefix the caller's token is scoped to ("" for any)."""
+    grant = request.get(GRANT)
+    return grant.prefix if grant is not None else ""
+
+
+async def hidden_leases(request: web.Request, node, leases) -> set[int]:
+    """The leases a token scoped to a key prefix may not see, renew, revoke or attach keys
+    to: one may reach a lease whose keys all lie under its prefix, or that holds none and
+    was granted by a token of that prefix (or a narrower one). Read after a linearizable
+    read barrier: a follower's view may lag a key just attached. Leases that do not exist
+    are left to the route (404, as for a lease of another tenant)."""
+    prefix = lease_prefix(request)
+    if not prefix:
+        return set()
+    await node.read_barrier("linearizable")
+    scopes = {lease: node.lease_scope(lease) for lease in leases}
+    hidden = set()
+    for lease, scope in scopes.items():
+        if scope is not None:
+            owner, keys = scope
+            if not (all(k.startswith(prefix) for k in keys) if keys else owner.startswith(prefix)):
+                hidden.add(lease)
+    return hidden
+
+
 def check_keys(request: web.Request, keys) -> None:
     """403 unless the caller may reach every one of these keys (a no-op without tokens)."""
     grant = request.get(GRANT)

@@ -9,10 +9,10 @@ import re
 import orjson
 from aiohttp import web
 
-from kv import BadRequest, Cond, Delete, Get, NotFound, PreconditionFailed, Put, ReadsOmitted
+from kv import BadRequest, Cond, Delete, Get, LeaseNotFound, NotFound, PreconditionFailed, Put, ReadsOmitted
 
 from .answer import Answer
-from .auth import check_keys
+from .auth import check_keys, hidden_leases
 from .context import ctx
 from .errors import json_response, read_body, read_timeout, write_timeout
 from .keys import key_from_raw_path
@@ -44,6 +44,8 @@ async def put_key(request: web.Request) -> Answer:
     if_mod_index, if_exists = _if_match(if_match)
     if if_exists and if_none is not None:
         raise BadRequest("If-Match: * and If-None-Match: * cannot both hold")
+    if lease is not None and await hidden_leases(request, c.node, [int(lease)]):
+        raise LeaseNotFound(int(lease))  # another tenant's: nothing written, nothing told
     r = await c.node.put(
         key,
         value,

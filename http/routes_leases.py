@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kv import BadRequest, LeaseStatus
+from kv import BadRequest, LeaseNotFound, LeaseStatus
 
 from .answer import Answer
+from .auth import hidden_leases, lease_prefix
 from .context import ctx
 from .errors import json_response, write_timeout
 from .routes_admin import _json_body
@@ -39,12 +40,21 @@ async def grant(request: web.Request) -> Answer:
     doc = await _json_body(request)
     if set(doc) != {"ttl"}:
         raise BadRequest('give the lease\'s time to live in seconds: {"ttl": 10}')
-    s = await ctx(request).node.lease_grant(doc["ttl"], timeout=write_timeout(request), request_id=request_id(request))
+    s = await ctx(request).node.lease_grant(doc["ttl"], owner=lease_prefix(request), timeout=write_timeout(request), request_id=request_id(request))
     return json_response(lease_json(s, remaining=False, keys=False))
 
 
+async def visible_lease(request: web.Request) -> int:
+    """The lease id of the path, if the caller's token may reach it; else LeaseNotFound, as
+    for a lease that does not exist (a tenant learns nothing of another's leases)."""
+    lease = lease_path_id(request)
+    if await hidden_leases(request, ctx(request).node, [lease]):
+        raise LeaseNotFound(lease)
+    return lease
+
+
 async def keepalive(request: web.Request) -> Answer:
-    s = await ctx(request).node.lease_keepalive(lease_path_id(request), timeout=write_timeout(request))
+    s = await ctx(request).node.lease_keepalive(await visible_lease(request), timeout=write_timeout(request))
     return json_response(lease_json(s, remaining=False, keys=False))
 
 
@@ -59,7 +69,12 @@ async def keepalive_many(request: web.Request) -> Answer:
     wrong = [x for x in ids if type(x) is not int]
     if wrong:
         raise BadRequest(f"lease ids are integers, not {wrong[0]!r}: {example}")
-    renewed = dict(zip(ids, await ctx(request).node.lease_keepalives(ids, timeout=write_timeout(request))))  # each lease once, in order
+    node = ctx(request).node
+    hidden = await hidden_leases(request, node, set(ids)) if lease_prefix(request) and ids else set()
+    asked = [x for x in ids if x not in hidden]
+    renewed = dict.fromkeys(ids)  # each lease once, in order; a hidden one as not found
+    if asked or not ids:  # (none at all: the node says how many it takes)
+        renewed |= zip(asked, await node.lease_keepalives(asked, timeout=write_timeout(request)))
     return json_response(
         {
             "leases": [lease_json(s, remaining=False, keys=False) for s in renewed.values() if s is not None],
@@ -69,16 +84,19 @@ async def keepalive_many(request: web.Request) -> Answer:
 
 
 async def info(request: web.Request) -> Answer:
-    return json_response(lease_json(await ctx(request).node.lease_info(lease_path_id(request))))
+    return json_response(lease_json(await ctx(request).node.lease_info(await visible_lease(request))))
 
 
 async def list_leases(request: web.Request) -> Answer:
-    leases = await ctx(request).node.lease_list()
+    node = ctx(request).node
+    leases = await node.lease_list()
+    hidden = await hidden_leases(request, node, [s.id for s in leases])
+    leases = [s for s in leases if s.id not in hidden]
     return json_response({"leases": [lease_json(s, keys=False) for s in leases]})
 
 
 async def revoke(request: web.Request) -> Answer:
-    lease = lease_path_id(request)
+    lease = await visible_lease(request)
     r = await ctx(request).node.lease_revoke(lease, timeout=write_timeout(request), request_id=request_id(request))
     return json_response({"id": lease, "index": r.index, "keys": list(r.keys)})
 

@@ -9,6 +9,7 @@ import contextlib
 import contextvars
 import logging
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -779,11 +780,28 @@ class Node:
         is called if a leadership won is lost."""
         return AsyncElection(self, name, ttl=ttl, on_lost=on_lost)
 
-    async def lease_grant(self, ttl: float, *, timeout: float | None = None, request_id: RequestId | None = None) -> LeaseStatus:
+    async def lease_grant(
+        self, ttl: float, *, owner: str = "", timeout: float | None = None, request_id: RequestId | None = None
+    ) -> LeaseStatus:
         """A new lease of `ttl` seconds (more than 0, at most a year); keep it alive with
-        lease_keepalive (or use `lease()`, which does), attach keys with put(lease=...)."""
-        r = _raise_failed((await self.submit(cmds.LeaseGrant(ttl_ms(ttl)), timeout, request_id=request_id)).result)
-        return lease_status(r)
+        lease_keepalive (or use `lease()`, which does), attach keys with put(lease=...).
+        Its id is random (nobody can guess another's); `owner`: the key prefix of the token
+        that asks (see lease_scope)."""
+        ms = ttl_ms(ttl)
+        while True:
+            lease = secrets.randbelow(cmds.MAX_LEASE_ID) + 1
+            r = (await self.submit(cmds.LeaseGrant(ms, lease, owner), timeout, request_id=request_id)).result
+            if type(r) is not cmds.CommandError or request_id is not None or "in use" not in str(r):
+                return lease_status(_raise_failed(r))
+
+    def lease_scope(self, lease: int) -> tuple[str, tuple[str, ...]] | None:
+        """(the key prefix of the token that granted it, its keys) as this node has applied
+        them, or None for no such lease here: what decides whether a token scoped to a
+        prefix may see the lease (http/auth.py)."""
+        sm = self.sm
+        if sm is None or lease not in sm.leases.ttl_ms:
+            return None
+        return sm.leases.owner.get(lease, ""), tuple(sm.leases.keys[lease])
 
     async def lease_keepalive(self, lease: int, *, timeout: float | None = None) -> LeaseStatus:
         """Renew a lease to its full ttl (LeaseNotFound once it expired or was revoked)."""

@@ -10,7 +10,9 @@ Commands:
 - Delete(key, cond)          remove
 - Txn(conds, ops, else_ops)  if every condition holds run `ops`, else `else_ops`, atomically
                              (ops: Put, Delete, Get)
-- LeaseGrant(ttl_ms)         a lease; its id is the index of the entry that granted it
+- LeaseGrant(ttl_ms, lease, owner)  a lease with this id (chosen at random by the node that
+                             proposes it; 0 in entries from before: the entry's index),
+                             granted by a token scoped to key prefix `owner` ("": any)
 - LeaseRevoke(lease)         end a lease and delete its keys (the leader commits one when a
                              lease expires on its clock)
 - SessionOpen(session, max)  open a client session (Raft dissertation §6.3; see sessions.py)
@@ -44,9 +46,11 @@ _OP_PUT, _OP_DELETE, _OP_TXN, _OP_GET = 1, 2, 3, 4
 _OP_PUT_LEASE, _OP_LEASE_GRANT, _OP_LEASE_REVOKE, _OP_LEASE_KEEPALIVE, _OP_LEASE_QUERY = 5, 6, 7, 8, 9
 _OP_LEASE_KEEPALIVES = 10
 _OP_SESSION_OPEN, _OP_SESSION, _OP_SESSIONS_EXPIRE = 11, 12, 13
+_OP_LEASE_GRANT_ID = 14  # a grant with its id and owner (_OP_LEASE_GRANT: the id was the index)
 OP_IN_SESSION = _OP_SESSION
 MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
 MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
+MAX_LEASE_ID = (1 << 63) - 1  # lease ids are positive signed 64-bit integers (etcd's too)
 _COND_MOD, _COND_VALUE, _COND_EXISTS = 1, 2, 3
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
@@ -103,6 +107,8 @@ class Txn(NamedTuple):
 
 class LeaseGrant(NamedTuple):
     ttl_ms: int
+    lease: int = 0  # the id (0: the index of the entry, as before ids were random)
+    owner: str = ""  # the key prefix of the token that granted it: who may see it before it holds keys
 
 
 class LeaseRevoke(NamedTuple):
@@ -394,7 +400,12 @@ def encode(cmd: Command | LocalCommand) -> bytes:
     if type(cmd) is InSession:
         return in_session(cmd.session, cmd.seq, encode(cmd.cmd))
     if type(cmd) is LeaseGrant:
-        return _HEAD + bytes((_OP_LEASE_GRANT,)) + _U64.pack(check_ttl_ms(cmd.ttl_ms))
+        if not cmd.lease:
+            return _HEAD + bytes((_OP_LEASE_GRANT,)) + _U64.pack(check_ttl_ms(cmd.ttl_ms))
+        owner = cmd.owner.encode() if type(cmd.owner) is str else None
+        if owner is None or len(owner) > MAX_KEY_BYTES:
+            raise CommandError(f"a lease's owner is a key prefix of at most {MAX_KEY_BYTES} bytes, not {cmd.owner!r}")
+        return _HEAD + bytes((_OP_LEASE_GRANT_ID,)) + _lease_id(cmd.lease) + _U64.pack(check_ttl_ms(cmd.ttl_ms)) + _U16.pack(len(owner)) + owner
     if type(cmd) is SessionOpen:
         return _HEAD + bytes((_OP_SESSION_OPEN,)) + _session_id(cmd.session) + _U32.pack(_max_sessions(cmd.max_sessions))
     if type(cmd) is SessionsExpire:
@@ -533,6 +544,9 @@ def decode(data: bytes) -> Command | LocalCommand:
             if not 0 < n <= MAX_KEEPALIVES:
                 raise CommandError(f"a batched keepalive renews 1 to {MAX_KEEPALIVES} leases, not {n}")
             cmd = LeaseKeepAlives(struct.unpack(f">{n}Q", r.take(8 * n)))
+        elif code == _OP_LEASE_GRANT_ID:
+            lease, ttl = struct.unpack(">QQ", r.take(16))
+            cmd = LeaseGrant(ttl, lease, r.take(r.u16()).decode("utf-8"))
         elif code == _OP_SESSION_OPEN:
             session = _U64.unpack(r.take(8))[0]
             cmd = SessionOpen(session, _max_sessions(r.u32()))
@@ -559,7 +573,7 @@ def is_local(payload: bytes) -> bool:
 
 
 # The opcodes (as one byte) of the commands sent in a session: the writes that are logged.
-SESSION_OPCODES = frozenset(bytes((op,)) for op in (_OP_PUT, _OP_PUT_LEASE, _OP_DELETE, _OP_TXN, _OP_LEASE_GRANT, _OP_LEASE_REVOKE))
+SESSION_OPCODES = frozenset(bytes((op,)) for op in (_OP_PUT, _OP_PUT_LEASE, _OP_DELETE, _OP_TXN, _OP_LEASE_GRANT, _OP_LEASE_GRANT_ID, _OP_LEASE_REVOKE))
 _LEASE_OPS = {_OP_LEASE_GRANT: LeaseGrant, _OP_LEASE_REVOKE: LeaseRevoke, _OP_LEASE_KEEPALIVE: LeaseKeepAlive, _OP_LEASE_QUERY: LeaseQuery}
 
 

@@ -4,7 +4,8 @@ They are stored as reserved records in the key space itself — keys that start 
 which user keys cannot — so snapshots, install-snapshot and restore carry them with
 everything else, at the same index:
 
-    "\\x00lease/" + id as 16 hex digits    the lease's ttl in ms (u64)
+    "\\x00lease/" + id as 16 hex digits    the lease's ttl in ms (u64), then the key prefix of the
+                                         token that granted it (UTF-8; none in older records)
     "\\x00lkey/" + key                     the id (u64) of the lease the key is attached to
 
 Each record's value has the usual mod_index prefix. The same tables live in memory
@@ -31,6 +32,7 @@ def lease_record(lease: int) -> bytes:
 class LeaseTable:
     def __init__(self) -> None:
         self.ttl_ms: dict[int, int] = {}
+        self.owner: dict[int, str] = {}  # the granting token's key prefix ("": any), where one was given
         self.keys: dict[int, set[str]] = {}
         self.attached: dict[str, int] = {}  # key -> lease
         self.version = 0  # moves on every grant and revoke (the leader's clock follows it)
@@ -43,7 +45,9 @@ class LeaseTable:
         for key, value in records:
             if key.startswith(LEASE_RECORD):
                 lease = int(key[len(LEASE_RECORD) :], 16)
-                self.ttl_ms[lease] = _U64.unpack(value)[0]
+                self.ttl_ms[lease] = _U64.unpack_from(value)[0]
+                if len(value) > 8:
+                    self.owner[lease] = value[8:].decode()
                 self.keys.setdefault(lease, set())
             elif key.startswith(ATTACH_RECORD):
                 attached.append((key[len(ATTACH_RECORD) :].decode(), _U64.unpack(value)[0]))
@@ -52,16 +56,19 @@ class LeaseTable:
                 self.attach_in_memory(key, lease)
         self.version += 1
 
-    def grant(self, lease: int, ttl_ms: int) -> tuple[bytes, bytes]:
+    def grant(self, lease: int, ttl_ms: int, owner: str = "") -> tuple[bytes, bytes]:
         """Record a new lease; returns the (record key, payload) to write."""
         self.ttl_ms[lease] = ttl_ms
         self.keys[lease] = set()
+        if owner:
+            self.owner[lease] = owner
         self.version += 1
-        return lease_record(lease), _U64.pack(ttl_ms)
+        return lease_record(lease), _U64.pack(ttl_ms) + owner.encode()
 
     def revoke(self, lease: int) -> list[str]:
         """Forget a lease; returns its keys (which the caller deletes, records and all)."""
         del self.ttl_ms[lease]
+        self.owner.pop(lease, None)
         keys = sorted(self.keys.pop(lease))
         for k in keys:
             del self.attached[k]

@@ -424,9 +424,12 @@ class LevelDBStateMachine:
                 return NoSuchLease(cmd.lease)
             return self._check(cmd.cond, overlay) or self._put(cmd, index, wb, overlay, changes)
         if isinstance(cmd, LeaseGrant):
-            rec, payload = self.leases.grant(index, cmd.ttl_ms)
+            lease = cmd.lease or index
+            if lease in self.leases.ttl_ms:  # a random id taken (the node draws another)
+                return CommandError(f"lease id {lease} is in use")
+            rec, payload = self.leases.grant(lease, cmd.ttl_ms, cmd.owner)
             wb.put(_DATA + rec, _U64.pack(index) + payload)
-            return LeaseInfo(index, cmd.ttl_ms, cmd.ttl_ms)
+            return LeaseInfo(lease, cmd.ttl_ms, cmd.ttl_ms)
         if isinstance(cmd, LeaseRevoke):
             return self._revoke(cmd.lease, index, wb, overlay, changes)
         if isinstance(cmd, SessionOpen):

@@ -479,6 +479,45 @@ def test_a_prefix_token_reaches_only_its_keys(role_cluster):
     assert_intact(c, c.seeds)
 
 
+def test_a_prefix_token_reaches_only_its_own_leases(role_cluster):
+    """Leases were a way around the prefix: listing them all, reading another tenant's keys
+    through a lease, keeping its lock alive or revoking it (deleting its keys). Ids were
+    small sequential indexes; now they are random."""
+    c = role_cluster
+    follower = next(i for i in c.ids if i != c.leader())
+
+    def grant(token: str) -> int:
+        code, body = _as(c, token, follower, "POST", "/v1/leases", b'{"ttl": 60}')
+        assert code == 200, body
+        return orjson.loads(body)["id"]
+
+    theirs = grant("writer-token")
+    assert _as(c, "writer-token", follower, "PUT", f"/v1/kv/other/leased?lease={theirs}", b"x")[0] == 200
+    mine, empty = grant("app-token"), grant("app-token")
+    assert _as(c, "app-token", follower, "PUT", f"/v1/kv/app/leased?lease={mine}", b"y")[0] == 200
+    ids = sorted([theirs, mine, empty])
+    assert ids[0] > 1 << 20 and ids[2] - ids[0] > 1000, ids  # not guessable from one another
+    listed = {x["id"] for x in orjson.loads(_as(c, "app-token", follower, "GET", "/v1/leases")[1])["leases"]}
+    assert listed == {mine, empty}
+    assert {x["id"] for x in orjson.loads(_as(c, "writer-token", follower, "GET", "/v1/leases")[1])["leases"]} >= {theirs, mine, empty}
+    for method, path in (("GET", f"/v1/leases/{theirs}"), ("POST", f"/v1/leases/{theirs}/keepalive"), ("DELETE", f"/v1/leases/{theirs}")):
+        code, body = _as(c, "app-token", follower, method, path)
+        assert code == 404 and orjson.loads(body)["error"]["code"] == "LEASE_NOT_FOUND", (method, path, body)
+        assert b"other/" not in body
+    code, body = _as(c, "app-token", follower, "POST", "/v1/leases/keepalive", orjson.dumps({"ids": [theirs, mine]}))
+    assert code == 200 and orjson.loads(body)["not_found"] == [theirs] and [x["id"] for x in orjson.loads(body)["leases"]] == [mine]
+    code, _ = _as(c, "app-token", follower, "PUT", f"/v1/kv/app/hijack?lease={theirs}", b"z")
+    assert code == 404 and c.get(c.leader(), "app/hijack")[0] == 404  # nothing written
+    assert orjson.loads(_as(c, "app-token", follower, "GET", f"/v1/leases/{mine}")[1])["keys"] == ["app/leased"]
+    # A key outside the prefix on its lease (an admin's doing) takes it out of the tenant's reach.
+    assert _as(c, "writer-token", follower, "PUT", f"/v1/kv/other/more?lease={mine}", b"w")[0] == 200
+    assert _as(c, "app-token", follower, "GET", f"/v1/leases/{mine}")[0] == 404
+    assert c.get(c.leader(), "other/leased")[0] == 200  # the other tenant's lease and key are intact
+    assert _as(c, "app-token", follower, "DELETE", f"/v1/leases/{empty}")[0] == 200
+    assert _as(c, "writer-token", follower, "DELETE", f"/v1/leases/{theirs}")[0] == 200
+    assert_intact(c, c.seeds)
+
+
 # -- TLS ------------------------------------------------------------------------------------
 
 
