@@ -16,11 +16,13 @@ line. Either way the client resumes from the last index it saw + 1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 
 import orjson
 from aiohttp import web
 
-from kv import BadRequest, KVError
+from kv import BadRequest, KVError, SlowWatcher
 
 from .context import CONTEXT, ctx
 from .routes_admin import _index_param
@@ -68,6 +70,7 @@ async def watch(request: web.Request) -> web.StreamResponse:
     c.watch_streams.add(w)
     progress_s = node.config.watch_progress_ms / 1000
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-store"})
+    _small_send_buffer(request)
     try:
         await resp.prepare(request)
         # Where the stream starts, so that a client that has seen nothing yet can resume.
@@ -76,7 +79,7 @@ async def watch(request: web.Request) -> web.StreamResponse:
             try:
                 got = await w.next_batch(progress_s)
             except KVError as e:  # fell behind, or the history it needed is gone
-                await resp.write(orjson.dumps({"type": "error", "code": e.code, "message": str(e), **e.details()}, option=orjson.OPT_APPEND_NEWLINE))
+                await resp.write(_error_line(e))
                 break
             if got is None:
                 message = f"the node is stopping; resume from index {w.cursor} on another node"
@@ -87,7 +90,19 @@ async def watch(request: web.Request) -> web.StreamResponse:
             if done:
                 events = [ev for ev in events if ev.index <= end]
             if events:
-                await resp.write(b"".join([event_line(ev, force_b64) for ev in events]))
+                data = b"".join([event_line(ev, force_b64) for ev in events])
+                first = events[0].index
+                events = got = None  # what the stream holds now is `data`, counted against the node's budget
+                if not node.watches.reserve(len(data)):
+                    await resp.write(_error_line(SlowWatcher(
+                        f"the node's watches hold {node.watches.buffered} bytes of changes their readers have not taken, its "
+                        f"limit (--watch-budget-bytes); this stream was stopped: resume from index {first}", first,
+                    )))
+                    break
+                try:
+                    await resp.write(data)  # returns once the socket has taken most of it
+                finally:
+                    node.watches.release(len(data))
                 if not done:
                     await asyncio.sleep(LINGER_S)
             elif not done:
@@ -96,12 +111,32 @@ async def watch(request: web.Request) -> web.StreamResponse:
                 await resp.write(orjson.dumps({"type": "progress", "index": end}, option=orjson.OPT_APPEND_NEWLINE))
                 break
         await resp.write_eof()
-    except ConnectionError:
-        pass  # the client went away
+    except ConnectionError as e:  # the client went away
+        # aiohttp keeps this exception (the transport's), and its traceback holds this
+        # frame, which holds the watch: let go of the frame, or the cycle keeps the watch
+        # and its buffers until a full collection (rare in kv serve).
+        e.__traceback__ = None
     finally:
         w.close()
         c.watch_streams.discard(w)
     return resp
+
+
+# The kernel's send buffer of a watch stream's socket. Left to the kernel it grows to
+# megabytes (loopback autotuning): a reader that does not read would have the node encode
+# and queue that much history for it before its writes wait.
+STREAM_SNDBUF = 64 << 10
+
+
+def _small_send_buffer(request: web.Request) -> None:
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
+
+
+def _error_line(e: KVError) -> bytes:
+    return orjson.dumps({"type": "error", "code": e.code, "message": str(e), **e.details()}, option=orjson.OPT_APPEND_NEWLINE)
 
 
 def add_routes(app: web.Application) -> None:

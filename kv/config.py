@@ -79,6 +79,7 @@ class NodeConfig:
     fsync: bool = True
     ledger_map_size: int = 32 << 30
     watch_buffer_bytes: int = 4 << 20  # changes a watcher may fall behind before it is cut off
+    watch_budget_bytes: int = 128 << 20  # changes all watches of the node may hold together
     watch_progress_ms: float = 5000.0  # an idle watch stream says how far it has seen this often
     session_ttl_s: float = DEFAULT_SESSION_TTL_S  # a client session unused this long closes (kv/sessions.py)
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most; one more evicts the least recently used
@@ -113,8 +114,8 @@ class NodeConfig:
             raise BadRequest("snapshot settings: --snapshot-threshold > 0, trailing >= 0, keep >= 1")
         if self.http_idle_timeout_s <= 0 or self.max_http_connections < 1:
             raise BadRequest("--http-idle-timeout-s must be positive and --max-http-connections at least 1")
-        if self.watch_buffer_bytes <= 0 or self.watch_progress_ms <= 0:
-            raise BadRequest("--watch-buffer-bytes and --watch-progress-ms must be positive")
+        if self.watch_buffer_bytes <= 0 or self.watch_progress_ms <= 0 or self.watch_budget_bytes <= 0:
+            raise BadRequest("--watch-buffer-bytes, --watch-budget-bytes and --watch-progress-ms must be positive")
         if not self.session_ttl_s >= MIN_SESSION_TTL_S or self.session_ttl_s == float("inf"):
             raise BadRequest(
                 f"--session-ttl-s must be at least {MIN_SESSION_TTL_S:g} seconds (a session must outlive every retry of "

@@ -146,7 +146,7 @@ class Node:
         self.caller: FSMCaller | None = None
         self.snapshots = None  # snapshot.manager.SnapshotManager, set in start()
         self.leases = LeaseClock(self)
-        self.watches = WatchHub(self)
+        self.watches = WatchHub(self, self.config.watch_budget_bytes)
         # Sessions for the writes this node is handed without one (kv/sessions.py).
         self.sessions = SessionPool(self._open_session)
         self._session_sweeper: SessionSweeper | None = None

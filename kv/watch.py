@@ -11,9 +11,12 @@ each applied batch's changes to the WatchHub, which finds the watches whose pref
 the event to their buffers. Going from history to live happens without an await in between,
 so nothing is missed or seen twice.
 
-Each buffer is bounded (bytes of keys and values). A watch that falls further behind is taken
-out of the fan-out and its buffer dropped: an in-process watch then reads on from the ledger;
-a stream (HTTP) ends with SlowWatcher, and its client resumes from the last index it saw + 1.
+Each buffer is bounded (bytes of keys and values), and so is what all of a node's buffers
+hold together (--watch-budget-bytes). A watch that falls further behind, or wants more when
+the node's budget is spent, is taken out of the fan-out and its buffer dropped: an
+in-process watch then reads on from the ledger; a stream (HTTP) ends with SlowWatcher, and
+its client resumes from the last index it saw + 1. History is read a page at a time, and a
+stream sends each page before it reads the next.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from .statemachine.leveldb import EFFECT_DELETED
 if TYPE_CHECKING:
     from .node import Node
 
-HISTORY_CHUNK_BYTES = 1 << 20  # ledger bytes read per step of a catch-up
+# Ledger bytes read per step of a catch-up: a stream sends each step before it reads the
+# next (waiting for the socket to drain), so this is about what one catching-up stream holds.
+HISTORY_CHUNK_BYTES = 16 << 10
 EVENT_OVERHEAD = 100  # bytes an event costs a buffer beyond its key and value
 
 
@@ -130,20 +135,34 @@ class Watch:
         """Buffer an event; False when the buffer overflowed (the hub drops this watch)."""
         if not self._live or ev.index < self.cursor:
             return True
+        hub = self._hub
+        if self._buf and hub.buffered + size > hub.budget:
+            # The node's watches together hold as much as it allows: the one that is behind
+            # and wants more goes (one that has taken everything still gets the change).
+            return self._behind(f"the node's watches hold {hub.buffered} bytes of changes not yet taken, its limit (--watch-budget-bytes)")
         self._buf.append(ev)
         self._bytes += size
+        hub.buffered += size
         self._notify()
         if self._bytes <= self._limit or len(self._buf) == 1:  # one change larger than the bound still passes
             return True
+        return self._behind(f"this watcher fell more than {self._limit} bytes of changes behind (--watch-buffer-bytes)")
+
+    def _behind(self, why: str) -> bool:
+        """Out of the fan-out, its buffer dropped: an in-process watch reads on from the
+        ledger; a stream ends with SlowWatcher. Returns False (the hub drops it)."""
         self._live = False
-        self._buf, self._bytes = [], 0
+        self._drop_buffer()
         if not self._resume:
-            self._failure = SlowWatcher(
-                f"this watcher fell more than {self._limit} bytes of changes behind and was stopped; resume from index "
-                f"{self.cursor} (read faster, or watch a narrower prefix)",
-                self.cursor,
-            )
+            self._failure = SlowWatcher(f"{why}; it was stopped: resume from index {self.cursor} (read faster, or watch a narrower prefix)", self.cursor)
+        self._notify()
         return False
+
+    def _drop_buffer(self) -> list[Event]:
+        out, self._buf = self._buf, []
+        self._hub.buffered -= self._bytes
+        self._bytes = 0
+        return out
 
     def _fail(self, failure: KVError) -> None:
         self._live = False
@@ -164,11 +183,11 @@ class Watch:
         the history it needs is gone, SlowWatcher when it fell too far behind."""
         while not self._closed:
             if self._buf:
-                out, self._buf, self._bytes = self._buf, [], 0
+                out = self._drop_buffer()
                 self.cursor = out[-1].index + 1
                 return out, self._hub.applied_index()
             if self._failure is not None:
-                raise self._failure
+                raise self._ended()
             if not self._live:
                 events = self._hub.catch_up(self)
                 if events or not self._live:
@@ -188,6 +207,15 @@ class Watch:
                 return [], self._hub.applied_index()
         return None
 
+    def _ended(self) -> KVError:
+        """A failed watch is over: close it, and hand its failure over. Neither the watch nor
+        the raising frame keeps it: raised, its traceback holds that frame, which holds the
+        watch, a cycle that kept every watch cut off as a SlowWatcher (and its buffers)
+        alive until a full collection, which kv serve's gc thresholds make rare."""
+        failure = self._failure
+        self.close()
+        return failure
+
     def __aiter__(self) -> Watch:
         return self
 
@@ -203,7 +231,9 @@ class Watch:
         if not self._closed:
             self._closed = True
             self._hub.remove(self)
-            self._buf = []
+            self._drop_buffer()
+            self._failure = None
+            self._pending.clear()
             self._notify()
 
     async def __aenter__(self) -> Watch:
@@ -216,8 +246,10 @@ class Watch:
 class WatchHub:
     """The watches of one node and the one fan-out of its applied changes to them."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, budget: int) -> None:
         self._node = node
+        self.budget = budget  # bytes all watches together may hold for their readers (--watch-budget-bytes)
+        self.buffered = 0
         self._by_prefix: dict[str, set[Watch]] = {}
         self._lengths: list[int] = []  # the distinct prefix lengths, to probe _by_prefix with
         self._open: weakref.WeakSet[Watch] = weakref.WeakSet()
@@ -318,7 +350,17 @@ class WatchHub:
         for w in list(self._open):
             w.close()
 
+    def reserve(self, n: int) -> bool:
+        """Count n bytes a stream is about to send against the budget (release them once
+        sent); False, and nothing counted, when they would go over it."""
+        if self.buffered + n > self.budget and n:
+            return False
+        self.buffered += n
+        return True
+
+    def release(self, n: int) -> None:
+        self.buffered -= n
+
     def stats(self) -> tuple[int, int]:
         """(open watches, bytes buffered in them)."""
-        ws = list(self._open)
-        return len(ws), sum(w._bytes for w in ws)
+        return len(self._open), self.buffered

@@ -146,6 +146,7 @@ SERVE_OPTIONS = [
     Option("--write-timeout-s", "write_timeout_s", _number("seconds", 0), "how long a write may wait to commit before 504 (default 5)"),
     Option("--read-timeout-s", "read_timeout_s", _number("seconds", 0), "how long a linearizable read may wait for the leader's confirmation before 503/504 (default 5)"),
     Option("--watch-buffer-bytes", "watch_buffer_bytes", _integer(1), "changes a watch stream may fall behind before it is ended (default 4 MiB)"),
+    Option("--watch-budget-bytes", "watch_budget_bytes", _integer(1), "changes all of a node's watches may hold for their readers together; the one behind that wants more is ended (default 128 MiB)"),
     Option("--watch-progress-ms", "watch_progress_ms", _number("milliseconds", 0), "how often an idle watch stream sends a progress line (default 5000)"),
     Option("--session-ttl-s", "session_ttl_s", _number("seconds", 0), "a client session unused this long is closed; a write retried in it after that has an unknown outcome (default 600)"),
     Option("--max-sessions", "max_sessions", _integer(1), "client sessions open at once; opening one more closes the least recently used (default 50000)"),
