@@ -215,6 +215,10 @@ _ASK = {"connection refused": NOTHING_LISTENS, "the host name does not resolve":
 
 
 TIMEOUT_HEADER = "X-Kv-Timeout"  # the seconds this client waits for an answer (http/errors.py)
+# One node's share of a request that may be sent again: above an election (a node waiting
+# for a leader answers 503 within it), far below a call's timeout and a lease's ttl.
+ATTEMPT_TIMEOUT_S = 2.0
+RECENT_FAILURE_S = 10.0  # an endpoint that failed this recently is tried after the others
 SESSION_HEADER, SEQ_HEADER = "X-Kv-Session", "X-Kv-Seq"  # a write's request id (http/routes_sessions.py)
 
 
@@ -243,16 +247,23 @@ class AsyncClient:
         *,
         token: str | None = None,
         timeout: float = 10.0,
+        attempt_timeout: float = ATTEMPT_TIMEOUT_S,
         connections: int = 256,
         cacert: str | None = None,
     ) -> None:
-        """`cacert`: a CA certificate (PEM) that https:// endpoints are verified with, in
-        addition to the system's."""
+        """`timeout`: the seconds a call may take in all. `attempt_timeout`: how long one
+        node may take to answer a request that can be sent again (a read, a write in a
+        session, a keepalive) before the next node is asked: a node that hangs (paused,
+        stuck, cut off without a reset) costs that, not the whole call. `cacert`: a CA
+        certificate (PEM) that https:// endpoints are verified with, in addition to the
+        system's."""
         self.endpoints = parse_endpoints(endpoints)
         self._ssl = tls.client_context(cacert)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise errors.BadRequest(f"timeout is the seconds a call may take, a positive number, not {timeout!r}")
-        self.timeout = timeout
+        for name, value in (("timeout", timeout), ("attempt_timeout", attempt_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise errors.BadRequest(f"{name} is a number of seconds, more than 0, not {value!r}")
+        self.timeout, self.attempt_timeout = timeout, attempt_timeout
+        self._failed: dict[str, float] = {}  # endpoint -> when a request to it last failed
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._connections = connections
         self._session: aiohttp.ClientSession | None = None
@@ -326,10 +337,12 @@ class AsyncClient:
         told: errors.KVError | None = None  # the last answer a node gave (a 503)
         unreachable = Unreachable(self)
         while True:
-            ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
+            ep = endpoint or self._endpoint()
             tries += 1
             try:
                 left = max(deadline - time.monotonic(), 0.05)
+                if idempotent:  # safe to send again elsewhere: one node gets only so long
+                    left = min(left, self.attempt_timeout)
                 # The node answers within what is left less a margin (X-Kv-Timeout), so
                 # that a write no leader took comes back as such (NotLeader: not carried
                 # out), not as this client's own time-out (outcome unknown).
@@ -346,6 +359,7 @@ class AsyncClient:
                         # Another web server at this URL: its 404 is not "no such key".
                         raise errors.Unavailable(f"{ep} answered 404 without ledgerkv's error body: {NOT_A_NODE}")
                     if resp.status in ok:
+                        self._failed.pop(ep, None)
                         return resp.status, resp.headers.copy(), body  # case-insensitive
                     last = told = _error_for(resp.status, body, ep)  # a node's answer says more than another endpoint's silence
                     if resp.status == 504 and request_id is not None:
@@ -377,6 +391,7 @@ class AsyncClient:
                     )
                     raise errors.Timeout(f"{ep}: {what}; its outcome is unknown: read the key before retrying") from e
                 last = e
+            self._failed[ep] = time.monotonic()  # tried last for a while
             if endpoint is None:
                 self._next += 1
             # A write is not sent again unless the node has time to answer it, margin and all.
@@ -398,6 +413,16 @@ class AsyncClient:
             unreachable.saw(ep, last, [endpoint] if endpoint else self.endpoints)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+    def _endpoint(self) -> str:
+        """The next endpoint in turn, passing over those that failed in the last
+        RECENT_FAILURE_S (all did: the one that failed longest ago)."""
+        n, now = len(self.endpoints), time.monotonic()
+        order = [self.endpoints[(self._next + i) % n] for i in range(n)]
+        for ep in order:
+            if now - self._failed.get(ep, -RECENT_FAILURE_S) >= RECENT_FAILURE_S:
+                return ep
+        return min(order, key=self._failed.__getitem__)
 
     async def _json(self, method: str, path: str, **kw):
         _, _, body = await self.request(method, path, **kw)
@@ -608,7 +633,7 @@ class AsyncClient:
         """Save the newest snapshot of a node to `path` (atomically: temp file, rename)."""
         import os
 
-        ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
+        ep = endpoint or self._endpoint()
         tmp = path + ".part"
         async with self._sess().get(ep + "/v1/snapshot", timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as resp:
             if resp.status != 200:
@@ -629,7 +654,7 @@ class AsyncClient:
     async def read_log(self, start: int, end: int, *, endpoint: str | None = None) -> AsyncIterator[list[Entry]]:
         """The committed entries [start, end] of one node's ledger, in batches as they
         arrive (GET /v1/log). Raises Compacted if start is below what the node keeps."""
-        ep = endpoint or self.endpoints[self._next % len(self.endpoints)]
+        ep = endpoint or self._endpoint()
         params = {"from": str(start), "to": str(end)}
         async with self._sess().get(ep + "/v1/log", params=params, timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as resp:
             if resp.status != 200:

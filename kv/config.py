@@ -118,8 +118,8 @@ class NodeConfig:
             raise BadRequest("--watch-buffer-bytes, --watch-budget-bytes and --watch-progress-ms must be positive")
         if not self.session_ttl_s >= MIN_SESSION_TTL_S or self.session_ttl_s == float("inf"):
             raise BadRequest(
-                f"--session-ttl-s must be at least {MIN_SESSION_TTL_S:g} seconds (a session must outlive every retry of "
-                f"its writes), not {self.session_ttl_s!r}"
+                f"--session-ttl-s must be at least {MIN_SESSION_TTL_S:g} s (a session must outlive every retry of its "
+                f"writes), not {self.session_ttl_s!r}"
             )
         if type(self.max_sessions) is not int or not 1 <= self.max_sessions <= MAX_SESSIONS:
             raise BadRequest(f"--max-sessions must be an integer from 1 to {MAX_SESSIONS}, not {self.max_sessions!r}")

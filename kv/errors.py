@@ -134,7 +134,9 @@ class SessionExpired(Conflict):
         super().__init__(
             message
             or f"session {session} is not open (idle longer than --session-ttl-s, evicted beyond --max-sessions, or never "
-            "opened); the write was not applied: open a new session (POST /v1/sessions) and send it there"
+            "opened), and this copy of the write was not applied. If no copy was sent before, send it in a new session "
+            "(POST /v1/sessions); if one was, it may have been applied before the session closed: its outcome is unknown, "
+            "read the key before sending it again"
         )
 
     def details(self) -> dict:

@@ -80,19 +80,22 @@ class LeaseClock:
     async def _expire(self, now: float) -> None:
         if not self._sync(now):
             return
+        term = self._node.raft.term
         for lease in self._deadlines.expired(now):
             if lease not in self._revoking:
                 self._revoking.add(lease)
-                asyncio.get_running_loop().create_task(self._revoke(lease))
+                asyncio.get_running_loop().create_task(self._revoke(lease, term))
 
     def _sync(self, now: float) -> bool:
         raft = self._node.raft
         return self._deadlines.sync(raft.role == Role.LEADER, raft.term, self._node.sm.leases, now)
 
-    async def _revoke(self, lease: int) -> None:
+    async def _revoke(self, lease: int, term: int) -> None:
+        """Revoke a lease this node's clock saw expire while it led in `term` (only while
+        it still does: kv.Node.propose_as_leader)."""
         try:
-            await self._node.submit(cmds.LeaseRevoke(lease))
-            log.info("lease %d expired and was revoked", lease)
+            if await self._node.propose_as_leader(cmds.LeaseRevoke(lease), term) is not None:
+                log.info("lease %d expired and was revoked", lease)
         except KVError as e:  # no quorum, lost leadership: the next leader counts anew
             log.info("lease %d expired; its revoke did not commit here (%s)", lease, e)
         finally:

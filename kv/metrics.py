@@ -97,6 +97,7 @@ class _NodeCollector:
         cfg = node.config
         yield _gauge("kv_leases", "Live leases.", len(node.sm.leases.ttl_ms))
         yield _gauge("kv_sessions", "Open client sessions (exactly-once writes), in the state machine.", len(node.sm.sessions))
+        yield _counter("kv_sessions_evicted", "Client sessions closed to open new ones beyond --max-sessions.", node.sm.sessions.evicted)
         yield _counter("kv_session_copies", "Writes applied here that were copies of one applied before: answered with its result, not applied again.", node.sm.copies)
         yield _counter("kv_writes_resent", "Writes this node sent again, in the same session request, after their outcome was unknown (a leader change).", node.counters["writes_resent"])
         watches, buffered = node.watches.stats()

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import hashlib
 import logging
 import os
 import secrets
@@ -231,8 +232,10 @@ class Node:
         await self.raft.start()
         self.caller.start()
         self.leases.start()
+        sessions = self.sm.sessions
         self._session_sweeper = SessionSweeper(
-            c.session_ttl_s, self._leading, self.sm.sessions.oldest_use, self._expire_sessions, f"sessions-{c.id}"
+            c.session_ttl_s, self._leading, sessions.oldest_use, self._expire_sessions, f"sessions-{c.id}",
+            evicted=lambda: sessions.evicted, max_sessions=c.max_sessions,
         )
         self._session_sweeper.start()
         self.started_at = time.time()
@@ -548,8 +551,28 @@ class Node:
         m = self.raft.metrics()
         return m.role == Role.LEADER, m.term, m.ledger_end_index
 
-    async def _expire_sessions(self, upto: int) -> None:
-        await self.submit(cmds.SessionsExpire(upto))
+    async def _expire_sessions(self, upto: int, term: int) -> None:
+        await self.propose_as_leader(cmds.SessionsExpire(upto), term)
+
+    async def propose_as_leader(self, cmd: cmds.Command, term: int) -> Applied | None:
+        """The leader's own housekeeping, decided on its clock while it led in `term` (a
+        lease's or a session's expiry): proposed only while this node still leads in that
+        term, and never forwarded. A leader paused past its followers' election timeout
+        wakes up believing every lease has expired: forwarded to the new leader, its
+        revokes deleted leases that were being kept alive. Proposed in the old term, they
+        can never commit. Returns None when it no longer leads in that term; raises like
+        submit when the entry's fate is unknown."""
+        raft = self._running()
+        if raft.role != Role.LEADER or raft.term != term:
+            return None
+        fut = raft.loop.create_future()
+        try:
+            raft.propose_waiters(((EntryKind.NORMAL, encode_command(cmd), fut),), raft.loop.time() + self.config.write_timeout_s)
+            return await fut
+        except (NotLeader, TransferInProgress):
+            return None  # not appended, or replaced by the next leader's entries
+        except (OutcomeUnknown, NodeStopped, Overloaded) as e:
+            raise public_error(e, written=True, wait=self.config.write_timeout_s) from e
 
     async def _send(self, payload: bytes, deadline: float, wait: float) -> tuple[Applied, Exception | None]:
         """Propose (on the leader) or forward (elsewhere) until applied or the deadline;
@@ -789,7 +812,9 @@ class Node:
         that asks (see lease_scope)."""
         ms = ttl_ms(ttl)
         while True:
-            lease = secrets.randbelow(cmds.MAX_LEASE_ID) + 1
+            # A caller's request is sent again, perhaps through another node, as the very same
+            # command: its id comes from the request's, unguessable as the session's is.
+            lease = _lease_of(request_id) if request_id is not None else secrets.randbelow(cmds.MAX_LEASE_ID) + 1
             r = (await self.submit(cmds.LeaseGrant(ms, lease, owner), timeout, request_id=request_id)).result
             if type(r) is not cmds.CommandError or request_id is not None or "in use" not in str(r):
                 return lease_status(_raise_failed(r))
@@ -1049,8 +1074,13 @@ def _session_answer(applied: Applied, session: int, seq: int, unknown: Exception
         raise SessionExpired(session)
     if type(r) is cmds.StaleRequest:
         raise Conflict(
-            f"request {r.seq} of session {r.session} is below its last one ({r.last_seq}): it was answered or given up on "
-            "before, and was not applied again. A session carries one request at a time, numbered upwards"
+            f"request {r.seq} of session {r.session} is numbered below its last one ({r.last_seq}), and was not applied: "
+            "a session carries one request at a time, numbered upwards (a copy of the last one gets its answer again)"
+        )
+    if type(r) is cmds.RequestMismatch:
+        raise Conflict(
+            f"request {r.seq} of session {r.session} was a different write, applied before; this one was not applied: "
+            "number each new write with the next number (the same number is for sending the same write again)"
         )
     return applied
 
@@ -1095,6 +1125,12 @@ def lease_id(lease) -> int:
     if isinstance(lid, bool) or not isinstance(lid, int) or not 0 < lid < 1 << 63:
         raise BadRequest(f"a lease id is a positive integer, not {lid!r}")
     return lid
+
+
+def _lease_of(request_id: RequestId) -> int:
+    """The lease id a caller's grant request (session, seq) gets, the same on every node."""
+    digest = hashlib.blake2b(b"lease/%d/%d" % tuple(request_id), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % cmds.MAX_LEASE_ID + 1
 
 
 def lease_status(r: cmds.LeaseInfo) -> LeaseStatus:

@@ -34,6 +34,7 @@ log = logging.getLogger("kv.sessions")
 DEFAULT_SESSION_TTL_S = 600.0
 DEFAULT_MAX_SESSIONS = 50_000
 SWEEP_S = 1.0  # how often the leader looks for idle sessions (the ttl's resolution)
+EVICTIONS_TOLD_EVERY_S = 60.0
 
 
 class RequestId(NamedTuple):
@@ -145,22 +146,27 @@ class SessionSweeper:
     """Runs IdleSessions on a node: once a second, on the leader, commits SessionsExpire
     for the sessions idle for the ttl. `view()` gives (leading, term, last log index),
     `oldest_use()` the index that used the least recently used session (None: none open),
-    `expire(upto)` commits the SessionsExpire."""
+    `expire(upto, term)` commits the SessionsExpire while this node still leads in term."""
 
     def __init__(
         self,
         ttl_s: float,
         view: Callable[[], tuple[bool, int, int]],
         oldest_use: Callable[[], int | None],
-        expire: Callable[[int], Awaitable[object]],
+        expire: Callable[[int, int], Awaitable[object]],
         name: str,
+        evicted: Callable[[], int] = lambda: 0,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
     ) -> None:
         self.idle = IdleSessions(ttl_s)
         self._view, self._oldest_use, self._expire = view, oldest_use, expire
+        self._evicted, self._max_sessions = evicted, max_sessions
+        self._evicted_told, self._told_at = evicted(), float("-inf")
         self._sweep = Sweep(SWEEP_S, self._step, name)
         self.start, self.stop = self._sweep.start, self._sweep.stop
 
     async def _step(self, now: float) -> None:
+        self._say_evictions(now)
         leading, term, last = self._view()
         self.idle.note(leading, term, now, last)
         upto = self.idle.idle_upto(now) if leading else None
@@ -168,6 +174,18 @@ class SessionSweeper:
         if upto is None or oldest is None or oldest > upto:
             return
         try:
-            await self._expire(upto)
+            await self._expire(upto, term)
         except KVError as e:  # lost leadership, no quorum: the next leader counts anew
             log.info("sessions idle up to index %d: their expiry did not commit here (%s)", upto, e)
+
+    def _say_evictions(self, now: float) -> None:
+        """Sessions closed to open others mean clients open them again and again (and a
+        write resent in one that closed has an unknown outcome): say so, once a minute."""
+        evicted = self._evicted()
+        if evicted > self._evicted_told and now - self._told_at >= EVICTIONS_TOLD_EVERY_S:
+            log.warning(
+                "%d client sessions were closed to open new ones (--max-sessions %d reached): their clients open sessions "
+                "again, and a write resent in one that closed has an unknown outcome; raise --max-sessions",
+                evicted - self._evicted_told, self._max_sessions,
+            )
+            self._evicted_told, self._told_at = evicted, now

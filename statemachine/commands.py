@@ -247,7 +247,15 @@ class StaleRequest(NamedTuple):
     last_seq: int
 
 
-NOT_APPLIED = (SessionExpired, StaleRequest)  # a session's answers that applied nothing
+class RequestMismatch(NamedTuple):
+    """Numbered as the session's last request, but not the same request (other bytes): a
+    client that reused a number for a new write. Not applied."""
+
+    session: int
+    seq: int
+
+
+NOT_APPLIED = (SessionExpired, StaleRequest, RequestMismatch)  # a session's answers that applied nothing
 
 
 class GetOmitted(NamedTuple):
@@ -610,6 +618,8 @@ def _enc_one(r) -> bytes:
         return b"Z" + _U64.pack(r.session)
     if isinstance(r, StaleRequest):
         return b"Q" + _U64.pack(r.session) + _U64.pack(r.seq) + _U64.pack(r.last_seq)
+    if isinstance(r, RequestMismatch):
+        return b"M" + _U64.pack(r.session) + _U64.pack(r.seq)
     if isinstance(r, CommandError):
         msg = str(r).encode()
         return b"E" + _U32.pack(len(msg)) + msg
@@ -663,6 +673,8 @@ def _dec_one(rd: _Reader):
         return SessionExpired(_U64.unpack(rd.take(8))[0])
     if tag == b"Q":
         return StaleRequest(*struct.unpack(">QQQ", rd.take(24)))
+    if tag == b"M":
+        return RequestMismatch(*struct.unpack(">QQ", rd.take(16)))
     if tag == b"E":
         return CommandError(rd.take(rd.u32()).decode())
     if tag == b"N":

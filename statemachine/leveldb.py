@@ -57,6 +57,7 @@ from .commands import (
     ConditionFailed,
     Put,
     PutResult,
+    RequestMismatch,
     InSession,
     GetOmitted,
     SessionExpired,
@@ -72,7 +73,7 @@ from .commands import (
     txn_branches,
 )
 from .leases import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
-from .sessions import SESSION_RESULT_MAX, SessionTable, record_value, session_record
+from .sessions import RESULT_AT, SESSION_RESULT_MAX, SessionTable, fingerprint, record_value, session_record
 
 _APPLIED = b"\x00applied"
 _MEMBERSHIP = b"\x00membership"
@@ -240,6 +241,7 @@ class LevelDBStateMachine:
                     results.append(self._not_again(e, session, seq, s, wb, overlay))
                     continue
                 o = SESSION_HEAD_BYTES
+                fp = fingerprint(d, o)
             result = None
             if d[o : o + 2] == PUT_HEAD and len(d) > o + 4:
                 # The hot path, an unconditional put, read straight from the encoding:
@@ -263,7 +265,7 @@ class LevelDBStateMachine:
                         result = PutResult(e.index)
                         if session:  # its answer is PutResult(this index): the record can wait (sessions.py)
                             s = sessions.pop(session)
-                            s[0], s[1], s[2] = seq, e.index, False
+                            s[0], s[1], s[2], s[3] = seq, e.index, False, fp
                             sessions[session] = s
                             self.sessions.dirty.add(session)
                             results.append(result)
@@ -282,7 +284,7 @@ class LevelDBStateMachine:
                 if took is not None:
                     wb.put(_EFFECTS + pack(e.index), took)
             if session:
-                self._answered(session, seq, e.index, result, wb, overlay)
+                self._answered(session, seq, fp, e.index, result, wb, overlay)
             results.append(result)
         if entries:
             last = entries[-1]
@@ -295,7 +297,7 @@ class LevelDBStateMachine:
 
     # -- sessions (sessions.py) ------------------------------------------------------------
 
-    def _answered(self, session: int, seq: int, index: int, result, wb, overlay: dict) -> None:
+    def _answered(self, session: int, seq: int, fp: int, index: int, result, wb, overlay: dict) -> None:
         """Keep request `seq`'s result, the answer to any copy of it."""
         if type(result) is PutResult:
             encoded = b"P" + _U64.pack(result.index)
@@ -306,11 +308,11 @@ class LevelDBStateMachine:
                 encoded = encode_result(result._replace(results=kept))
         table = self.sessions.last
         s = table.pop(session)  # to the end: the most recently used
-        s[0], s[1], s[2] = seq, index, True
+        s[0], s[1], s[2], s[3] = seq, index, True, fp
         table[session] = s
         self.sessions.dirty.discard(session)
         k = _DATA + session_record(session)
-        v = _U64.pack(seq) + encoded
+        v = record_value(seq, fp, encoded)
         overlay[k] = (index, v)
         wb.put(k, _U64.pack(index) + v)
 
@@ -324,10 +326,12 @@ class LevelDBStateMachine:
             result = StaleRequest(session, seq, s[0])
         elif seq == 0:  # never sent by ledgerkv (in_session refuses it): no result to repeat
             return CommandError("a request's sequence number starts at 1")
+        elif fingerprint(e.data, SESSION_HEAD_BYTES) != s[3]:
+            result = RequestMismatch(session, seq)
         else:
             if s[2]:
                 kept = self._current(_DATA + session_record(session), overlay)
-                result = decode_result(kept[1][8:])
+                result = decode_result(kept[1][RESULT_AT:])
             else:  # a plain put, whose record waits for the next flush
                 result = PutResult(s[1])
             self.copies += 1
@@ -347,8 +351,8 @@ class LevelDBStateMachine:
         wb = wb if wb is not None else self._db.write_batch()
         table = self.sessions.last
         for session in self.sessions.dirty:
-            seq, used, _ = s = table[session]
-            wb.put(_DATA + session_record(session), _U64.pack(used) + record_value(seq, b"P" + _U64.pack(used)))
+            seq, used, _, fp = s = table[session]
+            wb.put(_DATA + session_record(session), _U64.pack(used) + record_value(seq, fp, b"P" + _U64.pack(used)))
             s[2] = True
         self.sessions.dirty.clear()
         self.sessions_at = self._applied[0]
@@ -365,7 +369,7 @@ class LevelDBStateMachine:
         for gone in self.sessions.open(cmd.session, index, cmd.max_sessions):
             wb.delete(_DATA + session_record(gone))
         if self.sessions.last[cmd.session][1] == index:  # new (opening it again changes nothing)
-            wb.put(_DATA + session_record(cmd.session), _U64.pack(index) + record_value(0, b""))
+            wb.put(_DATA + session_record(cmd.session), _U64.pack(index) + record_value(0, 0, b""))
         return SessionOpened(cmd.session)
 
     def _expire_sessions(self, upto: int, wb) -> None:

@@ -27,14 +27,17 @@ They are stored as reserved records in the key space, like leases (leases.py), s
 snapshots, install-snapshot and restore carry them:
 
     "\\x00sess/" + id as 16 hex digits    mod_index = the index that last used it;
-                                         value = the last seq (u64) + its encoded result
+                                         value = the last seq (u64), its fingerprint (u32,
+                                         fingerprint()) and its encoded result
 
 (Keys in snapshots are UTF-8 text, so the id is written in hex.)
 
 The same table lives in memory in least-recently-used order (rebuilt at open and after a
 snapshot load by sorting on the index that last used each session: every entry uses at
 most one, so the order is the same on every replica). Results are read back from the
-record only to answer a copy.
+record only to answer a copy. A copy must be the same request: one numbered like the last
+request but with other bytes (a client reusing a number for a new write) is refused
+(RequestMismatch), never answered with the other write's result.
 
 An unconditional put, the hot path, does not rewrite its session's record: its answer is
 PutResult(its own index), which the log says. Its session is marked dirty in memory, and
@@ -49,6 +52,7 @@ own batch.
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Iterable
 
 from .commands import IN_SESSION, PUT_HEAD, SESSION_HEAD_BYTES, SESSION_IDS
@@ -56,6 +60,7 @@ from .commands import IN_SESSION, PUT_HEAD, SESSION_HEAD_BYTES, SESSION_IDS
 SESSION_RECORD = b"\x00sess/"
 SESSION_RESULT_MAX = 64 << 10  # a larger result (a transaction's gets) is kept as "applied, reads not kept"
 _U64 = struct.Struct(">Q")
+_SEQ_FP = struct.Struct(">QI")
 
 
 def session_record(session: int) -> bytes:
@@ -65,9 +70,10 @@ def session_record(session: int) -> bytes:
 class SessionTable:
     def __init__(self) -> None:
         # session -> [last seq, index that last used it, whether its record holds that
-        # request's result]; least recently used first
+        # request's result, its fingerprint]; least recently used first
         self.last: dict[int, list] = {}
         self.dirty: set[int] = set()  # sessions whose record a plain put left behind
+        self.evicted = 0  # sessions closed to make room for new ones (a metric)
 
     def __len__(self) -> int:
         return len(self.last)
@@ -78,9 +84,10 @@ class SessionTable:
         rows = []
         for key, used, value in records:
             if key.startswith(SESSION_RECORD):
-                rows.append((used, int(key[len(SESSION_RECORD) :], 16), _U64.unpack_from(value)[0]))
+                seq, fp = _SEQ_FP.unpack_from(value)
+                rows.append((used, int(key[len(SESSION_RECORD) :], 16), seq, fp))
         rows.sort()
-        self.last = {session: [seq, used, True] for used, session, seq in rows}
+        self.last = {session: [seq, used, True, fp] for used, session, seq, fp in rows}
         self.dirty = set()
 
     def replay(self, entries: Iterable) -> None:
@@ -95,7 +102,7 @@ class SessionTable:
             s = last.get(session)
             if s is not None and seq > s[0] and e.index > s[1]:
                 del last[session]
-                s[0], s[1], s[2] = seq, e.index, False
+                s[0], s[1], s[2], s[3] = seq, e.index, False, fingerprint(e.data, SESSION_HEAD_BYTES)
                 last[session] = s
                 self.dirty.add(session)
 
@@ -109,13 +116,14 @@ class SessionTable:
             del self.last[oldest]
             self.dirty.discard(oldest)
             evicted.append(oldest)
-        self.last[session] = [0, index, True]
+        self.evicted += len(evicted)
+        self.last[session] = [0, index, True, 0]
         return evicted
 
     def expire(self, upto: int) -> list[int]:
         """Close the sessions last used at or before index `upto`; returns them."""
         gone = []
-        for session, (_, used, _) in self.last.items():
+        for session, (_, used, *_) in self.last.items():
             if used > upto:
                 break
             gone.append(session)
@@ -131,8 +139,17 @@ class SessionTable:
         return None
 
 
-def record_value(seq: int, result: bytes) -> bytes:
-    return _U64.pack(seq) + result
+def record_value(seq: int, fp: int, result: bytes) -> bytes:
+    return _SEQ_FP.pack(seq, fp) + result
+
+
+RESULT_AT = 12  # where a record's value (after its mod_index) holds the result
+
+
+def fingerprint(data: bytes, start: int) -> int:
+    """What tells a copy of a request from another request under the same number: a
+    checksum of the command's encoding (after the session header at `start`)."""
+    return zlib.crc32(memoryview(data)[start:])
 
 
 def plain_put_in_session(data: bytes) -> tuple[int, int] | None:

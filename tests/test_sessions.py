@@ -45,6 +45,13 @@ def test_a_copy_is_answered_with_the_first_result_and_applied_once(sm):
     assert sm.copies == 2
 
 
+def test_a_different_write_under_a_used_number_is_refused_not_answered_as_the_first(sm):
+    sm.apply([normal(1, c.SessionOpen(7, 100)), in_session(2, 7, 1, c.Put("a", b"1")), in_session(3, 7, 2, c.Delete("a"))])
+    res = sm.apply([in_session(4, 7, 2, c.Put("other", b"x")), in_session(5, 7, 2, c.Delete("a"))])
+    assert res == [c.RequestMismatch(7, 2), c.DeleteApplied(3, True)]
+    assert sm.get("other") is None and sm.copies == 1
+
+
 def test_a_copy_of_a_transaction_keeps_its_branch_and_its_reads(sm):
     txn = c.Txn((c.Cond("n", "mod", 0),), (c.Put("n", b"1"), c.Get("n")), (c.Get("n"),))
     res = sm.apply([normal(1, c.SessionOpen(9, 100)), in_session(2, 9, 1, txn), in_session(3, 9, 1, txn)], answering=set())
@@ -81,12 +88,12 @@ def test_sessions_survive_a_restart_and_a_snapshot_in_lru_order(tmp_path, sm):
     view.release()
     sm.close()
     again = LevelDBStateMachine(sm.path)
-    assert again.sessions.last == {22: [0, 2, True], 11: [1, 3, True]}
+    assert {k: v[:3] for k, v in again.sessions.last.items()} == {22: [0, 2, True], 11: [1, 3, True]}
     assert again.apply([in_session(4, 11, 1, c.Put("k", b"v"))]) == [c.PutResult(3)]
     again.close()
     other = LevelDBStateMachine(str(tmp_path / "other"))
     other.restore(3, 1, b"", iter(items))
-    assert other.sessions.last == {22: [0, 2, True], 11: [1, 3, True]}
+    assert {k: v[:3] for k, v in other.sessions.last.items()} == {22: [0, 2, True], 11: [1, 3, True]}
     assert other.apply([in_session(4, 11, 1, c.Put("k", b"v"))]) == [c.PutResult(3)]  # the copy, after install-snapshot
     assert other.scan("") == [("k", b"v", 3)]  # the session records are not user keys
     other.close()
@@ -219,6 +226,13 @@ async def test_http_writes_with_a_session_apply_once_and_repeat_their_answer(tmp
         assert t2.status == 200 and await t2.json() == t1 and t1["succeeded"]
         stale = await api.put("/v1/kv/c", data=b"old", headers=h)
         assert stale.status == 409 and "below its last one" in (await stale.json())["error"]["message"]
+        other = await api.put("/v1/kv/elsewhere", data=b"x", headers=h2)  # a new write under a used number
+        assert other.status == 409 and "was a different write" in (await other.json())["error"]["message"]
+        assert (await api.get("/v1/kv/elsewhere")).status == 404
+        h3 = {**h, "X-Kv-Seq": "3"}
+        g1 = await (await api.post("/v1/leases", json={"ttl": 60}, headers=h3)).json()
+        g2 = await (await api.post("/v1/leases", json={"ttl": 60}, headers=h3)).json()
+        assert g1 == g2 and g1["id"] > 1 << 20  # one lease, whichever node the copy went to
         unknown = await api.put("/v1/kv/c", data=b"x", headers={"X-Kv-Session": "12345", "X-Kv-Seq": "1"})
         body = await unknown.json()
         assert unknown.status == 409 and body["error"]["code"] == "SESSION_EXPIRED" and body["error"]["session"] == 12345
@@ -249,17 +263,32 @@ def test_after_a_crash_the_plain_puts_session_state_is_replayed_from_the_ledger(
         in_session(7, 9, 1, c.Put("a", b"x")),  # no such session
     ]
     sm.apply(later)
-    want = {k: v[:2] for k, v in sm.sessions.last.items()}
-    assert want == {1: [1, 3], 2: [2, 5]} and list(sm.sessions.last) == [1, 2]
+    want = {k: [v[0], v[1], v[3]] for k, v in sm.sessions.last.items()}
+    assert {k: v[:2] for k, v in want.items()} == {1: [1, 3], 2: [2, 5]} and list(sm.sessions.last) == [1, 2]
     crashed = str(tmp_path / "crashed")
     shutil.copytree(sm.path, crashed)  # as a kill -9 leaves it: no flush at close
     again = LevelDBStateMachine(crashed)
     try:
         assert again.sessions_at == (2 if snapshot else 0) and again.applied()[0] == 7  # (0: as new, nothing flushed)
         again.replay_sessions(opened + later)
-        assert {k: v[:2] for k, v in again.sessions.last.items()} == want and list(again.sessions.last) == [1, 2]
+        assert {k: [v[0], v[1], v[3]] for k, v in again.sessions.last.items()} == want and list(again.sessions.last) == [1, 2]
         # a copy of the plain put after the restart is still recognised, with its answer
         assert again.apply([in_session(8, 1, 1, c.Put("a", b"1")), in_session(9, 2, 2, c.Put("b", b"2"))]) == [c.PutResult(3), c.PutResult(5)]
         assert again.get("a") == (3, b"1") and again.get("b") == (5, b"2")
     finally:
         again.close()
+
+
+async def test_a_grant_sent_again_through_another_node_is_the_same_lease(tmp_path):
+    from inproc import InprocCluster
+
+    c = InprocCluster(str(tmp_path))
+    await c.start()
+    try:
+        f1, f2 = await c.followers()
+        rid = RequestId(await f1.open_session(), 1)
+        a = await f1.lease_grant(30, request_id=rid)
+        b = await f2.lease_grant(30, request_id=rid)  # a copy, through another node
+        assert a.id == b.id and [x.id for x in await f1.lease_list()] == [a.id]
+    finally:
+        await c.stop()

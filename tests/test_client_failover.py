@@ -1,0 +1,77 @@
+"""A client whose node hangs (SIGSTOP: no reset, no answer) moves on to the next one after
+its attempt timeout, for reads, writes (sent again as the same session request) and lease
+keepalives; the call neither spends its whole timeout there nor ends "outcome unknown".
+Run as a user would: kv.Client in a process of its own, the cluster in three more."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from cluster import ProcCluster
+
+pytestmark = pytest.mark.slow
+
+WORKER = r"""
+import json, sys, time
+import kv
+
+endpoints, seconds = sys.argv[1], float(sys.argv[2])
+out = {"ops": 0, "errors": [], "slowest": 0.0, "lost_leases": 0}
+end = time.monotonic() + seconds
+with kv.Client(endpoints, timeout=10) as c, c.lease(5) as lease:
+    i = 0
+    while time.monotonic() < end:
+        i += 1
+        t0 = time.monotonic()
+        try:
+            c.put(f"w/{i}", b"%d" % i, lease=lease)
+            assert c.get(f"w/{i}").value == b"%d" % i
+        except kv.KVError as e:
+            out["errors"].append(f"{type(e).__name__}: {e}")
+        out["slowest"] = max(out["slowest"], time.monotonic() - t0)
+        out["ops"] += 1
+        time.sleep(0.02)
+    try:
+        c.lease_info(lease.id)
+    except kv.LeaseNotFound:
+        out["lost_leases"] += 1
+print(json.dumps(out))
+"""
+
+
+def run_worker(c: ProcCluster, seconds: float) -> subprocess.Popen:
+    endpoints = ",".join(c.url(i) for i in c.ids)
+    return subprocess.Popen([sys.executable, "-c", WORKER, endpoints, str(seconds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_paused_follower_or_leader_costs_a_client_an_attempt_not_its_timeout(tmp_path):
+    c = ProcCluster(str(tmp_path))
+    try:
+        c.start()
+        lead = c.leader()
+        follower = next(i for i in c.ids if i != lead)
+        workers = [run_worker(c, 22) for _ in range(3)]
+        time.sleep(1.5)
+        c.pause(follower)  # 8 s: past a 5 s lease's ttl, were its keepalives stuck on it
+        time.sleep(8)
+        c.resume(follower)
+        time.sleep(1.5)
+        c.pause(lead)  # a new leader is elected meanwhile
+        time.sleep(6)
+        c.resume(lead)
+        results = []
+        for w in workers:
+            out, err = w.communicate(timeout=60)
+            assert w.returncode == 0, err[-3000:]
+            results.append(json.loads(out))
+        print("\n" + "\n".join(json.dumps(r) for r in results))
+        for r in results:
+            assert r["errors"] == [], r["errors"][:5]
+            assert r["slowest"] < 4.5, r  # an attempt (2 s) and an election, not a 10 s timeout
+            assert r["lost_leases"] == 0 and r["ops"] > 50
+    finally:
+        c.close()
