@@ -582,7 +582,7 @@ async def test_a_client_says_nothing_listens_once_for_a_loop_of_calls(caplog):
 def test_a_clients_timeout_must_be_a_positive_number(timeout):
     import kv
 
-    with pytest.raises(kv.BadRequest, match="timeout is the seconds a call may take"):
+    with pytest.raises(kv.BadRequest, match="timeout is a number of seconds, more than 0"):
         kv.Client("http://127.0.0.1:9", timeout=timeout)
 
 
