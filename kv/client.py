@@ -56,6 +56,7 @@ _ERRORS = {
     409: errors.Conflict,
     410: errors.Compacted,
     413: errors.ValueTooLarge,
+    507: errors.NoSpace,
     504: errors.Timeout,
 }
 

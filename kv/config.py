@@ -77,6 +77,7 @@ class NodeConfig:
     write_timeout_s: float = 5.0
     read_timeout_s: float = 5.0
     fsync: bool = True
+    min_free_bytes: int = 128 << 20  # free disk space kept in reserve: below it the node takes no writes (NOSPACE)
     ledger_map_size: int = 32 << 30
     watch_buffer_bytes: int = 4 << 20  # changes a watcher may fall behind before it is cut off
     watch_budget_bytes: int = 128 << 20  # changes all watches of the node may hold together
@@ -108,6 +109,8 @@ class NodeConfig:
             raise BadRequest(f"--max-txn-ops must be between 1 and {MAX_CONDS}")
         if self.force_new_cluster and self.join:
             raise BadRequest("--force-new-cluster restarts an existing member alone; it does not go with --join")
+        if type(self.min_free_bytes) is not int or self.min_free_bytes < 0:
+            raise BadRequest(f"--min-free-bytes must be 0 or more, not {self.min_free_bytes!r}")
         if self.max_txn_read_bytes <= 0:
             raise BadRequest("--max-txn-read-bytes must be positive")
         if self.snapshot_threshold <= 0 or self.snapshot_trailing < 0 or self.snapshot_keep < 1:

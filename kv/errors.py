@@ -13,6 +13,7 @@ is the snapshot layer's (snapshot/format.py). They are re-exported here.
     ├── Timeout (TimeoutError)                       504
     ├── ReadsOmitted                                 200 (applied; HTTP marks the gets "omitted")
     ├── Unavailable                                  503
+    ├── NoSpace                                      507 (the disk is below its reserve: reads go on)
     ├── Unauthorized, Forbidden                      401, 403
     ├── DataDirLocked                                409
     ├── Compacted ── WatchCompacted (kv.watch)       410
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import os
 
-from .raft.errors import KVError, NotLeader
+from .raft.errors import KVError, NoSpace, NotLeader
 from .snapshot.format import SnapshotError
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "LeaseNotFound",
     "MemberExists",
     "NoQuorum",
+    "NoSpace",
     "NotFound",
     "NotLeader",
     "PreconditionFailed",

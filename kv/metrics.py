@@ -104,6 +104,9 @@ class _NodeCollector:
         yield _gauge("kv_watches", "Open watches on this node (in-process and streams).", watches)
         yield _gauge("kv_watch_buffered_bytes", "Bytes of changes buffered for watches that have not taken them yet.", buffered)
         yield _gauge("kv_state_size_bytes", "Bytes of the state machine (LevelDB) on disk.", _dir_bytes(cfg.state_path))
+        disk = node.disk
+        yield _gauge("kv_disk_free_bytes", "Free bytes on the disk of the data dir (as last checked, once a second).", float(disk.free or 0))
+        yield _gauge("kv_alarm_nospace", "1 while the node refuses writes for lack of disk space (below --min-free-bytes, or full).", 1.0 if disk.why() else 0.0)
         yield _gauge("kv_ledger_size_bytes", "Bytes of the ledger (LMDB) on disk.", _dir_bytes(cfg.ledger_path))
         yield from self._peers(r.transport)
         yield from self._snapshots(node.snapshots.stats)

@@ -19,6 +19,7 @@ from . import bootstrap, limits, logguard, tls
 from .config import NodeConfig, check_hostport
 from .coordination import AsyncElection, AsyncLease, AsyncLock
 from .datadir import DataDirLock
+from .diskguard import DiskGuard
 from .leases import LeaseClock
 from .scan import Scan
 from .sessions import RequestId, SessionPool, SessionSweeper, new_session_id
@@ -32,6 +33,7 @@ from .errors import (
     MemberExists,
     NotFound,
     NoQuorum,
+    NoSpace,
     NotLeader,
     PreconditionFailed,
     ReadsOmitted,
@@ -151,6 +153,7 @@ class Node:
         # Sessions for the writes this node is handed without one (kv/sessions.py).
         self.sessions = SessionPool(self._open_session)
         self._session_sweeper: SessionSweeper | None = None
+        self.disk: DiskGuard | None = None  # the free-space reserve (kv/diskguard.py), made in start()
         self.started_at = 0.0
         self.counters = collections.Counter()
         self._metrics = None  # kv.metrics.NodeMetrics, made on first use (see metrics)
@@ -174,6 +177,8 @@ class Node:
         peer_tls = tls.peer_tls(c.peer_cert, c.peer_key, c.peer_ca)
         logguard.guard("kv.raft.transport")  # strangers on the peer port must not flood the log
         self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync)
+        self.disk = DiskGuard(c.data_dir, c.min_free_bytes, c.id, stalled=self._stalled_on_disk)
+        self.disk.check()
         self.snapshots = SnapshotManager(_SnapshotHost(self), c.snapshot_path, keep=c.snapshot_keep)
         loop = asyncio.get_running_loop()
         try:
@@ -218,6 +223,7 @@ class Node:
             result_encoder=cmds.encode_result,
             observe_fsync=self._observe_fsync,
             observe_rtt=self._observe_rtt,
+            no_space=self.disk.why,
         )
         self.caller = FSMCaller(
             self.sm,
@@ -227,11 +233,13 @@ class Node:
             after_apply=[self.snapshots.after_apply],
             after_load=[self.watches.snapshot_loaded],
             observe_apply=self._observe_apply,
+            after_reopen=[self._replay_sessions],
         )
         self.snapshots.attach(self.raft)
         await self.raft.start()
         self.caller.start()
         self.leases.start()
+        self.disk.start()
         sessions = self.sm.sessions
         self._session_sweeper = SessionSweeper(
             c.session_ttl_s, self._leading, sessions.oldest_use, self._expire_sessions, f"sessions-{c.id}",
@@ -301,6 +309,10 @@ class Node:
             log.warning("node %s: ledger ends at %d, state at %d: resetting the ledger", self.config.id, ledger.last_index(), idx)
             ledger.write([LedgerWrite(reset_to=(idx, term))])
 
+    def _stalled_on_disk(self) -> Exception | None:
+        """A write (the ledger's, or the state machine's) waiting for disk space, if any."""
+        return (self.raft.write_stalled if self.raft else None) or (self.caller.stalled if self.caller else None)
+
     def _replay_sessions(self) -> None:
         """What the plain puts after the session records' `sessions_at` did to their
         sessions (statemachine/sessions.py): read back from the ledger, which keeps every
@@ -351,6 +363,8 @@ class Node:
 
     async def stop(self) -> None:
         await self.leases.stop()
+        if self.disk is not None:
+            await self.disk.stop()
         if self._session_sweeper is not None:
             await self._session_sweeper.stop()
         if self.snapshots is not None:
@@ -465,6 +479,8 @@ class Node:
         try:
             payload = self.encode_request(cmd)
             raft = self._running()
+            if self.disk.low and not cmds.is_local(payload):  # (the leader checks its own disk too)
+                raise NoSpace(self.disk.why())
             wait = timeout if timeout is not None else self.config.write_timeout_s
             deadline = raft.loop.time() + wait
             self.counters["writes"] += 1
@@ -571,6 +587,8 @@ class Node:
             return await fut
         except (NotLeader, TransferInProgress):
             return None  # not appended, or replaced by the next leader's entries
+        except NoSpace as e:
+            raise public_error(e) from e
         except (OutcomeUnknown, NodeStopped, Overloaded) as e:
             raise public_error(e, written=True, wait=self.config.write_timeout_s) from e
 
@@ -620,7 +638,7 @@ class Node:
                 self.counters["writes_resent"] += 1
                 await self._await_leader(deadline, e, unknown)
                 continue
-            except Overloaded as e:  # refused before anything was appended
+            except (Overloaded, NoSpace) as e:  # refused before anything was appended
                 if unknown is not None:
                     raise _unknown_outcome(unknown, wait) from e
                 raise public_error(e) from e
@@ -629,6 +647,10 @@ class Node:
             if resp.code in (ForwardCode.NOT_LEADER, ForwardCode.TRANSFERRING):
                 await self._await_leader(deadline, NotLeader(resp.payload.decode()), unknown, force_wait=True)
                 continue
+            if resp.code == ForwardCode.NO_SPACE:
+                if unknown is not None:
+                    raise _unknown_outcome(unknown, wait)
+                raise NoSpace(f"the leader refuses writes: {resp.payload.decode()}")
             if resp.code == ForwardCode.STOPPED:  # the leader could not tell how it ended
                 unknown = OutcomeUnknown(f"the leader could not confirm the write: {resp.payload.decode()}")
                 self.counters["writes_resent"] += 1
@@ -1008,6 +1030,7 @@ class Node:
             "ledger_begin_index": r.ledger_begin_index,
             "ledger_end_index": r.ledger_end_index,
             "snapshot_index": snap.index if snap else 0,
+            "alarms": self.disk.alarms(),
             "peers": {
                 m.id: {
                     "address": m.peer_addr,

@@ -39,6 +39,14 @@ class NotLeader(KVError):
         super().__init__(message)
 
 
+class NoSpace(KVError):
+    """The node's disk has less free space than its reserve (--min-free-bytes), or is full:
+    it takes no writes until there is room again (it resumes by itself), and still serves
+    reads. Nothing was written."""
+
+    code, http_status = "NO_SPACE", 507
+
+
 class LeaderChanged(NotLeader):
     """The leader changed while a read waited for the old one's answer: ask the new one
     (the read barrier does so at once, instead of waiting out its deadline)."""

@@ -249,6 +249,7 @@ class ForwardCode(enum.IntEnum):
     OVERLOADED = 3
     STOPPED = 4  # the leader stopped before the outcome was known
     REJECTED = 5  # the leader could not take the command (detail in payload)
+    NO_SPACE = 6  # the leader's disk is (nearly) full: it takes no writes for now
 
 
 @dataclass(slots=True, frozen=True)

@@ -43,7 +43,8 @@ from .committed import CommittedFeed
 from .config import CoreConfig
 from .core import RaftCore, Ready
 from .deadlines import AllOf, Deadlines
-from .errors import LeaderChanged, NotLeader, RaftError, TransferInProgress
+from .disk import DISK_RETRY_S, is_disk_full
+from .errors import LeaderChanged, NoSpace, NotLeader, RaftError, TransferInProgress
 from .ledger import Ledger, LedgerWrite
 from .membership import Membership
 from .messages import (
@@ -174,8 +175,10 @@ class RaftNode:
         result_encoder: Callable[[Any], bytes] = lambda r: b"",
         observe_fsync: Callable[[float], None] | None = None,
         observe_rtt: Callable[[str, float], None] | None = None,
+        no_space: Callable[[], str | None] = lambda: None,
     ) -> None:
         """Hooks: `snapshots` streams and receives snapshot files;
+        `no_space()` says why proposals are refused for now (the disk is nearly full), or None;
         `result_encoder` encodes an apply result for a follower that forwarded the command.
         Metrics: `observe_fsync(seconds)` of each ledger write (called from the writer
         thread), `observe_rtt(peer, seconds)` of a heartbeat's round trip.
@@ -208,6 +211,9 @@ class RaftNode:
         self._advertise_url = advertise_url
         self._snapshots = snapshots
         self._observe_fsync, self._observe_rtt = observe_fsync, observe_rtt
+        self._no_space = no_space
+        self.write_stalled: BaseException | None = None  # the ledger write waiting for disk space
+        self._installed: set[int] = set()  # the Readies of the batch being written whose snapshot is installed
         self._heartbeat_sent: dict[str, float] = {}  # peer -> when the oldest unanswered heartbeat left
         self._last_leader: str | None = None
         self._result_encoder = result_encoder
@@ -343,6 +349,9 @@ class RaftNode:
             raise TransferInProgress(core.transferee)
         if self.pending_proposals() >= self.max_pending:
             raise Overloaded(f"{self.max_pending} writes are already waiting to commit on {self.id}; retry shortly")
+        why = self._no_space()
+        if why is not None:
+            raise NoSpace(why)
         self._proposals.extend(items)
         if deadline is not None:
             self._deadlines.add(deadline, AllOf([w for _, _, w in items]) if len(items) > 1 else items[0][2])
@@ -388,6 +397,8 @@ class RaftNode:
             code, payload = ForwardCode.TRANSFERRING, str(e).encode()
         except Overloaded as e:
             code, payload = ForwardCode.OVERLOADED, str(e).encode()
+        except NoSpace as e:
+            code, payload = ForwardCode.NO_SPACE, str(e).encode()
         except (NodeStopped, OutcomeUnknown) as e:
             code, payload = ForwardCode.STOPPED, str(e).encode()
         if self.transport is not None and not self._stopped:
@@ -681,11 +692,18 @@ class RaftNode:
         fut = self.loop.run_in_executor(self._writer, self._write, batch)
         fut.add_done_callback(lambda f: self._written(batch, f))
 
+    def _write_again(self, batch: list[Ready]) -> None:
+        if self._stopped:
+            return
+        fut = self.loop.run_in_executor(self._writer, self._write, batch)
+        fut.add_done_callback(lambda f: self._written(batch, f))
+
     def _write(self, batch: list[Ready]) -> None:
         writes = []
         for rd in batch:
-            if rd.snapshot is not None and self._snapshots is not None:
+            if rd.snapshot is not None and self._snapshots is not None and id(rd) not in self._installed:
                 self._snapshots.install(rd.snapshot)
+                self._installed.add(id(rd))  # (a write tried again after a full disk does not install it twice)
             if rd.must_persist:
                 reset = (rd.snapshot.index, rd.snapshot.term) if rd.snapshot is not None else None
                 writes.append(LedgerWrite(rd.hard_state, reset, rd.entries_from, rd.entries))
@@ -696,8 +714,21 @@ class RaftNode:
                 self._observe_fsync(time.perf_counter() - t0)
 
     def _written(self, batch: list[Ready], fut: asyncio.Future) -> None:
-        self._writing = False
         exc = fut.exception()
+        if exc is not None and is_disk_full(exc, self.ledger.path):
+            # Wait for space and write the same batch again (nothing of it was written, and
+            # nothing after it goes first): the node stays up, serving reads, and its acks
+            # and proposals wait. kv/diskguard.py refuses new writes meanwhile.
+            if self.write_stalled is None:
+                log.error("node %s: the disk is full (%s); the ledger write waits for space and is tried again every second", self.id, exc)
+            self.write_stalled = exc
+            self.loop.call_later(DISK_RETRY_S, self._write_again, batch)
+            return
+        if self.write_stalled is not None:
+            log.warning("node %s: the ledger write went through: there is disk space again", self.id)
+            self.write_stalled = None
+        self._installed.clear()
+        self._writing = False
         if exc is not None:
             log.error("node %s: ledger write failed, stopping: %s", self.id, exc)
             # With this node the only voter, entries that did not reach its ledger cannot

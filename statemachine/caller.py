@@ -15,11 +15,14 @@ from collections.abc import Callable, Sequence
 
 from ..raft import failpoints
 from ..raft.committed import CommittedBatch, CommittedFeed, CommittedItem
+from ..raft.disk import DISK_RETRY_S, free_bytes, is_disk_full
 from ..raft.errors import KVError
 from ..raft.messages import SnapshotMeta
 from .protocol import StateMachine
 
 log = logging.getLogger("kv.statemachine.caller")
+
+ROOM_TO_REOPEN = 4 << 20  # free bytes before LevelDB is opened again after a full disk (it writes a new log and manifest)
 
 
 class FSMCaller:
@@ -37,6 +40,7 @@ class FSMCaller:
         after_apply: Sequence[Callable[[int], None]] = (),
         after_load: Sequence[Callable[[int], None]] = (),
         observe_apply: Callable[[float], None] | None = None,  # seconds per applied batch (metrics)
+        after_reopen: Sequence[Callable[[], None]] = (),  # the state machine was opened again from disk
     ) -> None:
         self.sm = sm
         self._committed = committed
@@ -49,6 +53,8 @@ class FSMCaller:
         self._after_apply = tuple(after_apply)  # e.g. the snapshot policy
         self._after_load = tuple(after_load)  # a snapshot replaced the state up to this index
         self._observe_apply = observe_apply
+        self._after_reopen = tuple(after_reopen)
+        self.stalled: Exception | None = None  # the failed apply waiting for disk space
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"fsm-{self.node_id}")
@@ -66,16 +72,43 @@ class FSMCaller:
             self._waiting = True
             item = await self._committed.get()
             self._waiting = False
-            try:
-                if type(item) is CommittedBatch:
-                    item.done.set_result(self._apply(item))
-                else:
-                    await self._load(item.meta)
-                    item.done.set_result(None)
-            except Exception as e:
-                item.done.set_exception(self._failed(e, item))
-                return
+            while True:
+                try:
+                    if type(item) is CommittedBatch:
+                        item.done.set_result(self._apply(item))
+                    else:
+                        await self._load(item.meta)
+                        item.done.set_result(None)
+                    break
+                except Exception as e:
+                    if self._stopping or not is_disk_full(e, self.sm.path):
+                        item.done.set_exception(self._failed(e, item))
+                        return
+                    await self._wait_for_space(e)
             await asyncio.sleep(0)  # the answer may have queued the next batch: let replication and requests run first
+
+    async def _wait_for_space(self, e: Exception) -> None:
+        """The disk filled under the state machine: nothing of the batch was written (it is
+        one WriteBatch). Wait, open the database again (LevelDB refuses every write after a
+        failed one until then), and apply the same batch again; the node serves reads
+        meanwhile, and kv/diskguard.py refuses writes."""
+        log.error("node %s: the disk is full (%s); applying waits for space and is tried again every second", self.node_id, e)
+        self.stalled = e
+        while not self._stopping:
+            await asyncio.sleep(DISK_RETRY_S)
+            if free_bytes(self.sm.path) < ROOM_TO_REOPEN:
+                continue  # the database stays open for reads until there is room to open it again
+            try:
+                self.sm.reopen()
+            except Exception as again:
+                if is_disk_full(again, self.sm.path):
+                    continue
+                raise
+            for hook in self._after_reopen:
+                hook()
+            self.stalled = None
+            log.warning("node %s: the state machine is open again: applying goes on", self.node_id)
+            return
 
     def _apply(self, batch: CommittedBatch) -> list:
         entries = batch.entries

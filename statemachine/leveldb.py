@@ -569,6 +569,16 @@ class LevelDBStateMachine:
         self._load_reserved()
         return n - own
 
+    def reopen(self) -> None:
+        """Open the database again, from disk: after a failed write (a full disk) LevelDB
+        refuses every later one until then. What the failed batch changed in this object's
+        tables is read back from disk, where none of it went."""
+        on_changes, copies = self.on_changes, self.copies
+        if self._db is not None and not self._db.closed:
+            self._db.close()
+        self.__init__(self.path, max_read_bytes=self.max_read_bytes)
+        self.on_changes, self.copies = on_changes, copies
+
     def sync(self) -> None:
         """Make every applied batch durable (before the ledger drops the entries). A synced
         write flushes LevelDB's log, and with it every write before it; it must not touch

@@ -67,7 +67,7 @@ def test_public_api_is_pinned():
     assert sorted(kv.__all__) == sorted(
         [
             "AsyncClient", "BadRequest", "Client", "Compacted", "Cond", "Conflict", "DataDirLocked", "Delete", "DeleteResult", "Event", "Forbidden", "Get", "Item", "KVError", "LeaseNotFound", "LeaseStatus",
-            "MemberExists", "Node", "NodeConfig", "NoQuorum", "NotFound", "NotLeader", "Page", "PreconditionFailed", "Put", "ReadsOmitted", "RequestId", "RevokeResult", "SessionExpired", "SlowWatcher", "SnapshotError",
+            "MemberExists", "Node", "NodeConfig", "NoQuorum", "NoSpace", "NotFound", "NotLeader", "Page", "PreconditionFailed", "Put", "ReadsOmitted", "RequestId", "RevokeResult", "SessionExpired", "SlowWatcher", "SnapshotError",
             "Store", "Timeout", "TxnResult", "Unauthorized", "Unavailable", "ValueTooLarge", "Watch", "WatchCompacted",
             "WriteResult", "open",
         ]

@@ -148,6 +148,7 @@ SERVE_OPTIONS = [
     Option("--watch-buffer-bytes", "watch_buffer_bytes", _integer(1), "changes a watch stream may fall behind before it is ended (default 4 MiB)"),
     Option("--watch-budget-bytes", "watch_budget_bytes", _integer(1), "changes all of a node's watches may hold for their readers together; the one behind that wants more is ended (default 128 MiB)"),
     Option("--watch-progress-ms", "watch_progress_ms", _number("milliseconds", 0), "how often an idle watch stream sends a progress line (default 5000)"),
+    Option("--min-free-bytes", "min_free_bytes", _integer(0), "free disk space kept in reserve: below it the node refuses writes (507 NO_SPACE, reads go on) until there is room again (default 128 MiB)"),
     Option("--session-ttl-s", "session_ttl_s", _number("seconds", 0), "a client session unused this long is closed; a write retried in it after that has an unknown outcome (default 600)"),
     Option("--max-sessions", "max_sessions", _integer(1), "client sessions open at once; opening one more closes the least recently used (default 50000)"),
     Option("--metrics-public", "metrics_public", _bool, "serve /metrics without the token (default: it needs the token)"),
