@@ -134,4 +134,5 @@ async def serve(
     site = CappedSite(runner, host, port, max_connections=max_connections, handshake_timeout_s=idle_timeout_s, fast=fast, ssl_context=ssl_context, backlog=1024)
     await site.start()
     node.metrics.http_refused = lambda: site.refused
+    node.metrics.http_unread = lambda: app[CONTEXT].unread
     return runner

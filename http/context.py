@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from kv import Node
+from kv import Node, Unavailable
 
 from .auth import Grant
 
@@ -21,8 +21,19 @@ class HttpContext:
     metrics_public: bool = False  # /metrics without the token (kv serve --metrics-public)
     session: aiohttp.ClientSession | None = None  # pooled connections to the leader
     watch_streams: set = field(default_factory=set)  # the open GET /v1/watch streams' watches
+    unread: int = 0  # bytes of answers queued for clients not reading them (http/fastpath.py counts them)
+
+    def room_for(self, answer_bytes: int) -> None:
+        """Refuse (503) a large answer when clients that do not read already hold what the
+        node allows (--http-unread-bytes): it would pin as much again."""
+        if answer_bytes > LARGE_ANSWER and self.unread + answer_bytes > self.node.config.http_unread_bytes:
+            raise Unavailable(
+                f"this node holds {self.unread >> 20} MiB of answers its clients have not read (--http-unread-bytes); "
+                "retry shortly, or on another node"
+            )
 
 
+LARGE_ANSWER = 64 << 10  # an answer this large needs room in the node's unread budget
 CONTEXT = web.AppKey("context", HttpContext)
 
 

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from aiohttp import web
 
 from . import routes_kv
+from .context import CONTEXT
 
 log = logging.getLogger("kv.http")
 
@@ -123,6 +124,10 @@ class FastFront:
 
     def __init__(self, app: web.Application, handle, server, idle_timeout_s: float, shutdown_timeout_s: float) -> None:
         self.app = app
+        # Counts, in the app's context, the bytes of answers queued for clients that are not
+        # reading them (connections whose transport paused writing): a large answer needs
+        # room under --http-unread-bytes (http/context.py, room_for).
+        self.context = app[CONTEXT]
         self.handle = handle  # http.app.handle: auth, errors, metrics, access log; returns an Answer
         self.server = server  # aiohttp's protocol factory, for the connections handed over
         self.idle_timeout_s = idle_timeout_s
@@ -171,6 +176,7 @@ class FastProtocol(asyncio.Protocol):
         self.since = self.loop.time()  # opened, or last answered
         self.write_paused = False
         self.read_paused = False
+        self.held = 0  # bytes of answers this connection's client has not read (counted in the context's unread)
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -180,6 +186,7 @@ class FastProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.front.connections.discard(self)
+        self._unhold()
         self.transport = None
 
     def data_received(self, data: bytes) -> None:
@@ -197,11 +204,19 @@ class FastProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True  # the client does not read: serve no more until it does
+        if self.transport is not None:
+            self.held = self.transport.get_write_buffer_size()
+            self.front.context.unread += self.held
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        self._unhold()
         if not self.busy:
             self._next()
+
+    def _unhold(self) -> None:
+        self.front.context.unread -= self.held
+        self.held = 0
 
     def close(self) -> None:
         transport = self.transport
@@ -287,6 +302,7 @@ class FastProtocol(asyncio.Protocol):
             answer = await self.front.handle(request, handler)
             keep_alive = keep_alive and not answer.close
             data = answer.encode(keep_alive)
+
         except Exception:  # handle() turns handler errors into Answers: this is a bug
             log.exception("the fast path failed on %s %s", request.method, request.path)
             self.close()

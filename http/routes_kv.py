@@ -78,6 +78,7 @@ async def get_key(request: web.Request) -> Answer:
     item, index = await c.node.get_at(key, consistency=_consistency(request), timeout=read_timeout(request))
     if item is None:
         raise NotFound(f"key {key!r} does not exist")
+    c.room_for(len(item.value))
     return Answer(item.value, 200, "application/octet-stream", {"ETag": f'"{item.mod_index}"', "X-Kv-Index": str(index)})
 
 

@@ -70,6 +70,7 @@ class NodeConfig:
     cacert: str | None = None  # CA this node trusts for other members' HTTPS (forwarding, --join)
     http_idle_timeout_s: float = 30.0  # idle keep-alive, and the time to send a request head
     max_http_connections: int = 10_000
+    http_unread_bytes: int = 256 << 20  # answers queued for clients that do not read them, in all; beyond: 503 to large ones
     http_aiohttp_only: bool = False  # no fast path (http/fastpath.py): every request through aiohttp
     join: str | None = None
     join_timeout_s: float = 60.0  # how long --join waits through temporary refusals
@@ -115,6 +116,8 @@ class NodeConfig:
             raise BadRequest("--max-txn-read-bytes must be positive")
         if self.snapshot_threshold <= 0 or self.snapshot_trailing < 0 or self.snapshot_keep < 1:
             raise BadRequest("snapshot settings: --snapshot-threshold > 0, trailing >= 0, keep >= 1")
+        if self.http_unread_bytes <= 0:
+            raise BadRequest("--http-unread-bytes must be positive")
         if self.http_idle_timeout_s <= 0 or self.max_http_connections < 1:
             raise BadRequest("--http-idle-timeout-s must be positive and --max-http-connections at least 1")
         if self.watch_buffer_bytes <= 0 or self.watch_progress_ms <= 0 or self.watch_budget_bytes <= 0:

@@ -160,12 +160,14 @@ class Buckets:
         yield h
 
 
-class _ReadCounter:
-    def __init__(self, name: str, doc: str, read: Callable[[], float]) -> None:
-        self.name, self.doc, self.read = name, doc, read
+class _Read:
+    """A counter or gauge read when scraped."""
+
+    def __init__(self, name: str, doc: str, read: Callable[[], float], kind=_counter) -> None:
+        self.name, self.doc, self.read, self.kind = name, doc, read, kind
 
     def collect(self) -> Iterable[Metric]:
-        yield _counter(self.name, self.doc, self.read())
+        yield self.kind(self.name, self.doc, self.read())
 
 
 class NodeMetrics:
@@ -186,7 +188,9 @@ class NodeMetrics:
             r.register(h)
         # Connections the HTTP listener refused: kv serve points this at its listener.
         self.http_refused: Callable[[], float] = lambda: 0
-        r.register(_ReadCounter("kv_http_connections_refused", "Client connections answered 503 beyond --max-http-connections.", lambda: self.http_refused()))
+        r.register(_Read("kv_http_connections_refused", "Client connections answered 503 beyond --max-http-connections.", lambda: self.http_refused()))
+        self.http_unread: Callable[[], float] = lambda: 0
+        r.register(_Read("kv_http_unread_bytes", "Bytes of answers queued for clients that are not reading them (--http-unread-bytes).", lambda: self.http_unread(), _gauge))
 
     def observe_http(self, route: str, status: int, seconds: float) -> None:
         self._http.observe(seconds, route, _STATUS.get(status) or str(status))

@@ -139,6 +139,7 @@ SERVE_OPTIONS = [
     Option("--cacert", "cacert", _text, "CA (PEM) trusted for the other members' HTTPS: forwarding to the leader, --join"),
     Option("--http-idle-timeout-s", "http_idle_timeout_s", _number("seconds", 0), "close an idle client connection, or one that has not sent a request head, after this (default 30)"),
     Option("--max-http-connections", "max_http_connections", _integer(1), "open client connections at most; more get 503 and are closed (default 10000)"),
+    Option("--http-unread-bytes", "http_unread_bytes", _integer(1), "bytes of answers the node keeps queued for clients that do not read them, in all; beyond it a large answer (a value over 64 KiB) gets 503 (default 256 MiB)"),
     Option("--http-aiohttp-only", "http_aiohttp_only", _bool, "serve every request through aiohttp, without the fast path for key reads, writes and transactions (slower; a fallback)"),
     Option("--join", "join", _url, "URL of a cluster member: ask the cluster to add this new node"),
     Option("--join-timeout", "join_timeout_s", _number("seconds", 0), "seconds --join waits through temporary refusals (default 60)"),
