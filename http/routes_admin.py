@@ -14,7 +14,7 @@ from kv.metrics import CONTENT_TYPE, request_forwarded
 
 from .answer import Answer
 from .context import ctx
-from .errors import json_response, read_body
+from .errors import read_timeout, json_response, read_body
 
 OPENAPI_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
 FORWARDED = "X-Kv-Forwarded"
@@ -48,8 +48,11 @@ async def metrics(request: web.Request) -> Answer:
 
 
 async def take_snapshot(request: web.Request) -> Answer:
-    snap = await ctx(request).node.snapshots.take()
-    return json_response({"index": snap.index, "term": snap.term})
+    """A snapshot holding every write acknowledged before the request, on any member: the
+    node first catches up with the leader's commit index (a follower snapshots only what
+    it has applied). `commit_index`: the index the snapshot covers at least."""
+    snap, commit = await ctx(request).node.take_snapshot(timeout=read_timeout(request))
+    return json_response({"index": snap.index, "term": snap.term, "commit_index": commit})
 
 
 async def get_snapshot(request: web.Request) -> web.StreamResponse:

@@ -914,6 +914,14 @@ class Node:
 
     # -- administration --------------------------------------------------------------------
 
+    async def take_snapshot(self, *, timeout: float | None = None) -> tuple[object, int]:
+        """A snapshot that holds every write acknowledged before the call, on any member:
+        first a linearizable read barrier (a follower catches up with the leader's commit
+        index, as a read does), then a snapshot of everything applied (snapshot.manager's
+        take). Returns (the snapshot file's info, the commit index the barrier waited for)."""
+        index = await self.read_barrier("linearizable", timeout)
+        return await self.snapshots.take(), index
+
     async def transfer_leadership(self, to: str, *, timeout: float | None = None) -> str:
         """Hand leadership to member `to` (it is caught up first; writes are refused while
         the transfer runs). Returns the leader afterwards. Raises NotLeader on a follower."""

@@ -294,7 +294,7 @@ class Store:
 
     def snapshot(self):
         """Take a snapshot now (and compact the log behind it); returns its file info."""
-        return self._call(self._node.snapshots.take())
+        return self._call(self._node.take_snapshot())[0]
 
     def status(self) -> dict:
         return self._call(_status(self._node))

@@ -107,6 +107,39 @@ def test_follower_that_missed_compaction_installs_a_snapshot(tmp_path):
         c.close()
 
 
+def test_a_backup_from_a_follower_holds_every_write_acknowledged_before_it(tmp_path):
+    """`kv snapshot save` downloaded a node's newest existing snapshot (65k writes behind in
+    a newcomer's run), and a follower snapshotted only what it had applied. Now the node
+    catches up with the leader's commit index first, and the file comes from that node."""
+    c = ProcCluster(str(tmp_path), extra=["--snapshot-threshold", "200", "--snapshot-trailing", "10"])
+    try:
+        c.start()
+        lead = c.leader()
+        follower = next(i for i in c.ids if i != lead)
+        kv = [sys.executable, "-m", "kv"]
+        writer = subprocess.run(
+            [sys.executable, "-c", "import kv, sys\nwith kv.Client(sys.argv[1]) as c:\n    [c.put(f'b/{i:04d}', b'x') for i in range(1000)]", c.url(lead)],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert writer.returncode == 0, writer.stderr
+        snap = str(tmp_path / "backup.lkvs")
+        out = subprocess.run(kv + ["snapshot", "save", snap, "--endpoints", c.url(follower), "-o", "json"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        saved = orjson.loads(out.stdout)
+        assert saved["endpoint"] == c.url(follower) and saved["index"] >= saved["commit_index"] >= 1000
+        r = subprocess.run(kv + ["snapshot", "restore", snap, "--data-dir", str(tmp_path / "r"), "--id", "n1", "--peers", "n1=127.0.0.1:1"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        import kv as kvlib
+
+        with kvlib.open(str(tmp_path / "r"), id="n1") as db:
+            assert len(list(db.scan("b/"))) == 1000
+        # --newest: the node's newest existing snapshot, and how far behind it is
+        out = subprocess.run(kv + ["snapshot", "save", snap, "--newest", "--endpoints", c.url(follower)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "the cluster's commit index is" in out.stdout, out.stdout + out.stderr
+    finally:
+        c.close()
+
+
 def test_restore_three_new_nodes_from_a_snapshot_file(cluster, tmp_path):
     lead = cluster.leader()
     for i in range(300):

@@ -24,10 +24,15 @@ def add_parser(sub) -> None:
     p = sub.add_parser("snapshot", help="snapshot files")
     p.set_defaults(run=run, usage=p)
     snap = p.add_subparsers(dest="snap_cmd", metavar="ACTION")
-    sv = snap.add_parser("save", help="download the newest snapshot of a node")
+    sv = snap.add_parser(
+        "save", help="back up the cluster: a snapshot holding every write acknowledged before the command started",
+        description="A node takes a snapshot now, once it has applied everything the cluster had committed when asked, "
+        "and the file is downloaded from that node (like etcdctl snapshot save).",
+    )
     sv.add_argument("file")
     client_options(sv, timeout_help=None, token_help=None)
-    sv.add_argument("--fresh", action="store_true", help="ask the node to take a snapshot first")
+    sv.add_argument("--newest", action="store_true", help="download the node's newest existing snapshot instead (it may be old: it says how old)")
+    sv.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)  # what is done by default now
     add_output_option(sv)
     ins = snap.add_parser("inspect", help="print a snapshot file's header, key count and checksum status")
     ins.add_argument("file")
@@ -66,18 +71,34 @@ class Progress:
 
 async def _save(args: argparse.Namespace) -> int:
     from ..client import AsyncClient
-    from ..errors import NotFound
+    from ..errors import KVError, NotFound
 
     async with AsyncClient(args.endpoints, token=args.token, cacert=args.cacert) as c:
-        if args.fresh:
-            await c.take_snapshot()
-        bar = Progress("downloading")
-        try:
-            info = await c.download_snapshot(args.file, progress=bar)
-        except NotFound as e:
-            raise NotFound(f"{e}; or here: kv snapshot save {args.file} --fresh") from None
-        bar.done()
-    report(args, {"file": args.file, **info}, f"saved {args.file}: index {info['index']}, term {info['term']}, {info['bytes']} bytes, from {info['endpoint']}")
+        first = c._endpoint()
+        order = c.endpoints[c.endpoints.index(first):] + c.endpoints[: c.endpoints.index(first)]
+        for n, ep in enumerate(order):  # taken and downloaded on one node, the next if it fails
+            try:
+                taken = None if args.newest else await c.take_snapshot(endpoint=ep)
+                bar = Progress("downloading")
+                info = await c.download_snapshot(args.file, endpoint=ep, progress=bar)
+                bar.done()
+                break
+            except NotFound as e:  # --newest, and this node has taken none yet
+                raise NotFound(f"{e}; without --newest, kv snapshot save takes one") from None
+            except KVError as e:
+                if n == len(order) - 1:
+                    raise
+                print(f"{ep}: {e}; trying {order[n + 1]}", file=sys.stderr)
+        commit = taken["commit_index"] if taken else max((s.get("commit_index", 0) for _, s in await c.status_all() if isinstance(s, dict)), default=0)
+    behind = commit - info["index"]
+    held = (
+        f"every write acknowledged before it started (the cluster's commit index was {commit})"
+        if taken else (f"the cluster's commit index is {commit}: {behind} entries are NOT in it" if behind > 0 else f"the cluster's commit index is {commit}")
+    )
+    report(
+        args, {"file": args.file, **info, "commit_index": commit},
+        f"saved {args.file}: index {info['index']}, term {info['term']}, {info['bytes']} bytes, from {info['endpoint']}; {held}",
+    )
     return 0
 
 
