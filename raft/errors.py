@@ -56,6 +56,11 @@ class RaftError(KVError):
     """Base class of the Raft layer's own errors below."""
 
 
+class MemberRemoved(RaftError):
+    """This node was removed from the cluster (most of the other members refuse it as such):
+    it stops."""
+
+
 class TransferInProgress(RaftError):
     """The leader is handing leadership over and refuses new writes meanwhile."""
 

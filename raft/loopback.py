@@ -70,6 +70,7 @@ class LoopbackTransport:
         self._pump: asyncio.Task | None = None
         self._on_message: Callable[[Message], None] = lambda msg: None
         self._on_connected: Callable[[str], None] = lambda peer: None
+        self.on_removed: Callable[[str], None] = lambda peer: None  # never called here
         self._sent_bytes: collections.Counter[str] = collections.Counter()
         self._received_bytes: collections.Counter[str] = collections.Counter()
         self._frames_sent = self._frames_dropped = 0
@@ -89,6 +90,9 @@ class LoopbackTransport:
             self._pump.cancel()
             await asyncio.gather(self._pump, return_exceptions=True)
             self._pump = None
+
+    def refuse_removed(self) -> None:
+        pass  # a loopback network has no handshake to tell a removed member so
 
     def set_peers(self, peers: dict[str, str]) -> None:
         new = set(peers) - {self.node_id}

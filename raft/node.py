@@ -44,7 +44,7 @@ from .config import CoreConfig
 from .core import RaftCore, Ready
 from .deadlines import AllOf, Deadlines
 from .disk import DISK_RETRY_S, is_disk_full
-from .errors import LeaderChanged, NoSpace, NotLeader, RaftError, TransferInProgress
+from .errors import LeaderChanged, MemberRemoved, NoSpace, NotLeader, RaftError, TransferInProgress
 from .ledger import Ledger, LedgerWrite
 from .membership import Membership
 from .messages import (
@@ -69,6 +69,7 @@ log = logging.getLogger("kv.raft.node")
 
 # How long a leader waits for a forwarded write to apply (the follower gives up earlier).
 FORWARD_WAIT_S = 60.0
+REMOVED_QUORUM_S = 30.0  # refusals as a removed member counted together (_refused_as_removed)
 
 
 class NodeStopped(RaftError):
@@ -214,6 +215,7 @@ class RaftNode:
         self._no_space = no_space
         self.write_stalled: BaseException | None = None  # the ledger write waiting for disk space
         self._installed: set[int] = set()  # the Readies of the batch being written whose snapshot is installed
+        self._removed_by: dict[str, float] = {}  # peer -> when it last refused this node as removed
         self._heartbeat_sent: dict[str, float] = {}  # peer -> when the oldest unanswered heartbeat left
         self._last_leader: str | None = None
         self._result_encoder = result_encoder
@@ -267,6 +269,7 @@ class RaftNode:
         # hot paths would call it several times per request.
         self.loop = asyncio.get_running_loop()
         if self.transport is not None:
+            self.transport.on_removed = self._refused_as_removed
             await self.transport.start(self._on_message, self._on_connected)
             self._update_peers()
         if self.core.membership.voters == {self.id}:
@@ -474,6 +477,8 @@ class RaftNode:
 
     def _applied(self, entries: Sequence[Entry], results: Sequence[Any]) -> None:
         """The state machine applied these entries (in order) with these results."""
+        if self.transport is not None and any(e.kind == EntryKind.CONFIG for e in entries):
+            self.transport.refuse_removed()  # a removed member's links close: it learns why when it dials again
         pending = self._pending
         for e, r in zip(entries, results):
             p = pending.pop(e.index, None) if pending else None
@@ -539,6 +544,22 @@ class RaftNode:
     def _on_connected(self, peer: str) -> None:
         self.core.peer_connected(peer, self._clock())
         self._kick()
+
+    def _refused_as_removed(self, peer: str) -> None:
+        """A peer refused this node as a member removed from the cluster. Once most of the
+        other voters it knows of have said so within REMOVED_QUORUM_S, it was: stop, with
+        one line saying so. (One peer alone may not have applied a later re-adding yet.)"""
+        now = time.monotonic()
+        self._removed_by[peer] = now
+        others = [v for v in self.core.membership.voters if v != self.id] or [peer]
+        said = [p for p in others if now - self._removed_by.get(p, -REMOVED_QUORUM_S) < REMOVED_QUORUM_S]
+        if len(said) * 2 > len(others) and self.failure is None:
+            log.error(
+                "node %s: %s refuse this node as a member removed from the cluster (kv member remove): it stops. To run it "
+                "again, add it back (kv member add %s PEER_ADDR) and start it from an empty data dir with --join URL",
+                self.id, ", ".join(sorted(said)), self.id,
+            )
+            self.fail(MemberRemoved(f"node {self.id} was removed from the cluster ({', '.join(sorted(said))} refuse it)"))
 
     # ======================================================================================
     # The loop

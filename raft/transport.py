@@ -19,6 +19,9 @@ A connection starts with a handshake (frames of their own, before any message):
 The acceptor refuses (and closes) unless the group is its own, `to` is itself, `from` is a
 member and, with a cluster secret, proof_c is right (constant-time compare); the dialer
 checks proof_s, so entries never leak to a process that does not know the secret either.
+To a member removed from the cluster it says so first: REMOVED, proof_r = HMAC(secret,
+"removed"|group|from|to|nonce_c), which the dialer checks before it believes it (the node
+stops once most of the others say so: raft/node.py).
 After that every frame must carry `src` = the authenticated id and `dst` = the acceptor.
 Peers are known by id, never by address: the address dialled may be a proxy or a NAT.
 A frame that does not parse, is too large or breaks these rules closes that connection and
@@ -55,6 +58,7 @@ log = logging.getLogger("kv.raft.transport")
 
 MAGIC = b"LKV1"
 HELLO, WELCOME, AUTH = 100, 101, 102  # the handshake's frame types
+REMOVED = 103  # the acceptor's answer to a member removed from the cluster (then it closes)
 HANDSHAKE_TIMEOUT = 5.0
 PREAUTH_MAX_FRAME = 4096  # HELLO and AUTH are a few hundred bytes
 # An HTTP request on the peer port: a client given this address instead of the node's
@@ -233,7 +237,8 @@ class _Inbound(asyncio.Protocol):
             if src_s == t.node_id:
                 raise codec.CodecError(f"a peer claims to be this node ({src_s!r})")
             if not t.is_member(src_s):
-                raise codec.CodecError(f"{src_s!r} is not a member of this cluster")
+                self.transport.write(codec._frame(REMOVED, pack_strs(_mac(t.secret, b"removed", group, src, dst, nonce_c))))
+                raise codec.CodecError(f"{src_s!r} was removed from this cluster")
             self.peer, self.nonce_c, self.nonce_s = src_s, nonce_c, os.urandom(16)
             self._url = url.decode()
             proof = _mac(t.secret, b"accept", group, src, dst, nonce_c)
@@ -257,6 +262,11 @@ class _RefusedByPeer(ConnectionError):
     pass
 
 
+class _RemovedByPeer(_RefusedByPeer):
+    """The peer refused this node as a member removed from the cluster (proven with the
+    cluster secret)."""
+
+
 class _Outbound(asyncio.Protocol):
     """Our connection to one peer: handshake, then send only."""
 
@@ -277,10 +287,17 @@ class _Outbound(asyncio.Protocol):
         t = self.link.t
         try:
             for ftype, body in self.reader.frames(data):
+                g, me, peer = t.group.encode(), t.node_id.encode(), self.link.peer.encode()
+                if ftype == REMOVED and not self.ready.done():
+                    (proof,) = _unpack_strs(body, 1)
+                    if not hmac.compare_digest(proof, _mac(t.secret, b"removed", g, me, peer, self.nonce_c)):
+                        raise codec.CodecError(f"{self.link.peer} says this node was removed, without the cluster secret's proof")
+                    self.ready.set_exception(_RemovedByPeer(f"{self.link.peer} refuses this node: it was removed from the cluster"))
+                    self.transport.close()
+                    return
                 if ftype != WELCOME or self.ready.done():
                     raise codec.CodecError("peers send nothing back on this link but the handshake")
                 nonce_s, proof = _unpack_strs(body, 2)
-                g, me, peer = t.group.encode(), t.node_id.encode(), self.link.peer.encode()
                 if not hmac.compare_digest(proof, _mac(t.secret, b"accept", g, me, peer, self.nonce_c)):
                     raise codec.CodecError(f"{self.link.peer} failed cluster-secret authentication")
                 self.transport.write(auth_frame(_mac(t.secret, b"dial", g, me, peer, self.nonce_c, nonce_s)))
@@ -323,6 +340,8 @@ class _Link:
                     proto.transport.close()
                 if isinstance(e, ssl.SSLError):  # a configuration error, not a network blip
                     log.warning("TLS with %s at %s failed: %s; check --peer-cert/--peer-key/--peer-ca on both", self.peer, self.addr, e)
+                elif isinstance(e, _RemovedByPeer):
+                    self.t.on_removed(self.peer)
                 elif isinstance(e, _RefusedByPeer):
                     # The peer logs why; with TLS 1.3 a peer that does not trust our
                     # certificate hangs up only after the TLS handshake, without a reason.
@@ -385,6 +404,7 @@ class TcpTransport:
         self.node_id, self.group, self.listen = node_id, group, listen
         self._on_message: Callable[[Message], None] = lambda msg: None
         self._on_connected: Callable[[str], None] = lambda peer: None
+        self.on_removed: Callable[[str], None] = lambda peer: None  # a peer refused us as a removed member
         self.is_member = is_member
         self.secret = secret.encode() if secret else None
         self.advertise_url = advertise_url
@@ -431,6 +451,12 @@ class TcpTransport:
             oldest.transport.close()
         self._inbound.add(conn)
         self._unauthed[conn] = None
+
+    def refuse_removed(self) -> None:
+        """Close the connections of peers that are no longer members (a membership change
+        was applied): they dial again, and the handshake tells them they were removed."""
+        for conn in [c for c in self._inbound if c.peer is not None and not self.is_member(c.peer)]:
+            conn.close(f"{conn.peer!r} was removed from the cluster")
 
     def set_peers(self, peers: dict[str, str]) -> None:
         """Dial these peers (id -> address); stop dialling those no longer listed."""

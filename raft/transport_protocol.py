@@ -29,10 +29,18 @@ NO_TRANSPORT = TransportCounters({}, {}, 0, 0, 0)
 
 
 class Transport(Protocol):
+    # Set by the driver before start: a peer refused this node as a member removed from
+    # the cluster (TcpTransport's handshake says so; a transport that cannot tell never calls it).
+    on_removed: Callable[[str], None]
+
     async def start(self, on_message: Callable[[Message], None], on_connected: Callable[[str], None]) -> None:
         """Begin: every message received for this node goes to on_message (in the event
         loop), and on_connected(peer) tells that a link to peer came up, so the driver
         re-sends to it at once instead of after a timeout."""
+
+    def refuse_removed(self) -> None:
+        """A membership change was applied: drop the links of peers no longer members, so
+        that they learn it (on_removed, on their side)."""
 
     async def stop(self) -> None:
         """Close every link; nothing is delivered afterwards."""

@@ -77,12 +77,17 @@ def test_grow_three_to_five_under_load_then_remove_a_follower_and_the_leader(tmp
         assert len(w.acked) > 50
         c.wait_converged(rest)
         check_acked(c, w.acked, rest)
-        # A removed member that comes back is refused by the others and changes nothing.
+        # Both removed members learn it from the others and stop, saying so (they ran on
+        # as pre-candidates, answering every request "no leader").
+        said = "refuse this node as a member removed from the cluster"
+        for gone in (follower, lead):
+            wait_until(lambda: not c.alive(gone), timeout=30, what=f"{gone} stopped")
+            assert said in c.log(gone) and f"kv member add {gone}" in c.log(gone)
+        # One that comes back is refused by the others, stops again, and changes nothing.
         term = c.status(new_lead)["term"]
-        c.kill(follower)
-        c.start(follower)
-        wait_until(lambda: all(f"'{follower}' is not a member" in c.log(i) for i in rest), what="the removed member refused")
-        time.sleep(1.5)  # more than an election timeout in which nothing may change
+        c.start(follower, wait=False)
+        wait_until(lambda: not c.alive(follower) and c.log(follower).count(said) == 2, timeout=30, what="the removed member stopped again")
+        assert c.procs[follower].returncode == 1
         assert c.leader(among=rest) == new_lead and c.status(new_lead)["term"] == term
     finally:
         c.close()
