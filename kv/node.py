@@ -944,6 +944,25 @@ class Node:
                 await asyncio.wait_for(raft.leader_changed.wait(), left)
         return to
 
+    async def hand_over_leadership(self, *, timeout: float | None = None) -> str | None:
+        """Before a clean stop of the leader: hand leadership to the most caught-up voter,
+        so that writes go on at once instead of after an election timeout (etcd does the
+        same). Returns the new leader, or None: not the leader, no other voter, or the
+        transfer did not finish within `timeout` (default: two election timeouts)."""
+        raft = self.raft
+        if raft is None or raft.failure is not None or raft.role != Role.LEADER:
+            return None
+        peers = raft.metrics().peers
+        voters = [(p.match, pid) for pid, p in peers.items() if pid in raft.membership.voters]
+        if not voters:
+            return None
+        _, to = max(voters)
+        try:
+            return await self.transfer_leadership(to, timeout=timeout if timeout is not None else 2 * self.config.election_timeout_ms / 1000)
+        except KVError as e:
+            log.info("node %s: leadership was not handed to %s before stopping (%s)", self.config.id, to, e)
+            return None
+
     # -- membership ------------------------------------------------------------------------
 
     async def add_member(self, member_id: str, peer: str, http: str = "", *, voter: bool = False, replace: bool = False, timeout: float | None = None) -> list[dict]:

@@ -253,6 +253,8 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
         else:
             log.info("stopping on signal")
         _exit_if_stuck(loop, code)
+        if not code and (to := await node.hand_over_leadership()) is not None:
+            log.info("handed leadership to %s before stopping", to)
         return code
     finally:
         if promoting is not None:
