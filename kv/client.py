@@ -20,6 +20,7 @@ import base64
 import contextlib
 import functools
 import logging
+import os
 import random
 import socket
 import time
@@ -632,8 +633,6 @@ class AsyncClient:
 
     async def download_snapshot(self, path: str, *, endpoint: str | None = None, progress: Callable[[int, int], None] | None = None) -> dict:
         """Save the newest snapshot of a node to `path` (atomically: temp file, rename)."""
-        import os
-
         ep = endpoint or self._endpoint()
         tmp = path + ".part"
         async with self._sess().get(ep + "/v1/snapshot", timeout=aiohttp.ClientTimeout(total=None, sock_read=60)) as resp:
@@ -722,6 +721,7 @@ def _blocking(fn: Callable[Concatenate[AsyncClient, P], Awaitable[R]]) -> Callab
 
     @functools.wraps(fn)
     def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> R:
+        self._after_fork()
         return self._lt.call(fn(self._async, *args, **kwargs))
 
     call.__qualname__ = f"Client.{fn.__name__}"
@@ -733,6 +733,7 @@ def _blocking_iter(fn: Callable[Concatenate[AsyncClient, P], AsyncIterable[R]]) 
 
     @functools.wraps(fn)
     def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> Iterator[R]:
+        self._after_fork()
         return self._lt.iterate(aiter(fn(self._async, *args, **kwargs)))
 
     call.__qualname__ = f"Client.{fn.__name__}"
@@ -752,9 +753,22 @@ class Client:
     """
 
     def __init__(self, endpoints: str | Sequence[str] | None = None, **options) -> None:
-        self._async = AsyncClient(endpoints, **options)
+        self._args = (endpoints, options)
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._async = AsyncClient(self._args[0], **self._args[1])
         self._lt = LoopThread("kv-client")
         self._closer = weakref.finalize(self, _close_client, self._lt, self._async)
+
+    def _after_fork(self) -> None:
+        """In a child of fork() (multiprocessing, say) the parent's loop thread does not
+        exist, and its connections and client sessions are the parent's: the child's calls
+        hung for ever. It starts afresh, leaving those to the parent."""
+        if os.getpid() != self._pid:
+            self._closer.detach()
+            self._start()
 
     @property
     def endpoints(self) -> list[str]:
@@ -779,6 +793,7 @@ class Client:
     ) -> Iterator[Event]:
         """AsyncClient.watch, blocking; like kv.open's, `timeout` ends a wait with no change
         for that many seconds (None: waits)."""
+        self._after_fork()
         return self._lt.iterate(aiter(self._async.watch(prefix, start_index, end_index=end_index, idle_timeout=idle_timeout)), timeout)
     members = _blocking(AsyncClient.members)
     lease_grant = _blocking(AsyncClient.lease_grant)
@@ -798,20 +813,24 @@ class Client:
             with client.lease(10) as lease:
                 client.put("services/api", b"10.0.0.1:8080", lease=lease)
         """
+        self._after_fork()
         return Lease(self._lt.call(AsyncLease(self._async, ttl, on_lost=self._lt.off_loop(on_lost)).grant()), self._lt)
 
     def lock(self, name: str, *, ttl: float = 10, timeout: float | None = None, on_lost=None) -> Lock:
         """Mutual exclusion across processes, FIFO: `with client.lock("jobs/nightly"):`;
         on_lost(error) is called, on a thread of its own, if the lock is lost while held."""
+        self._after_fork()
         return Lock(AsyncLock(self._async, name, ttl=ttl, timeout=timeout, on_lost=self._lt.off_loop(on_lost)), self._lt)
 
     def election(self, name: str, *, ttl: float = 10, on_lost=None) -> Election:
         """Leader election: campaign(value), leader(), observe(), resign(); on_lost(error)
         is called, on a thread of its own, if a leadership won is lost."""
+        self._after_fork()
         return Election(AsyncElection(self._async, name, ttl=ttl, on_lost=self._lt.off_loop(on_lost)), self._lt)
 
     def close(self) -> None:
-        self._closer()
+        if os.getpid() == self._pid:  # (a child of fork() never started its own: nothing to close)
+            self._closer()
 
     def __enter__(self) -> Client:
         return self

@@ -10,6 +10,7 @@ before its call returns, so such a read is linearizable without a round trip.
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import weakref
@@ -93,6 +94,7 @@ class Store:
         self.config = NodeConfig(data_dir=path, **options)
         if self.config.peers:
             raise BadRequest("kv.open() is a single-node store; use kv.Node for a cluster member")
+        self._pid = os.getpid()
         self._lt = LoopThread(f"kv-store-{path}")
         self._loop = self._lt.loop
         self._node = Node(self.config)
@@ -121,6 +123,11 @@ class Store:
 
     @property
     def _closed(self) -> bool:
+        if os.getpid() != self._pid:  # a child of fork(): the loop thread and the data dir are the parent's
+            raise Unavailable(
+                f"this store was opened in process {self._pid}; a child of fork() cannot use it: open the data dir in one "
+                "process at a time (the parent closes it first), or use kv.Client with a kv serve"
+            )
         return self._lt.closed
 
     def _call(self, coro):

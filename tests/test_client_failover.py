@@ -99,3 +99,36 @@ def test_a_leader_stopped_by_sigterm_hands_over_first_and_writes_hardly_pause(tm
         assert r["errors"] == [] and r["slowest"] < 1.0, r  # below the 1.5 s election timeout
     finally:
         c.close()
+
+
+def test_a_client_used_again_in_a_forked_child_works_there(tmp_path):
+    """multiprocessing with fork, then c.get() in the child: it hung for ever on the
+    parent's loop thread, which does not exist in the child."""
+    c = ProcCluster(str(tmp_path), n=1, proxies=False)
+    try:
+        c.start()
+        code = r"""
+import multiprocessing, sys
+import kv
+
+def child(c, q):
+    c.put("from/child", b"x")
+    q.put(c.get("from/parent").value)
+
+if __name__ == "__main__":
+    with kv.Client(sys.argv[1], timeout=5) as c:
+        c.put("from/parent", b"p")
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=child, args=(c, q))
+        p.start()
+        p.join(20)
+        assert p.exitcode == 0, p.exitcode
+        assert q.get(timeout=5) == b"p"
+        assert c.get("from/child").value == b"x"  # and the parent's client still works
+    print("ok")
+"""
+        r = subprocess.run([sys.executable, "-c", code, c.url("n1")], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+    finally:
+        c.close()
