@@ -280,6 +280,10 @@ class AsyncLock:
         self.value = value  # the key's value (an election's candidate says who it is)
         self.lease: AsyncLease | None = None
         self.key: str | None = None
+        # The fencing token: the log index that wrote this holder's key. Every later holder's
+        # is higher, so a resource that remembers the highest token it has seen refuses a
+        # holder that lost the lock without noticing yet (a paused process).
+        self.revision: int | None = None
         self._guard: asyncio.Task | None = None  # set while held
         self._lost_waiting: asyncio.Future | None = None  # set while waiting
 
@@ -288,6 +292,7 @@ class AsyncLock:
         try:
             self.key = f"{self.name}/{self.lease.id:016x}"
             w = await self._store.put(self.key, self.value, if_absent=True, lease=self.lease.id)
+            self.revision = w.index
             await self._wait_for_turn(w.index)
         except BaseException:
             await self.release()
@@ -384,7 +389,22 @@ class AsyncElection:
 
     @property
     def key(self) -> str | None:
+        """The key this candidate leads with (None before campaign)."""
         return self._lock.key if self._lock is not None else None
+
+    @property
+    def revision(self) -> int | None:
+        """The fencing token of this leadership: the index that wrote its key, higher for
+        every later leader. Pass it with each action on what the leader guards, and have that
+        refuse tokens lower than the highest it has seen (a leader paused past its lease's
+        ttl wakes up still believing it leads)."""
+        return self._lock.revision if self._lock is not None else None
+
+    @property
+    def is_leader(self) -> bool:
+        """True from campaign's return until resign or the leadership is lost (its lease
+        revoked or expired, or no keepalive got through for a whole ttl)."""
+        return self._lock is not None and self._lock.held
 
     async def campaign(self, value: bytes, *, timeout: float | None = None) -> None:
         """Return once elected. Leading is holding the election's lock with `value` as the
@@ -441,6 +461,11 @@ class Lock:
         return self._lock.key
 
     @property
+    def revision(self) -> int | None:
+        """The fencing token: the index that wrote this holder's key (AsyncLock.revision)."""
+        return self._lock.revision
+
+    @property
     def held(self) -> bool:
         """True from acquire until release, while the lock's lease lives (False once lost)."""
         return self._lock.held
@@ -469,6 +494,19 @@ class Election:
     @property
     def name(self) -> str:
         return self._e.name
+
+    @property
+    def key(self) -> str | None:
+        return self._e.key
+
+    @property
+    def revision(self) -> int | None:
+        """The fencing token of this leadership (AsyncElection.revision)."""
+        return self._e.revision
+
+    @property
+    def is_leader(self) -> bool:
+        return self._e.is_leader
 
     def campaign(self, value: bytes, *, timeout: float | None = None) -> None:
         """Block until elected (kv.Timeout after `timeout` seconds)."""

@@ -449,3 +449,23 @@ def test_python_lock_calls_on_lost_when_its_lease_is_revoked_elsewhere(cluster):
         a.expect("held: False", 30)
     finally:
         a.stop()
+
+
+def test_an_election_gives_each_leadership_a_fencing_token(cluster):
+    """Election had no fencing token: a paused leader logged "LEADING" seconds after
+    another was elected. is_leader turns False when the leadership is lost, and every later
+    leadership's revision is higher, for the guarded resource to refuse the stale one."""
+    c = cluster
+    with kv.Client(endpoints(c)) as a, kv.Client(endpoints(c)) as b:
+        first = a.election("fenced", ttl=5)
+        first.campaign(b"a")
+        assert first.is_leader and first.key.startswith("fenced/") and first.revision > 0
+        token = first.revision
+        assert b.get(first.key).mod_index == token  # the token is its key's revision
+        b.lease_revoke(first._e.lease.id)  # as if its lease expired while it was paused
+        wait_until(lambda: not first.is_leader, timeout=10, what="the lost leadership noticed")
+        second = b.election("fenced", ttl=5)
+        second.campaign(b"b", timeout=10)
+        assert second.is_leader and second.revision > token
+        second.resign()
+        assert not second.is_leader
