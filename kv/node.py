@@ -808,6 +808,12 @@ class Node:
         except StateCorrupt as e:
             raise public_error(e) from e
 
+    async def put_many(self, items: dict[str, bytes] | Sequence[tuple[str, bytes]], *, timeout: float | None = None) -> TxnResult:
+        """Write many keys in one atomic transaction (at most --max-txn-ops keys, and
+        --max-request-bytes encoded: split a larger batch, or use kv.bulk)."""
+        pairs = items.items() if isinstance(items, dict) else items
+        return await self.txn(ops=[cmds.Put(k, v) for k, v in pairs], timeout=timeout)
+
     # -- leases ----------------------------------------------------------------------------
 
     def lease(self, ttl: float, *, on_lost=None) -> AsyncLease:
@@ -882,7 +888,7 @@ class Node:
 
     # -- watch -----------------------------------------------------------------------------
 
-    def watch(self, prefix: str = "", *, start_index: int | None = None, buffer_bytes: int | None = None, resume_when_behind: bool = True) -> Watch:
+    def watch(self, prefix: str = "", start_index: int | None = None, *, buffer_bytes: int | None = None, resume_when_behind: bool = True) -> Watch:
         """Every change under prefix in commit order, from start_index (default: the next
         one applied), as far back as this node's ledger goes; older raises WatchCompacted:
         scan_page the prefix, then watch from its index + 1. A watch more than buffer_bytes

@@ -21,10 +21,12 @@ from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease,
 from .config import NodeConfig
 from .errors import BadRequest, NotLeader, SessionExpired, Unavailable
 from .node import (
+    CONSISTENCY,
     DeleteResult,
     Item,
     LeaseStatus,
     Node,
+    Page,
     RevokeResult,
     TxnResult,
     WriteResult,
@@ -245,31 +247,41 @@ class Store:
             raise Unavailable("the store is closed")
         return self._node.sm
 
-    def get(self, key: str) -> Item | None:
+    def get(self, key: str, *, consistency: str = "linearizable") -> Item | None:
+        """The key's Item, or None. (Every consistency is linearizable in a one-member
+        store: each write is applied before its call returns.)"""
         validate_key(key)
+        _check_consistency(consistency)
         try:
             got = self._sm().get(key)
         except StateCorrupt as e:
             raise public_error(e, fix="close and reopen the store to rebuild it") from e
         return Item(key, got[1], got[0]) if got else None
 
-    def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None) -> Iterator[Item]:
-        """Keys under prefix in key order (paged internally; `limit` caps the total)."""
+    def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", page: int = 1000) -> Iterator[Item]:
+        """Keys under prefix in key order, read `page` keys at a time (`limit` caps the total)."""
+        _check_consistency(consistency)
         sm = self._sm()
         left = limit if limit is not None else float("inf")
         while left > 0:
             try:
-                page = sm.scan(prefix, after, int(min(left, 1000)))
+                rows = sm.scan(prefix, after, int(min(left, page)))
             except StateCorrupt as e:
                 raise public_error(e, fix="close and reopen the store to rebuild it") from e
-            if not page:
+            if not rows:
                 return
-            for k, v, m in page:
+            for k, v, m in rows:
                 yield Item(k, v, m)
-            left -= len(page)
-            after = page[-1][0]
+            left -= len(rows)
+            after = rows[-1][0]
 
-    def watch(self, prefix: str = "", *, start_index: int | None = None, timeout: float | None = None) -> Iterator[Event]:
+    def scan_page(self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable") -> Page:
+        """One page of keys under prefix and the applied index it was read at (one
+        consistent cut): watch from index + 1 to see every later change, none twice."""
+        _check_consistency(consistency)
+        return self._call(self._node.scan_page(prefix, after=after, limit=limit, consistency="stale"))
+
+    def watch(self, prefix: str = "", start_index: int | None = None, *, timeout: float | None = None) -> Iterator[Event]:
         """Yield changes under prefix as they commit (blocks; `timeout` ends a quiet wait)."""
         events: queue.Queue = queue.Queue()
         w = self._call(self._open_watch(prefix, start_index, events))
@@ -314,6 +326,11 @@ class Store:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_consistency(consistency: str) -> None:
+    if consistency not in CONSISTENCY:
+        raise BadRequest(f"consistency must be one of {', '.join(CONSISTENCY)}, not {consistency!r}")
 
 
 def _close_store(lt: LoopThread, node: Node) -> None:

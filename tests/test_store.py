@@ -190,3 +190,16 @@ def test_a_blocking_call_from_the_stores_own_loop_thread_is_refused(db):
 
     db._lt.call(calls_back())
     assert len(got) == 1 and "wait on itself" in str(got[0])
+
+
+def test_list_then_watch_on_an_embedded_store(tmp_path):
+    with kv.open(str(tmp_path / "db")) as db:
+        for i in range(3):
+            db.put(f"p/{i}", b"v")
+        page = db.scan_page("p/", limit=10)
+        assert [it.key for it in page.items] == ["p/0", "p/1", "p/2"] and page.index == db.status()["applied_index"]
+        db.put("p/3", b"new")
+        events = list(db.watch("p/", page.index + 1, timeout=1))  # positional, as on kv.Client
+        assert [(e.key, e.value) for e in events] == [("p/3", b"new")]
+        with pytest.raises(kv.BadRequest, match="consistency"):
+            db.get("p/0", consistency="sometimes")
