@@ -93,6 +93,16 @@ async def delete_key(request: web.Request) -> Answer:
     return json_response({"index": r.index, "term": r.term, "deleted": r.deleted})
 
 
+async def delete_prefix(request: web.Request) -> Answer:
+    """DELETE /v1/kv?prefix=P: every key under P, in one committed entry ("prefix=" with
+    nothing after it: every key; no prefix at all is refused, as a slip)."""
+    c = ctx(request)
+    if "prefix" not in request.query:
+        raise BadRequest("give ?prefix=P to delete every key under P (?prefix= with nothing after it deletes every key)")
+    r = await c.node.delete_prefix(request.query["prefix"], timeout=write_timeout(request), request_id=request_id(request))
+    return json_response({"index": r.index, "term": r.term, "deleted": r.deleted})
+
+
 def _encode_value(value: bytes, force_b64: bool) -> dict:
     if not force_b64:
         try:
@@ -271,6 +281,7 @@ ROUTES = (  # method, path, handler, name (http/fastpath.py serves some of these
     ("GET", f"/v1/kv/{{key:{ANY}}}", get_key, "kv_get"),
     ("DELETE", f"/v1/kv/{{key:{ANY}}}", delete_key, "kv_delete"),
     ("GET", "/v1/kv", list_keys, "kv_list"),
+    ("DELETE", "/v1/kv", delete_prefix, "kv_delete_prefix"),
     ("POST", "/v1/txn", txn, "txn"),
 )
 

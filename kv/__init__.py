@@ -50,7 +50,7 @@ from .errors import (  # noqa: E402
     Unavailable,
     ValueTooLarge,
 )
-from .node import DeleteResult, Item, LeaseStatus, Node, Page, RevokeResult, TxnResult, WriteResult  # noqa: E402
+from .node import DeleteResult, Item, LeaseStatus, Node, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult  # noqa: E402
 from .sessions import RequestId  # noqa: E402
 from .statemachine.commands import Cond, Delete, Get, Put  # noqa: E402
 from .store import Store, open  # noqa: E402,A004
@@ -82,6 +82,7 @@ __all__ = [
     "NotLeader",
     "Page",
     "PreconditionFailed",
+    "PrefixDeleteResult",
     "Put",
     "ReadsOmitted",
     "RequestId",

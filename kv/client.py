@@ -38,7 +38,7 @@ from . import errors, tls
 from ._loop import LoopThread
 from .logstream import RecordReader
 from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
-from .node import DeleteResult, Item, LeaseStatus, Page, RevokeResult, TxnResult, WriteResult, lease_id, ttl_ms, value_bytes
+from .node import DeleteResult, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult, lease_id, ttl_ms, value_bytes
 from .scan import Scan
 from .sessions import RequestId, SessionPool
 from .raft.messages import Entry
@@ -499,6 +499,14 @@ class AsyncClient:
         d = await self._write_json("DELETE", _key_path(key), headers=headers)
         return DeleteResult(d["index"], d["term"], d["deleted"])
 
+    async def delete_prefix(self, prefix: str) -> PrefixDeleteResult:
+        """Delete every key under `prefix` ("": every key) in one committed entry;
+        `deleted`: how many there were."""
+        if not isinstance(prefix, str):
+            raise errors.BadRequest(f"a prefix is a string, not {type(prefix).__name__}")
+        d = await self._write_json("DELETE", "/v1/kv", params={"prefix": prefix})
+        return PrefixDeleteResult(d["index"], d["term"], d["deleted"])
+
     def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", page: int = 1000) -> Scan:
         """Every key under a prefix in key order (strictly after `after`; at most `limit`),
         fetched `page` keys a request: `async for item in c.scan(p)`, or `await c.scan(p)`."""
@@ -778,6 +786,7 @@ class Client:
     cas = _blocking(AsyncClient.cas)
     get = _blocking(AsyncClient.get)
     delete = _blocking(AsyncClient.delete)
+    delete_prefix = _blocking(AsyncClient.delete_prefix)
     scan = _blocking_iter(AsyncClient.scan)
     txn = _blocking(AsyncClient.txn)
     put_many = _blocking(AsyncClient.put_many)

@@ -19,7 +19,8 @@ when it was applied and is not in the log, and so is whether a write sent in a c
 session was a copy of one applied before (statemachine/sessions.py): the log holds every
 copy that was appended; a watch (kv/watch.py) shows what took effect. Entries without a
 mutation still get one row (op "noop", "config", "read", "lease" or "session": a session
-opened or expired), so every index of the range appears.
+opened or expired), so every index of the range appears; a prefix's delete is one row
+(op "delete_prefix", key = the prefix).
 """
 
 from __future__ import annotations
@@ -106,6 +107,10 @@ def entry_rows(e: Entry) -> Iterator[Row]:
         cmd = cmd.cmd
     elif isinstance(cmd, (cmds.SessionOpen, cmds.SessionsExpire)):
         yield (e.index, e.term, "session", None, None, False, None)
+        return
+    if type(cmd) is cmds.DeletePrefix:
+        # Which keys it deleted was decided when it was applied: the watch history has them.
+        yield (e.index, e.term, "delete_prefix", cmd.prefix, None, False, None)
         return
     if isinstance(cmd, (cmds.LeaseGrant, cmds.LeaseRevoke)):
         # Which keys a revoke deletes was decided when it was applied: it is not in the log.

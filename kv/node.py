@@ -81,6 +81,12 @@ class DeleteResult(NamedTuple):
     deleted: bool
 
 
+class PrefixDeleteResult(NamedTuple):
+    index: int
+    term: int
+    deleted: int  # keys deleted
+
+
 class TxnResult(NamedTuple):
     index: int
     term: int
@@ -412,6 +418,13 @@ class Node:
         self, key: str, *, if_mod_index: int | None = None, if_exists: bool = False, timeout: float | None = None, request_id: RequestId | None = None
     ) -> DeleteResult:
         return delete_result(await self.submit(cmds.Delete(key, _cond(key, if_mod_index, False, if_exists)), timeout, request_id=request_id))
+
+    async def delete_prefix(self, prefix: str, *, timeout: float | None = None, request_id: RequestId | None = None) -> PrefixDeleteResult:
+        """Delete every key under `prefix` ("": every key) in one committed entry; watchers
+        see a delete for each. `deleted`: how many there were."""
+        if not isinstance(prefix, str):
+            raise BadRequest(f"a prefix is a string, not {type(prefix).__name__}")
+        return prefix_delete_result(await self.submit(cmds.DeletePrefix(prefix), timeout, request_id=request_id))
 
     async def txn(
         self, conds: Sequence[cmds.Cond] = (), ops: Sequence = (), else_ops: Sequence = (), *, timeout: float | None = None, request_id: RequestId | None = None
@@ -1201,6 +1214,11 @@ def _raise_failed(result):
     if isinstance(result, cmds.CommandError):
         raise public_error(result)
     return result
+
+
+def prefix_delete_result(applied: Applied) -> PrefixDeleteResult:
+    r = _raise_failed(applied.result)
+    return PrefixDeleteResult(r.index, applied.term, len(r.keys))
 
 
 def write_result(applied: Applied) -> WriteResult:

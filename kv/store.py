@@ -27,10 +27,12 @@ from .node import (
     LeaseStatus,
     Node,
     Page,
+    PrefixDeleteResult,
     RevokeResult,
     TxnResult,
     WriteResult,
     delete_result,
+    prefix_delete_result,
     public_error,
     txn_result,
     validate_key,
@@ -158,6 +160,12 @@ class Store:
     def delete(self, key: str, *, if_mod_index: int | None = None) -> DeleteResult:
         cond = cmds.Cond(key, "mod", if_mod_index) if if_mod_index is not None else None
         return delete_result(self._submit(cmds.Delete(key, cond)))
+
+    def delete_prefix(self, prefix: str) -> PrefixDeleteResult:
+        """Delete every key under `prefix` ("": every key) at once; `deleted`: how many."""
+        if not isinstance(prefix, str):
+            raise BadRequest(f"a prefix is a string, not {type(prefix).__name__}")
+        return prefix_delete_result(self._submit(cmds.DeletePrefix(prefix)))
 
     def txn(self, conds: Sequence[cmds.Cond] = (), ops: Sequence = (), else_ops: Sequence = ()) -> TxnResult:
         """Atomic multi-op: kv.Cond conditions; kv.Put / kv.Delete / kv.Get operations."""

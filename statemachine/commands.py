@@ -8,6 +8,7 @@ Commands:
 
 - Put(key, value, cond)      write; with a condition it is a compare-and-set
 - Delete(key, cond)          remove
+- DeletePrefix(prefix)       remove every key under a prefix, at one index
 - Txn(conds, ops, else_ops)  if every condition holds run `ops`, else `else_ops`, atomically
                              (ops: Put, Delete, Get)
 - LeaseGrant(ttl_ms, lease, owner)  a lease with this id (chosen at random by the node that
@@ -47,6 +48,7 @@ _OP_PUT_LEASE, _OP_LEASE_GRANT, _OP_LEASE_REVOKE, _OP_LEASE_KEEPALIVE, _OP_LEASE
 _OP_LEASE_KEEPALIVES = 10
 _OP_SESSION_OPEN, _OP_SESSION, _OP_SESSIONS_EXPIRE = 11, 12, 13
 _OP_LEASE_GRANT_ID = 14  # a grant with its id and owner (_OP_LEASE_GRANT: the id was the index)
+_OP_DELETE_PREFIX = 15
 OP_IN_SESSION = _OP_SESSION
 MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
 MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
@@ -89,6 +91,12 @@ class Put(NamedTuple):
 class Delete(NamedTuple):
     key: str
     cond: Cond | None = None
+
+
+class DeletePrefix(NamedTuple):
+    """Delete every key that starts with `prefix` ("": every key), in one entry."""
+
+    prefix: str
 
 
 class Get(NamedTuple):
@@ -150,7 +158,7 @@ class InSession(NamedTuple):
 
     session: int
     seq: int
-    cmd: Put | Delete | Txn | LeaseGrant | LeaseRevoke
+    cmd: Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke
 
 
 class SessionsExpire(NamedTuple):
@@ -161,7 +169,7 @@ class SessionsExpire(NamedTuple):
     upto: int
 
 
-Command = Put | Delete | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire
+Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire
 LocalCommand = LeaseKeepAlive | LeaseKeepAlives | LeaseQuery  # what a follower forwards but nobody logs
 
 
@@ -216,6 +224,11 @@ class LeaseInfo(NamedTuple):
     ttl_ms: int
     remaining_ms: int  # on the leader's clock; the full ttl where it was just granted
     keys: tuple[str, ...] = ()
+
+
+class PrefixDeleted(NamedTuple):
+    index: int
+    keys: tuple[str, ...]  # the keys it deleted
 
 
 class LeaseRevoked(NamedTuple):
@@ -432,6 +445,11 @@ def encode(cmd: Command | LocalCommand) -> bytes:
         return _HEAD + bytes((_OP_LEASE_QUERY,)) + (_lease_id(cmd.lease) if cmd.lease else _U64.pack(0))
     if isinstance(cmd, Delete):
         return _HEAD + bytes((_OP_DELETE,)) + _key(cmd.key) + _cond(cmd.cond)
+    if type(cmd) is DeletePrefix:
+        raw = cmd.prefix.encode() if type(cmd.prefix) is str else None
+        if raw is None or len(raw) > MAX_KEY_BYTES or raw[:1] == b"\x00":
+            raise CommandError(f"a prefix is a string of at most {MAX_KEY_BYTES} bytes, not starting with NUL, not {cmd.prefix!r}")
+        return _HEAD + bytes((_OP_DELETE_PREFIX,)) + _U16.pack(len(raw)) + raw
     if isinstance(cmd, Txn):
         if len(cmd.conds) > MAX_CONDS:
             raise CommandError(f"a transaction has {len(cmd.conds)} conditions; the format holds at most {MAX_CONDS}")
@@ -552,6 +570,8 @@ def decode(data: bytes) -> Command | LocalCommand:
             if not 0 < n <= MAX_KEEPALIVES:
                 raise CommandError(f"a batched keepalive renews 1 to {MAX_KEEPALIVES} leases, not {n}")
             cmd = LeaseKeepAlives(struct.unpack(f">{n}Q", r.take(8 * n)))
+        elif code == _OP_DELETE_PREFIX:
+            cmd = DeletePrefix(r.take(r.u16()).decode("utf-8"))
         elif code == _OP_LEASE_GRANT_ID:
             lease, ttl = struct.unpack(">QQ", r.take(16))
             cmd = LeaseGrant(ttl, lease, r.take(r.u16()).decode("utf-8"))
@@ -581,7 +601,7 @@ def is_local(payload: bytes) -> bool:
 
 
 # The opcodes (as one byte) of the commands sent in a session: the writes that are logged.
-SESSION_OPCODES = frozenset(bytes((op,)) for op in (_OP_PUT, _OP_PUT_LEASE, _OP_DELETE, _OP_TXN, _OP_LEASE_GRANT, _OP_LEASE_GRANT_ID, _OP_LEASE_REVOKE))
+SESSION_OPCODES = frozenset(bytes((op,)) for op in (_OP_PUT, _OP_PUT_LEASE, _OP_DELETE, _OP_DELETE_PREFIX, _OP_TXN, _OP_LEASE_GRANT, _OP_LEASE_GRANT_ID, _OP_LEASE_REVOKE))
 _LEASE_OPS = {_OP_LEASE_GRANT: LeaseGrant, _OP_LEASE_REVOKE: LeaseRevoke, _OP_LEASE_KEEPALIVE: LeaseKeepAlive, _OP_LEASE_QUERY: LeaseQuery}
 
 
@@ -608,6 +628,8 @@ def _enc_one(r) -> bytes:
         return b"I" + _U64.pack(r.lease) + _U64.pack(r.ttl_ms) + _U64.pack(max(0, r.remaining_ms)) + _keys(r.keys)
     if isinstance(r, LeaseRevoked):
         return b"V" + _U64.pack(r.index) + _keys(r.keys)
+    if isinstance(r, PrefixDeleted):
+        return b"W" + _U64.pack(r.index) + _keys(r.keys)
     if isinstance(r, LeaseList):
         return b"S" + _U32.pack(len(r.leases)) + b"".join(_enc_one(x) for x in r.leases)
     if isinstance(r, GetOmitted):
@@ -660,9 +682,9 @@ def _dec_one(rd: _Reader):
     if tag == b"I":
         lease, ttl, left = struct.unpack(">QQQ", rd.take(24))
         return LeaseInfo(lease, ttl, left, tuple(rd.key() for _ in range(rd.u32())))
-    if tag == b"V":
+    if tag in (b"V", b"W"):
         idx = _U64.unpack(rd.take(8))[0]
-        return LeaseRevoked(idx, tuple(rd.key() for _ in range(rd.u32())))
+        return (LeaseRevoked if tag == b"V" else PrefixDeleted)(idx, tuple(rd.key() for _ in range(rd.u32())))
     if tag == b"S":
         return LeaseList(tuple(_dec_one(rd) for _ in range(rd.u32())))
     if tag == b"g":

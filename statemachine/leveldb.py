@@ -47,6 +47,7 @@ from .commands import (
     Cond,
     Delete,
     DeleteApplied,
+    DeletePrefix,
     Get,
     GetResult,
     LeaseGrant,
@@ -56,6 +57,7 @@ from .commands import (
     NoSuchLease,
     ConditionFailed,
     Put,
+    PrefixDeleted,
     PutResult,
     RequestMismatch,
     InSession,
@@ -444,7 +446,29 @@ class LevelDBStateMachine:
             return CommandError("a session's request carries a session's request")
         if isinstance(cmd, Delete):
             return self._check(cmd.cond, overlay) or self._delete(cmd, index, wb, overlay, changes)
+        if isinstance(cmd, DeletePrefix):
+            return self._delete_prefix(cmd.prefix, index, wb, overlay, changes)
         raise CommandError(f"unknown command {cmd!r}")
+
+    def _delete_prefix(self, prefix: str, index: int, wb, overlay: dict, changes: list | None) -> PrefixDeleted:
+        """Every key under the prefix, as this batch leaves them (its own earlier writes
+        included), deleted at this index; watchers see a delete per key."""
+        pre = _DATA + prefix.encode()
+        keys = set()
+        with self._db.iterator(start=max(pre, _USER_DATA), prefix=None, include_value=False) as it:
+            for k in it:
+                if not k.startswith(pre):
+                    break
+                keys.add(k)
+        keys |= {k for k, v in overlay.items() if v is not None and k.startswith(pre) and k >= _USER_DATA}
+        deleted = []
+        for k in sorted(keys):
+            if self._current(k, overlay) is None:
+                continue
+            key = k[1:].decode()
+            self._delete(Delete(key), index, wb, overlay, changes)
+            deleted.append(key)
+        return PrefixDeleted(index, tuple(deleted))
 
     def _txn(self, cmd: Txn, index: int, wb, overlay: dict, changes: list | None, reads: bool) -> TxnApplied:
         """Run a transaction. Its gets are read if `reads` (else None), up to the read budget
@@ -605,9 +629,10 @@ def effect_record(cmd, result) -> bytes | None:
     """What an applied command changed, where the log does not say it: for a put, delete or
     transaction which of its mutations took effect, in the order of the log's rows
     (kv.logstream.entry_rows): EFFECT_MASK + one byte each, 1 or 0 (None when all did); for
-    a lease's revoke, the keys it deleted: EFFECT_DELETED + a JSON list (None if none)."""
-    if isinstance(cmd, LeaseRevoke):
-        keys = result.keys if isinstance(result, LeaseRevoked) else ()
+    a lease's revoke or a prefix's delete, the keys it deleted: EFFECT_DELETED + a JSON list
+    (None if none)."""
+    if isinstance(cmd, (LeaseRevoke, DeletePrefix)):
+        keys = result.keys if isinstance(result, (LeaseRevoked, PrefixDeleted)) else ()
         return EFFECT_DELETED + json.dumps(list(keys)).encode() if keys else None
     if isinstance(cmd, Put):
         took = [isinstance(result, PutResult)]  # not a failed condition, nor an unknown lease

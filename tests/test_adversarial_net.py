@@ -462,6 +462,9 @@ def test_a_prefix_token_reaches_only_its_keys(role_cluster):
     assert _as(c, "app-token", follower, "GET", "/v1/kv?prefix=")[0] == 403
     assert _as(c, "app-token", follower, "GET", "/v1/kv")[0] == 403
     assert _as(c, "app-token", follower, "GET", "/v1/kv?prefix=ap")[0] == 403
+    assert _as(c, "app-token", follower, "DELETE", "/v1/kv?prefix=")[0] == 403  # a prefix delete, outside it
+    assert _as(c, "app-token", follower, "DELETE", "/v1/kv?prefix=seed/")[0] == 403
+    assert _as(c, "reader-token", follower, "DELETE", "/v1/kv?prefix=app/")[0] == 403  # a write
     # Every key of a transaction counts: compares, success and failure.
     for doc in (
         {"compare": [{"key": "seed/1", "exists": True}], "success": [{"op": "put", "key": "app/y", "value": "1"}]},

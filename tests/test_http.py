@@ -627,3 +627,21 @@ async def test_keys_with_dot_segments_and_control_characters_are_the_keys_given(
         assert sorted(it.key for it in await c.scan("")) == sorted(keys)
         assert [(await c.get(k)).value for k in keys] == [str(i).encode() for i in range(len(keys))]
         assert (await c.delete("dd/x/../y")).deleted and (await c.get("dd/y")).value == b"4"
+
+
+async def test_delete_a_prefix_in_one_entry_with_a_delete_event_per_key(api):
+    for k in ("dp/a", "dp/b/c", "dq/x"):
+        await api.put(f"/v1/kv/{k}", data=b"v")
+    r = await api.delete("/v1/kv")  # no prefix: a slip, refused
+    assert r.status == 400 and "?prefix=" in (await r.json())["error"]["message"]
+    watch = await api.get("/v1/watch", params={"prefix": "d"})
+    r = await api.delete("/v1/kv", params={"prefix": "dp/"})
+    d = await r.json()
+    assert r.status == 200 and d["deleted"] == 2
+    lines = []
+    while len(lines) < 3:
+        lines.append(json.loads(await watch.content.readline()))
+    watch.close()
+    assert [(x["type"], x.get("key"), x.get("index")) for x in lines[1:]] == [("delete", "dp/a", d["index"]), ("delete", "dp/b/c", d["index"])]
+    assert (await api.get("/v1/kv/dp/a")).status == 404 and (await api.get("/v1/kv/dq/x")).status == 200
+    assert (await (await api.delete("/v1/kv", params={"prefix": "dp/"})).json())["deleted"] == 0

@@ -67,7 +67,7 @@ def test_public_api_is_pinned():
     assert sorted(kv.__all__) == sorted(
         [
             "AsyncClient", "BadRequest", "Client", "Compacted", "Cond", "Conflict", "DataDirLocked", "Delete", "DeleteResult", "Event", "Forbidden", "Get", "Item", "KVError", "LeaseNotFound", "LeaseStatus",
-            "MemberExists", "Node", "NodeConfig", "NoQuorum", "NoSpace", "NotFound", "NotLeader", "Page", "PreconditionFailed", "Put", "ReadsOmitted", "RequestId", "RevokeResult", "SessionExpired", "SlowWatcher", "SnapshotError",
+            "MemberExists", "Node", "NodeConfig", "NoQuorum", "NoSpace", "NotFound", "NotLeader", "Page", "PreconditionFailed", "PrefixDeleteResult", "Put", "ReadsOmitted", "RequestId", "RevokeResult", "SessionExpired", "SlowWatcher", "SnapshotError",
             "Store", "Timeout", "TxnResult", "Unauthorized", "Unavailable", "ValueTooLarge", "Watch", "WatchCompacted",
             "WriteResult", "open",
         ]
@@ -256,7 +256,7 @@ def test_every_error_is_a_kv_error():
 
 
 STORE_API = (
-    "get", "put", "delete", "cas", "txn", "scan", "scan_page", "watch", "put_many", "lease", "lock", "election",
+    "get", "put", "delete", "delete_prefix", "cas", "txn", "scan", "scan_page", "watch", "put_many", "lease", "lock", "election",
     "lease_grant", "lease_keepalive", "lease_keepalives", "lease_revoke", "lease_info", "lease_list",
 )
 

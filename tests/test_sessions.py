@@ -292,3 +292,14 @@ async def test_a_grant_sent_again_through_another_node_is_the_same_lease(tmp_pat
         assert a.id == b.id and [x.id for x in await f1.lease_list()] == [a.id]
     finally:
         await c.stop()
+
+
+def test_a_prefix_delete_and_its_copy_in_the_history(sm):
+    sm.apply([normal(1, c.SessionOpen(3, 100)), normal(2, c.Put("r/a", b"1")), normal(3, c.Put("r/b", b"2")), normal(4, c.Put("s", b"3"))])
+    dp = c.DeletePrefix("r/")
+    entries = [in_session(5, 3, 1, c.Txn((), (c.Put("r/c", b"4"),))), in_session(6, 3, 2, dp), in_session(7, 3, 2, dp)]
+    res = sm.apply(entries)
+    assert res[1] == res[2] == c.PrefixDeleted(6, ("r/a", "r/b", "r/c"))  # the copy answered, not applied again
+    assert sm.scan("") == [("s", b"3", 4)]
+    events = history_events(entries, sm.effects(5, 8), "r/")
+    assert [(e.index, e.key, e.value) for e in events] == [(5, "r/c", b"4"), (6, "r/a", None), (6, "r/b", None), (6, "r/c", None)]

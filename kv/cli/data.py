@@ -7,7 +7,7 @@ import sys
 
 import orjson
 
-from ..errors import NotFound
+from ..errors import BadRequest, NotFound
 from .options import at_least, client_command, with_client
 from .output import emit, listing_text, report, value_fields, wants_json
 
@@ -21,9 +21,10 @@ def add_parser(sub) -> None:
     a = client_command(sub, "get", "read a value (linearizable unless --stale)", run)
     a.add_argument("key")
     a.add_argument("--stale", action="store_true", help="read the node's local state without a quorum check")
-    a = client_command(sub, "del", "delete a key", run)
+    a = client_command(sub, "del", "delete a key, or every key under a prefix (--prefix)", run)
     a.add_argument("key")
     a.add_argument("--if-match", type=at_least(0), help="delete only if the key's mod_index is this")
+    a.add_argument("--prefix", action="store_true", help="KEY is a prefix: delete every key that starts with it, in one committed entry")
     a = client_command(sub, "scan", "list keys under a prefix", run)
     a.add_argument("prefix", nargs="?", default="")
     a.add_argument("--limit", type=int, default=None)
@@ -61,6 +62,11 @@ async def _run(c, args: argparse.Namespace) -> int:
             emit(_item(item))
         else:
             _out(item.value)
+    elif cmd == "del" and args.prefix:
+        if args.if_match is not None:
+            raise BadRequest("--if-match applies to one key, not to --prefix")
+        r = await c.delete_prefix(args.key)
+        report(args, {"prefix": args.key, "index": r.index, "term": r.term, "deleted": r.deleted}, f"OK index={r.index} deleted={r.deleted} key(s) under {args.key!r}")
     elif cmd == "del":
         r = await c.delete(args.key, if_mod_index=args.if_match)
         text = f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}"
