@@ -27,6 +27,12 @@ if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isdir(
 
 __version__ = "0.1.0"
 
+import logging as _logging  # noqa: E402
+
+# A library is quiet unless its user configures logging (the kv command line does): without
+# this, Python printed ledgerkv's warnings, CLI hints and all, on the program's stderr.
+_logging.getLogger("kv").addHandler(_logging.NullHandler())
+
 from .config import NodeConfig  # noqa: E402
 from .errors import (  # noqa: E402
     BadRequest,

@@ -182,6 +182,9 @@ class Lease:
     def __init__(self, lease: AsyncLease, lt: LoopThread) -> None:
         self._lease, self._lt = lease, lt
 
+    def __repr__(self) -> str:
+        return f"Lease(id={self.id}, ttl={self._lease.ttl:g}, alive={self._lease.alive})"
+
     @property
     def id(self) -> int:
         return self._lease.id

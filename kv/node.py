@@ -1080,6 +1080,7 @@ class Node:
             "peers": {
                 m.id: {
                     "address": m.peer_addr,
+                    "http": m.http_url or raft.peer_url(m.id),
                     "voter": m.voter,
                     **({"match_index": r.peers[m.id].match, "state": r.peers[m.id].state} if m.id in r.peers else {}),
                 }

@@ -58,6 +58,10 @@ class Event(NamedTuple):
         """The key's mod_index after the change: the index of the entry that made it."""
         return self.index
 
+    def __repr__(self) -> str:
+        value = "" if self.value is None else f", value={self.value!r}"
+        return f"Event(type={self.type!r}, key={self.key!r}{value}, index={self.index})"
+
 
 class WatchCompacted(Compacted):
     """The changes asked for are no longer in this node's ledger (compacted into a

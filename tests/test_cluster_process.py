@@ -189,3 +189,17 @@ def test_the_sync_client_streams_scans_and_the_log(cluster):
         assert next(stream).key == "s/00"
         stream.close()  # stopping early closes the async generator behind it
         assert c.get("s/29").value == b"29"
+
+
+def test_kv_status_shows_every_member_even_those_not_asked_and_the_dead(cluster):
+    c = cluster
+    lead = c.leader()
+    other = next(i for i in c.ids if i != lead)
+    c.kill(other)
+    r = subprocess.run([sys.executable, "-m", "kv", "status", "--endpoints", c.url(lead), "-o", "json", "--timeout", "2"], capture_output=True, text=True, timeout=60)
+    nodes = orjson.loads(r.stdout)["nodes"]
+    assert r.returncode == 0, r.stderr
+    by_endpoint = {n["endpoint"]: n for n in nodes}
+    assert set(by_endpoint) == {c.url(i) for i in c.ids}  # one endpoint given, all three shown
+    assert by_endpoint[c.url(other)]["reachable"] is False
+    assert sum(n.get("role") == "leader" for n in nodes) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 from ..client import HINT
@@ -20,7 +21,7 @@ def add_parser(sub) -> None:
     a.add_argument("id", nargs="?", help="the member's id (add, remove, promote)")
     a.add_argument("peer", nargs="?", help="add: HOST:PORT the new member listens on for peers")
     a.add_argument("--http", default="", help="add: the new member's client URL")
-    a.add_argument("--voter", action="store_true", help="add: as a voter at once (default: a learner, promoted later)")
+    a.add_argument("--voter", action="store_true", help="add: promote it to a voter once it has caught up (it always joins as a learner; without --voter it stays one until kv member promote)")
     a.add_argument("--replace", action="store_true", help="add: change an existing member's addresses")
 
 
@@ -29,8 +30,32 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _status(c, args: argparse.Namespace) -> int:
-    rows = await c.status_all()
+    rows = await _every_member(c, await c.status_all())
     return _emit_status(rows) if wants_json(args) else _print_status(rows)
+
+
+async def _every_member(c, rows: list) -> list:
+    """The endpoints given, then every other member the cluster knows (a dead one shows as
+    unreachable), learners shown as such: a node missing from --endpoints was invisible."""
+    asked = {ep.rstrip("/") for ep, _ in rows}
+    views = [st for _, st in rows if isinstance(st, dict)]
+    learners = {pid for st in views for pid, p in st.get("peers", {}).items() if not p.get("voter", True)}
+    known = {}  # member id -> its client URL, from the members' own views of each other
+    for st in views:
+        for pid, p in st.get("peers", {}).items():
+            if p.get("http"):
+                known.setdefault(pid, p["http"].rstrip("/"))
+    seen = {st["id"] for st in views}
+    extra = [(pid, url) for pid, url in sorted(known.items()) if pid not in seen and url not in asked]
+
+    async def one(pid: str, url: str):
+        try:
+            return url, await c.status(url)
+        except Exception as e:  # a member that is down is part of the answer
+            return url, e
+
+    rows = list(rows) + list(await asyncio.gather(*(one(pid, url) for pid, url in extra)))
+    return [(ep, {**st, "role": "learner"} if isinstance(st, dict) and st.get("id") in learners and st.get("role") == "follower" else st) for ep, st in rows]
 
 
 async def _leader(c, args: argparse.Namespace) -> int:

