@@ -86,7 +86,7 @@ def test_a_leader_stopped_by_sigterm_hands_over_first_and_writes_hardly_pause(tm
         c.start()
         lead = c.leader()
         term = c.status(lead)["term"]
-        w = run_worker(c, 8)
+        w = run_worker(c, 6)
         time.sleep(2)
         c.stop(lead)  # SIGTERM
         out, err = w.communicate(timeout=60)

@@ -53,7 +53,7 @@ def test_writes_resent_across_leader_kills_are_applied_once(tmp_path):
     unknown; leaders die between applying a write and answering it. Read back through a
     watch from index 1, every acknowledged write is there exactly once, no refused one, and
     no value twice; the register history stays linearizable."""
-    r = one_run(tmp_path, 25, 3, KILLS, extra=NO_COMPACTION, env=WIDE_WINDOW, sessions=True, history=True)
+    r = one_run(tmp_path, 18, 3, KILLS, extra=NO_COMPACTION, env=WIDE_WINDOW, sessions=True, history=True)
     assert r.ok > 100 and r.faults["kill-leader"] + r.faults["kill-any"] >= 2
     assert r.converged, "nodes did not converge after healing"
     assert r.applied_twice == [], f"written twice: {r.applied_twice[:10]}"
