@@ -219,8 +219,9 @@ class Workload:
 
 
 class Nemesis:
-    def __init__(self, c: ProcCluster, rng: random.Random, report: Report, kinds: list[str]) -> None:
+    def __init__(self, c: ProcCluster, rng: random.Random, report: Report, kinds: list[str], in_order: bool = False) -> None:
         self.c, self.rng, self.report, self.kinds = c, rng, report, kinds
+        self.in_order = in_order  # run kinds as listed (cycling): a test that needs certain faults gets them
         self.paused: set[str] = set()
 
     def leader_or_any(self) -> str:
@@ -275,10 +276,13 @@ class Nemesis:
             raise ValueError(kind)
 
     async def run(self, until: float) -> None:
+        turn = 0
         while time.monotonic() < until:
             await asyncio.sleep(self.rng.uniform(0.3, 1.0))  # a pause between faults
             if time.monotonic() < until:
-                await self.run_one(self.rng.choice(self.kinds))
+                kind = self.kinds[turn % len(self.kinds)] if self.in_order else self.rng.choice(self.kinds)
+                turn += 1
+                await self.run_one(kind)
 
 
 def save_history(c: ProcCluster, ops: list[Op]) -> str:
@@ -293,10 +297,10 @@ ALL_FAULTS = ["partition", "one-way", "isolate-leader", "kill-leader", "kill-any
 
 async def run(
     c: ProcCluster, seconds: float, seed: int, faults: list[str] = ALL_FAULTS, register_clients: int = 5, set_clients: int = 2,
-    sessions: bool = False, history: bool = False,
+    sessions: bool = False, history: bool = False, in_order: bool = False,
 ) -> Report:
     w = Workload(c, seed, sessions)
-    nemesis = Nemesis(c, w.rng, w.report, faults)
+    nemesis = Nemesis(c, w.rng, w.report, faults, in_order)
     tasks = [asyncio.ensure_future(w.register_client(i)) for i in range(register_clients)]
     tasks += [asyncio.ensure_future(w.set_client(100 + i)) for i in range(set_clients)]
     await nemesis.run(time.monotonic() + seconds)

@@ -45,7 +45,7 @@ def test_nemesis_run(tmp_path, seed, faults):
 # committed but unacknowledged, the window in which a write resent as a new one applied twice.
 WIDE_WINDOW = {"KV_FAILPOINTS": "write.before_answer~0.05"}
 NO_COMPACTION = ["--snapshot-threshold", "10000000"]  # the whole history stays readable
-KILLS = ["kill-leader", "kill-leader", "kill-any", "isolate-leader", "pause-leader", "partition"]
+KILLS = ["kill-leader", "pause-leader", "kill-any", "isolate-leader", "kill-leader", "partition"]  # in this order
 
 
 def test_writes_resent_across_leader_kills_are_applied_once(tmp_path):
@@ -53,7 +53,7 @@ def test_writes_resent_across_leader_kills_are_applied_once(tmp_path):
     unknown; leaders die between applying a write and answering it. Read back through a
     watch from index 1, every acknowledged write is there exactly once, no refused one, and
     no value twice; the register history stays linearizable."""
-    r = one_run(tmp_path, 18, 3, KILLS, extra=NO_COMPACTION, env=WIDE_WINDOW, sessions=True, history=True)
+    r = one_run(tmp_path, 18, 3, KILLS, extra=NO_COMPACTION, env=WIDE_WINDOW, sessions=True, history=True, in_order=True)
     assert r.ok > 100 and r.faults["kill-leader"] + r.faults["kill-any"] >= 2
     assert r.converged, "nodes did not converge after healing"
     assert r.applied_twice == [], f"written twice: {r.applied_twice[:10]}"
