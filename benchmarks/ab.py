@@ -24,7 +24,7 @@ import tempfile
 
 from kv.bench.loadgen import HttpLoad
 from kv.bench.measure import closed_loop, http_ops, http_session, preload
-from kv.harness import ServeCluster
+from kv.bench.harness import ServeCluster
 
 
 async def run_once(flags: list[str], op: str, clients: int, seconds: float, tree: str | None = None) -> tuple[float, float, float, float]:
@@ -81,7 +81,7 @@ if __name__ == "__main__":
     args = p.parse_args()
     if len(args.variant) < 2:
         p.error("give two or more --variant NAME=FLAGS")
-    from kv.cli.serve import install_uvloop
+    from kv.server.process import install_uvloop
 
     install_uvloop()
     asyncio.run(main(args))

@@ -29,7 +29,7 @@ from systems import Etcd, Ledgerkv, PySyncObj  # benchmarks/ is the script's fol
 
 from kv.bench.loadgen import HttpLoad
 from kv.bench.measure import closed_loop, http_ops, http_session, preload
-from kv.harness import ServeCluster, rss_mb
+from kv.bench.harness import ServeCluster, rss_mb
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -276,7 +276,7 @@ if __name__ == "__main__":
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--systems", default="ledgerkv,etcd,pysyncobj", help=f"comma-separated, of {', '.join(SYSTEMS)} (default: ledgerkv,etcd,pysyncobj)")
     a = p.parse_args()
-    from kv.cli.serve import install_uvloop
+    from kv.server.process import install_uvloop
 
     install_uvloop()
     asyncio.run(main(a))

@@ -1,4 +1,4 @@
-"""What client sessions cost (exactly-once writes, kv/sessions.py): the session table's size
+"""What client sessions cost (exactly-once writes, kv/common/sessions.py and kv/server/writes.py): the session table's size
 with many clients, and the bytes and CPU each write adds.
 
     .venv/bin/python benchmarks/session_table.py --clients 10000

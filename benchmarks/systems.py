@@ -10,7 +10,7 @@ import sys
 
 from kv.bench.loadgen import Target, ok
 from kv.bench.measure import http_ops
-from kv.harness import Procs, ServeCluster, find_node, free_port
+from kv.bench.harness import Procs, ServeCluster, find_node, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -28,7 +28,7 @@ import resource
 import threading
 import time
 
-from kv._loop import LoopThread
+from kv.common.loop import LoopThread
 
 
 def _loop_mode(work_s: float):

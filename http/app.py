@@ -9,8 +9,9 @@ import time
 import aiohttp
 from aiohttp import web
 
-from kv import Node, tls
-from kv.metrics import request_forwarded
+from kv import Node
+from kv.common.tls import client_context
+from kv.server.access import request_forwarded
 
 from . import routes_admin, routes_kv, routes_leases, routes_members, routes_sessions, routes_watch
 from .answer import Answer
@@ -88,7 +89,7 @@ def create_app(node: Node, *, token: str | None = None, tokens: dict[str, Grant]
         client_max_size=node.config.max_value_bytes + (1 << 20),
     )
     app[CONTEXT] = c
-    node.metrics  # noqa: B018  (made now, so that it counts from the first request on)
+    node.metrics.register(c.samples)  # (made now, so that it counts from the first request on)
     routes_kv.add_routes(app)
     routes_admin.add_routes(app)
     routes_members.add_routes(app)
@@ -97,7 +98,7 @@ def create_app(node: Node, *, token: str | None = None, tokens: dict[str, Grant]
     routes_watch.add_routes(app)
 
     async def session_ctx(app: web.Application):
-        trust = tls.client_context(node.config.cacert) or True
+        trust = client_context(node.config.cacert) or True
         c.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), connector=aiohttp.TCPConnector(ssl=trust))
         yield
         await c.session.close()
@@ -133,6 +134,5 @@ async def serve(
     fast = FastFront(app, handle, runner.server, idle_timeout_s, in_flight_s) if fast_path else None
     site = CappedSite(runner, host, port, max_connections=max_connections, handshake_timeout_s=idle_timeout_s, fast=fast, ssl_context=ssl_context, backlog=1024)
     await site.start()
-    node.metrics.http_refused = lambda: site.refused
-    node.metrics.http_unread = lambda: app[CONTEXT].unread
+    app[CONTEXT].refused = lambda: site.refused
     return runner

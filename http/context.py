@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
 from kv import Node, Unavailable
+from kv.server.samples import Sample, counter, gauge
 
 from .auth import Grant
 
@@ -22,6 +24,13 @@ class HttpContext:
     session: aiohttp.ClientSession | None = None  # pooled connections to the leader
     watch_streams: set = field(default_factory=set)  # the open GET /v1/watch streams' watches
     unread: int = 0  # bytes of answers queued for clients not reading them (http/fastpath.py counts them)
+    refused: Callable[[], int] = lambda: 0  # connections refused beyond --max-http-connections (the listener's count)
+
+    def samples(self) -> tuple[Sample, ...]:
+        return (
+            counter("kv_http_connections_refused", "Client connections answered 503 beyond --max-http-connections.", self.refused()),
+            gauge("kv_http_unread_bytes", "Bytes of answers queued for clients that are not reading them (--http-unread-bytes).", self.unread),
+        )
 
     def room_for(self, answer_bytes: int) -> None:
         """Refuse (503) a large answer when clients that do not read already hold what the

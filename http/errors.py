@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import re
 
 import orjson
 from aiohttp import web
 
-from kv import BadRequest, KVError, ValueTooLarge
+from kv import KVError
 
 from .answer import Answer
-from .context import CONTEXT
 
 log = logging.getLogger("kv.http")
 
@@ -56,62 +53,3 @@ async def run_handler(request: web.Request, handler) -> Answer | web.StreamRespo
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, "INTERNAL", "internal error; see the node's log")
-
-
-async def read_body(request: web.Request, limit: int, what: str = "the body", limit_flag: str = "") -> bytes:
-    """The whole request body, refusing (413) anything over `limit` — before reading it
-    when Content-Length says so, else as soon as more than `limit` bytes arrived — and
-    (408) one that has not fully arrived within the idle timeout (--http-idle-timeout-s):
-    a slow sender would otherwise hold its connection for ever. `limit_flag` names the
-    setting that sets `limit`, for the 413's message."""
-    the_limit = f"the limit is {limit} bytes" + (f" ({limit_flag})" if limit_flag else "")
-    if request.content_length is not None and request.content_length > limit:
-        raise ValueTooLarge(f"{what} is {request.content_length} bytes; {the_limit}")
-    content = request.content
-    if content.is_eof():  # the usual small body: it came with the headers, no timer needed
-        body = content.read_nowait()
-        if len(body) > limit:
-            raise ValueTooLarge(f"{what} is larger than allowed: {the_limit}")
-        return body
-    parts, size = [], 0
-    idle_s = request.app[CONTEXT].node.config.http_idle_timeout_s
-    try:
-        async with asyncio.timeout(idle_s):
-            while True:
-                chunk = await content.readany()
-                if not chunk:
-                    return b"".join(parts)
-                size += len(chunk)
-                if size > limit:
-                    raise ValueTooLarge(f"{what} is larger than allowed: {the_limit}")
-                parts.append(chunk)
-    except TimeoutError:
-        raise web.HTTPRequestTimeout(text=f"{what} did not arrive within {idle_s:g}s (--http-idle-timeout-s); send it without pauses") from None
-
-
-TIMEOUT_HEADER = "X-Kv-Timeout"  # kv.Client sends it on every request
-_SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
-
-
-def write_timeout(request: web.Request) -> float | None:
-    """The seconds a write may wait here: X-Kv-Timeout, at most --write-timeout-s."""
-    return _timeout(request, request.app[CONTEXT].node.config.write_timeout_s)
-
-
-def read_timeout(request: web.Request) -> float | None:
-    """The seconds a linearizable read may wait here: X-Kv-Timeout, at most --read-timeout-s."""
-    return _timeout(request, request.app[CONTEXT].node.config.read_timeout_s)
-
-
-def _timeout(request: web.Request, limit_s: float) -> float | None:
-    """X-Kv-Timeout: how many seconds the caller waits for this answer. The node answers
-    within them, at most within its own limit: with 503 NO_LEADER when no leader took a
-    write in time (it was not carried out: retry), or 504 when its outcome is unknown.
-    Without it the caller could give up first and could not tell the one from the other.
-    None: the node's own limit."""
-    value = request.headers.get(TIMEOUT_HEADER)
-    if value is None:
-        return None
-    if _SECONDS.fullmatch(value.strip()) is None or float(value) < 0.001:
-        raise BadRequest(f"{TIMEOUT_HEADER} must be a number of seconds of at least 0.001, in digits with an optional fraction such as 2.5, not {value!r}")
-    return min(float(value), limit_s)

@@ -9,15 +9,16 @@ import orjson
 from aiohttp import web
 
 from kv import BadRequest, Compacted, NotFound, NotLeader
-from kv import logstream
-from kv.metrics import CONTENT_TYPE, request_forwarded
+from kv.common import entry_stream
+from kv.server.metrics import CONTENT_TYPE
 
 from .answer import Answer
 from .context import ctx
-from .errors import read_timeout, json_response, read_body
+from .errors import json_response
+from .forward import forward_to_leader
+from .params import index_param, json_body, read_timeout
 
 OPENAPI_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
-FORWARDED = "X-Kv-Forwarded"
 
 
 async def status(request: web.Request) -> Answer:
@@ -70,25 +71,12 @@ async def get_snapshot(request: web.Request) -> web.StreamResponse:
     )
 
 
-def _index_param(request: web.Request, name: str, default: int) -> int:
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BadRequest(f"{name} must be a log index (an integer), not {raw!r}") from None
-    if value < 1:
-        raise BadRequest(f"{name} must be at least 1")
-    return value
-
-
 async def get_log(request: web.Request) -> web.StreamResponse:
-    """Stream the committed entries [from, to] this node holds (kv.logstream's records)."""
+    """Stream the committed entries [from, to] this node holds (kv.common.entry_stream's records)."""
     node = ctx(request).node
     first, last = node.log_range()
-    lo = _index_param(request, "from", first)
-    hi = _index_param(request, "to", last)
+    lo = index_param(request, "from", first)
+    hi = index_param(request, "to", last)
     if hi < lo and "to" in request.query:
         raise BadRequest(f"to ({hi}) is before from ({lo})")
     if hi > last:
@@ -98,7 +86,7 @@ async def get_log(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     error = None
     while entries:
-        await resp.write(logstream.encode_entries(entries))
+        await resp.write(entry_stream.encode_entries(entries))
         lo = entries[-1].index + 1
         if lo > hi:
             break
@@ -109,24 +97,13 @@ async def get_log(request: web.Request) -> web.StreamResponse:
             break
         if not entries:  # the log was replaced under us (this node installed a snapshot)
             error = f"index {lo} is no longer in this node's log (it installed a snapshot); run again"
-    await resp.write(logstream.encode_end(error))
+    await resp.write(entry_stream.encode_end(error))
     await resp.write_eof()
     return resp
 
 
-async def _json_body(request: web.Request) -> dict:
-    raw = await read_body(request, ctx(request).max_json_bytes, "the JSON document")
-    try:
-        doc = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError as e:
-        raise BadRequest(f"the body is not valid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise BadRequest("the body must be a JSON object")
-    return doc
-
-
 async def leader_transfer(request: web.Request) -> Answer:
-    doc = await _json_body(request)
+    doc = await json_body(request)
     to = doc.get("to")
     if not isinstance(to, str) or not to:
         raise BadRequest('name the new leader: {"to": "n2"}')
@@ -136,24 +113,6 @@ async def leader_transfer(request: web.Request) -> Answer:
     except NotLeader:
         return await forward_to_leader(request, orjson.dumps(doc))
     return json_response({"leader": leader})
-
-
-async def forward_to_leader(request: web.Request, body: bytes) -> Answer:
-    """Pass an admin request to the leader's HTTP API and return its answer."""
-    c = ctx(request)
-    url = c.node.leader_url()
-    if url is None or request.headers.get(FORWARDED):
-        raise NotLeader("this node is not the leader and cannot reach it over HTTP; send the request to the leader", c.node.raft.leader_id)
-    request_forwarded.set(True)
-    headers = {FORWARDED: c.node.config.id, "Content-Type": "application/json"}
-    if "Authorization" in request.headers:
-        headers["Authorization"] = request.headers["Authorization"]
-    try:
-        async with c.session.request(request.method, url + request.path_qs, data=body, headers=headers) as resp:
-            data = await resp.read()
-            return Answer(data, resp.status, resp.content_type)
-    except Exception as e:
-        raise NotLeader(f"forwarding to the leader at {url} failed: {e}", c.node.raft.leader_id) from e
 
 
 async def openapi(request: web.Request) -> Answer:

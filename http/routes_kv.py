@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 
 import orjson
 from aiohttp import web
 
 from kv import BadRequest, Cond, Delete, Get, LeaseNotFound, NotFound, PreconditionFailed, Put, ReadsOmitted
+from kv.common.wire import value_fields, value_from
 
 from .answer import Answer
 from .auth import check_keys, hidden_leases
 from .context import ctx
-from .errors import json_response, read_body, read_timeout, write_timeout
+from .errors import json_response
 from .keys import key_from_raw_path
-from .routes_sessions import request_id
+from .params import read_body, read_timeout, request_id, write_timeout
 
 KV_PREFIX = "/v1/kv/"
 MAX_INDEX = (1 << 63) - 1  # a mod_index is a log index, which fits a signed 64-bit integer
@@ -103,15 +102,6 @@ async def delete_prefix(request: web.Request) -> Answer:
     return json_response({"index": r.index, "term": r.term, "deleted": r.deleted})
 
 
-def _encode_value(value: bytes, force_b64: bool) -> dict:
-    if not force_b64:
-        try:
-            return {"value": value.decode("utf-8")}
-        except UnicodeDecodeError:
-            pass
-    return {"value": base64.b64encode(value).decode(), "encoding": "base64"}
-
-
 async def list_keys(request: web.Request) -> Answer:
     c = ctx(request)
     q = request.query
@@ -127,7 +117,7 @@ async def list_keys(request: web.Request) -> Answer:
     )
     more = len(items) > limit
     items = items[:limit]
-    out = [{"key": it.key, **_encode_value(it.value, force_b64), "mod_index": it.mod_index} for it in items]
+    out = [{"key": it.key, **value_fields(it.value, force_b64), "mod_index": it.mod_index} for it in items]
     return json_response({"items": out, "next": items[-1].key if more else None, "index": index})
 
 
@@ -143,30 +133,6 @@ def _fields(d: dict, where: str, allowed: set[str]) -> None:
             f"{where}: unknown field(s) {sorted(unknown)}; it takes {sorted(allowed)} "
             '(conditions go in "compare")'
         )
-
-
-def _value_of(d: dict, where: str) -> bytes:
-    """A value spelled as in responses: `"value": text`, or `"value": base64` with
-    `"encoding": "base64"`; `"value_base64": base64` is the deprecated spelling."""
-    if "value_base64" in d:
-        if "value" in d or "encoding" in d:
-            raise BadRequest(f'{where}: give "value" (with "encoding": "base64" for bytes) or the deprecated "value_base64", not both')
-        return _base64(d["value_base64"], f"{where}: value_base64")
-    v = d.get("value")
-    if not isinstance(v, str):
-        raise BadRequest(f'{where}: needs "value", a string (base64 with "encoding": "base64" for bytes)')
-    if "encoding" not in d:
-        return v.encode()
-    if d["encoding"] != "base64":
-        raise BadRequest(f'{where}: "encoding" must be "base64" (or left out for UTF-8 text)')
-    return _base64(v, f"{where}: value")
-
-
-def _base64(text, what: str) -> bytes:
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, TypeError, ValueError) as e:
-        raise BadRequest(f"{what} is not valid base64") from e
 
 
 def _key_of(d, where: str) -> str:
@@ -197,7 +163,7 @@ def _parse_cond(d, where: str) -> Cond:
             raise BadRequest(f"{where}: exists must be true or false")
         return Cond(key, "exists", d["exists"])
     if _VALUE_FIELDS & set(d):
-        return Cond(key, "value", _value_of(d, where))
+        return Cond(key, "value", value_from(d, where))
     raise BadRequest(f'{where}: compare on "mod_index", "exists" or "value"')
 
 
@@ -206,7 +172,7 @@ def _parse_op(d, where: str):
     op = d.get("op")
     if op == "put":
         _fields(d, where, {"op", "key"} | _VALUE_FIELDS)
-        return Put(key, _value_of(d, where))
+        return Put(key, value_from(d, where))
     if op in ("delete", "get"):
         _fields(d, where, {"op", "key"})
         return Delete(key) if op == "delete" else Get(key)
@@ -228,7 +194,7 @@ def _op_result(r, force_b64: bool):
     if hasattr(r, "deleted"):
         return {"index": r.index, "deleted": r.deleted}
     if hasattr(r, "value"):
-        return {"found": True, "key": r.key, **_encode_value(r.value, force_b64), "mod_index": r.mod_index}
+        return {"found": True, "key": r.key, **value_fields(r.value, force_b64), "mod_index": r.mod_index}
     return {"index": r.index}
 
 

@@ -11,9 +11,8 @@ from kv import BadRequest, LeaseNotFound, LeaseStatus
 from .answer import Answer
 from .auth import hidden_leases, lease_prefix
 from .context import ctx
-from .errors import json_response, write_timeout
-from .routes_admin import _json_body
-from .routes_sessions import request_id
+from .errors import json_response
+from .params import json_body, request_id, write_timeout
 
 
 def lease_path_id(request: web.Request) -> int:
@@ -37,7 +36,7 @@ def lease_json(s: LeaseStatus, *, remaining: bool = True, keys: bool = True) -> 
 
 
 async def grant(request: web.Request) -> Answer:
-    doc = await _json_body(request)
+    doc = await json_body(request)
     if set(doc) != {"ttl"}:
         raise BadRequest('give the lease\'s time to live in seconds: {"ttl": 10}')
     s = await ctx(request).node.lease_grant(doc["ttl"], owner=lease_prefix(request), timeout=write_timeout(request), request_id=request_id(request))
@@ -59,7 +58,7 @@ async def keepalive(request: web.Request) -> Answer:
 
 
 async def keepalive_many(request: web.Request) -> Answer:
-    doc = await _json_body(request)
+    doc = await json_body(request)
     example = '{"ids": [7587862104061, 7587862104062]}'
     if set(doc) - {"ids"}:
         raise BadRequest(f"unknown field(s) {sorted(set(doc) - {'ids'})}; the body is {example}")

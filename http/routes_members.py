@@ -11,7 +11,8 @@ from kv import BadRequest, NotLeader
 from .answer import Answer
 from .context import ctx
 from .errors import json_response
-from .routes_admin import _json_body, forward_to_leader
+from .forward import forward_to_leader
+from .params import json_body
 
 
 async def list_members(request: web.Request) -> Answer:
@@ -27,7 +28,7 @@ async def _on_leader(request: web.Request, change, body: dict | None = None) -> 
 
 
 async def add_member(request: web.Request) -> Answer:
-    doc = await _json_body(request)
+    doc = await json_body(request)
     mid, peer, http = doc.get("id"), doc.get("peer"), doc.get("http", "")
     voter, replace = doc.get("voter", False), doc.get("replace", False)
     if not isinstance(mid, str) or not isinstance(peer, str):

@@ -1,4 +1,4 @@
-"""Client sessions over HTTP: exactly-once writes for any client (kv/sessions.py).
+"""Client sessions over HTTP: exactly-once writes for any client (kv/common/sessions.py and kv/server/writes.py).
 
     POST /v1/sessions                      -> {"id": 8230472315, "ttl": 600}
     PUT /v1/kv/k  X-Kv-Session: 8230472315  X-Kv-Seq: 1
@@ -12,36 +12,13 @@ headers go in the node's own sessions: safe from the node's retries, not from th
 
 from __future__ import annotations
 
-import re
-
 from aiohttp import web
 
-from kv import BadRequest, RequestId
 
 from .answer import Answer
 from .context import ctx
-from .errors import json_response, write_timeout
-
-SESSION_HEADER, SEQ_HEADER = "X-Kv-Session", "X-Kv-Seq"
-_DIGITS = re.compile(r"[0-9]{1,19}")
-
-
-def request_id(request: web.Request) -> RequestId | None:
-    """The write's (session, seq) from X-Kv-Session and X-Kv-Seq, or None without them."""
-    session, seq = request.headers.get(SESSION_HEADER), request.headers.get(SEQ_HEADER)
-    if session is None and seq is None:
-        return None
-    if session is None or seq is None:
-        raise BadRequest(f"send {SESSION_HEADER} and {SEQ_HEADER} together (a session from POST /v1/sessions, and this request's number in it)")
-    return RequestId.checked(_number(SESSION_HEADER, session), _number(SEQ_HEADER, seq))
-
-
-def _number(name: str, raw: str) -> int:
-    raw = raw.strip()
-    if _DIGITS.fullmatch(raw) is None:
-        raise BadRequest(f"{name} must be a positive integer in digits, not {raw[:40]!r}")
-    return int(raw)
-
+from .errors import json_response
+from .params import write_timeout
 
 async def open_session(request: web.Request) -> Answer:
     c = ctx(request)

@@ -23,10 +23,10 @@ import orjson
 from aiohttp import web
 
 from kv import BadRequest, KVError, SlowWatcher
+from kv.common.wire import value_fields
 
 from .context import CONTEXT, ctx
-from .routes_admin import _index_param
-from .routes_kv import _encode_value
+from .params import index_param
 
 
 # After sending a batch a stream waits this long before taking the next, so that the changes
@@ -49,7 +49,7 @@ def event_line(ev, force_b64: bool) -> bytes:
     if ev.value is None:
         d = {"type": "delete", "key": ev.key, "mod_index": ev.index, "index": ev.index}
     else:
-        d = {"type": "put", "key": ev.key, **_encode_value(ev.value, force_b64), "mod_index": ev.index, "index": ev.index}
+        d = {"type": "put", "key": ev.key, **value_fields(ev.value, force_b64), "mod_index": ev.index, "index": ev.index}
     line = orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
     if len(line) <= LINE_CACHE_BYTES:
         if len(_lines) >= LINE_CACHE:
@@ -61,8 +61,8 @@ def event_line(ev, force_b64: bool) -> bytes:
 async def watch(request: web.Request) -> web.StreamResponse:
     c = ctx(request)
     node = c.node
-    start = _index_param(request, "from", 0) or None
-    end = _index_param(request, "to", 0) or None
+    start = index_param(request, "from", 0) or None
+    end = index_param(request, "to", 0) or None
     if end is not None and start is not None and end < start - 1:
         raise BadRequest(f"to ({end}) is before from ({start}): the range is empty")
     force_b64 = request.query.get("encoding") == "base64"

@@ -6,8 +6,12 @@ Layering, bottom up (each layer imports only the ones below it):
                       the asyncio driver that ties them together.
 - ``kv.statemachine`` KV commands, the LevelDB state machine and the FSM caller.
 - ``kv.snapshot``     snapshot files, the snapshot directory, install-snapshot, restore.
-- ``kv``              the public face: ``kv.open``, ``kv.Node``, ``kv.Client``; ``kv.cli`` the command line.
+- ``kv.common``       what both sides share: result types, arguments, the JSON wire form, sessions.
+- ``kv.server``       a member's machinery: write path, lessor, watch hub, metrics, recovery.
+- ``kv``              the public face: ``kv.open``, ``kv.Node``; ``kv.store``, ``kv.node``.
+- ``kv.client``       the HTTP clients and their recipes (lease, lock, election).
 - ``kv.http``         the aiohttp application; it uses the public ``kv`` API only.
+- ``kv.spark``, ``kv.cli``, ``kv.bench``  the pipeline, the command line, the benchmarks.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import logging as _logging  # noqa: E402
 # this, Python printed ledgerkv's warnings, CLI hints and all, on the program's stderr.
 _logging.getLogger("kv").addHandler(_logging.NullHandler())
 
-from .config import NodeConfig  # noqa: E402
 from .errors import (  # noqa: E402
     BadRequest,
     Compacted,
@@ -56,11 +59,10 @@ from .errors import (  # noqa: E402
     Unavailable,
     ValueTooLarge,
 )
-from .node import DeleteResult, Item, LeaseStatus, Node, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult  # noqa: E402
-from .sessions import RequestId  # noqa: E402
+from .common.results import DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult  # noqa: E402
+from .common.sessions import RequestId  # noqa: E402
+from .errors import SlowWatcher, WatchCompacted  # noqa: E402
 from .statemachine.commands import Cond, Delete, Get, Put  # noqa: E402
-from .store import Store, open  # noqa: E402,A004
-from .watch import Event, SlowWatcher, Watch, WatchCompacted  # noqa: E402
 
 __all__ = [
     "AsyncClient",
@@ -109,10 +111,29 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # The HTTP clients pull in aiohttp; an embedded kv.open() user need not pay for that.
-    if name in ("Client", "AsyncClient"):
-        from . import client
+# Imported on first use: the server's names load lmdb, plyvel and the Raft stack, which a
+# client-only user neither needs nor may have installed; the clients load aiohttp, which an
+# embedded kv.open() user need not pay for.
+_LAZY = {
+    "AsyncClient": "kv.client",
+    "Client": "kv.client",
+    "Node": "kv.node",
+    "NodeConfig": "kv.server.config",
+    "Store": "kv.store",
+    "open": "kv.store",
+    "Watch": "kv.server.watch",
+}
 
-        return getattr(client, name)
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'kv' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

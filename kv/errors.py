@@ -16,9 +16,10 @@ is the snapshot layer's (snapshot/format.py). They are re-exported here.
     ├── NoSpace                                      507 (the disk is below its reserve: reads go on)
     ├── Unauthorized, Forbidden                      401, 403
     ├── DataDirLocked                                409
-    ├── Compacted ── WatchCompacted (kv.watch)       410
+    ├── Compacted ── WatchCompacted                  410
     ├── SnapshotError ── SnapshotFormatError, RestoreError (kv.snapshot)
-    ├── SlowWatcher (kv.watch), LogStreamError (kv.logstream), CannotListen (kv.serve)
+    ├── SlowWatcher                                  503
+    ├── LogStreamError (kv.common.entry_stream), CannotListen (kv.server.process)
     └── the layers' own, translated by kv.Node where they have a public meaning:
         RaftError (kv.raft.errors: TransferInProgress, LedgerError, ConfigChangeRefused,
         CodecError; kv.raft.node: NodeStopped, Overloaded, OutcomeUnknown ── DeadlineExceeded),
@@ -209,3 +210,28 @@ class Compacted(KVError):
     """What was asked for is older than what the node still keeps (compacted away)."""
 
     code, http_status = "COMPACTED", 410
+
+
+class WatchCompacted(Compacted):
+    """The changes asked for are no longer in this node's ledger (compacted into a
+    snapshot). Read the prefix, then watch from the index the read was at + 1."""
+
+    def __init__(self, message: str, ledger_begin_index: int) -> None:
+        super().__init__(message)
+        self.ledger_begin_index = ledger_begin_index
+
+    def details(self) -> dict:
+        return {"ledger_begin_index": self.ledger_begin_index}
+
+
+class SlowWatcher(KVError):
+    """The watcher fell too far behind; the stream was ended. Resume from `resume_index`."""
+
+    code, http_status = "SLOW_WATCHER", 503
+
+    def __init__(self, message: str, resume_index: int) -> None:
+        super().__init__(message)
+        self.resume_index = resume_index
+
+    def details(self) -> dict:
+        return {"resume_index": self.resume_index}

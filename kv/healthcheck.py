@@ -11,7 +11,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from .config import check_hostport
+from .server.config import check_hostport
 from .errors import BadRequest
 
 

@@ -16,32 +16,17 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 
-from ._loop import LoopThread
-from .coordination import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
-from .config import NodeConfig
+from .client.recipes import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
+from .common.loop import LoopThread
+from .common.results import DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
 from .errors import BadRequest, NotLeader, SessionExpired, Unavailable
-from .node import (
-    CONSISTENCY,
-    DeleteResult,
-    Item,
-    LeaseStatus,
-    Node,
-    Page,
-    PrefixDeleteResult,
-    RevokeResult,
-    TxnResult,
-    WriteResult,
-    delete_result,
-    prefix_delete_result,
-    public_error,
-    txn_result,
-    validate_key,
-    write_result,
-)
+from .node import Node
 from .raft.node import DeadlineExceeded, NeverCommitted, NodeStopped, OutcomeUnknown
+from .server.answers import delete_result, prefix_delete_result, public_error, txn_result, validate_key, write_result
+from .server.config import NodeConfig
+from .server.reads import CONSISTENCY
 from .statemachine import commands as cmds
 from .statemachine.leveldb import StateCorrupt
-from .watch import Event
 
 LOCAL_ID = "local"
 EMBEDDED_MAX_REQUEST_BYTES = 256 << 20

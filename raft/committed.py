@@ -5,7 +5,7 @@ applier (statemachine/caller.py) takes each item, applies it and answers through
 `done` (set_result / set_exception, as on a future): the only way back, etcd's Advance.
 The answer is handled at once, in the applier's task, not a turn of the loop later: the
 driver's applied index must never trail the state machine's, or a watch changing from
-history to the live changes (kv/watch.py) would miss the ones published in between, and a
+history to the live changes (kv/server/watch.py) would miss the ones published in between, and a
 read would be answered with an index older than the state it read.
 
 Backpressure: at most `depth` items are handed out and not done yet, and the next batch is

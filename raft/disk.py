@@ -2,7 +2,7 @@
 
 A full disk shows up as ENOSPC ("No space left on device"), and on a full tmpfs also as EIO
 ("Input/output error") from LMDB or LevelDB: told apart here, so that a node says what is
-wrong and waits for space instead of stopping (kv/diskguard.py)."""
+wrong and waits for space instead of stopping (kv/server/diskguard.py)."""
 
 from __future__ import annotations
 

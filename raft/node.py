@@ -25,7 +25,7 @@ leader replaced this node's log past it (it may have committed). A deposed leade
 never acknowledges a write it cannot prove committed; a caller that gives up waiting knows
 only that the outcome is unknown. Either way an earlier copy of the same command may still
 commit, so a command is sent again only if the state machine recognises copies (a client
-session's request, kv/sessions.py), never as a new write.
+session's request, kv/common/sessions.py and kv/server/writes.py), never as a new write.
 """
 
 from __future__ import annotations
@@ -96,7 +96,11 @@ class DeadlineExceeded(OutcomeUnknown):
 
 
 class SnapshotHooks(Protocol):
-    """What the driver needs from the snapshot layer (snapshot/transfer.py)."""
+    """What the driver needs from the snapshot layer (snapshot/manager.py). The driver
+    binds itself to the hooks when it is made: the one place the two are wired."""
+
+    def bind(self, driver: RaftNode) -> None:
+        """The driver the snapshots are streamed through, installed by and compacted in."""
 
     def start_send(self, peer: str, seq: int, term: int) -> None:
         """Stream the newest snapshot to peer; then call node.report_snapshot()."""
@@ -211,6 +215,8 @@ class RaftNode:
         self.transport = transport
         self._advertise_url = advertise_url
         self._snapshots = snapshots
+        if snapshots is not None:
+            snapshots.bind(self)
         self._observe_fsync, self._observe_rtt = observe_fsync, observe_rtt
         self._no_space = no_space
         self.write_stalled: BaseException | None = None  # the ledger write waiting for disk space
@@ -739,7 +745,7 @@ class RaftNode:
         if exc is not None and is_disk_full(exc, self.ledger.path):
             # Wait for space and write the same batch again (nothing of it was written, and
             # nothing after it goes first): the node stays up, serving reads, and its acks
-            # and proposals wait. kv/diskguard.py refuses new writes meanwhile.
+            # and proposals wait. kv/server/diskguard.py refuses new writes meanwhile.
             if self.write_stalled is None:
                 log.error("node %s: the disk is full (%s); the ledger write waits for space and is tried again every second", self.id, exc)
             self.write_stalled = exc

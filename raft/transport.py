@@ -33,7 +33,7 @@ must finish within HANDSHAKE_TIMEOUT, at most `max_unauthenticated` connections 
 handshaking at once (a new one evicts the oldest, so a flood of strangers cannot lock real
 peers out) and at most `max_connections` inbound connections are open (beyond that a new
 one is closed at once). What strangers make it log is rate-limited by the caller (kv
-installs kv.logguard on this logger). With peer TLS (`ssl` = server and client contexts) both sides
+installs kv.server.eventlog.guard on this logger). With peer TLS (`ssl` = server and client contexts) both sides
 present a certificate signed by the cluster's CA before the handshake even starts.
 """
 
@@ -51,6 +51,7 @@ import struct
 from collections.abc import Callable
 
 from . import codec
+from .backoff import Backoff
 from .messages import Message
 from .transport_protocol import TransportCounters
 
@@ -325,7 +326,7 @@ class _Link:
         self.task = self._loop.create_task(self._run(), name=f"link-{t.node_id}-{peer}")
 
     async def _run(self) -> None:
-        delay = 0.02
+        backoff = Backoff(0.02, 1.0)
         loop = asyncio.get_running_loop()
         while True:
             host, _, port = self.addr.rpartition(":")
@@ -349,10 +350,9 @@ class _Link:
                     log.warning("%s: it was stopping, or it refused us (see its log: group, membership, cluster secret)%s", e, maybe)
                 else:
                     log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                await asyncio.sleep(backoff.next())
                 continue
-            delay = 0.02
+            backoff.reset()
             self.conn = proto
             self.t._on_connected(self.peer)
             await proto.lost

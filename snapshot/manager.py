@@ -37,6 +37,26 @@ ACK_TIMEOUT_S = 5.0
 MAX_STALLS = 5
 
 
+class SnapshotDriver(Protocol):
+    """What the snapshot layer uses of the Raft driver (kv.raft.node.RaftNode): who it is,
+    its term, role, membership and applied index; sending and stepping messages, compacting
+    the ledger, and hearing how a snapshot stream to a peer ended."""
+
+    id: str
+    term: int
+    role: Role
+    applied_index: int
+    membership: Any
+
+    def send(self, msg: Any) -> bool: ...
+
+    def step_local(self, msg: Any) -> None: ...
+
+    def report_snapshot(self, peer: str, seq: int, ok: bool) -> None: ...
+
+    async def compact(self, upto: int, before: Any = None) -> tuple[int, int] | None: ...
+
+
 class SnapshotHost(Protocol):
     """What the snapshot layer needs from the node it runs in (kv.Node gives one): who it
     is, when to take a snapshot, and the state machine's side of taking and loading one."""
@@ -97,7 +117,7 @@ class SnapshotManager:
     def __init__(self, host: SnapshotHost, path: str, keep: int = 3) -> None:
         self.host = host
         self.store = SnapshotStore(path, keep)
-        self.raft = None
+        self.raft: SnapshotDriver | None = None  # bound by the driver (bind)
         self.stats = SnapshotStats()
         self._taking: asyncio.Future | None = None
         self._newest: SnapshotFile | None = self.store.newest()
@@ -106,10 +126,10 @@ class SnapshotManager:
         self._recv: _Receiving | None = None
         self._verified: dict[tuple[int, int], str] = {}
 
-    def attach(self, raft) -> None:
-        """The driver (kv.raft.node.RaftNode) this manager streams through and compacts;
-        it was made with this manager as its `snapshots` hooks."""
-        self.raft = raft
+    def bind(self, driver: SnapshotDriver) -> None:
+        """The driver this manager streams through and compacts (a kv.raft.node.RaftNode
+        made with this manager as its `snapshots` hooks binds itself here)."""
+        self.raft = driver
 
     async def stop(self) -> None:
         tasks = list(self._senders.values())

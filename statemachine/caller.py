@@ -91,7 +91,7 @@ class FSMCaller:
         """The disk filled under the state machine: nothing of the batch was written (it is
         one WriteBatch). Wait, open the database again (LevelDB refuses every write after a
         failed one until then), and apply the same batch again; the node serves reads
-        meanwhile, and kv/diskguard.py refuses writes."""
+        meanwhile, and kv/server/diskguard.py refuses writes."""
         log.error("node %s: the disk is full (%s); applying waits for space and is tried again every second", self.node_id, e)
         self.stalled = e
         while not self._stopping:

@@ -25,7 +25,7 @@ Commands:
 A Put with `lease` attaches the key to that lease (refused with NoSuchLease when the lease
 does not exist); a Put without one, or a Delete, detaches it. Two more commands never enter
 the log: LeaseKeepAlive and LeaseQuery are answered by the leader from its own clock (a
-follower forwards them), see kv/leases.py.
+follower forwards them), see kv/server/lessor.py.
 
 A condition compares a key's `mod_index` (the log index of its last change; 0 when the
 key does not exist), its value, or its existence. `mod_index` is the HTTP ETag.

@@ -74,7 +74,7 @@ from .commands import (
     encode_result,
     txn_branches,
 )
-from .leases import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
+from .lease_table import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
 from .sessions import RESULT_AT, SESSION_RESULT_MAX, SessionTable, fingerprint, record_value, session_record
 
 _APPLIED = b"\x00applied"
@@ -628,7 +628,7 @@ EFFECT_MASK, EFFECT_DELETED = b"m", b"d"
 def effect_record(cmd, result) -> bytes | None:
     """What an applied command changed, where the log does not say it: for a put, delete or
     transaction which of its mutations took effect, in the order of the log's rows
-    (kv.logstream.entry_rows): EFFECT_MASK + one byte each, 1 or 0 (None when all did); for
+    (kv.common.entry_stream.entry_rows): EFFECT_MASK + one byte each, 1 or 0 (None when all did); for
     a lease's revoke or a prefix's delete, the keys it deleted: EFFECT_DELETED + a JSON list
     (None if none)."""
     if isinstance(cmd, (LeaseRevoke, DeletePrefix)):

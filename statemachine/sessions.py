@@ -11,13 +11,13 @@ request's result, and answers a copy with the result of the first instead of app
 again.
 
 One request at a time per session: a sender with several in flight uses several sessions
-(kv.Client and kv.Node keep a pool of them, see kv/sessions.py). So the table holds one
+(kv.Client and kv.Node keep a pool of them, see kv/common/sessions.py and kv/server/writes.py). So the table holds one
 (seq, result) per session, and a request numbered below the last is one its sender has
 moved past (StaleRequest; never applied).
 
 Sessions are opened through the log (SessionOpen, with an id the opener chose at random)
 before they are used, and closed through the log: SessionsExpire(upto) closes those last
-used at or before an index (the leader's clock decides when, kv/sessions.py), and opening
+used at or before an index (the leader's clock decides when, kv/common/sessions.py and kv/server/writes.py), and opening
 one more than the entry's max_sessions evicts the least recently used. Every replica does
 the same at the same index. A write in a session that is not open is refused
 (SessionExpired) and changes nothing, so a copy that arrives after its session closed can

@@ -18,7 +18,7 @@ import urllib.request
 import orjson
 from netproxy import LinkProxy, ProxyLoop
 
-from kv.harness import Procs, free_port, leader_of, wait_until
+from kv.bench.harness import Procs, free_port, leader_of, wait_until
 
 __all__ = ["FAST", "ProcCluster", "wait_until"]
 

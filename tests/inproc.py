@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from kv.harness import free_port
+from kv.bench.harness import free_port
 
 import kv
 from kv import Node, NodeConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp.test_utils import BaseTestServer
 from yarl import URL
 
-from kv.harness import free_port
+from kv.bench.harness import free_port
 from kv.http.app import serve
 
 FRONTS = ("fast", "aiohttp")  # http/fastpath.py first, then aiohttp alone (--http-aiohttp-only)

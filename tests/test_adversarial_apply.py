@@ -23,7 +23,7 @@ import zlib
 import orjson
 import pytest
 from cluster import ProcCluster, wait_until
-from kv.harness import free_port
+from kv.bench.harness import free_port
 
 from kv.snapshot import format as fmt
 

@@ -23,7 +23,7 @@ import orjson
 import pytest
 from cluster import ProcCluster, wait_until
 from pki import make_pki
-from kv.harness import free_port
+from kv.bench.harness import free_port
 
 import kv
 from kv.raft.transport import HELLO, hello_frame

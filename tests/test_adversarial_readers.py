@@ -14,7 +14,7 @@ import time
 import aiohttp
 import pytest
 
-from kv.harness import ServeCluster, rss_mb
+from kv.bench.harness import ServeCluster, rss_mb
 
 pytestmark = pytest.mark.slow
 

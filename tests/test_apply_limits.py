@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import kv
+import kv.server.answers
 from kv.raft.messages import Entry, EntryKind
 from kv.statemachine import commands as c
 from kv.statemachine.leveldb import LevelDBStateMachine
@@ -41,7 +42,7 @@ def test_reads_over_the_budget_return_no_values_but_the_writes_stay_applied(sm):
     assert c.decode_result(c.encode_result(res)) == res  # it crosses the peer link too
     # Not 413 (a refusal): it says it was applied, where, and which gets it leaves out.
     with pytest.raises(kv.ReadsOmitted, match="applied at index 2 .*gets of 'big' are not returned") as e:
-        kv.node.txn_result(kv.raft.node.Applied(2, 1, res))
+        kv.server.answers.txn_result(kv.raft.node.Applied(2, 1, res))
     assert (e.value.index, e.value.succeeded, e.value.omitted) == (2, True, ["big"])
     assert e.value.results[2] == kv.WriteResult(2, 1) and e.value.results[3] is None
 

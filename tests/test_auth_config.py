@@ -8,12 +8,12 @@ import subprocess
 import sys
 
 import pytest
-from kv.harness import free_port
+from kv.bench.harness import free_port
 
 from kv import BadRequest
 from kv.cli import build_parser, serve_config
 from kv.http.auth import Grant, grant_of, load_tokens
-from kv.logguard import RateLimit
+from kv.server.eventlog import RateLimit
 
 
 def test_tokens_file_in_toml_and_json(tmp_path):
@@ -78,7 +78,7 @@ class _BadRequest(Exception):
 
 def test_log_guard_cuts_rate_limits_and_counts(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr("kv.logguard.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("kv.server.eventlog.time.monotonic", lambda: now[0])
     guard = RateLimit(per_second=2, burst=5, max_chars=200)
     passed = [r for r in (_record("Error handling request from %s", "x" * 100_000) for _ in range(100)) if guard.filter(r)]
     assert len(passed) == 5  # the burst, then nothing until the bucket refills

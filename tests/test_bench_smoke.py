@@ -74,7 +74,7 @@ async def test_load_generator_against_a_real_node(tmp_path):
     them, a refused request raises with its status, and a closed connection is replaced."""
     from kv.bench.loadgen import HttpLoad, Target, ok
     from kv.bench.measure import http_ops, http_session
-    from kv.harness import ServeCluster
+    from kv.bench.harness import ServeCluster
 
     with ServeCluster(str(tmp_path), 1) as c:
         c.start()

@@ -83,7 +83,7 @@ def test_a_mistyped_option_is_refused_with_what_was_meant(argv, message):
 
 
 def _free_urls():
-    from kv.harness import free_port
+    from kv.bench.harness import free_port
 
     return [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
 

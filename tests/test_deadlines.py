@@ -8,7 +8,7 @@ import random
 import pytest
 import uvloop
 
-from raft.deadlines import PER_S, AllOf, Deadlines
+from kv.raft.deadlines import PER_S, AllOf, Deadlines
 
 LATE_S = 1 / PER_S + 0.5  # a bucket, plus room for a loaded machine's scheduling
 

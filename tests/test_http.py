@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient
 from served import FRONTS, ServedNode
 
 from kv import Cond, Get, Node, NodeConfig, Put
-from kv.harness import poll
+from kv.bench.harness import poll
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +56,7 @@ async def test_a_503_says_when_to_retry_and_a_405_what_is_allowed(tmp_path, fron
     """No leader (the node's only peer is not running): a write, a linearizable read and the
     readiness probe get 503 with Retry-After (every 503 has it: http/answer.py), on both
     fronts; a method a route does not take gets 405 with Allow."""
-    from kv.harness import free_port
+    from kv.bench.harness import free_port
 
     peers = {"n1": f"127.0.0.1:{free_port()}", "n2": f"127.0.0.1:{free_port()}"}
     node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), peers=peers, write_timeout_s=0.3, read_timeout_s=0.3))
@@ -354,7 +354,7 @@ async def test_a_large_value_arriving_in_pieces_is_stored_whole(tmp_path):
 
 
 async def test_log_route_streams_the_committed_entries(tmp_path):
-    from kv.logstream import RecordReader, entry_rows
+    from kv.common.entry_stream import RecordReader, entry_rows
 
     node, client = await make_client(tmp_path, snapshot_trailing=0)
 
@@ -542,7 +542,7 @@ async def test_a_nodes_no_leader_answer_is_told_over_the_other_endpoints_silence
     kept only its last error, so a connection refused from a dead endpoint replaced the
     live node's "no leader", and the user was told the cluster was not running."""
     import kv
-    from kv.harness import free_port
+    from kv.bench.harness import free_port
 
     said = "no leader could take the request in time (none is known); it was not carried out: retry shortly"
 
@@ -569,7 +569,7 @@ async def test_a_client_says_nothing_listens_once_for_a_loop_of_calls(caplog):
     """A newcomer's loop of puts against a stopped cluster printed the notice once per
     call (131 lines); a client says it once a minute."""
     import kv
-    from kv.harness import free_port
+    from kv.bench.harness import free_port
 
     async with kv.AsyncClient(f"http://127.0.0.1:{free_port()}", timeout=4.6) as c:  # the notice comes after 2 s of retries
         for _ in range(2):

@@ -1,4 +1,4 @@
-"""The repository layout and the layering rules of DESIGN.md."""
+"""The repository layout and the layering rules of docs/design.md."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import ast
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PURE = ["raft/core.py", "raft/config.py", "raft/ready.py", "raft/replication.py", "raft/log.py", "raft/progress.py", "raft/quorum.py", "raft/readindex.py", "raft/messages.py", "raft/membership.py", "raft/errors.py"]
@@ -40,13 +42,15 @@ def test_raft_imports_nothing_of_ours_above_it():
 
 
 def test_http_uses_only_the_public_kv_api():
-    allowed = {"kv", "kv.metrics"}
+    """http/ reaches the node through the public API; of the rest only what is shared with
+    clients (kv.common) and the parts of the node's metrics and request context it serves."""
+    allowed = {"kv", "kv.server.metrics", "kv.server.access", "kv.server.samples"}
     for name in os.listdir(os.path.join(ROOT, "http")):
         if name.endswith(".py"):
             tree = ast.parse(open(os.path.join(ROOT, "http", name)).read())
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("kv"):
-                    assert node.module in allowed, f"http/{name} imports {node.module}; use the public kv API"
+                    assert node.module in allowed or node.module.startswith("kv.common"), f"http/{name} imports {node.module}; use the public kv API"
 
 
 def test_mapped_folders_have_no_init_files():
@@ -61,21 +65,6 @@ def test_stdlib_http_is_not_shadowed_from_the_repository_root():
     assert out.strip().endswith(os.path.join("http", "__init__.py"))
 
 
-def test_public_api_is_pinned():
-    import kv
-
-    assert sorted(kv.__all__) == sorted(
-        [
-            "AsyncClient", "BadRequest", "Client", "Compacted", "Cond", "Conflict", "DataDirLocked", "Delete", "DeleteResult", "Event", "Forbidden", "Get", "Item", "KVError", "LeaseNotFound", "LeaseStatus",
-            "MemberExists", "Node", "NodeConfig", "NoQuorum", "NoSpace", "NotFound", "NotLeader", "Page", "PreconditionFailed", "PrefixDeleteResult", "Put", "ReadsOmitted", "RequestId", "RevokeResult", "SessionExpired", "SlowWatcher", "SnapshotError",
-            "Store", "Timeout", "TxnResult", "Unauthorized", "Unavailable", "ValueTooLarge", "Watch", "WatchCompacted",
-            "WriteResult", "open",
-        ]
-    )
-    for name in kv.__all__:
-        assert getattr(kv, name) is not None
-
-
 def test_wheel_puts_only_kv_at_the_top(tmp_path):
     import zipfile
 
@@ -87,7 +76,8 @@ def test_wheel_puts_only_kv_at_the_top(tmp_path):
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"kv"}
-    for must in ("kv/raft/core.py", "kv/statemachine/leveldb.py", "kv/snapshot/format.py", "kv/http/app.py", "kv/http/openapi.json", "kv/py.typed"):
+    for must in ("kv/raft/core.py", "kv/statemachine/leveldb.py", "kv/snapshot/format.py", "kv/http/app.py", "kv/http/openapi.json", "kv/py.typed",
+                 "kv/common/results.py", "kv/client/blocking.py", "kv/server/writes.py", "kv/spark/bulk.py", "kv/bench/harness.py", "kv/cli/serve.py"):
         assert must in names
     (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")]
     assert "Apache License" in zipfile.ZipFile(tmp_path / wheel).read(license_file).decode()
@@ -148,7 +138,7 @@ def layer_reaches(layer: str, private_elsewhere: set[str]) -> list[str]:
 def test_no_layer_reaches_into_another():
     """Nothing outside raft/ touches the Raft core object, and no layer reads or writes a
     private attribute that another layer defines: each layer hands the one above it
-    methods or a small protocol (DESIGN.md, "one way through")."""
+    methods or a small protocol (docs/design.md, "One way through")."""
     private = {layer: _private_names(layer) for layer in LAYERS}
     found = []
     for layer in LAYERS:
@@ -277,3 +267,172 @@ def test_the_store_api_is_one_api_on_every_face():
             params = list(inspect.signature(getattr(face, name)).parameters.values())[1:]
             positional[face.__name__] = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
         assert len({tuple(v) for v in positional.values()}) == 1, (name, positional)
+
+
+# -- the rooms of kv/ ----------------------------------------------------------------------
+
+# Each room of kv/ imports only the rooms before it in this list (and itself): what a
+# client needs never pulls in the server, and nothing below the front doors knows them.
+ROOMS = (
+    "kv.raft", "kv.statemachine", "kv.snapshot", "kv.errors", "kv.common", "kv.client", "kv.server", "kv.node", "kv.store",
+    "kv", "kv.http", "kv.healthcheck", "kv.spark", "kv.bench", "kv.cli", "kv.__main__",
+)
+
+
+def _module_of(path: str) -> str:
+    parts = path[:-3].split(os.sep)
+    return ".".join(parts if parts[0] == "kv" else ["kv", *parts]).removesuffix(".__init__")
+
+
+def _is_module(name: str) -> bool:
+    rel = name.split(".")[1:]
+    if rel and rel[0] in ("raft", "statemachine", "snapshot", "http"):
+        base = os.path.join(ROOT, *rel)
+    else:
+        base = os.path.join(ROOT, "kv", *rel)
+    return os.path.isfile(base + ".py") or os.path.isfile(os.path.join(base, "__init__.py")) or (rel != [] and os.path.isdir(base))
+
+
+def kv_imports(path: str) -> set[str]:
+    """The kv modules the module at path imports, at its top or deferred in a function."""
+    mod = _module_of(path)
+    package = mod.split(".") if path.endswith("__init__.py") else mod.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "kv"}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module or ""
+            if base.split(".")[0] != "kv":
+                continue
+            subs = [f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}")]
+            out |= set(subs) if len(subs) == len(node.names) else {base, *subs}
+    return out - {mod}
+
+
+def _room(module: str) -> str:
+    return max((r for r in ROOMS if module == r or module.startswith(r + ".")), key=len)
+
+
+def _kv_files() -> list[str]:
+    return [p for layer in LAYERS for p in _layer_files(layer)]
+
+
+def test_rooms_import_only_the_rooms_below_them():
+    found = []
+    for path in _kv_files():
+        room = _room(_module_of(path))
+        below = ROOMS[: ROOMS.index(room) + 1]
+        found += [f"{path} ({room}) imports {m}" for m in sorted(kv_imports(path)) if _room(m) not in below]
+    assert not found, "imports against the order of kv's rooms (tests/test_layout.py ROOMS):\n" + "\n".join(found)
+
+
+def import_cycles(paths: list[str]) -> list[list[str]]:
+    """The cycles (strongly connected groups of more than one module) among the modules at
+    paths, counting deferred imports too: a cycle hidden in a function is still a tangle."""
+    graph = {_module_of(p): kv_imports(p) for p in paths}
+    index, low, stack, on, groups = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_no_import_cycles():
+    cycles = import_cycles([p for p in _kv_files() if not p.endswith("__init__.py")])
+    assert not cycles, f"import cycles among kv's modules: {cycles}"
+
+
+def test_the_room_and_cycle_checks_see_planted_faults(tmp_path, monkeypatch):
+    for room in ("client", "server", "common"):
+        (tmp_path / "kv" / room).mkdir(parents=True)
+        (tmp_path / "kv" / room / "__init__.py").write_text("")
+    (tmp_path / "kv" / "client" / "a.py").write_text("from ..server import b\n")
+    (tmp_path / "kv" / "server" / "b.py").write_text("def f():\n    from ..client.a import x\n")
+    (tmp_path / "kv" / "common" / "c.py").write_text("from kv.common import d\n")
+    (tmp_path / "kv" / "common" / "d.py").write_text("import kv.common.c\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    monkeypatch.setattr(sys.modules[__name__], "LAYERS", ("kv",))
+    assert kv_imports("kv/client/a.py") == {"kv.server.b"}
+    with pytest.raises(AssertionError, match=r"kv/client/a.py \(kv.client\) imports kv.server.b"):
+        test_rooms_import_only_the_rooms_below_them()
+    assert import_cycles(_kv_files()) == [["kv.client.a", "kv.server.b"], ["kv.common.c", "kv.common.d"]]
+
+
+def test_a_client_needs_neither_lmdb_nor_plyvel_nor_the_raft_driver():
+    """`pip install ledgerkv` for a client: kv.Client, its recipes and the command line's
+    client commands load without the storage engines or the Raft stack."""
+    code = (
+        "import sys\n"
+        "for m in ('lmdb', 'plyvel', 'uvloop'):\n"
+        "    sys.modules[m] = None  # an import of it fails\n"
+        "import kv, kv.client, kv.client.recipes\n"
+        "c = kv.Client('127.0.0.1:1')\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('kv.raft.node', 'kv.raft.ledger', 'kv.statemachine.leveldb', 'kv.server', 'kv.node', 'kv.store')))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+MAPPED = ("raft", "statemachine", "snapshot", "http")
+
+
+def folder_name_imports(path: str) -> list[str]:
+    """Imports of our mapped folders by their folder names (`import raft.core`, `from http
+    import app`): run from the repository root they load a second copy of the module,
+    whose classes are not kv.raft's. The standard library's http stays allowed."""
+    ours = {d: {f[:-3] for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")} for d in MAPPED}
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            top, _, rest = name.partition(".")
+            if top in MAPPED and (top != "http" or rest.split(".")[0] in ours["http"]):
+                found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {name}")
+                break
+    return found
+
+
+def test_nothing_imports_a_layer_by_its_folder_name():
+    found = []
+    for top in (*MAPPED, "kv", "tests", "benchmarks", "docs"):
+        for root, _dirs, files in os.walk(os.path.join(ROOT, top)):
+            found += [hit for f in files if f.endswith(".py") for hit in folder_name_imports(os.path.join(root, f))]
+    assert not found, "import these as kv.raft, kv.http, ... (the folder name loads a second copy):\n" + "\n".join(found)
+
+
+def test_the_folder_name_check_sees_planted_imports(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import raft.core\nfrom http import HTTPStatus\nfrom http import app\nfrom snapshot.format import X\nimport http.cookies\n")
+    assert [h.rsplit(": ", 1)[1] for h in folder_name_imports(str(planted))] == ["raft.core", "http.app", "snapshot.format"]

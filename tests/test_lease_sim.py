@@ -1,5 +1,5 @@
 """Seeded simulation of lease expiry through leader changes (the pure LeaseDeadlines of
-kv/leases.py with the state machine's LeaseTable), thousands of schedules:
+kv/server/lessor.py with the state machine's LeaseTable), thousands of schedules:
 
 - clients grant leases and keep them alive at irregular intervals (some late, some never
   again: dead processes); only the node that leads answers a keepalive (the real one
@@ -22,8 +22,8 @@ import random
 
 import pytest
 
-from kv.leases import SWEEP_S, LeaseDeadlines
-from kv.statemachine.leases import LeaseTable
+from kv.server.lessor import SWEEP_S, LeaseDeadlines
+from kv.statemachine.lease_table import LeaseTable
 
 NODES = 3
 STEP_MS = 5

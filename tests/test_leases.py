@@ -15,7 +15,7 @@ import pytest
 from cluster import ProcCluster, wait_until
 
 import kv
-from kv.coordination import KEEPALIVE_BATCH_S
+from kv.client.recipes import KEEPALIVE_BATCH_S
 
 ELECTION_S = 0.5  # tests/cluster.py FAST
 

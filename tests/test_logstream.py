@@ -1,10 +1,10 @@
-"""The record format of GET /v1/log and the audit rows entries become (kv.logstream)."""
+"""The record format of GET /v1/log and the audit rows entries become (kv.common.entry_stream)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kv.logstream import LogStreamError, RecordReader, encode_end, encode_entries, entry_rows
+from kv.common.entry_stream import LogStreamError, RecordReader, encode_end, encode_entries, entry_rows
 from kv.raft.messages import Entry, EntryKind
 from kv.statemachine import commands as cmds
 

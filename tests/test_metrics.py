@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from kv import Node, NodeConfig
-from kv.harness import poll
+from kv.bench.harness import poll
 from kv.http.app import create_app
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,9 +201,9 @@ async def test_dashboard_and_alert_rules_query_metrics_that_exist(tmp_path):
         assert yaml.safe_load(f)["rule_files"] == ["alerts.yml"]
 
 
-async def test_readme_lists_metrics_that_exist(tmp_path):
+async def test_docs_list_metrics_that_exist(tmp_path):
     names = await names_a_node_exposes(tmp_path)
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
         readme = f.read()
     section = readme[readme.index("**Metrics.**"):readme.index("`docker/grafana/ledgerkv-dashboard.json`")]
     listed = set(re.findall(r"`(kv_[a-z0-9_]+)", section))
@@ -214,11 +214,11 @@ async def test_readme_lists_metrics_that_exist(tmp_path):
 
 
 def test_buckets_render_as_prometheus_client_histogram_does():
-    """kv.metrics.Buckets (lock-free, on the hot path) reads as prometheus_client's own
+    """kv.server.metrics.Buckets (lock-free, on the hot path) reads as prometheus_client's own
     Histogram would for the same observations: bounds, cumulative counts, count, sum."""
-    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, Histogram
 
-    from kv.metrics import DISK_BUCKETS, Buckets
+    from kv.server.metrics import DISK_BUCKETS, Buckets
 
     ours, theirs = CollectorRegistry(), CollectorRegistry()
     b = Buckets("kv_x_seconds", "doc", DISK_BUCKETS, ("route",))

@@ -10,7 +10,7 @@ from inproc import InprocCluster
 
 import kv
 from kv import Cond, Get, Put
-from kv.harness import poll
+from kv.bench.harness import poll
 from kv.raft.loopback import LoopbackNetwork
 
 
@@ -361,7 +361,7 @@ async def test_a_forward_that_cannot_be_sent_leaves_nothing_behind(cluster, capl
 
 
 async def test_a_learner_serves_stale_reads_and_never_votes(tmp_path):
-    from kv.harness import free_port
+    from kv.bench.harness import free_port
 
     from kv import NodeConfig
     from kv.raft.membership import Membership
@@ -397,7 +397,7 @@ async def test_a_learner_serves_stale_reads_and_never_votes(tmp_path):
 
 
 async def test_one_membership_change_at_a_time(cluster):
-    from kv.harness import free_port
+    from kv.bench.harness import free_port
 
     lead = await cluster.leader()
     results = await asyncio.gather(

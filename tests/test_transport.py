@@ -6,7 +6,7 @@ import asyncio
 import os
 
 import pytest
-from kv.harness import free_port, poll
+from kv.bench.harness import free_port, poll
 
 from kv.raft import codec
 from kv.raft.messages import HeartbeatRequest, VoteRequest

@@ -11,12 +11,12 @@ import struct
 
 import pytest
 from pki import make_pki
-from kv.harness import free_port
+from kv.bench.harness import free_port
 from test_transport import wait_for
 
 from kv.raft.messages import HeartbeatRequest
 from kv.raft.transport import HELLO, PREAUTH_MAX_FRAME, TcpTransport, hello_frame
-from kv.tls import peer_tls
+from kv.server.tls import peer_tls
 
 
 async def _transport(node_id: str, addr: str, got: list, **kw) -> TcpTransport:

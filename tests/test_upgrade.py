@@ -1,4 +1,4 @@
-"""Data written by an earlier main opens with this code (DESIGN.md, Upgrades): a store made
+"""Data written by an earlier main opens with this code (docs/design.md, Upgrades): a store made
 by b06ecfc (before client sessions and random lease ids), with a lease, a transaction, a
 snapshot and entries after it, kept as tests/fixtures/store-b06ecfc.tar.gz (its
 expected.json: every key's value and mod_index, the lease's id)."""

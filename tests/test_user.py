@@ -16,7 +16,7 @@ import time
 
 import pytest
 from cluster import ProcCluster, ctrl_c_able, wait_until
-from kv.harness import free_port
+from kv.bench.harness import free_port
 
 PY = sys.executable
 

@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from inproc import InprocCluster
 
 import kv
+import kv.server.watch
 from kv import Cond, Delete, Get, Node, NodeConfig, Put
 from kv.http.app import create_app
 
@@ -75,7 +76,7 @@ async def mixed_workload(n: Node, rng: random.Random, ops: int) -> None:
 
 
 async def test_history_from_the_ledger_is_what_live_watchers_saw(node, monkeypatch):
-    monkeypatch.setattr(kv.watch, "HISTORY_CHUNK_BYTES", 300)  # history read in many small steps
+    monkeypatch.setattr(kv.server.watch, "HISTORY_CHUNK_BYTES", 300)  # history read in many small steps
     live = node.watch("w/")
     assert await live.next_batch(0.01) == ([], node.raft.applied_index)  # in the live fan-out now
     await mixed_workload(node, random.Random(7), 150)

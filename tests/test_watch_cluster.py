@@ -17,7 +17,7 @@ import pytest
 from cluster import ProcCluster
 
 import kv
-from kv.harness import poll
+from kv.bench.harness import poll
 
 pytestmark = pytest.mark.slow
 

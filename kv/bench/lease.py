@@ -5,7 +5,7 @@ through kv.AsyncClient (the client a user runs):
   alive every ttl/3 (open loop, spread evenly: N / (ttl/3) keepalives a second), beside the
   same cluster idle before the leases were granted; keepalive latency and errors; side by
   side, one request per keepalive (lease_keepalive) and keepalives coalesced the way a
-  self-renewing lease sends them (kv.coordination.KeepAlives: one request per 50 ms);
+  self-renewing lease sends them (kv.client.recipes.KeepAlives: one request per 50 ms);
 - lock hand-over: one client holds a lock, another (on another node) waits for it; from
   the holder's release() to the waiter's acquire() returning, p50 and p99.
 """
@@ -18,9 +18,9 @@ import time
 
 from collections.abc import Awaitable, Callable
 
-from ..client import AsyncClient
-from ..coordination import KEEPALIVE_BATCH_S, keepalives
-from ..harness import ServeCluster, cpu_seconds
+from ..client.async_client import AsyncClient
+from ..client.recipes import KEEPALIVE_BATCH_S, keepalives
+from .harness import ServeCluster, cpu_seconds
 from .measure import http_session, pct, print_table, workdir
 
 

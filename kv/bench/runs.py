@@ -7,7 +7,7 @@ import asyncio
 import os
 import time
 
-from ..harness import Procs, ServeCluster, free_port, peer_spec, rss_mb
+from .harness import Procs, ServeCluster, free_port, peer_spec, rss_mb
 from .loadgen import HttpLoad
 from .measure import closed_loop, http_ops, http_session, pct, preload, print_table, workdir
 
@@ -17,7 +17,7 @@ from .measure import closed_loop, http_ops, http_session, pct, preload, print_ta
 
 
 async def bench_commit(args) -> list[dict]:
-    from ..config import NodeConfig
+    from ..server.config import NodeConfig
     from ..node import Node
     from ..raft.messages import EntryKind, Role
 
@@ -109,7 +109,7 @@ def bench_store_sync(args, root: str) -> list[dict]:
 
 async def bench_store_async(args, root: str) -> list[dict]:
     """The same single node driven by asyncio tasks (kv.Node): no thread hand-offs."""
-    from ..config import NodeConfig
+    from ..server.config import NodeConfig
     from ..node import Node
 
     node = Node(NodeConfig(id="local", data_dir=os.path.join(root, "single-async"), snapshot_threshold=1 << 40))
@@ -129,7 +129,7 @@ async def bench_store_async(args, root: str) -> list[dict]:
 
 
 async def bench_store_cluster(args, root: str) -> list[dict]:
-    from ..config import NodeConfig
+    from ..server.config import NodeConfig
     from ..node import Node
     from ..raft.messages import Role
 
@@ -328,7 +328,7 @@ async def bench_spark(args) -> list[dict]:
     from .. import spark as kvspark
     from ..snapshot.format import new_header
     from ..snapshot.store import SnapshotStore
-    from ..spark_import import live_endpoints
+    from ..spark.importer import live_endpoints
 
     rows = []
     with workdir(args.keep) as root:

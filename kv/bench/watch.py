@@ -16,10 +16,10 @@ import os
 import re
 import time
 
-from ..harness import ServeCluster, rss_mb
+from .harness import ServeCluster, rss_mb
 from .loadgen import HttpLoad
 from .measure import closed_loop, http_ops, http_session, pct, print_table, workdir
-from ..client import AsyncClient
+from ..client.async_client import AsyncClient
 from ..statemachine.commands import Put
 
 
@@ -178,7 +178,7 @@ async def _idle(s, c: ServeCluster, lead: str, watchers: int, seconds: float) ->
 
 
 async def bench_watch(args) -> list[dict]:
-    from ..cli.serve import tune_gc
+    from ..server.process import tune_gc
 
     tune_gc()  # as the README advises a busy client: the latency run keeps 100,000s of samples
     with workdir(args.keep) as root, ServeCluster(os.path.join(root, "cluster"), 3) as c:

@@ -64,7 +64,7 @@ def run(args) -> int:
     from ..bench.lease import bench_lease
     from ..bench.runs import bench_commit, bench_failover, bench_http, bench_snapshot, bench_spark, bench_store
     from ..bench.watch import bench_watch
-    from .serve import install_uvloop
+    from ..server.process import install_uvloop
 
     install_uvloop()
     fn = {

@@ -15,12 +15,12 @@ import signal
 import sys
 import time
 
-from ..client import DEFAULT_ENDPOINTS
-from ..datadir import DataDirLock
+from ..client.endpoints import DEFAULT_ENDPOINTS
+from ..server.datadir import DataDirLock
 from ..errors import BadRequest
-from ..harness import SERVE, statuses
+from ..bench.harness import SERVE, statuses
 from .options import at_least
-from .serve import check_can_listen
+from ..server.process import check_can_listen
 
 
 def _base_port(raw: str) -> int:

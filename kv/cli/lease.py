@@ -10,7 +10,8 @@ import signal
 import sys
 
 from ..errors import BadRequest
-from ..node import LeaseStatus, ttl_ms
+from ..common.arguments import ttl_ms
+from ..common.results import LeaseStatus
 from .options import client_options, positive_seconds, with_client
 from .output import add_output_option, emit, listing_text
 
@@ -129,7 +130,7 @@ async def _unless_stopped(aw, stop: _Told) -> bool:
 
 
 async def _lock(c, args: argparse.Namespace) -> int:
-    from ..coordination import AsyncLock
+    from ..client.recipes import AsyncLock
 
     lost, stop = _Told(), _stop_on_signals()
     lock = AsyncLock(c, args.name, ttl=args.ttl, timeout=args.wait, on_lost=lost)

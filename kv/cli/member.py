@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import sys
 
-from ..client import HINT
+from ..client.endpoints import HINT
 from .options import client_command, with_client
 from .output import emit, report, wants_json
 

@@ -59,7 +59,7 @@ def client_command(sub, name: str, help_: str, run: Callable[[argparse.Namespace
 
 def with_client(args: argparse.Namespace, fn: Callable[..., Awaitable[int]]) -> int:
     """Run fn(client, args) with an AsyncClient on the command's endpoints."""
-    from ..client import AsyncClient
+    from ..client.async_client import AsyncClient
 
     async def go() -> int:
         async with AsyncClient(args.endpoints, token=args.token, timeout=args.timeout, cacert=args.cacert) as c:

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
-import gc
 import logging
 import os
-import resource
 import signal
 import threading
-import socket
 
-from .. import tls
-from ..config import NodeConfig, check_hostport
-from ..datadir import DataDirLock
-from ..errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
-from ..logs import log_term_from, setup_logging
 from ..node import Node
-from ..raft.membership import Member, Membership
+from ..server import tls
+from ..server.config import NodeConfig, check_hostport
+from ..server.datadir import DataDirLock
+from ..server.eventlog import log_term_from, setup_logging
+from ..server.join import join_cluster, promote_when_caught_up
+from ..server.process import check_can_listen, http_connection_cap, install_uvloop, listen_error, raise_fd_limit, tune_gc
 from .settings import add_serve_options, serve_settings
 
 
@@ -43,142 +39,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 STOP_GRACE_S = 15.0  # how long stopping may take before the process exits regardless
-
-
-def install_uvloop() -> bool:
-    try:
-        import uvloop
-    except ImportError:
-        return False
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    return True
-
-
-def tune_gc() -> None:
-    """`kv serve` owns its process: keep the objects of start-up out of every collection and
-    collect the young generation less often. Requests allocate many short-lived tuples that
-    reference counting frees anyway; with the defaults, full collections cost pauses of
-    tens of milliseconds on a busy node (measured: kv bench store, txn p99)."""
-    gc.freeze()
-    gc.set_threshold(100_000, 50, 100)
-
-
-FD_RESERVE = 1536  # descriptors kept for LevelDB (up to 1000 open files), the ledger, peers
-
-
-def raise_fd_limit() -> int:
-    """Raise this process's soft RLIMIT_NOFILE to the hard limit; returns the soft limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):  # an infinite hard limit may be refused: keep the soft one
-            pass
-    return soft
-
-
-def http_connection_cap(wanted: int, fd_limit: int) -> int:
-    """--max-http-connections, lowered so that client connections can never take the
-    descriptors the node needs for its files and peers."""
-    return max(64, min(wanted, fd_limit - FD_RESERVE))
-
-
-class CannotListen(KVError):
-    """A port this node must listen on is taken, not on this machine, or not allowed."""
-
-    code = "CANNOT_LISTEN"
-
-
-def check_can_listen(*wanted: tuple[str, str]) -> None:
-    """Refuse before anything starts when a port is taken (the node binds it moments
-    later: a port taken in between still gets the same message from serve_node()).
-    `wanted` is (HOST:PORT, what it is) pairs, held all at once: two of them on one port
-    (an --http on the node's own peer port) are refused too, as the kernel sees it."""
-    held: list[tuple[socket.socket, str, int]] = []
-    try:
-        for addr, what in wanted:
-            host, port = check_hostport(addr, what)
-            try:
-                family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-                s = socket.socket(family, kind, proto)
-                held.append((s, f"{what}{addr}", port))
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(sockaddr)
-                s.listen(1)  # two bound but idle SO_REUSEADDR sockets may share a port
-            except OSError as e:
-                twin = next((name for _, name, p in held[:-1] if p == port), None)
-                if twin is not None and e.errno == errno.EADDRINUSE:
-                    raise CannotListen(f"{twin} and {what}{addr} are the same port: give each its own") from None
-                raise _listen_error(e, what, addr) from None
-    finally:
-        for s, _, _ in held:
-            s.close()
-
-
-def _listen_error(e: OSError, what: str, addr: str) -> KVError | OSError:
-    port = addr.rpartition(":")[2]
-    if e.errno == errno.EADDRINUSE:
-        return CannotListen(f"{what}{addr}: port {port} is already in use; find who holds it with `ss -ltnp 'sport = :{port}'`, stop it or choose another port")
-    if e.errno == errno.EADDRNOTAVAIL:
-        return CannotListen(f"{what}{addr}: that address is not on this machine; use one of its addresses or 0.0.0.0")
-    if e.errno == errno.EACCES:
-        return CannotListen(f"{what}{addr}: not allowed to listen on port {port} (ports below 1024 need privileges); choose a port above 1024")
-    if isinstance(e, socket.gaierror):
-        return CannotListen(f"{what}{addr}: cannot resolve the host ({e.strerror}); check the name")
-    return e
-
-
-async def join_cluster(config: NodeConfig) -> Membership:
-    """Ask a member of a running cluster (config.join) to add this new node as a learner;
-    returns the membership to start from. Temporary refusals (another membership change in
-    progress, no leader, the member not reachable yet) are waited out with backoff until
-    --join-timeout; a permanent one (the id is a member with other addresses, a bad token,
-    a bad request) ends it at once."""
-    from ..client import AsyncClient
-
-    if config.id not in config.peers:
-        raise BadRequest(f"with --join, --peers must still give this node's own peer address ({config.id}=HOST:PORT)")
-    log = logging.getLogger("kv.serve")
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + config.join_timeout_s
-    delay = 0.2
-    async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s), cacert=config.cacert) as c:
-        while True:
-            try:
-                members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False)
-                return Membership.of(Member(m["id"], m["peer"], m.get("http", ""), m["voter"]) for m in members)
-            except (MemberExists, Unauthorized, BadRequest):
-                raise
-            except (Conflict, NotLeader, Unavailable, Timeout) as e:
-                # Adding the same member again is idempotent, so a Timeout (outcome
-                # unknown) is retried like the rest.
-                if loop.time() + delay > deadline:
-                    raise Unavailable(
-                        f"--join {config.join}: the cluster did not add {config.id} within {config.join_timeout_s:g}s "
-                        f"(last answer: {e}); check that the cluster has a leader (kv status), or raise --join-timeout"
-                    ) from e
-                log.info("join: not added yet (%s); retrying in %.1fs", e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-
-async def promote_when_caught_up(config: NodeConfig, node: Node) -> None:
-    """A joined learner asks to become a voter until the leader agrees it has caught up."""
-    from ..client import AsyncClient
-
-    log = logging.getLogger("kv.serve")
-    async with AsyncClient(config.join, token=config.token, timeout=10, cacert=config.cacert) as c:
-        while True:
-            me = node.raft.membership.get(config.id) if node.raft else None
-            if me is not None and me.voter:
-                log.info("joined the cluster as a voter")
-                return
-            try:
-                await c.promote_member(config.id)
-            except KVError as e:  # Conflict until caught up; or the cluster is busy
-                log.info("not promoted yet (%s); retrying", e)
-            await asyncio.sleep(1.0)
 
 
 async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
@@ -211,7 +71,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     log_term_from(lambda: node.raft.term if node.raft else None)
     tune_gc()
     runner = None
-    promoting = asyncio.ensure_future(promote_when_caught_up(config, node)) if config.join else None
+    promoting = asyncio.ensure_future(promote_when_caught_up(config, lambda: any(m["id"] == config.id and m["voter"] for m in node.members()))) if config.join else None
     try:
         if config.http:
             host, port = check_hostport(config.http, "--http")
@@ -229,7 +89,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
                     fast_path=not config.http_aiohttp_only,
                 )
             except OSError as e:
-                raise _listen_error(e, "--http ", config.http) from e
+                raise listen_error(e, "--http ", config.http) from e
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

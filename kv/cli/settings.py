@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import NodeConfig, check_hostport, parse_peers
+from ..server.config import NodeConfig, check_hostport, parse_peers
 from ..errors import BadRequest
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}

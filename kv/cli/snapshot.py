@@ -11,10 +11,10 @@ import os
 import sys
 import time
 
-from ..datadir import DataDirLock
+from ..server.datadir import DataDirLock
 from ..errors import SnapshotError
 from ..snapshot.format import SnapshotFormatError, iter_records, read_header, verify
-from ..statemachine.leases import RESERVED
+from ..statemachine.lease_table import RESERVED
 from ..snapshot.restore import RestoreError, check_file, restore
 from .options import client_options
 from .output import add_output_option, emit, report, wants_json
@@ -70,7 +70,7 @@ class Progress:
 
 
 async def _save(args: argparse.Namespace) -> int:
-    from ..client import AsyncClient
+    from ..client.async_client import AsyncClient
     from ..errors import KVError, NotFound
 
     async with AsyncClient(args.endpoints, token=args.token, cacert=args.cacert) as c:
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if args.snap_cmd == "inspect":
         return _inspect(args)
     if args.snap_cmd == "restore":
-        from ..config import parse_peers
+        from ..server.config import parse_peers
 
         _readable(args.file)
         peers = parse_peers(args.peers)

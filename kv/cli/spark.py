@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from pyspark.errors import PySparkException
     from py4j.protocol import Py4JError
 
-    from ..spark_import import spark_error
+    from ..spark.importer import spark_error
 
     if args.spark_cmd not in ("import", "export", "export-log"):
         print("kv spark: choose import, export or export-log (kv spark --help)", file=sys.stderr)
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from .. import spark as kvspark
     from ..errors import BadRequest
-    from ..spark_import import source_format
+    from ..spark.importer import source_format
 
     if not args.endpoints and not getattr(args, "snapshot", None):
         raise BadRequest("no cluster given: --endpoints URL,URL,... (or set KV_ENDPOINTS)")

@@ -1,0 +1,67 @@
+"""Values in JSON, as the HTTP API spells them on every route and the clients read and write
+them: UTF-8 text as `"value": text`, any other bytes as `"value": base64` with
+`"encoding": "base64"` (and `"value_base64"`, the deprecated spelling, accepted on input)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from ..errors import BadRequest
+from ..statemachine.commands import Cond, Delete, Get, Put
+from .arguments import value_bytes
+
+
+def value_fields(value: bytes, base64_always: bool = False) -> dict:
+    """{"value": text} when the bytes are UTF-8 (and not base64_always), else
+    {"value": base64, "encoding": "base64"}."""
+    if not base64_always:
+        try:
+            return {"value": value.decode("utf-8")}
+        except UnicodeDecodeError:
+            pass
+    return {"value": base64.b64encode(value).decode(), "encoding": "base64"}
+
+
+def value_from(d: dict, where: str = "the value") -> bytes:
+    """The bytes of a value spelled as value_fields spells it, or BadRequest saying what is
+    wrong with it (`where`: the part of the request it came from)."""
+    if "value_base64" in d:
+        if "value" in d or "encoding" in d:
+            raise BadRequest(f'{where}: give "value" (with "encoding": "base64" for bytes) or the deprecated "value_base64", not both')
+        return _base64(d["value_base64"], f"{where}: value_base64")
+    v = d.get("value")
+    if not isinstance(v, str):
+        raise BadRequest(f'{where}: needs "value", a string (base64 with "encoding": "base64" for bytes)')
+    if "encoding" not in d:
+        return v.encode()
+    if d["encoding"] != "base64":
+        raise BadRequest(f'{where}: "encoding" must be "base64" (or left out for UTF-8 text)')
+    return _base64(v, f"{where}: value")
+
+
+def _base64(text, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, TypeError, ValueError) as e:
+        raise BadRequest(f"{what} is not valid base64") from e
+
+
+def cond_fields(c: Cond) -> dict:
+    """A transaction's condition as POST /v1/txn takes it."""
+    if c.kind == "mod":
+        return {"key": c.key, "mod_index": c.arg}
+    if c.kind == "exists":
+        return {"key": c.key, "exists": bool(c.arg)}
+    return {"key": c.key, **value_fields(value_bytes(c.arg))}
+
+
+def op_fields(o) -> dict:
+    """A transaction's operation (kv.Put, kv.Delete, kv.Get) as POST /v1/txn takes it."""
+    if isinstance(o, Put):
+        return {"op": "put", "key": o.key, **value_fields(value_bytes(o.value))}
+    if isinstance(o, Delete):
+        return {"op": "delete", "key": o.key}
+    if isinstance(o, Get):
+        return {"op": "get", "key": o.key}
+    raise BadRequest(f"not a transaction operation: {o!r}")

@@ -1,0 +1,62 @@
+"""One owner per data dir: an exclusive `fcntl.flock` on DIR/LOCK, held for the owner's life.
+
+kv.open, kv.Node, `kv serve`, `kv cluster up` and `kv snapshot restore` take it before they
+read or create anything else in the directory. The lock is on an open file description, so a
+second opener is refused whether it is another process or the same one; the kernel drops the
+lock when the owner exits, even by kill -9, so there is never a stale lock to clean up. The
+holder's pid is written in the file only to name it in the refusal.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+
+from ..errors import DataDirLocked
+
+LOCK_NAME = "LOCK"
+
+
+class DataDirLock:
+    """Held from acquire() until release() (or the end of the process)."""
+
+    def __init__(self, data_dir: str, fd: int) -> None:
+        self.data_dir, self._fd = data_dir, fd
+
+    @classmethod
+    def acquire(cls, data_dir: str) -> DataDirLock:
+        """Create data_dir if needed and lock it; raise DataDirLocked, changing nothing,
+        when another owner holds it."""
+        os.makedirs(data_dir, exist_ok=True)
+        fd = os.open(os.path.join(data_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _read_pid(fd)
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            raise DataDirLocked(data_dir, holder) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return cls(data_dir, fd)
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+    def release(self) -> None:
+        # The file stays: unlinking it would let a third opener lock a new inode while a
+        # second one still waits on the old.
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

@@ -1,0 +1,63 @@
+"""Joining a running cluster (kv serve --join URL): a new node asks a member to add it as
+a learner, starts from the membership it is given, and asks to become a voter until the
+leader agrees that it has caught up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from ..client.async_client import AsyncClient
+from ..errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
+from ..raft.backoff import Backoff
+from ..raft.membership import Member, Membership
+from .config import NodeConfig
+
+log = logging.getLogger("kv.serve")
+
+
+async def join_cluster(config: NodeConfig) -> Membership:
+    """Ask a member of a running cluster (config.join) to add this new node as a learner;
+    returns the membership to start from. Temporary refusals (another membership change in
+    progress, no leader, the member not reachable yet) are waited out with backoff until
+    --join-timeout; a permanent one (the id is a member with other addresses, a bad token,
+    a bad request) ends it at once."""
+    if config.id not in config.peers:
+        raise BadRequest(f"with --join, --peers must still give this node's own peer address ({config.id}=HOST:PORT)")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.join_timeout_s
+    backoff = Backoff(0.2, 5.0)
+    async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s), cacert=config.cacert) as c:
+        while True:
+            try:
+                members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False)
+                return Membership.of(Member(m["id"], m["peer"], m.get("http", ""), m["voter"]) for m in members)
+            except (MemberExists, Unauthorized, BadRequest):
+                raise
+            except (Conflict, NotLeader, Unavailable, Timeout) as e:
+                # Adding the same member again is idempotent, so a Timeout (outcome
+                # unknown) is retried like the rest.
+                delay = backoff.next()
+                if loop.time() + delay > deadline:
+                    raise Unavailable(
+                        f"--join {config.join}: the cluster did not add {config.id} within {config.join_timeout_s:g}s "
+                        f"(last answer: {e}); check that the cluster has a leader (kv status), or raise --join-timeout"
+                    ) from e
+                log.info("join: not added yet (%s); retrying in %.1fs", e, delay)
+                await asyncio.sleep(delay)
+
+
+async def promote_when_caught_up(config: NodeConfig, is_voter: Callable[[], bool]) -> None:
+    """A joined learner asks to become a voter until the leader agrees it has caught up;
+    `is_voter()` says whether the membership this node has applied counts it a voter."""
+    async with AsyncClient(config.join, token=config.token, timeout=10, cacert=config.cacert) as c:
+        while True:
+            if is_voter():
+                log.info("joined the cluster as a voter")
+                return
+            try:
+                await c.promote_member(config.id)
+            except KVError as e:  # Conflict until caught up; or the cluster is busy
+                log.info("not promoted yet (%s); retrying", e)
+            await asyncio.sleep(1.0)

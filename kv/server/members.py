@@ -1,0 +1,152 @@
+"""Membership administration on a node: who the members are, adding, promoting and
+removing them (one joint-consensus change at a time, on the leader), and handing the
+leadership over."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from ..errors import BadRequest, KVError, MemberExists, NotFound, NotLeader, Timeout
+from ..raft.errors import ConfigChangeRefused, TransferInProgress
+from ..raft.membership import Member, Membership
+from ..raft.messages import Role
+from ..raft.node import NodeStopped, OutcomeUnknown, RaftNode
+from .answers import public_error
+from .config import NodeConfig, check_hostport
+
+log = logging.getLogger("kv.node")
+
+
+class Members:
+    """The membership of the cluster a node's Raft driver (`running()`, raising when the
+    node is not running) belongs to, and the changes an operator makes to it."""
+
+    def __init__(self, config: NodeConfig, running: Callable[[], RaftNode]) -> None:
+        self.config, self._running = config, running
+
+    def list(self) -> list[dict]:
+        raft = self._running()
+        leader = raft.leader_id
+        out = []
+        for m in sorted(raft.membership.members.values(), key=lambda m: m.id):
+            d = {"id": m.id, "peer": m.peer_addr, "http": m.http_url or raft.peer_url(m.id), "voter": m.voter}
+            if m.id == raft.id:
+                d["http"] = self.config.advertise_url
+            d["leader"] = m.id == leader
+            if m.promote:
+                d["promote"] = True  # a learner the leader promotes once it has caught up
+            out.append(d)
+        return out
+
+    def status(self, raft: RaftNode, snapshot_index: int, alarms: list[dict]) -> dict:
+        """The node's own view: the fields of GET /v1/status."""
+        r = raft.metrics()
+        return {
+            "id": self.config.id,
+            "role": r.role.label,
+            "term": r.term,
+            "leader": r.leader,
+            "commit_index": r.commit_index,
+            "applied_index": r.applied_index,
+            "ledger_begin_index": r.ledger_begin_index,
+            "ledger_end_index": r.ledger_end_index,
+            "snapshot_index": snapshot_index,
+            "alarms": alarms,
+            "peers": {
+                m.id: {
+                    "address": m.peer_addr,
+                    "http": m.http_url or raft.peer_url(m.id),
+                    "voter": m.voter,
+                    **({"match_index": r.peers[m.id].match, "state": r.peers[m.id].state} if m.id in r.peers else {}),
+                }
+                for m in raft.membership.members.values()
+                if m.id != self.config.id
+            },
+        }
+
+    async def add(self, member_id: str, peer: str, http: str, voter: bool, replace: bool, timeout: float | None) -> list[dict]:
+        if not member_id or any(ch in member_id for ch in ",= /"):
+            raise BadRequest(f"bad member id {member_id!r}: a non-empty name without ',', '=', ' ' or '/'")
+        check_hostport(peer, f"member {member_id}")
+        cur = self._running().membership
+        old = cur.get(member_id)
+        if old is not None and not replace:
+            if (old.peer_addr, old.http_url) == (peer, http) and (not voter or old.voter or old.promote):
+                return self.list()  # asked again for what is already so
+            raise MemberExists(f"{member_id} is already a member (at {old.peer_addr}); remove it first, or replace its addresses")
+        if old is None and replace:
+            raise NotFound(f"{member_id} is not a member; add it instead")
+        if old is None:
+            new = Member(member_id, peer, http, voter=False, promote=voter)
+        else:
+            new = Member(member_id, peer, http, old.voter, old.promote)
+        await self._change(cur.with_member(new), timeout)
+        return self.list()
+
+    async def remove(self, member_id: str, timeout: float | None) -> list[dict]:
+        cur = self._running().membership
+        if member_id not in cur:
+            raise NotFound(f"{member_id} is not a member; members: {', '.join(sorted(cur.ids))}")
+        if cur.voters == {member_id}:
+            raise BadRequest(f"{member_id} is the last voter; add another voter before removing it")
+        await self._change(cur.without(member_id), timeout)
+        return self.list()
+
+    async def promote(self, member_id: str, timeout: float | None) -> list[dict]:
+        cur = self._running().membership
+        m = cur.get(member_id)
+        if m is None:
+            raise NotFound(f"{member_id} is not a member; add it as a learner first")
+        if m.voter:
+            return self.list()
+        await self._change(cur.with_member(Member(m.id, m.peer_addr, m.http_url, True)), timeout)
+        return self.list()
+
+    async def _change(self, new: Membership, timeout: float | None) -> None:
+        raft = self._running()
+        if raft.role != Role.LEADER:
+            raise NotLeader("membership changes are made by the leader", raft.leader_id)
+        deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else self.config.write_timeout_s)
+        try:
+            await raft.change_membership(new, deadline)
+        except (ConfigChangeRefused, TransferInProgress) as e:
+            raise public_error(e) from None
+        except (OutcomeUnknown, NodeStopped) as e:
+            raise public_error(e, written=True, wait=self.config.write_timeout_s) from e
+
+    async def transfer_leadership(self, to: str, timeout: float | None) -> str:
+        raft = self._running()
+        voters = raft.membership.voters
+        if to not in voters:
+            raise BadRequest(f"{to!r} is not a voting member; voters: {sorted(voters)}")
+        if raft.role != Role.LEADER:
+            raise NotLeader("only the leader can hand leadership over", raft.leader_id)
+        if to == raft.id:
+            return to
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (timeout if timeout is not None else self.config.election_timeout_ms * 3 / 1000)
+        await raft.transfer_leadership(to)
+        while raft.leader_id != to:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise Timeout(f"leadership did not move to {to} in time; the leader is {raft.leader_id}")
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await asyncio.wait_for(raft.leader_changed.wait(), left)
+        return to
+
+    async def hand_over_leadership(self, raft: RaftNode | None, timeout: float | None) -> str | None:
+        if raft is None or raft.failure is not None or raft.role != Role.LEADER:
+            return None
+        peers = raft.metrics().peers
+        voters = [(p.match, pid) for pid, p in peers.items() if pid in raft.membership.voters]
+        if not voters:
+            return None
+        _, to = max(voters)
+        try:
+            return await self.transfer_leadership(to, timeout if timeout is not None else 2 * self.config.election_timeout_ms / 1000)
+        except KVError as e:
+            log.info("node %s: leadership was not handed to %s before stopping (%s)", self.config.id, to, e)
+            return None

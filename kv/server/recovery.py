@@ -1,0 +1,134 @@
+"""A member's own state at start: the state machine opened (or rebuilt when damaged), the
+ledger and the state machine brought into agreement after a crash at any point, the client
+sessions replayed, and the membership it starts from (the bootstrap record checked)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from .config import NodeConfig
+from ..errors import BadRequest, DataDirLocked
+from ..raft.ledger import Ledger, LedgerWrite
+from ..raft.membership import Member, Membership
+from ..raft.messages import Entry, EntryKind
+from ..snapshot.manager import SnapshotManager
+from ..statemachine.leveldb import LevelDBStateMachine, StateCorrupt, StateLocked
+from . import bootstrap
+
+log = logging.getLogger("kv.node")
+
+
+class Recovery:
+    """Opens the state machine of a member whose ledger and snapshots are open already.
+    `initial_membership`: what a member that joins a running cluster was given."""
+
+    def __init__(self, config: NodeConfig, ledger: Ledger, snapshots: SnapshotManager, initial_membership: Membership | None = None) -> None:
+        self.config, self.ledger, self.snapshots = config, ledger, snapshots
+        self._initial_membership = initial_membership
+        self.sm: LevelDBStateMachine | None = None
+
+    def open(self) -> tuple[LevelDBStateMachine, Membership]:
+        """The state machine, in agreement with the ledger, and the membership to start
+        from (blocking: run it off the event loop)."""
+        c = self.config
+        try:
+            self.sm = LevelDBStateMachine(c.state_path, max_read_bytes=c.max_txn_read_bytes)
+        except StateLocked as e:  # never damage: the data dir's lock makes this one owner's
+            raise DataDirLocked(c.data_dir) from e
+        except StateCorrupt as e:
+            self.sm = self.rebuild_state(e)
+        self.reconcile()
+        self.replay_sessions()
+        if c.force_new_cluster:
+            self.force_new_cluster()
+        membership = self.membership()
+        if not self.sm.membership() and self.ledger.last_index() == 0:
+            bootstrap.record(c.data_dir, c.peers or membership.ids)
+            self.sm.set_membership(membership.encode())
+        elif c.peers:
+            bootstrap.check_peers(c.data_dir, c.id, c.peers, membership.ids)
+        return self.sm, membership
+
+    def rebuild_state(self, damage: StateCorrupt) -> LevelDBStateMachine:
+        """The state machine is damaged: set it aside and start an empty one, which
+        reconcile fills from the newest snapshot and the ledger — if they cover it."""
+        c, ledger = self.config, self.ledger
+        start = ledger.before_begin_index
+        if start > 0 and self.snapshots.store.newest_valid(start) is None:
+            raise StateCorrupt(
+                f"{damage}. It cannot be rebuilt here: the ledger starts after index {start} and no valid snapshot "
+                f"covers that. Save a snapshot from a healthy member (kv snapshot save FILE) into {c.snapshot_path} "
+                "under its snapshot name, or restore this member from one; do not delete the data dir, its term and "
+                "vote must be kept"
+            ) from damage
+        aside = f"{c.state_path}.damaged-{int(time.time())}"
+        os.replace(c.state_path, aside)
+        log.error("node %s: %s; moved it to %s and rebuilding from the snapshot and the ledger", c.id, damage, aside)
+        return LevelDBStateMachine(c.state_path, max_read_bytes=c.max_txn_read_bytes)
+
+    def reconcile(self) -> None:
+        """Bring ledger and state machine into agreement after a crash at any point."""
+        sm, ledger = self.sm, self.ledger
+        applied = sm.applied()[0]
+        if sm.incomplete or applied < ledger.before_begin_index:
+            # A snapshot load was cut short, or the ledger was reset to a snapshot the state
+            # machine never loaded: load the newest snapshot that covers the ledger's start.
+            meta = self.snapshots.newest_covering(ledger.before_begin_index)
+            self.snapshots.load_into_state_machine(meta)
+            applied = meta.index
+        if applied > ledger.last_index():
+            # Only an unclean reset can leave the log behind what was applied; everything
+            # applied was committed, so the log can start over after it.
+            idx, term = sm.applied()
+            log.warning("node %s: ledger ends at %d, state at %d: resetting the ledger", self.config.id, ledger.last_index(), idx)
+            ledger.write([LedgerWrite(reset_to=(idx, term))])
+
+    def replay_sessions(self) -> None:
+        """What the plain puts after the session records' `sessions_at` did to their
+        sessions (statemachine/sessions.py): read back from the ledger, which keeps every
+        entry after the newest snapshot."""
+        sm, ledger = self.sm, self.ledger
+        lo, hi = sm.sessions_at + 1, sm.applied()[0]
+        if lo <= hi and lo <= ledger.before_begin_index:
+            raise StateCorrupt(
+                f"the client sessions in {self.config.state_path} are recorded as of index {lo - 1}, and the ledger starts after "
+                f"{ledger.before_begin_index}: restore this member from a snapshot (kv snapshot save, kv snapshot restore)"
+            )
+        while lo <= hi:
+            batch = ledger.entries(lo, hi + 1, 8 << 20)
+            sm.replay_sessions(batch)
+            lo = batch[-1].index + 1
+
+    def force_new_cluster(self) -> None:
+        """`--force-new-cluster`: the majority is lost for good, so make this member the
+        only one, keeping its data (etcd's flag of that name). A CONFIG entry naming only
+        this node goes at the end of its log; alone, it elects itself and commits its whole
+        log, that entry included. The old members count as removed from then on (their
+        connections are refused): each is added back from an empty data dir."""
+        c, ledger = self.config, self.ledger
+        if ledger.last_index() == 0:
+            raise BadRequest(f"--force-new-cluster recovers an existing member's data, and {c.data_dir} holds none")
+        old = self.membership()
+        me = old.get(c.id)
+        peer = c.peers.get(c.id) or (me.peer_addr if me else "")
+        alone = Membership.of([Member(c.id, peer, c.advertise_url or (me.http_url if me else ""), True)])
+        last = ledger.last_index()
+        ledger.write([LedgerWrite(entries_from=last + 1, entries=[Entry(last + 1, ledger.term(last), EntryKind.CONFIG, alone.encode())])])
+        log.warning(
+            "node %s: --force-new-cluster: now the only member of a new one-member cluster, with its data up to index "
+            "%d (members before: %s). Add the others back from empty data dirs (kv serve --join, or kv member add), "
+            "and restart this node without the flag",
+            c.id, last, ", ".join(sorted(old.ids)) or "none",
+        )
+
+    def membership(self) -> Membership:
+        stored = self.sm.membership()
+        if stored:
+            return Membership.decode(stored)
+        if self._initial_membership is not None:
+            return self._initial_membership
+        c = self.config
+        me_url = c.advertise_url
+        return Membership.of(Member(i, addr, me_url if i == c.id else "") for i, addr in (c.peers or {c.id: ""}).items())

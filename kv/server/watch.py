@@ -1,0 +1,339 @@
+"""Watches: every committed change under a prefix, in commit order, each exactly once, from
+any index the node's ledger still holds.
+
+A watch starts at an index (its cursor). While the cursor is at or below the applied index
+it reads history: the ledger's entries (the rows of kv.common.entry_stream.entry_rows), minus the
+mutations that did not take effect (a compare-and-set whose condition failed, the branch of a
+transaction that did not run, a delete of a missing key), plus the keys a lease's revoke
+deleted — what the state machine recorded when it applied them. Once it has caught up it joins the live fan-out: the state machine hands
+each applied batch's changes to the WatchHub, which finds the watches whose prefix matches
+(one dictionary probe per distinct prefix length, however many watches there are) and appends
+the event to their buffers. Going from history to live happens without an await in between,
+so nothing is missed or seen twice.
+
+Each buffer is bounded (bytes of keys and values), and so is what all of a node's buffers
+hold together (--watch-budget-bytes). A watch that falls further behind, or wants more when
+the node's budget is spent, is taken out of the fan-out and its buffer dropped: an
+in-process watch then reads on from the ledger; a stream (HTTP) ends with SlowWatcher, and
+its client resumes from the last index it saw + 1. History is read a page at a time, and a
+stream sends each page before it reads the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+from ..common.entry_stream import LogStreamError, entry_rows
+from ..common.results import Event
+from ..errors import KVError, SlowWatcher, WatchCompacted
+from ..raft.messages import Entry, EntryKind
+from ..statemachine.leveldb import EFFECT_DELETED
+from .samples import Sample, gauge
+
+# Ledger bytes read per step of a catch-up: a stream sends each step before it reads the
+# next (waiting for the socket to drain), so this is about what one catching-up stream holds.
+HISTORY_CHUNK_BYTES = 16 << 10
+EVENT_OVERHEAD = 100  # bytes an event costs a buffer beyond its key and value
+
+
+def history_events(entries: list[Entry], effects: dict[int, bytes], prefix: str) -> list[Event]:
+    """The changes under prefix that these applied entries made; `effects` are the state
+    machine's records of which mutations took effect (none: all of them did)."""
+    out = []
+    for e in entries:
+        if e.kind != EntryKind.NORMAL:
+            continue
+        try:
+            rows = list(entry_rows(e))
+        except LogStreamError:
+            continue  # a command no replica could decode changed nothing
+        record = effects.get(e.index)
+        if record is not None and record[:1] == EFFECT_DELETED:  # a lease's revoke
+            out += [Event(e.index, key, None) for key in json.loads(record[1:]) if key.startswith(prefix)]
+            continue
+        took = record[1:] if record is not None else None  # EFFECT_MASK: a byte per mutation
+        i = 0
+        for row in rows:
+            op, key = row[2], row[3]
+            if op not in ("put", "delete"):
+                continue
+            if (took is None or took[i]) and key.startswith(prefix):
+                out.append(Event(e.index, key, row[4]))
+            i += 1
+    return out
+
+
+class Watch:
+    """An async iterator of Events under a prefix, in commit order. Close it when done.
+    `next_batch` is the batch-at-a-time interface the HTTP stream uses."""
+
+    __slots__ = ("_hub", "prefix", "cursor", "_limit", "_resume", "_buf", "_bytes", "_live", "_wake", "_failure", "_closed", "_pending", "__weakref__")
+
+    def __init__(self, hub: WatchHub, prefix: str, cursor: int, buffer_bytes: int, resume_when_behind: bool) -> None:
+        self._hub, self.prefix = hub, prefix
+        self.cursor = cursor  # every change before this index has been handed out
+        self._limit, self._resume = buffer_bytes, resume_when_behind
+        self._buf: list[Event] = []
+        self._bytes = 0
+        self._live = False  # in the hub's fan-out
+        self._wake: asyncio.Future | None = None
+        self._failure: KVError | None = None
+        self._closed = False
+        self._pending: deque[Event] = deque()  # a batch being iterated one event at a time
+
+    # -- the hub's side ----------------------------------------------------------------------
+
+    def _push(self, ev: Event, size: int) -> bool:
+        """Buffer an event; False when the buffer overflowed (the hub drops this watch)."""
+        if not self._live or ev.index < self.cursor:
+            return True
+        hub = self._hub
+        if self._buf and hub.buffered + size > hub.budget:
+            # The node's watches together hold as much as it allows: the one that is behind
+            # and wants more goes (one that has taken everything still gets the change).
+            return self._behind(f"the node's watches hold {hub.buffered} bytes of changes not yet taken, its limit (--watch-budget-bytes)")
+        self._buf.append(ev)
+        self._bytes += size
+        hub.buffered += size
+        self._notify()
+        if self._bytes <= self._limit or len(self._buf) == 1:  # one change larger than the bound still passes
+            return True
+        return self._behind(f"this watcher fell more than {self._limit} bytes of changes behind (--watch-buffer-bytes)")
+
+    def _behind(self, why: str) -> bool:
+        """Out of the fan-out, its buffer dropped: an in-process watch reads on from the
+        ledger; a stream ends with SlowWatcher. Returns False (the hub drops it)."""
+        self._live = False
+        self._drop_buffer()
+        if not self._resume:
+            self._failure = SlowWatcher(f"{why}; it was stopped: resume from index {self.cursor} (read faster, or watch a narrower prefix)", self.cursor)
+        self._notify()
+        return False
+
+    def _drop_buffer(self) -> list[Event]:
+        out, self._buf = self._buf, []
+        self._hub.buffered -= self._bytes
+        self._bytes = 0
+        return out
+
+    def _fail(self, failure: KVError) -> None:
+        self._live = False
+        self._failure = failure
+        self._notify()
+
+    def _notify(self) -> None:
+        w = self._wake
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -- the consumer's side -----------------------------------------------------------------
+
+    async def next_batch(self, timeout: float | None = None) -> tuple[list[Event], int] | None:
+        """The next events (whole indexes only) and the index through which every change
+        under the prefix has now been handed out; ([], that index) when `timeout` seconds
+        passed without a change; None once the watch is closed. Raises WatchCompacted when
+        the history it needs is gone, SlowWatcher when it fell too far behind."""
+        while not self._closed:
+            if self._buf:
+                out = self._drop_buffer()
+                self.cursor = out[-1].index + 1
+                return out, self._hub.applied_index()
+            if self._failure is not None:
+                raise self._ended()
+            if not self._live:
+                events = self._hub.catch_up(self)
+                if events or not self._live:
+                    await asyncio.sleep(0)  # a long catch-up lets the rest of the node run
+                    return events, self.cursor - 1
+                continue
+            loop = asyncio.get_running_loop()
+            self._wake = fut = loop.create_future()
+            timer = loop.call_later(timeout, self._notify) if timeout is not None else None
+            try:
+                await fut
+            finally:
+                self._wake = None
+                if timer is not None:
+                    timer.cancel()
+            if not self._buf and self._failure is None and not self._closed and self._live:
+                return [], self._hub.applied_index()
+        return None
+
+    def _ended(self) -> KVError:
+        """A failed watch is over: close it, and hand its failure over. Neither the watch nor
+        the raising frame keeps it: raised, its traceback holds that frame, which holds the
+        watch, a cycle that kept every watch cut off as a SlowWatcher (and its buffers)
+        alive until a full collection, which kv serve's gc thresholds make rare."""
+        failure = self._failure
+        self.close()
+        return failure
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> Event:
+        while not self._pending:
+            got = await self.next_batch()
+            if got is None:
+                raise StopAsyncIteration
+            self._pending.extend(got[0])
+        return self._pending.popleft()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._hub.remove(self)
+            self._drop_buffer()
+            self._failure = None
+            self._pending.clear()
+            self._notify()
+
+    async def __aenter__(self) -> Watch:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.close()
+
+
+class WatchHub:
+    """The watches of one node and the one fan-out of its applied changes to them.
+
+    What it reads of the node: `applied_index()`; `log_range()`, the (first, last) indexes
+    of the committed entries its ledger holds, and `log_entries(lo, hi, max_bytes)`, those
+    entries; `effects(lo, hi)`, the state machine's records of which mutations took effect,
+    and `effects_from()`, the first index it holds them for."""
+
+    def __init__(
+        self,
+        budget: int,
+        applied_index: Callable[[], int],
+        log_range: Callable[[], tuple[int, int]],
+        log_entries: Callable[[int, int, int], list[Entry]],
+        effects: Callable[[int, int], dict[int, bytes]],
+        effects_from: Callable[[], int],
+    ) -> None:
+        self.applied_index, self._log_range, self._log_entries = applied_index, log_range, log_entries
+        self._effects, self._effects_from = effects, effects_from
+        self.budget = budget  # bytes all watches together may hold for their readers (--watch-budget-bytes)
+        self.buffered = 0
+        self._by_prefix: dict[str, set[Watch]] = {}
+        self._lengths: list[int] = []  # the distinct prefix lengths, to probe _by_prefix with
+        self._open: weakref.WeakSet[Watch] = weakref.WeakSet()
+
+    def open(self, prefix: str, start_index: int | None, buffer_bytes: int, resume_when_behind: bool) -> Watch:
+        if start_index is None:
+            start_index = self.applied_index() + 1
+        self.check_start(start_index)
+        w = Watch(self, prefix, start_index, buffer_bytes, resume_when_behind)
+        self._open.add(w)
+        return w
+
+    def floor(self) -> int:
+        """The first index a watch can start at on this node."""
+        first, _ = self._log_range()
+        return max(first, self._effects_from())
+
+    def check_start(self, index: int) -> None:
+        floor = self.floor()
+        if index < floor:
+            raise WatchCompacted(
+                f"changes before index {floor} are no longer in this node's log (ledger_begin_index "
+                f"{floor - 1}); read the prefix (GET /v1/kv?prefix=..., which answers the index it read at) and "
+                "watch from that index + 1, or try a node that kept more of its log",
+                floor - 1,
+            )
+
+    def catch_up(self, w: Watch) -> list[Event]:
+        """One step of reading history for w: the events of the next chunk of the ledger,
+        or, once w has caught up, nothing — and w is in the fan-out."""
+        self.check_start(w.cursor)
+        _, last = self._log_range()
+        if w.cursor > last:
+            self._add(w)
+            return []
+        entries = self._log_entries(w.cursor, last + 1, HISTORY_CHUNK_BYTES)
+        if not entries or entries[0].index != w.cursor:  # compacted or replaced (a snapshot) under us
+            raise WatchCompacted(f"index {w.cursor} is no longer in this node's log (it installed a snapshot); resume on another node", self._log_range()[0] - 1)
+        effects = self._effects(entries[0].index, entries[-1].index + 1)
+        w.cursor = entries[-1].index + 1
+        return history_events(entries, effects, w.prefix)
+
+    def _add(self, w: Watch) -> None:
+        w._live = True
+        ws = self._by_prefix.get(w.prefix)
+        if ws is None:
+            ws = self._by_prefix[w.prefix] = set()
+            self._lengths = sorted({len(p) for p in self._by_prefix})
+        ws.add(w)
+
+    def remove(self, w: Watch) -> None:
+        w._live = False
+        ws = self._by_prefix.get(w.prefix)
+        if ws is not None:
+            ws.discard(w)
+            if not ws:
+                del self._by_prefix[w.prefix]
+                self._lengths = sorted({len(p) for p in self._by_prefix})
+
+    def publish(self, changes) -> None:
+        """The state machine applied a batch: hand its changes to the matching watches."""
+        if not self._by_prefix:
+            return
+        lengths, by_prefix = self._lengths, self._by_prefix
+        behind = []
+        for index, key, value in changes:
+            ev = None
+            for n in lengths:
+                ws = by_prefix.get(key[:n])
+                if not ws:
+                    continue
+                if ev is None:
+                    ev = Event(index, key, value)
+                    size = len(key) + (len(value) if value is not None else 0) + EVENT_OVERHEAD
+                for w in ws:
+                    if not w._push(ev, size):
+                        behind.append(w)
+        for w in behind:
+            self.remove(w)
+
+    def snapshot_loaded(self, index: int) -> None:
+        """This node's state was replaced by a snapshot up to index: the changes before it
+        never passed through here, so every watch that still needed them ends."""
+        for ws in list(self._by_prefix.values()):
+            for w in list(ws):
+                if w.cursor <= index:
+                    self.remove(w)
+                    w._fail(WatchCompacted(
+                        f"this node caught up by installing a snapshot at index {index}; the changes from {w.cursor} "
+                        "are not in its log: resume on another node", index,
+                    ))
+
+    def close_all(self) -> None:
+        for w in list(self._open):
+            w.close()
+
+    def reserve(self, n: int) -> bool:
+        """Count n bytes a stream is about to send against the budget (release them once
+        sent); False, and nothing counted, when they would go over it."""
+        if self.buffered + n > self.budget and n:
+            return False
+        self.buffered += n
+        return True
+
+    def release(self, n: int) -> None:
+        self.buffered -= n
+
+    def stats(self) -> tuple[int, int]:
+        """(open watches, bytes buffered in them)."""
+        return len(self._open), self.buffered
+
+    def samples(self) -> list[Sample]:
+        watches, buffered = self.stats()
+        return [
+            gauge("kv_watches", "Open watches on this node (in-process and streams).", watches),
+            gauge("kv_watch_buffered_bytes", "Bytes of changes buffered for watches that have not taken them yet.", buffered),
+        ]

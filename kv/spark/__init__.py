@@ -1,0 +1,44 @@
+"""The data pipeline on Spark (pip install ledgerkv[spark]).
+
+Import — write a DataFrame (or a Parquet/CSV/JSON path) of key and value columns into a
+running cluster (kv.spark.importer: every row is checked before the first write; kv.spark.bulk:
+each task reads its key range back and proposes only what differs, compared on mod_index):
+
+    report = kv.spark.write(df, "http://127.0.0.1:8001,http://127.0.0.1:8002")
+
+Export — read a snapshot file (or the newest snapshot of a node) as a DataFrame of
+(key, value, mod_index):
+
+    df = kv.spark.read_snapshot(spark, "backup.lkvs", prefix="users/")
+    df.write.parquet("users.parquet")
+
+The file is split into partitions by its block index (byte ranges), and each task turns
+its blocks into Arrow record batches, so large snapshots are read in parallel rather than
+through one Python iterator. Every block's checksum is verified as it is read.
+
+Change feed — the committed log range [start, end] of a running cluster, for audit, as a
+DataFrame of (index, term, op, key, value, conditional, branch), one row per mutation
+(kv.common.entry_stream says what each column means):
+
+    df = kv.spark.read_log(spark, "http://127.0.0.1:8001", start=1000, end=2000)
+
+The range is split into index ranges, and each task streams its own from the node
+(GET /v1/log). Entries a node has compacted into a snapshot are gone from its log: export
+the snapshot for the state before them.
+"""
+
+from .export import download_snapshot, export_snapshot, fetch_snapshot, read_changes, read_log, read_snapshot, session
+from .importer import ImportReport, load, write
+
+__all__ = [
+    "ImportReport",
+    "download_snapshot",
+    "export_snapshot",
+    "fetch_snapshot",
+    "load",
+    "read_changes",
+    "read_log",
+    "read_snapshot",
+    "session",
+    "write",
+]

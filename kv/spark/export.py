@@ -1,0 +1,349 @@
+"""Export: snapshots, the committed log and the change feed as Spark DataFrames (the
+half of kv.spark that reads; kv/spark/__init__.py has the whole story)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+from ..errors import BadRequest, KVError
+from ..snapshot.format import read_header
+
+VALUE_TYPES = ("binary", "string")
+
+
+# -- export -----------------------------------------------------------------------------------
+
+
+def snapshot_schema():
+    from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType
+
+    return StructType([StructField("key", StringType(), False), StructField("value", BinaryType(), False), StructField("mod_index", LongType(), False)])
+
+
+def fetch_snapshot(endpoints: str, token: str | None = None, directory: str | None = None, *, fresh: bool = False) -> str:
+    """Download the newest snapshot of a node (with fresh, it takes one first, so the
+    export holds everything applied so far); returns the local path."""
+    return download_snapshot(endpoints, token, directory, fresh=fresh)["path"]
+
+
+def download_snapshot(endpoints: str, token: str | None, directory: str | None = None, *, fresh: bool = True) -> dict:
+    """Take a snapshot on the leader (or, failing that, the next node that answers) and
+    download it: {"path", "index", "term", "endpoint"}. Taken on the leader, it holds every
+    write acknowledged before the call."""
+    from ..client.blocking import Client
+    from .importer import live_endpoints
+
+    path = os.path.join(directory or tempfile.mkdtemp(prefix="kv-export-"), "snapshot.lkvs")
+    errors = []
+    with Client(endpoints, token=token) as c:
+        for ep, _ in live_endpoints(endpoints, token):
+            try:
+                if fresh:
+                    c.take_snapshot(ep)
+                return {**c.download_snapshot(path, endpoint=ep), "path": path}
+            except KVError as e:  # the next node, then
+                errors.append(f"{ep}: {e}")
+    raise KVError("no node gave a snapshot: " + "; ".join(errors))
+
+
+def export_snapshot(
+    spark,
+    out: str,
+    *,
+    endpoints: str | None = None,
+    snapshot: str | None = None,
+    token: str | None = None,
+    prefix: str | None = None,
+    fmt: str = "parquet",
+    partitions: int | None = None,
+    overwrite: bool = False,
+    value_type: str = "binary",
+    json_schema: str | None = None,
+) -> dict:
+    """Write the records of a snapshot file, or of a fresh snapshot of a cluster, to `out`;
+    returns {"rows", "index", "term", "source"}, which also goes to out/_ledgerkv.json.
+    `out` must not exist unless overwrite; the downloaded snapshot is removed, also on failure."""
+    import shutil
+
+    if value_type not in VALUE_TYPES:
+        raise BadRequest(f"--value-type must be one of {', '.join(VALUE_TYPES)}")
+    if os.path.exists(out) and not overwrite:
+        raise BadRequest(f"{out} exists: choose another path, or replace it with --overwrite")
+    tmp = None
+    try:
+        if snapshot is None:
+            tmp = tempfile.mkdtemp(prefix="kv-export-")
+            got = download_snapshot(endpoints, token, tmp)
+            path, source = got["path"], got["endpoint"]
+        else:
+            path, source = snapshot, snapshot
+        with open(path, "rb") as f:
+            header, _ = read_header(f)
+        df = with_value_type(read_snapshot(spark, path, prefix=prefix, partitions=partitions), value_type, json_schema)
+        df.write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    meta = {"rows": spark.read.format(fmt).load(out).count(), "index": header.index, "term": header.term, "source": source, "prefix": prefix}
+    if os.path.isdir(out):
+        with open(os.path.join(out, "_ledgerkv.json"), "w") as f:  # Spark readers skip "_" files
+            json.dump(meta, f)
+    return meta
+
+
+def with_value_type(df, value_type: str, json_schema: str | None):
+    """The value column as text, or its JSON exploded into typed columns (a Spark DDL schema,
+    e.g. "year int, carrier string")."""
+    from pyspark.errors import PySparkException
+    from pyspark.sql import functions as F
+
+    if json_schema:
+        try:
+            parsed = df.withColumn("value", F.from_json(F.col("value").cast("string"), json_schema))
+            return parsed.select("key", "mod_index", "value.*")
+        except PySparkException as e:
+            from .importer import spark_error
+
+            raise BadRequest(f"--json-schema {json_schema!r}: {spark_error(e)}") from None
+    return df.withColumn("value", F.col("value").cast("string")) if value_type == "string" else df
+
+
+def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: int | None = None):
+    """A DataFrame (key string, value binary, mod_index long) of a snapshot file's records
+    (those under `prefix`, if given), split into partitions by byte ranges."""
+    from ..snapshot.format import block_offsets, read_header, read_trailer
+
+    with open(path, "rb") as f:
+        read_header(f)  # a clear error now if it is not a snapshot
+        trailer = read_trailer(f)
+        offsets = block_offsets(f, trailer)
+    n = max(1, min(len(offsets), partitions or spark.sparkContext.defaultParallelism * 2))
+    # Contiguous runs of blocks of about equal bytes: (first block offset, block count).
+    ends = offsets[1:] + [trailer.index_offset]
+    sizes = [e - o for o, e in zip(offsets, ends)]
+    target = sum(sizes) / n if sizes else 0
+    tasks, start, acc = [], 0, 0
+    for i, size in enumerate(sizes):
+        acc += size
+        if acc >= target and len(tasks) < n - 1:
+            tasks.append((offsets[start], i + 1 - start))
+            start, acc = i + 1, 0
+    if start < len(offsets):
+        tasks.append((offsets[start], len(offsets) - start))
+    abspath = os.path.abspath(path)
+    plan = spark.createDataFrame([(abspath, o, c, prefix or "") for o, c in tasks], "path string, offset long, blocks long, prefix string")
+    plan = plan.repartition(len(tasks) or 1)
+    return plan.mapInArrow(_read_blocks, snapshot_schema())
+
+
+def _read_blocks(batches):
+    """mapInArrow: each input row names a run of blocks; yields their records, one Arrow
+    batch per block, built straight from the block's columnar buffers."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from ..snapshot.format import block_columns, iter_blocks
+
+    for plan in batches:
+        for path, offset, count, prefix in zip(*(plan.column(i).to_pylist() for i in range(4))):
+            with open(path, "rb") as f:
+                for n, (records, payload) in enumerate(iter_blocks(f, offset)):
+                    if n >= count:
+                        break
+                    ko, kb, vo, vb, mb = block_columns(payload, records)
+                    keys = pa.Array.from_buffers(pa.binary(), records, [None, pa.py_buffer(ko), pa.py_buffer(kb)])
+                    batch = pa.RecordBatch.from_arrays(
+                        [
+                            keys.cast(pa.string()),  # checks the keys are UTF-8
+                            pa.Array.from_buffers(pa.binary(), records, [None, pa.py_buffer(vo), pa.py_buffer(vb)]),
+                            pa.Array.from_buffers(pa.int64(), records, [None, pa.py_buffer(mb)]),
+                        ],
+                        names=["key", "value", "mod_index"],
+                    )
+                    if prefix:
+                        batch = batch.filter(pc.starts_with(batch.column(0), prefix))
+                    elif kb[:1] == b"\x00":  # ledgerkv's own records (leases, sessions) sort first
+                        batch = batch.filter(pc.invert(pc.starts_with(batch.column(0), "\x00")))
+                    if batch.num_rows == 0:
+                        continue
+                    yield batch
+
+
+# -- change feed ------------------------------------------------------------------------------
+
+
+def log_schema():
+    from pyspark.sql.types import BinaryType, BooleanType, LongType, StringType, StructField, StructType
+
+    return StructType(
+        [
+            StructField("index", LongType(), False),
+            StructField("term", LongType(), False),
+            StructField("op", StringType(), False),
+            StructField("key", StringType(), True),
+            StructField("value", BinaryType(), True),
+            StructField("conditional", BooleanType(), False),
+            StructField("branch", StringType(), True),
+        ]
+    )
+
+
+def log_bounds(endpoints: str, token: str | None = None) -> tuple[str, int, int]:
+    """(endpoint, first, last): the first node that answers, and the committed log range
+    its ledger holds."""
+    from ..client.blocking import Client
+
+    with Client(endpoints, token=token) as c:
+        answers = c.status_all()
+    for ep, s in answers:
+        if isinstance(s, dict):
+            return ep, s["ledger_begin_index"] + 1, s["applied_index"]
+    raise KVError("no node answered: " + "; ".join(f"{ep}: {s}" for ep, s in answers))
+
+
+def _ranges(spark, endpoints: str, start: int | None, end: int | None, partitions: int | None, token: str | None):
+    """The committed range [start, end] (default: all the first node that answers still
+    holds), checked against that node, split into index ranges: (endpoint, lo, hi) each."""
+    from ..errors import Compacted
+
+    ep, first, last = log_bounds(endpoints, token)
+    start = first if start is None else start
+    end = last if end is None else end
+    if start < 1:
+        raise BadRequest("start must be at least 1 (log indexes start at 1)")
+    if end < start - 1:
+        raise BadRequest(f"the range [{start}, {end}] is backwards; {ep} holds the committed log [{first}, {last}]")
+    if start < first:
+        raise Compacted(f"{ep} holds the log from index {first} (earlier entries were compacted into a snapshot); start at {first} or later, or export the snapshot")
+    if end > last:
+        raise BadRequest(f"index {end} is not applied on {ep} yet (its applied index is {last})")
+    count = end - start + 1
+    if count == 0:  # nothing committed after start - 1 yet: an empty feed, not an error
+        return []
+    n = max(1, min(count, partitions or spark.sparkContext.defaultParallelism * 2))
+    bounds = [start + count * i // n for i in range(n + 1)]
+    return [(ep, bounds[i], bounds[i + 1] - 1) for i in range(n)]
+
+
+def _plan(spark, rows: list[tuple], schema: str):
+    """A DataFrame of work items, one partition each (mapInArrow then runs one per task)."""
+    df = spark.createDataFrame(rows, schema)
+    return df.repartition(len(rows)) if rows else df
+
+
+def read_log(spark, endpoints: str, start: int | None = None, end: int | None = None, *, partitions: int | None = None, token: str | None = None):
+    """A DataFrame of the committed log entries [start, end] as they were proposed (the raw
+    log: index, term, op, key, value, conditional, branch), read from the first node that
+    answers in parallel index ranges."""
+    ranges = _ranges(spark, endpoints, start, end, partitions, token)
+    plan = _plan(spark, [(ep, lo, hi, token or "") for ep, lo, hi in ranges], "endpoint string, lo long, hi long, token string")
+    return plan.mapInArrow(_read_log_ranges, log_schema())
+
+
+def changes_schema():
+    from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType
+
+    return StructType(
+        [
+            StructField("index", LongType(), False),
+            StructField("type", StringType(), False),
+            StructField("key", StringType(), False),
+            StructField("value", BinaryType(), True),
+            StructField("mod_index", LongType(), False),
+        ]
+    )
+
+
+def read_changes(
+    spark, endpoints: str, start: int | None = None, end: int | None = None, *, prefix: str = "", partitions: int | None = None, token: str | None = None
+):
+    """A DataFrame of the effective changes of the committed range [start, end]: what a
+    watch would have seen — one row per key a committed entry changed (index, type put or
+    delete, key, value, the mod_index it produced), a transaction's branch resolved, writes
+    that changed nothing left out. After `export_snapshot` at index N, `read_changes(...,
+    start=N + 1)` continues it with no gap and no repeat (a CDC bootstrap)."""
+    ranges = _ranges(spark, endpoints, start, end, partitions, token)
+    # Each range is watched on the node that was planned first, on the others if it fails.
+    rows = [(",".join([ep] + [e for e in endpoints.split(",") if e.strip() and e.strip() != ep]), lo, hi, prefix, token or "") for ep, lo, hi in ranges]
+    plan = _plan(spark, rows, "endpoints string, lo long, hi long, prefix string, token string")
+    return plan.mapInArrow(_read_change_ranges, changes_schema())
+
+
+def _read_change_ranges(batches):
+    """mapInArrow: each input row names an index range; watches it and yields its changes
+    as Arrow batches."""
+    from ..client.blocking import Client
+
+    for plan in batches:
+        for eps, lo, hi, prefix, token in zip(*(plan.column(i).to_pylist() for i in range(5))):
+            rows = []
+            with Client(eps, token=token or None, timeout=60) as c:
+                for ev in c.watch(prefix, lo, end_index=hi):
+                    rows.append((ev.index, ev.type, ev.key, ev.value, ev.index))
+                    if len(rows) >= 65536:
+                        yield _arrow(rows, changes_schema())
+                        rows = []
+            if rows:
+                yield _arrow(rows, changes_schema())
+
+
+def _read_log_ranges(batches):
+    """mapInArrow: each input row names an index range; streams it from the node and
+    yields its rows as Arrow batches."""
+    for plan in batches:
+        for ep, lo, hi, token in zip(*(plan.column(i).to_pylist() for i in range(4))):
+            yield from _stream_range(ep, lo, hi, token or None)
+
+
+def _stream_range(ep: str, lo: int, hi: int, token: str | None):
+    from ..client.blocking import Client
+    from ..common.entry_stream import LogStreamError, entry_rows
+
+    rows, expected = [], lo
+    with Client(ep, token=token, timeout=60) as c:
+        try:
+            for entries in c.read_log(lo, hi, endpoint=ep):
+                for e in entries:
+                    if e.index != expected:
+                        raise LogStreamError(f"log range [{lo}, {hi}] from {ep}: expected index {expected}, got {e.index}")
+                    expected += 1
+                    rows.extend(entry_rows(e))
+                if len(rows) >= 65536:
+                    yield _arrow(rows, log_schema())
+                    rows = []
+        except LogStreamError:
+            raise
+        except KVError as e:
+            raise LogStreamError(f"log range [{lo}, {hi}] from {ep}: {e}") from e
+    if expected != hi + 1:
+        raise LogStreamError(f"log range [{lo}, {hi}] from {ep}: the stream ended at index {expected - 1}")
+    if rows:
+        yield _arrow(rows, log_schema())
+
+
+def _arrow(rows: list[tuple], schema):
+    """Rows (tuples in the schema's column order) as one Arrow record batch."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    a = to_arrow_schema(schema)
+    return pa.RecordBatch.from_arrays([pa.array(col, f.type) for col, f in zip(zip(*rows), a)], schema=a)
+
+
+def session(master: str = "local[2]", app: str = "ledgerkv"):
+    """A SparkSession for the CLI (the workers run this same Python)."""
+    import sys
+
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    return (
+        SparkSession.builder.master(master)
+        .appName(app)
+        .config("spark.ui.showConsoleProgress", str(sys.stderr.isatty()).lower())  # a progress bar on a terminal
+        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .getOrCreate()
+    )

@@ -1,0 +1,317 @@
+"""Import through Spark: read a dataset, shape it into (key, value) rows, check every row
+before the first write, then write them from the tasks (kv.spark.bulk does the writing).
+
+    df = kv.spark.load(spark, "flights.csv")
+    report = kv.spark.write(df, endpoints, key_expr="concat_ws('/', 'flights', year, month, day, carrier, flight)",
+                            value_expr="to_json(struct(*))")
+
+The check is one pass over the data: null keys or values, duplicate keys (refused unless
+on_duplicate="last", which keeps the last occurrence in the source's order) and values
+above the cluster's limit are reported in a few lines and nothing is written. The rows are
+then range-partitioned and sorted by key, so each task reads back one key range of the
+cluster and proposes only what differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import orjson
+
+from ..errors import BadRequest, Unavailable
+
+FORMATS = {"parquet": "parquet", "csv": "csv", "json": "json", "jsonl": "json", "ndjson": "json"}
+# RFC 4180, as pandas, Excel and Spark write it: quotes inside a quoted field are doubled,
+# and a quoted field may span lines.
+CSV_DEFAULTS = {"header": "true", "quote": '"', "escape": '"', "multiLine": "true"}
+DUPLICATES = ("refuse", "last")
+DEFAULT_MAX_VALUE_BYTES = 1 << 20  # the cluster's default --max-value-bytes
+
+
+@dataclass
+class ImportReport:
+    rows: int = 0
+    written: int = 0
+    skipped: int = 0  # the cluster already held the value
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (key, reason)
+    transactions: int = 0
+    wire_bytes: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        rate = self.rows / self.seconds if self.seconds else 0.0
+        return (
+            f"imported {self.rows} rows: {self.written} written, {self.skipped} skipped (already held, or superseded by a later row of their key), "
+            f"{len(self.failures)} failed; {self.transactions} transactions, {self.wire_bytes / 1e6:.1f} MB on the wire, "
+            f"{self.seconds:.1f}s ({rate:,.0f} rows/s)"
+        )
+
+
+def spark_error(e: Exception) -> str:
+    """The first line of a Spark error, without the JVM stack."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return lines[0][:500] if lines else type(e).__name__
+
+
+def source_format(path: str, fmt: str | None) -> str:
+    """The format to read `path` as; refuses a missing local path or an unknown format
+    (checked before Spark starts)."""
+    if "://" not in path and not glob.glob(path):
+        raise BadRequest(f"{path}: no such file or directory")
+    if fmt is None:
+        ext = os.path.splitext(path.rstrip("/"))[1].lstrip(".").lower()
+        fmt = FORMATS.get(ext) or ("parquet" if not ext else None)
+        if fmt is None:
+            raise BadRequest(f"cannot tell the format of {path!r} from its extension: give --format parquet, csv or json")
+    elif fmt not in FORMATS:
+        raise BadRequest(f"unknown format {fmt!r}: choose parquet, csv or json")
+    return fmt
+
+
+def load(spark, path: str, fmt: str | None = None, options: dict[str, str] | None = None):
+    """A DataFrame from a Parquet, CSV (header line, RFC 4180 quoting) or JSON-lines path;
+    `options` go to Spark's reader and win over the defaults."""
+    from pyspark.errors import PySparkException
+
+    fmt = source_format(path, fmt)
+    opts = dict(CSV_DEFAULTS) if FORMATS[fmt] == "csv" else {}
+    opts.update(options or {})
+    try:
+        return spark.read.format(FORMATS[fmt]).options(**opts).load(path)
+    except PySparkException as e:
+        raise BadRequest(f"{path}: {spark_error(e)}") from None
+
+
+def shape(df, *, key_col: str = "key", value_col: str = "value", key_expr: str | None = None, value_expr: str | None = None):
+    """df as two columns: key (string) and value (string or binary). Expressions are Spark
+    SQL over df's columns; other atomic types are cast to string; nested ones refused."""
+    from pyspark.errors import PySparkException
+    from pyspark.sql import functions as F
+
+    cols = []
+    for role, col, expr in (("key", key_col, key_expr), ("value", value_col, value_expr)):
+        if expr is None and col not in df.columns:
+            raise BadRequest(f"the data has no column {col!r} (its columns: {', '.join(df.columns)}); choose one with --{role}-col or build one with --{role}-expr")
+        try:
+            c = F.expr(expr) if expr is not None else F.col(f"`{col}`")
+            kind = df.select(c).dtypes[0][1]
+        except PySparkException as e:
+            raise BadRequest(f"--{role}-expr {expr!r}: {spark_error(e)}") from None
+        if kind.startswith(("struct", "array", "map")):
+            hint = f"e.g. --{role}-expr \"to_json({expr or col})\"" if role == "value" else f"build a string with --{role}-expr"
+            raise BadRequest(f"the {role} is a {kind.split('<')[0]} ({kind[:80]}): a {role} must be a string ({hint})")
+        if kind != "string" and not (role == "value" and kind == "binary"):
+            c = c.cast("string")  # numbers, dates, booleans: their text form
+        cols.append(c.alias(role))
+    return df.select(*cols)
+
+
+def check(kv, *, max_value_bytes: int, on_duplicate: str = "refuse", partitions: int = 4):
+    """One pass over (key, value) rows before anything is written. Returns (rows, the rows
+    range-partitioned and sorted by key (duplicates in the source's order), cached: unpersist
+    it once written); raises BadRequest listing what is wrong."""
+    from pyspark.sql import functions as F
+
+    if on_duplicate not in DUPLICATES:
+        raise BadRequest(f"--on-duplicate must be one of {', '.join(DUPLICATES)}")
+    ordered = (
+        kv.withColumn("_order", F.monotonically_increasing_id())  # the source's order
+        .repartitionByRange(partitions, "key")
+        .sortWithinPartitions("key", "_order")
+        .select("key", "value")
+        .persist()
+    )
+    try:
+        st = Checked()
+        for r in ordered.mapInArrow(lambda batches: _check_task(batches, max_value_bytes), "stats binary").collect():
+            st.add(Checked(**orjson.loads(r.stats)))
+    except BaseException:
+        ordered.unpersist()
+        raise
+    problems = st.problems(max_value_bytes, on_duplicate)
+    if problems:
+        ordered.unpersist()
+        raise BadRequest(f"refused before writing anything ({st.rows} rows checked):\n  " + "\n  ".join(problems))
+    return st.rows, ordered
+
+
+@dataclass
+class Checked:
+    """What the check found in some rows (sorted by key)."""
+
+    rows: int = 0
+    null_keys: int = 0
+    empty_keys: int = 0
+    null_values: list = field(default_factory=list)  # keys (every one counted, a few kept)
+    null_value_count: int = 0
+    dup_keys: int = 0  # keys that occur more than once
+    dup_rows: int = 0  # rows beyond the first of their key
+    dup_examples: list = field(default_factory=list)  # [key, count]
+    big: int = 0
+    big_examples: list = field(default_factory=list)  # [key, bytes]
+
+    def add(self, o: Checked) -> None:
+        for name in ("rows", "null_keys", "empty_keys", "null_value_count", "dup_keys", "dup_rows", "big"):
+            setattr(self, name, getattr(self, name) + getattr(o, name))
+        self.null_values = (self.null_values + o.null_values)[:3]
+        self.dup_examples = (self.dup_examples + o.dup_examples)[:3]
+        self.big_examples = (self.big_examples + o.big_examples)[:3]
+
+    def problems(self, limit: int, on_duplicate: str) -> list[str]:
+        def eg(items) -> str:
+            return "; e.g. " + ", ".join(items) if items else ""
+
+        out = []
+        if self.null_keys:
+            out.append(f"{self.null_keys} rows have a null key")
+        if self.empty_keys:
+            out.append(f"{self.empty_keys} rows have an empty key")
+        if self.null_value_count:
+            out.append(f"{self.null_value_count} rows have a null value" + eg(repr(k) for k in self.null_values))
+        if self.dup_keys and on_duplicate == "refuse":
+            out.append(
+                f"{self.dup_keys} keys occur more than once ({self.dup_rows} extra rows)"
+                + eg(f"{k!r} ×{n}" for k, n in self.dup_examples)
+                + " — make the keys unique (--key-expr), or keep the last row of each with --on-duplicate last"
+            )
+        if self.big:
+            out.append(f"{self.big} values are larger than the cluster's limit of {limit} bytes (--max-value-bytes)" + eg(f"{k!r} ({n} bytes)" for k, n in self.big_examples))
+        return out
+
+
+def _check_task(batches, limit: int):
+    """mapInArrow: the check over one partition (sorted by key); yields one row of stats."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    st, prev, run = Checked(), None, 0
+
+    def close_run():
+        if run > 1:
+            st.dup_keys += 1
+            st.dup_rows += run - 1
+            if len(st.dup_examples) < 3:
+                st.dup_examples.append([prev, run])
+
+    for b in batches:
+        keys, values = b.column(0), b.column(1)
+        st.rows += b.num_rows
+        st.null_keys += keys.null_count
+        if values.null_count:
+            st.null_value_count += values.null_count
+            st.null_values += pc.filter(keys, pc.is_null(values)).drop_null().slice(0, 3).to_pylist()
+        lengths = pc.binary_length(values)
+        big = pc.greater(lengths, limit)
+        if pc.any(big).as_py():
+            st.big += pc.sum(big).as_py()
+            st.big_examples += [list(x) for x in zip(pc.filter(keys, big).slice(0, 3).to_pylist(), pc.filter(lengths, big).slice(0, 3).to_pylist())]
+        st.empty_keys += pc.sum(pc.equal(pc.binary_length(keys), 0)).as_py() or 0
+        for k in keys.to_pylist():  # sorted: a key's rows are adjacent
+            if k is not None and k == prev:
+                run += 1
+                continue
+            close_run()
+            prev, run = k, 1
+    close_run()
+    st.null_values, st.big_examples = st.null_values[:3], st.big_examples[:3]
+    yield pa.RecordBatch.from_arrays([pa.array([orjson.dumps(asdict(st))], pa.binary())], names=["stats"])
+
+
+def live_endpoints(endpoints: str, token: str | None, timeout: float = 3.0) -> list[tuple[str, dict]]:
+    """(endpoint, status) of the nodes that answer now, leader first: a dead endpoint is
+    left out at once instead of being tried batch after batch."""
+    from ..client.blocking import Client
+    from ..client.endpoints import parse_endpoints
+
+    with Client(parse_endpoints(endpoints), token=token, timeout=timeout) as c:
+        answers = c.status_all()
+    live = [(ep, s) for ep, s in answers if isinstance(s, dict)]
+    if not live:
+        raise Unavailable("no endpoint answered: " + "; ".join(f"{ep}: {s}" for ep, s in answers))
+    return sorted(live, key=lambda a: a[1].get("role") != "leader")
+
+
+def write(
+    df,
+    endpoints: str,
+    *,
+    key_col: str = "key",
+    value_col: str = "value",
+    key_expr: str | None = None,
+    value_expr: str | None = None,
+    on_duplicate: str = "refuse",
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+    partitions: int | None = None,
+    batch_rows: int = 128,
+    batch_bytes: int = 1 << 20,
+    concurrency: int = 4,
+    token: str | None = None,
+    timeout: float | None = None,
+) -> ImportReport:
+    """Check, then write df's rows into the cluster; returns the report (every row is
+    written, skipped or failed)."""
+    from .bulk import Settings
+
+    if batch_rows < 1 or batch_bytes < 1 or concurrency < 1 or (partitions is not None and partitions < 1):
+        raise BadRequest("batch sizes, concurrency and partitions must be at least 1")
+    t0 = time.monotonic()
+    live = [ep for ep, _ in live_endpoints(endpoints, token)]
+    kv = shape(df, key_col=key_col, value_col=value_col, key_expr=key_expr, value_expr=value_expr)
+    n = partitions or df.sparkSession.sparkContext.defaultParallelism * 2
+    rows, checked = check(kv, max_value_bytes=max_value_bytes, on_duplicate=on_duplicate, partitions=n)
+    report = ImportReport(rows=rows)
+    try:
+        s = Settings(live, token, batch_rows, batch_bytes, concurrency, deadline=time.time() + timeout - (time.monotonic() - t0) if timeout else 0.0)
+        last = on_duplicate == "last"
+        for r in checked.mapInArrow(lambda batches: _write_task(batches, s, last), "outcome binary").collect():
+            _add(report, r.outcome)
+    finally:
+        checked.unpersist()
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _add(report: ImportReport, blob: bytes) -> None:
+    o = orjson.loads(blob)
+    report.written += o["written"]
+    report.skipped += o["skipped"]
+    report.failures += [tuple(f) for f in o["failed"]]
+    report.transactions += o["transactions"]
+    report.wire_bytes += o["wire_bytes"]
+
+
+def _write_task(batches, s, last: bool):
+    """mapInArrow: write this partition's rows (sorted by key); yields one row, the outcome.
+    With `last`, a key's rows are adjacent in the source's order and the last one wins."""
+    import pyarrow as pa
+
+    from .bulk import write_chunks
+
+    superseded = 0
+
+    def chunks():
+        nonlocal superseded
+        carry = []  # with `last`: the final row of a batch, which the next may supersede
+        for b in batches:
+            values = b.column(1)
+            if values.type != pa.binary():
+                values = values.cast(pa.binary())  # the UTF-8 bytes, no copy
+            rows = list(zip(b.column(0).to_pylist(), values.to_pylist()))
+            if last:
+                rows, n = carry + rows, len(carry) + len(rows)
+                rows = [r for i, r in enumerate(rows) if i + 1 == len(rows) or rows[i + 1][0] != r[0]]
+                superseded += n - len(rows)
+                carry = rows[-1:]
+                rows = rows[:-1]
+            if rows:
+                yield rows
+        if carry:
+            yield carry
+
+    out = asyncio.run(write_chunks(chunks(), s))
+    out.skipped += superseded
+    yield pa.RecordBatch.from_arrays([pa.array([orjson.dumps(asdict(out))], pa.binary())], names=["outcome"])
