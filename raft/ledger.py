@@ -34,7 +34,7 @@ import lmdb
 
 from . import failpoints
 from .errors import LedgerError
-from .log import _limit
+from .log import limit_bytes
 from .messages import Entry, HardState
 
 LEDGER_FORMAT = 1
@@ -215,7 +215,7 @@ class Ledger:
                 expect += 1
                 if total > max_bytes:
                     break
-        return _limit(out, max_bytes)
+        return limit_bytes(out, max_bytes)
 
     # -- hard state ------------------------------------------------------------------------
 

@@ -66,7 +66,7 @@ class MemoryStorage:
 
     def entries(self, lo: int, hi: int, max_bytes: int) -> list[Entry]:
         off = self.before_begin_index + 1
-        return _limit(self._entries[lo - off : hi - off], max_bytes)
+        return limit_bytes(self._entries[lo - off : hi - off], max_bytes)
 
     def write(self, from_index: int, entries: Sequence[Entry]) -> None:
         """Drop everything at or after from_index, then append `entries` (which start there)."""
@@ -89,7 +89,7 @@ class MemoryStorage:
         self.before_begin_index, self.before_begin_term = index, term
 
 
-def _limit(entries: list[Entry], max_bytes: int) -> list[Entry]:
+def limit_bytes(entries: list[Entry], max_bytes: int) -> list[Entry]:
     """Cut a batch so that it stays under max_bytes, keeping at least one entry."""
     total = 0
     for k, e in enumerate(entries):
@@ -171,7 +171,7 @@ class RaftLog:
         if lo < hi:
             u = self._u_offset
             out += self._unstable[lo - u : hi - u]
-        return _limit(out, max_bytes)
+        return limit_bytes(out, max_bytes)
 
     def first_index_of_term(self, term: int, upto: int) -> int:
         """The first index in (before_index, upto] whose entry has `term`, or upto if the

@@ -412,57 +412,6 @@ def session_of(data: bytes) -> tuple[int, int, bytes] | None:
     return session, seq, data[SESSION_HEAD_BYTES:]
 
 
-def encode(cmd: Command | LocalCommand) -> bytes:
-    if type(cmd) is Put:
-        # The hot path: the value goes last, unprefixed, so the entry is just header + value.
-        if cmd.lease:
-            return _HEAD + bytes((_OP_PUT_LEASE,)) + _key(cmd.key) + _cond(cmd.cond) + _lease_id(cmd.lease) + bytes(cmd.value)
-        return _PUT_HEAD + _key(cmd.key) + _cond(cmd.cond) + bytes(cmd.value)
-    if type(cmd) is InSession:
-        return in_session(cmd.session, cmd.seq, encode(cmd.cmd))
-    if type(cmd) is LeaseGrant:
-        if not cmd.lease:
-            return _HEAD + bytes((_OP_LEASE_GRANT,)) + _U64.pack(check_ttl_ms(cmd.ttl_ms))
-        owner = cmd.owner.encode() if type(cmd.owner) is str else None
-        if owner is None or len(owner) > MAX_KEY_BYTES:
-            raise CommandError(f"a lease's owner is a key prefix of at most {MAX_KEY_BYTES} bytes, not {cmd.owner!r}")
-        return _HEAD + bytes((_OP_LEASE_GRANT_ID,)) + _lease_id(cmd.lease) + _U64.pack(check_ttl_ms(cmd.ttl_ms)) + _U16.pack(len(owner)) + owner
-    if type(cmd) is SessionOpen:
-        return _HEAD + bytes((_OP_SESSION_OPEN,)) + _session_id(cmd.session) + _U32.pack(_max_sessions(cmd.max_sessions))
-    if type(cmd) is SessionsExpire:
-        if type(cmd.upto) is not int or not 0 < cmd.upto <= MAX_INDEX:
-            raise CommandError(f"sessions expire up to a log index, not {cmd.upto!r}")
-        return _HEAD + bytes((_OP_SESSIONS_EXPIRE,)) + _U64.pack(cmd.upto)
-    if type(cmd) is LeaseRevoke:
-        return _HEAD + bytes((_OP_LEASE_REVOKE,)) + _lease_id(cmd.lease)
-    if type(cmd) is LeaseKeepAlive:
-        return _HEAD + bytes((_OP_LEASE_KEEPALIVE,)) + _lease_id(cmd.lease)
-    if type(cmd) is LeaseKeepAlives:
-        if not 0 < len(cmd.leases) <= MAX_KEEPALIVES:
-            raise CommandError(f"a batched keepalive renews 1 to {MAX_KEEPALIVES} leases, not {len(cmd.leases)}")
-        return _HEAD + bytes((_OP_LEASE_KEEPALIVES,)) + _U32.pack(len(cmd.leases)) + b"".join(map(_lease_id, cmd.leases))
-    if type(cmd) is LeaseQuery:
-        return _HEAD + bytes((_OP_LEASE_QUERY,)) + (_lease_id(cmd.lease) if cmd.lease else _U64.pack(0))
-    if isinstance(cmd, Delete):
-        return _HEAD + bytes((_OP_DELETE,)) + _key(cmd.key) + _cond(cmd.cond)
-    if type(cmd) is DeletePrefix:
-        raw = cmd.prefix.encode() if type(cmd.prefix) is str else None
-        if raw is None or len(raw) > MAX_KEY_BYTES or raw[:1] == b"\x00":
-            raise CommandError(f"a prefix is a string of at most {MAX_KEY_BYTES} bytes, not starting with NUL, not {cmd.prefix!r}")
-        return _HEAD + bytes((_OP_DELETE_PREFIX,)) + _U16.pack(len(raw)) + raw
-    if isinstance(cmd, Txn):
-        if len(cmd.conds) > MAX_CONDS:
-            raise CommandError(f"a transaction has {len(cmd.conds)} conditions; the format holds at most {MAX_CONDS}")
-        parts = [_HEAD, bytes((_OP_TXN,)), _U16.pack(len(cmd.conds))]
-        parts += [_cond(c) for c in cmd.conds]
-        parts.append(_U32.pack(len(cmd.ops)))
-        _ops(cmd.ops, parts)
-        parts.append(_U32.pack(len(cmd.else_ops)))
-        _ops(cmd.else_ops, parts)
-        return b"".join(parts)
-    raise CommandError(f"not a command: {cmd!r}")
-
-
 class _Reader:
     __slots__ = ("b", "o")
 
@@ -536,6 +485,233 @@ class _Reader:
         return tuple(out)
 
 
+# -- the table: each command and result described once ------------------------------------
+#
+# A field is (its name in the NamedTuple, how it travels). encode and decode below follow
+# the tables; only the hot path is written out by hand: a put (its value last and
+# unprefixed, so that the entry is header + value), a transaction's ops, and a session's
+# wrapping of another command.
+
+
+class _Field:
+    """One field of a command or result: `pack(value)` its bytes, `read(reader)` it back;
+    `check(value)` (on both ways) raises CommandError for a value the format refuses."""
+
+    def __init__(self, name: str, check=None) -> None:
+        self.name, self.check = name, check
+
+    def encode(self, value) -> bytes:
+        if self.check is not None:
+            self.check(value)
+        return self.pack(value)
+
+    def decode(self, r: _Reader):
+        value = self.read(r)
+        if self.check is not None:
+            self.check(value)
+        return value
+
+
+class _Flag(_Field):
+    def pack(self, value) -> bytes:
+        return b"\x01" if value else b"\x00"
+
+    def read(self, r: _Reader):
+        return bool(r.byte())
+
+
+class _Int32(_Field):
+    def pack(self, value) -> bytes:
+        return _U32.pack(value)
+
+    def read(self, r: _Reader):
+        return r.u32()
+
+
+class _Int64(_Field):
+    def pack(self, value) -> bytes:
+        return _U64.pack(value)
+
+    def read(self, r: _Reader):
+        return _U64.unpack(r.take(8))[0]
+
+
+class _Key(_Field):
+    """A key: u16 length, UTF-8 (check_key's rules)."""
+
+    def pack(self, value) -> bytes:
+        return _key(value)
+
+    def read(self, r: _Reader):
+        return r.key()
+
+
+class _Text(_Field):
+    """A string that is not a key (a prefix, an owner): u16 length, UTF-8."""
+
+    def pack(self, value) -> bytes:
+        raw = value.encode()
+        return _U16.pack(len(raw)) + raw
+
+    def read(self, r: _Reader):
+        return r.take(r.u16()).decode("utf-8")
+
+
+class _Cond(_Field):
+    def pack(self, value) -> bytes:
+        return _cond(value)
+
+    def read(self, r: _Reader):
+        return r.cond()
+
+
+class _LeaseIds(_Field):
+    """u32 count, then each id as a u64."""
+
+    def pack(self, value) -> bytes:
+        return _U32.pack(len(value)) + b"".join(map(_lease_id, value))
+
+    def read(self, r: _Reader):
+        n = r.u32()
+        self.check(range(n))  # the count, before reading that many
+        return struct.unpack(f">{n}Q", r.take(8 * n))
+
+    def decode(self, r: _Reader):
+        return self.read(r)
+
+
+class _Keys(_Field):
+    def pack(self, value) -> bytes:
+        return _keys(value)
+
+    def read(self, r: _Reader):
+        return tuple(r.key() for _ in range(r.u32()))
+
+
+class _Value(_Field):
+    """A value that may be absent: a byte 0, or 1 and a u32-prefixed value."""
+
+    def pack(self, value) -> bytes:
+        return b"\x00" if value is None else b"\x01" + _U32.pack(len(value)) + value
+
+    def read(self, r: _Reader):
+        return r.take(r.u32()) if r.byte() else None
+
+
+class _Results(_Field):
+    """Nested results: a u32 count, then each (a transaction's, a lease listing's)."""
+
+    def pack(self, value) -> bytes:
+        return _U32.pack(len(value)) + b"".join(map(encode_result, value))
+
+    def read(self, r: _Reader):
+        return tuple(_result(r) for _ in range(r.u32()))
+
+
+def _check(ok, what: str):
+    """A field check: raise CommandError(what, with the value) unless ok(value)."""
+
+    def check(value) -> None:
+        if not ok(value):
+            raise CommandError(f"{what}, not {value!r}")
+
+    return check
+
+
+_index_check = _check(lambda v: type(v) is int and 0 < v <= MAX_INDEX, "sessions expire up to a log index")
+
+
+def _keepalives_check(value) -> None:
+    if not 0 < len(value) <= MAX_KEEPALIVES:
+        raise CommandError(f"a batched keepalive renews 1 to {MAX_KEEPALIVES} leases, not {len(value)}")
+
+
+def _query_check(lease) -> None:
+    if lease != 0:  # 0: every lease
+        _lease_id(lease)
+
+
+_owner_check = _check(lambda v: type(v) is str and len(v.encode()) <= MAX_KEY_BYTES, f"a lease's owner is a key prefix of at most {MAX_KEY_BYTES} bytes")
+_prefix_check = _check(
+    lambda v: type(v) is str and len(v.encode()) <= MAX_KEY_BYTES and not v.startswith("\x00"),
+    f"a prefix is a string of at most {MAX_KEY_BYTES} bytes, not starting with NUL",
+)
+
+# opcode -> (the command's type, its fields in wire order). Put, Txn and InSession are
+# written out by hand (encode, decode); so is the lease of a Put (_OP_PUT_LEASE).
+COMMANDS: dict[int, tuple[type, tuple[_Field, ...]]] = {
+    _OP_DELETE: (Delete, (_Key("key"), _Cond("cond"))),
+    _OP_DELETE_PREFIX: (DeletePrefix, (_Text("prefix", _prefix_check),)),
+    _OP_LEASE_GRANT: (LeaseGrant, (_Int64("ttl_ms", check_ttl_ms),)),  # from before lease ids were random
+    _OP_LEASE_GRANT_ID: (LeaseGrant, (_Int64("lease", _lease_id), _Int64("ttl_ms", check_ttl_ms), _Text("owner", _owner_check))),
+    _OP_LEASE_REVOKE: (LeaseRevoke, (_Int64("lease", _lease_id),)),
+    _OP_LEASE_KEEPALIVE: (LeaseKeepAlive, (_Int64("lease", _lease_id),)),
+    _OP_LEASE_KEEPALIVES: (LeaseKeepAlives, (_LeaseIds("leases", _keepalives_check),)),
+    _OP_LEASE_QUERY: (LeaseQuery, (_Int64("lease", _query_check),)),
+    _OP_SESSION_OPEN: (SessionOpen, (_Int64("session", lambda session: check_request_id(session, 1)), _Int32("max_sessions", _max_sessions))),
+    _OP_SESSIONS_EXPIRE: (SessionsExpire, (_Int64("upto", _index_check),)),
+}
+_OPCODE_OF = {cls: op for op, (cls, _) in COMMANDS.items() if op != _OP_LEASE_GRANT}
+
+# tag -> (the result's type, its fields in wire order); CommandError and None by hand.
+RESULTS: dict[bytes, tuple[type, tuple[_Field, ...]]] = {
+    b"P": (PutResult, (_Int64("index"),)),
+    b"D": (DeleteApplied, (_Int64("index"), _Flag("deleted"))),
+    b"G": (GetResult, (_Key("key"), _Int64("mod_index"), _Value("value"))),
+    b"F": (ConditionFailed, (_Key("key"), _Int64("mod_index"))),
+    b"T": (TxnApplied, (_Int64("index"), _Flag("succeeded"), _Results("results"))),
+    b"X": (NoSuchLease, (_Int64("lease"),)),
+    b"I": (LeaseInfo, (_Int64("lease"), _Int64("ttl_ms"), _Int64("remaining_ms"), _Keys("keys"))),
+    b"V": (LeaseRevoked, (_Int64("index"), _Keys("keys"))),
+    b"W": (PrefixDeleted, (_Int64("index"), _Keys("keys"))),
+    b"S": (LeaseList, (_Results("leases"),)),
+    b"g": (GetOmitted, (_Key("key"),)),
+    b"O": (SessionOpened, (_Int64("session"),)),
+    b"Z": (SessionExpired, (_Int64("session"),)),
+    b"Q": (StaleRequest, (_Int64("session"), _Int64("seq"), _Int64("last_seq"))),
+    b"M": (RequestMismatch, (_Int64("session"), _Int64("seq"))),
+}
+_TAG_OF = {cls: tag for tag, (cls, _) in RESULTS.items()}
+
+
+def _fields(value, fields: tuple[_Field, ...]) -> bytes:
+    return b"".join(f.encode(getattr(value, f.name)) for f in fields)
+
+
+def _read(cls: type, fields: tuple[_Field, ...], r: _Reader):
+    return cls(**{f.name: f.decode(r) for f in fields})
+
+
+def encode(cmd: Command | LocalCommand) -> bytes:
+    kind = type(cmd)
+    if kind is Put:
+        # The hot path: the value goes last, unprefixed, so the entry is just header + value.
+        if cmd.lease:
+            return _HEAD + bytes((_OP_PUT_LEASE,)) + _key(cmd.key) + _cond(cmd.cond) + _lease_id(cmd.lease) + bytes(cmd.value)
+        return _PUT_HEAD + _key(cmd.key) + _cond(cmd.cond) + bytes(cmd.value)
+    if kind is InSession:
+        return in_session(cmd.session, cmd.seq, encode(cmd.cmd))
+    if kind is Txn:
+        if len(cmd.conds) > MAX_CONDS:
+            raise CommandError(f"a transaction has {len(cmd.conds)} conditions; the format holds at most {MAX_CONDS}")
+        parts = [_HEAD, bytes((_OP_TXN,)), _U16.pack(len(cmd.conds))]
+        parts += [_cond(c) for c in cmd.conds]
+        parts.append(_U32.pack(len(cmd.ops)))
+        _ops(cmd.ops, parts)
+        parts.append(_U32.pack(len(cmd.else_ops)))
+        _ops(cmd.else_ops, parts)
+        return b"".join(parts)
+    op = _OPCODE_OF.get(kind)
+    if op is None:
+        raise CommandError(f"not a command: {cmd!r}")
+    if kind is LeaseGrant and not cmd.lease:
+        op = _OP_LEASE_GRANT
+    try:
+        return bytes((COMMAND_FORMAT, op)) + _fields(cmd, COMMANDS[op][1])
+    except (TypeError, AttributeError, struct.error) as e:
+        raise CommandError(f"a {kind.__name__} with a field of the wrong type: {cmd!r}") from e
+
+
 def decode(data: bytes) -> Command | LocalCommand:
     if not data:
         raise CommandError("empty command")
@@ -546,14 +722,10 @@ def decode(data: bytes) -> Command | LocalCommand:
     r.o = 1
     code = r.byte()
     try:
-        if code == _OP_PUT:
+        if code == _OP_PUT or code == _OP_PUT_LEASE:
             key = r.key()
             cond = r.cond()
-            return Put(key, data[r.o :], cond)
-        if code == _OP_PUT_LEASE:
-            key = r.key()
-            cond = r.cond()
-            lease = _U64.unpack(r.take(8))[0]
+            lease = _U64.unpack(r.take(8))[0] if code == _OP_PUT_LEASE else 0
             return Put(key, data[r.o :], cond, lease)
         if code == _OP_SESSION:
             session, seq, inner = session_of(data) or (0, 0, b"")
@@ -561,31 +733,12 @@ def decode(data: bytes) -> Command | LocalCommand:
                 raise CommandError("a session carries a put, delete, transaction or lease grant or revoke")
             check_request_id(session, seq)
             return InSession(session, seq, decode(inner))
-        if code == _OP_DELETE:
-            cmd = Delete(r.key(), r.cond())
-        elif code in _LEASE_OPS:
-            cmd = _LEASE_OPS[code](_U64.unpack(r.take(8))[0])
-        elif code == _OP_LEASE_KEEPALIVES:
-            n = r.u32()
-            if not 0 < n <= MAX_KEEPALIVES:
-                raise CommandError(f"a batched keepalive renews 1 to {MAX_KEEPALIVES} leases, not {n}")
-            cmd = LeaseKeepAlives(struct.unpack(f">{n}Q", r.take(8 * n)))
-        elif code == _OP_DELETE_PREFIX:
-            cmd = DeletePrefix(r.take(r.u16()).decode("utf-8"))
-        elif code == _OP_LEASE_GRANT_ID:
-            lease, ttl = struct.unpack(">QQ", r.take(16))
-            cmd = LeaseGrant(ttl, lease, r.take(r.u16()).decode("utf-8"))
-        elif code == _OP_SESSION_OPEN:
-            session = _U64.unpack(r.take(8))[0]
-            cmd = SessionOpen(session, _max_sessions(r.u32()))
-            check_request_id(session, 1)
-        elif code == _OP_SESSIONS_EXPIRE:
-            cmd = SessionsExpire(_U64.unpack(r.take(8))[0])
-        elif code == _OP_TXN:
+        if code == _OP_TXN:
             conds = tuple(r.cond() for _ in range(r.u16()))
             ops = r.ops(r.u32())
-            else_ops = r.ops(r.u32())
-            cmd = Txn(conds, ops, else_ops)
+            cmd = Txn(conds, ops, r.ops(r.u32()))
+        elif code in COMMANDS:
+            cmd = _read(*COMMANDS[code], r)
         else:
             raise CommandError(f"unknown opcode {code}")
     except UnicodeDecodeError as e:
@@ -602,46 +755,21 @@ def is_local(payload: bytes) -> bool:
 
 # The opcodes (as one byte) of the commands sent in a session: the writes that are logged.
 SESSION_OPCODES = frozenset(bytes((op,)) for op in (_OP_PUT, _OP_PUT_LEASE, _OP_DELETE, _OP_DELETE_PREFIX, _OP_TXN, _OP_LEASE_GRANT, _OP_LEASE_GRANT_ID, _OP_LEASE_REVOKE))
-_LEASE_OPS = {_OP_LEASE_GRANT: LeaseGrant, _OP_LEASE_REVOKE: LeaseRevoke, _OP_LEASE_KEEPALIVE: LeaseKeepAlive, _OP_LEASE_QUERY: LeaseQuery}
 
 
 # -- results on the wire (a leader answers a forwarded command) --------------------------------
 
 
-def _enc_one(r) -> bytes:
-    if isinstance(r, PutResult):
-        return b"P" + _U64.pack(r.index)
-    if isinstance(r, DeleteApplied):
-        return b"D" + _U64.pack(r.index) + bytes((int(r.deleted),))
-    if isinstance(r, GetResult):
-        v = r.value
-        return b"G" + _key(r.key) + _U64.pack(r.mod_index) + (b"\x00" if v is None else b"\x01" + _U32.pack(len(v)) + v)
-    if isinstance(r, ConditionFailed):
-        return b"F" + _key(r.key) + _U64.pack(r.mod_index)
-    if isinstance(r, TxnApplied):
-        return b"T" + _U64.pack(r.index) + bytes((int(r.succeeded),)) + _U32.pack(len(r.results)) + b"".join(
-            _enc_one(x) for x in r.results
-        )
-    if isinstance(r, NoSuchLease):
-        return b"X" + _U64.pack(r.lease)
-    if isinstance(r, LeaseInfo):
-        return b"I" + _U64.pack(r.lease) + _U64.pack(r.ttl_ms) + _U64.pack(max(0, r.remaining_ms)) + _keys(r.keys)
-    if isinstance(r, LeaseRevoked):
-        return b"V" + _U64.pack(r.index) + _keys(r.keys)
-    if isinstance(r, PrefixDeleted):
-        return b"W" + _U64.pack(r.index) + _keys(r.keys)
-    if isinstance(r, LeaseList):
-        return b"S" + _U32.pack(len(r.leases)) + b"".join(_enc_one(x) for x in r.leases)
-    if isinstance(r, GetOmitted):
-        return b"g" + _key(r.key)
-    if isinstance(r, SessionOpened):
-        return b"O" + _U64.pack(r.session)
-    if isinstance(r, SessionExpired):
-        return b"Z" + _U64.pack(r.session)
-    if isinstance(r, StaleRequest):
-        return b"Q" + _U64.pack(r.session) + _U64.pack(r.seq) + _U64.pack(r.last_seq)
-    if isinstance(r, RequestMismatch):
-        return b"M" + _U64.pack(r.session) + _U64.pack(r.seq)
+def _keys(keys: tuple[str, ...]) -> bytes:
+    return _U32.pack(len(keys)) + b"".join(_key(k) for k in keys)
+
+
+def encode_result(r) -> bytes:
+    tag = _TAG_OF.get(type(r))
+    if tag is not None:
+        if tag == b"I" and r.remaining_ms < 0:
+            r = r._replace(remaining_ms=0)  # overdue on the leader's clock: nothing left
+        return tag + _fields(r, RESULTS[tag][1])
     if isinstance(r, CommandError):
         msg = str(r).encode()
         return b"E" + _U32.pack(len(msg)) + msg
@@ -650,63 +778,21 @@ def _enc_one(r) -> bytes:
     raise CommandError(f"cannot encode result {r!r}")
 
 
-def _keys(keys: tuple[str, ...]) -> bytes:
-    return _U32.pack(len(keys)) + b"".join(_key(k) for k in keys)
-
-
-def encode_result(r) -> bytes:
-    return _enc_one(r)
-
-
-def _dec_one(rd: _Reader):
-    tag = rd.take(1)
-    if tag == b"P":
-        return PutResult(_U64.unpack(rd.take(8))[0])
-    if tag == b"D":
-        idx = _U64.unpack(rd.take(8))[0]
-        return DeleteApplied(idx, bool(rd.byte()))
-    if tag == b"G":
-        key = rd.key()
-        mod = _U64.unpack(rd.take(8))[0]
-        value = rd.take(rd.u32()) if rd.byte() else None
-        return GetResult(key, value, mod)
-    if tag == b"F":
-        key = rd.key()
-        return ConditionFailed(key, _U64.unpack(rd.take(8))[0])
-    if tag == b"T":
-        idx = _U64.unpack(rd.take(8))[0]
-        ok = bool(rd.byte())
-        return TxnApplied(idx, ok, tuple(_dec_one(rd) for _ in range(rd.u32())))
-    if tag == b"X":
-        return NoSuchLease(_U64.unpack(rd.take(8))[0])
-    if tag == b"I":
-        lease, ttl, left = struct.unpack(">QQQ", rd.take(24))
-        return LeaseInfo(lease, ttl, left, tuple(rd.key() for _ in range(rd.u32())))
-    if tag in (b"V", b"W"):
-        idx = _U64.unpack(rd.take(8))[0]
-        return (LeaseRevoked if tag == b"V" else PrefixDeleted)(idx, tuple(rd.key() for _ in range(rd.u32())))
-    if tag == b"S":
-        return LeaseList(tuple(_dec_one(rd) for _ in range(rd.u32())))
-    if tag == b"g":
-        return GetOmitted(rd.key())
-    if tag == b"O":
-        return SessionOpened(_U64.unpack(rd.take(8))[0])
-    if tag == b"Z":
-        return SessionExpired(_U64.unpack(rd.take(8))[0])
-    if tag == b"Q":
-        return StaleRequest(*struct.unpack(">QQQ", rd.take(24)))
-    if tag == b"M":
-        return RequestMismatch(*struct.unpack(">QQ", rd.take(16)))
+def _result(r: _Reader):
+    tag = r.take(1)
+    spec = RESULTS.get(tag)
+    if spec is not None:
+        return _read(*spec, r)
     if tag == b"E":
-        return CommandError(rd.take(rd.u32()).decode())
+        return CommandError(r.take(r.u32()).decode())
     if tag == b"N":
         return None
     raise CommandError(f"unknown result tag {tag!r}")
 
 
 def decode_result(data: bytes):
-    rd = _Reader(data)
-    r = _dec_one(rd)
-    if rd.o != len(data):
+    r = _Reader(data)
+    result = _result(r)
+    if r.o != len(data):
         raise CommandError("stray bytes after the result")
-    return r
+    return result

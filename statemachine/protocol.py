@@ -1,9 +1,14 @@
 """The contract between the replicated log and what it drives (DLedger's StateMachine:
-onApply / onSnapshotSave / onSnapshotLoad / onShutdown; hashicorp's FSM)."""
+onApply / onSnapshotSave / onSnapshotLoad / onShutdown; hashicorp's FSM), as the LevelDB
+machine implements it and its callers use it: the FSM caller (apply, reopen), the snapshot
+layer through the node (capture, sync, forget_effects, restore), the node at start
+(applied, membership) and the watch hub (on_changes, effects).
+`tests/test_statemachine.py` checks that LevelDBStateMachine has every member named here
+with the same parameters."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any, Protocol
 
 from ..raft.messages import Entry
@@ -25,21 +30,42 @@ class SnapshotView(Protocol):
 
 
 class StateMachine(Protocol):
+    path: str  # where it keeps its state on disk (named in errors, checked for free space)
+    on_changes: Callable[[list], None] | None  # told each applied batch's changes (the watch hub)
+
     def applied(self) -> tuple[int, int]:
         """The (index, term) of the last applied entry, as persisted."""
         ...
 
-    def apply(self, entries: Sequence[Entry]) -> list[Any]:
+    def membership(self) -> bytes:
+        """The membership as of the applied index (b"": none recorded yet)."""
+        ...
+
+    def apply(self, entries: Sequence[Entry], answering: Container[int] | None = None) -> list[Any]:
         """Apply committed entries in order, atomically together with the new applied
-        index; return one result per entry (None where there is nothing to say)."""
+        index; return one result per entry (None where there is nothing to say). Reads
+        inside a transaction are made only for the indexes in `answering` (None: all)."""
         ...
 
     def capture(self) -> SnapshotView:
         """onSnapshotSave, first half: pin the current state (cheap)."""
         ...
 
-    def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]]) -> None:
-        """onSnapshotLoad: replace the whole state with a snapshot's."""
+    def sync(self) -> None:
+        """Make everything applied durable (before the ledger drops the entries)."""
+        ...
+
+    def effects(self, lo: int, hi: int) -> dict[int, bytes]:
+        """What entries [lo, hi) did, by index, where their log rows alone do not say."""
+        ...
+
+    def forget_effects(self, upto: int) -> None:
+        """Drop what effects() keeps for entries up to `upto` (compacted from the ledger)."""
+        ...
+
+    def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]]) -> int:
+        """onSnapshotLoad: replace the whole state with a snapshot's; returns the number
+        of keys loaded."""
         ...
 
     def reopen(self) -> None:

@@ -436,3 +436,13 @@ def test_the_folder_name_check_sees_planted_imports(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("import raft.core\nfrom http import HTTPStatus\nfrom http import app\nfrom snapshot.format import X\nimport http.cookies\n")
     assert [h.rsplit(": ", 1)[1] for h in folder_name_imports(str(planted))] == ["raft.core", "http.app", "snapshot.format"]
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A `_name` is its module's own: another module that needs it gets a public name."""
+    found = []
+    for path in _kv_files():
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                found += [f"{path}:{node.lineno}: {a.name}" for a in node.names if a.name.startswith("_") and not a.name.endswith("__")]
+    assert not found, "private names imported across modules:\n" + "\n".join(found)

@@ -142,3 +142,27 @@ def test_a_put_whose_key_is_not_utf8_is_rejected_not_fatal(sm):
     res = sm.apply([Entry(1, 1, EntryKind.NORMAL, bad), normal(2, c.Put("ok", b"1"))])
     assert isinstance(res[0], c.CommandError) and res[1] == c.PutResult(2)
     assert sm.applied() == (2, 1)
+
+
+def test_the_leveldb_machine_implements_the_protocol_as_written(tmp_path):
+    """statemachine/protocol.py says what the log's driver, the snapshot layer and the
+    watch hub use; the LevelDB machine has each member, with the same parameters."""
+    import inspect
+
+    from kv.statemachine import protocol
+
+    sm = LevelDBStateMachine(str(tmp_path / "s"))
+    view = sm.capture()
+    try:
+        for proto, obj in ((protocol.StateMachine, sm), (protocol.SnapshotView, view)):
+            impl = type(obj)
+            members = [n for n, v in vars(proto).items() if not n.startswith("_") and callable(v)]
+            assert members, proto
+            for name in members:
+                want = list(inspect.signature(getattr(proto, name)).parameters)
+                assert list(inspect.signature(getattr(impl, name)).parameters) == want, (impl.__name__, name)
+            for name in proto.__annotations__:
+                assert hasattr(obj, name), (impl.__name__, name)
+    finally:
+        view.release()
+        sm.close()

@@ -11,6 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import contextmanager
 
+from ..common.text import columns
+
 
 def pct(values: list[float], p: float) -> float:
     if not values:
@@ -95,10 +97,7 @@ async def closed_loop(
 
 def print_table(title: str, rows: list[dict], cols: list[str]) -> None:
     print(f"\n{title}")
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    for r in rows:
-        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
+    print("\n".join(columns([cols, *([_fmt(r.get(c)) for c in cols] for r in rows)])))
 
 
 def _fmt(v) -> str:

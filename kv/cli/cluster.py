@@ -19,6 +19,7 @@ from ..client.endpoints import DEFAULT_ENDPOINTS
 from ..server.datadir import DataDirLock
 from ..errors import BadRequest
 from ..bench.harness import SERVE, statuses
+from ..common.text import columns
 from .options import at_least
 from ..server.process import check_can_listen
 
@@ -97,9 +98,7 @@ async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> i
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print()
-    print(f"  {'node':6} {'client endpoint':26} {'pid':>8}")
-    for n in plan:
-        print(f"  {n['id']:6} {n['url']:26} {procs[n['id']].pid:>8}")
+    print("\n".join(columns([("node", "client endpoint", "pid"), *((n["id"], n["url"], str(procs[n["id"]].pid)) for n in plan)], right=(2,), indent="  ")))
     print()
     endpoints = ",".join(n["url"] for n in plan)
     print(f"  try:  kv put hello world --endpoints {endpoints}")

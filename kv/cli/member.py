@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from ..client.endpoints import HINT
+from ..common.text import columns
 from .options import client_command, with_client
 from .output import emit, report, wants_json
 
@@ -108,9 +109,7 @@ def _print_status(rows: list) -> int:
             table.append(("?", "unreachable", "", "", "", "", "", "", "", ep))
         else:
             table.append(tuple(str(st.get(k) if st.get(k) is not None else "-") for k in cols) + (ep,))
-    widths = [max(len(r[i]) for r in table) for i in range(len(heads))]
-    for r in table:
-        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    print("\n".join(columns(table)))
     for ep, st in rows:  # why, on stderr under the table (too long for a column)
         if isinstance(st, Exception):
             why = str(st) if str(st).startswith(ep) else f"{ep}: {st}"

@@ -9,13 +9,13 @@ import itertools
 import json
 import os
 import sys
-import time
 
 from ..server.datadir import DataDirLock
 from ..errors import SnapshotError
 from ..snapshot.format import SnapshotFormatError, iter_records, read_header, verify
 from ..statemachine.lease_table import RESERVED
 from ..snapshot.restore import RestoreError, check_file, restore
+from ..common.text import Progress
 from .options import client_options
 from .output import add_output_option, emit, report, wants_json
 
@@ -44,29 +44,6 @@ def add_parser(sub) -> None:
     rs.add_argument("--peers", required=True, help="the new cluster's members: ID=HOST:PORT,...")
     rs.add_argument("--group", default="default")
     add_output_option(rs)
-
-
-class Progress:
-    """A one-line progress bar on stderr (a plain line per 10% when not a terminal)."""
-
-    def __init__(self, label: str) -> None:
-        self.label, self.t0, self.last = label, time.monotonic(), -1
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int) -> None:
-        pct = int(done * 100 / total) if total else 0
-        if self.tty:
-            bar = "#" * (pct // 4)
-            rate = done / max(time.monotonic() - self.t0, 1e-6) / 1e6
-            sys.stderr.write(f"\r{self.label} [{bar:<25}] {pct:3d}% {done / 1e6:8.1f}/{total / 1e6:.1f} MB {rate:6.1f} MB/s")
-            sys.stderr.flush()
-        elif pct // 10 != self.last // 10:
-            print(f"{self.label}: {pct}% ({done} of {total} bytes)", file=sys.stderr)
-        self.last = pct
-
-    def done(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
 
 
 async def _save(args: argparse.Namespace) -> int:

@@ -79,12 +79,12 @@ async def watch(
     backoff = Backoff(0.05, 1.0)
     failing_since: float | None = None
     unreachable = Unreachable(rotation, timeout)
+    stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=idle_timeout)
     while True:
         ep = rotation.current()
         params = {"prefix": prefix, **pos.resume(), **bound}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=2.0, sock_read=idle_timeout)
         try:
-            async with session().get(ep + "/v1/watch", params=params, timeout=timeout) as resp:
+            async with session().get(ep + "/v1/watch", params=params, timeout=stream_timeout) as resp:
                 if resp.status == 410:
                     compacted.add(ep)
                     last_error = errors.Compacted(f"{ep}: {(await resp.read())[:500].decode(errors='replace')}")
