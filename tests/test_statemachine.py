@@ -166,3 +166,41 @@ def test_the_leveldb_machine_implements_the_protocol_as_written(tmp_path):
     finally:
         view.release()
         sm.close()
+
+
+# The log's format, pinned: these bytes are what every ledgerkv so far wrote for these
+# commands (and answered with these results). A change to the codec that changes one of
+# them would make committed entries read differently: a new format version instead.
+PINNED_COMMANDS = [
+    (c.Put("k", b"v"), "010100016b0076"),
+    (c.Put("k", b"v", c.Cond("k", "mod", 7), 9), "010500016b0100016b0000000000000007000000000000000976"),
+    (c.Delete("k", c.Cond("k", "exists", True)), "010200016b0300016b01"),
+    (c.DeletePrefix("a/"), "010f0002612f"),
+    (c.Txn((c.Cond("a", "value", b"x"),), (c.Put("a", b"1"), c.Get("b")), (c.Delete("a"),)), "01030001020001610000000178000000020100016100000001310004000162000000010200016100"),
+    (c.LeaseGrant(5000), "01060000000000001388"),
+    (c.LeaseGrant(5000, 12345, "app/"), "010e0000000000003039000000000000138800046170702f"),
+    (c.LeaseRevoke(12345), "01070000000000003039"),
+    (c.LeaseKeepAlive(12345), "01080000000000003039"),
+    (c.LeaseKeepAlives((1, 2)), "010a0000000200000000000000010000000000000002"),
+    (c.LeaseQuery(0), "01090000000000000000"),
+    (c.SessionOpen(77, 1000), "010b000000000000004d000003e8"),
+    (c.SessionsExpire(42), "010d000000000000002a"),
+    (c.InSession(77, 3, c.Delete("k")), "010c000000000000004d0000000000000003010200016b00"),
+]
+PINNED_RESULTS = [
+    (c.TxnApplied(7, True, (c.PutResult(7), c.GetResult("b", None, 0), c.GetOmitted("z"), None)), "5400000000000000070100000004500000000000000007470001620000000000000000006700017a4e"),
+    (c.LeaseList((c.LeaseInfo(1, 2000, 1500, ("k",)), c.NoSuchLease(5))), "530000000249000000000000000100000000000007d000000000000005dc0000000100016b580000000000000005"),
+    (c.StaleRequest(1, 2, 3), "51000000000000000100000000000000020000000000000003"),
+]
+
+
+@pytest.mark.parametrize("cmd, pinned", PINNED_COMMANDS)
+def test_command_encodings_are_those_of_the_log_so_far(cmd, pinned):
+    assert c.encode(cmd).hex() == pinned
+    assert c.decode(bytes.fromhex(pinned)) == cmd
+
+
+@pytest.mark.parametrize("result, pinned", PINNED_RESULTS)
+def test_result_encodings_are_those_of_the_wire_so_far(result, pinned):
+    assert c.encode_result(result).hex() == pinned
+    assert c.decode_result(bytes.fromhex(pinned)) == result
