@@ -212,7 +212,7 @@ _BY_CLASS = {s.cls: s for s in MESSAGES}
 _BY_FTYPE = {s.ftype: s for s in MESSAGES}
 
 
-def _frame(ftype: int, body: bytes) -> bytes:
+def frame(ftype: int, body: bytes) -> bytes:
     return FRAME_HEADER.pack(len(body) + 1, ftype) + body
 
 
@@ -228,7 +228,7 @@ def encode(msg: Message) -> bytes:
     parts = [bytes((len(s),)), s, bytes((len(d),)), d, spec.struct.pack(*values)]
     for v in spec.variable:
         v.write(msg, parts)
-    return _frame(spec.ftype, b"".join(parts))
+    return frame(spec.ftype, b"".join(parts))
 
 
 def decode(ftype: int, body: bytes | memoryview) -> Message:

@@ -78,12 +78,12 @@ def pack_strs(*items: bytes) -> bytes:
 
 def hello_frame(group: bytes, src: bytes, dst: bytes, url: bytes, nonce: bytes) -> bytes:
     """The dialer's first frame (see the handshake above)."""
-    return codec._frame(HELLO, pack_strs(MAGIC, group, src, dst, url, nonce))
+    return codec.frame(HELLO, pack_strs(MAGIC, group, src, dst, url, nonce))
 
 
 def auth_frame(proof: bytes) -> bytes:
     """The dialer's answer to WELCOME."""
-    return codec._frame(AUTH, pack_strs(proof))
+    return codec.frame(AUTH, pack_strs(proof))
 
 
 def _unpack_strs(body: bytes | memoryview, count: int) -> list[bytes]:
@@ -238,12 +238,12 @@ class _Inbound(asyncio.Protocol):
             if src_s == t.node_id:
                 raise codec.CodecError(f"a peer claims to be this node ({src_s!r})")
             if not t.is_member(src_s):
-                self.transport.write(codec._frame(REMOVED, pack_strs(_mac(t.secret, b"removed", group, src, dst, nonce_c))))
+                self.transport.write(codec.frame(REMOVED, pack_strs(_mac(t.secret, b"removed", group, src, dst, nonce_c))))
                 raise codec.CodecError(f"{src_s!r} was removed from this cluster")
             self.peer, self.nonce_c, self.nonce_s = src_s, nonce_c, os.urandom(16)
             self._url = url.decode()
             proof = _mac(t.secret, b"accept", group, src, dst, nonce_c)
-            self.transport.write(codec._frame(WELCOME, pack_strs(self.nonce_s, proof)))
+            self.transport.write(codec.frame(WELCOME, pack_strs(self.nonce_s, proof)))
         elif ftype == AUTH and self.peer is not None:
             (proof,) = _unpack_strs(body, 1)
             expect = _mac(t.secret, b"dial", t.group.encode(), self.peer.encode(), t.node_id.encode(), self.nonce_c, self.nonce_s)

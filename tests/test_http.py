@@ -447,10 +447,10 @@ async def test_a_write_whose_answer_is_lost_is_sent_again_and_applied_once(api):
         async with kv.AsyncClient([url, live], timeout=5) as c:
             await c.put("warm", b"up")  # the client opens its session
             forwarded.clear()
-            c._next, c._failed = 0, {}  # the fake first (a client starts at a random endpoint; one that failed goes last)
+            c.rotation.start_at(url)  # the fake first (a client starts at a random endpoint; one that failed goes last)
             w = await c.put("once", b"v", if_absent=True)  # not 412 against its own first copy
             assert (await c.get("once")).mod_index == w.index
-            c._next, c._failed = 0, {}  # the fake again (it failed: it would be tried last for a while)
+            c.rotation.start_at(url)  # the fake again (it failed: it would be tried last for a while)
             d = await c.delete("once")
             assert d.deleted and d.index > w.index  # the copy's answer: it found the key
             assert [x[:2] for x in forwarded if x[0] != "POST"] == [("PUT", "/v1/kv/once"), ("DELETE", "/v1/kv/once")]
@@ -557,7 +557,7 @@ async def test_a_nodes_no_leader_answer_is_told_over_the_other_endpoints_silence
     try:
         for start in range(3):  # whichever endpoint the client tries first
             async with kv.AsyncClient([f"http://127.0.0.1:{fake.sockets[0].getsockname()[1]}", *dead], timeout=1) as c:
-                c._next = start
+                c.rotation.start_at(c.endpoints[start])
                 for call in (lambda: c.put("k", b"v"), lambda: c.get("k")):
                     with pytest.raises(kv.NotLeader, match=re.escape(said)):
                         await call()

@@ -446,3 +446,42 @@ def test_no_private_name_is_imported_from_another_module():
             if isinstance(node, ast.ImportFrom) and node.module != "__future__":
                 found += [f"{path}:{node.lineno}: {a.name}" for a in node.names if a.name.startswith("_") and not a.name.endswith("__")]
     assert not found, "private names imported across modules:\n" + "\n".join(found)
+
+
+def _private_defined(path: str) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.endswith("__")}
+
+
+def private_reaches_across_modules(paths: list[str]) -> list[str]:
+    """`x._name` where `_name` is private to another of our modules and not this one's:
+    within a layer too, a module uses another's public names only (a private name that
+    moved, or went, is then found here rather than by a user)."""
+    own = {p: _private_defined(p) for p in paths}
+    everyone = set().union(*own.values())
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+            if isinstance(node, ast.Attribute) and node.attr in everyone and node.attr not in own[path]:
+                owner = node.value.id if isinstance(node.value, ast.Name) else None
+                if owner not in ("self", "cls"):
+                    found.append(f"{path}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    found = private_reaches_across_modules(_kv_files())
+    assert not found, "private names of another module (give it a public name):\n" + "\n".join(found)
+
+
+def test_the_private_reach_check_sees_a_planted_one(tmp_path, monkeypatch):
+    (tmp_path / "kv").mkdir()
+    (tmp_path / "kv" / "a.py").write_text("class A:\n    def _pick(self):\n        return self._turn\n")
+    (tmp_path / "kv" / "b.py").write_text("def f(c):\n    return c._pick(), c._unknown_elsewhere\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", str(tmp_path))
+    assert private_reaches_across_modules(["kv/a.py", "kv/b.py"]) == ["kv/b.py:2: ._pick"]

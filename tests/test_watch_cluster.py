@@ -105,7 +105,7 @@ async def test_the_watched_node_killed_mid_stream_the_client_resumes_elsewhere_e
     urls = [cluster.url(f), cluster.url(other), cluster.url(lead)]
     writes: list[tuple[int, str]] = []
     async with kv.AsyncClient(urls, timeout=20) as wc, kv.AsyncClient(cluster.url(lead)) as writer:
-        wc._next = 0  # watch the follower first
+        wc.rotation.start_at(urls[0])  # watch the follower first
         start = (await wc.scan_page("k/", consistency="stale")).index + 1
         events: list[kv.Event] = []
         done, flowing = asyncio.Event(), asyncio.Event()

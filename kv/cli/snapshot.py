@@ -51,7 +51,7 @@ async def _save(args: argparse.Namespace) -> int:
     from ..errors import KVError, NotFound
 
     async with AsyncClient(args.endpoints, token=args.token, cacert=args.cacert) as c:
-        first = c._endpoint()
+        first = c.rotation.pick()
         order = c.endpoints[c.endpoints.index(first):] + c.endpoints[: c.endpoints.index(first)]
         for n, ep in enumerate(order):  # taken and downloaded on one node, the next if it fails
             try:

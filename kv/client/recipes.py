@@ -243,7 +243,7 @@ async def _wait_until_first(store, prefix: str, my_key: str, since: int) -> None
                     if ev.key == pred.key and ev.type == "delete":
                         break
             finally:
-                await _close(watch)
+                await _close_watch(watch)
         except Compacted:  # waited so long that the history is gone: look again from now
             since = await _applied_index(store)
 
@@ -256,7 +256,7 @@ async def _applied_index(store) -> int:
     return (await store.status())["applied_index"] + 1  # kv.AsyncClient
 
 
-async def _close(watch) -> None:
+async def _close_watch(watch) -> None:
     close = getattr(watch, "aclose", None) or getattr(watch, "close", None)
     if close is not None:
         r = close()
@@ -343,7 +343,7 @@ class AsyncLock:
                         lease._lose(LeaseNotFound(lease.id, f"its key {self.key} was deleted: its lease {lease.id} was revoked or expired"))
                         return
             finally:
-                await _close(watch)
+                await _close_watch(watch)
         except KVError as e:  # the keepalive still notices a loss, later
             log.info("lock %s: cannot watch its key (%s); a lost lease is noticed at its next keepalive", self.name, e)
 
@@ -442,7 +442,7 @@ class AsyncElection:
                         since = ev.index + 1
                         break
                 finally:
-                    await _close(watch)
+                    await _close_watch(watch)
             except Compacted:
                 since = await _applied_index(self._store)
             items = await self._store.scan(self.name + "/")
