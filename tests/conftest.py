@@ -13,16 +13,19 @@ def pytest_addoption(parser):
 
 
 # Two lanes, one per pytest-xdist worker (pyproject's addopts: -n 2). "untimed": the Spark
-# pipeline (its JVM start-ups are most of the run's time) and the seeded simulators, whose
-# tests assert nothing about time. "timed": everything else, one test at a time as in a
+# pipeline (its JVM start-ups are most of the run's time), the seeded simulators and the
+# modules below, whose tests assert nothing about time. "timed": everything else, one test at a time as in a
 # single process: the real-process tests that wait on elections, ttls and timeouts. The
 # Spark tests' cluster and JVM do load the machine beside the timed lane.
 SIM_MODULES = ("test_raft_sim.py", "test_lease_sim.py", "test_membership_sim.py")
+# Also untimed: the benchmarks' smoke runs (they check that reports come out, not figures),
+# the docs (their examples, the site's build) and the layout checks (a wheel build).
+UNTIMED_MODULES = ("test_bench_smoke.py", "test_docs.py", "test_layout.py", "test_public_api.py")
 
 
 def lane(nodeid: str) -> str:
     module = nodeid.partition("::")[0]
-    return "untimed" if "spark" in nodeid or module.endswith(SIM_MODULES) else "timed"
+    return "untimed" if "spark" in nodeid or module.endswith(SIM_MODULES + UNTIMED_MODULES) else "timed"
 
 
 @pytest.hookimpl(optionalhook=True)

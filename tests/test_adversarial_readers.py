@@ -100,7 +100,7 @@ def test_watchers_cut_off_for_reading_too_slowly_are_freed_when_they_close():
                 n1 = await c.leader(s)
                 url, pid, port = c.url(n1), c.procs[n1].pid, int(c.http[n1].split(":")[1])
                 rss = []
-                for _ in range(2):
+                for _ in range(3):
                     stop = asyncio.Event()
                     readers = [asyncio.ensure_future(slow_reader(port, stop)) for _ in range(200)]
                     await asyncio.sleep(0.5)
@@ -116,9 +116,13 @@ def test_watchers_cut_off_for_reading_too_slowly_are_freed_when_they_close():
                             break
                         await asyncio.sleep(0.2)
                     assert open_watches == 0
+                    async with s.get(f"{url}/metrics") as r:
+                        assert metric(await r.text(), "kv_watch_buffered_bytes") == 0  # their buffers went back
                     rss.append(rss_mb(pid))
-                print(f"two rounds of 200 slow watchers: RSS after each {rss[0]:.0f}, {rss[1]:.0f} MB")
-                assert rss[1] < rss[0] * 1.3  # the second round reuses what the first freed
+                print(f"three rounds of 200 slow watchers: RSS after each {', '.join(f'{x:.0f}' for x in rss)} MB")
+                # Leaked, each round added about 100 MB. A busy machine's allocator may keep
+                # some more once; a round after a round that freed its watchers adds little.
+                assert min(rss[1] - rss[0], rss[2] - rss[1]) < 30, rss
 
     asyncio.run(run())
 
