@@ -165,5 +165,10 @@ def test_docs_site_builds_strict(tmp_path):
             if method in ("get", "put", "post", "delete"):
                 assert f"{method.upper()} {path}" in reference.replace("&amp;", "&"), (method, path)
     api = (site / "python-api" / "index.html").read_text()
-    for name in ("lease_grant", "scan_page", "delete_prefix", "PreconditionFailed", "WriteResult"):
-        assert name in api, name
+    from test_layout import STORE_API
+
+    faces = ("kv.store.Store", "kv.node.Node", "kv.client.async_client.AsyncClient", "kv.client.blocking.Client")
+    missing = [f"{face}.{name}" for face in faces for name in STORE_API if f'id="{face}.{name}"' not in api]
+    missing += [f"kv.client.recipes.{m}" for m in ("Lease.alive", "Lease.revoke", "Election.leader", "Election.resign", "Election.is_leader") if f'id="kv.client.recipes.{m}"' not in api]
+    assert not missing, f"the Python reference does not show: {missing}"
+    assert "PreconditionFailed" in api and "WriteResult" in api

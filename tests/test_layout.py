@@ -398,6 +398,16 @@ def test_a_client_needs_neither_lmdb_nor_plyvel_nor_the_raft_driver():
     out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+    # And the command line's client commands (a newcomer's client-only install: `kv --help`
+    # and `kv get` failed on `import lmdb`, the parser loading `kv serve`'s module).
+    cli = "import sys\nfor m in ('lmdb', 'plyvel'):\n    sys.modules[m] = None\nfrom kv.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    for argv, rc, said in (
+        (["--help"], 0, "COMMAND"),
+        (["get", "k", "--endpoints", "http://127.0.0.1:1", "--timeout", "0.5"], 1, "kv get: no endpoint answered"),
+        (["snapshot", "save", "--help"], 0, "usage: kv snapshot save"),
+    ):
+        out = subprocess.run([sys.executable, "-c", cli, *argv], cwd="/", capture_output=True, text=True, timeout=60)
+        assert out.returncode == rc and said in out.stdout + out.stderr, (argv, out.stdout[-500:], out.stderr[-1000:])
 
 
 MAPPED = ("raft", "statemachine", "snapshot", "http")

@@ -8,8 +8,8 @@ import logging
 import os
 import signal
 import threading
+from typing import TYPE_CHECKING
 
-from ..node import Node
 from ..server import tls
 from ..server.config import NodeConfig, check_hostport
 from ..server.datadir import DataDirLock
@@ -17,6 +17,9 @@ from ..server.eventlog import log_term_from, setup_logging
 from ..server.join import join_cluster, promote_when_caught_up
 from ..server.process import check_can_listen, http_connection_cap, install_uvloop, listen_error, raise_fd_limit, tune_gc
 from .settings import add_serve_options, serve_settings
+
+if TYPE_CHECKING:
+    from ..node import Node
 
 
 def add_parser(sub) -> None:
@@ -42,6 +45,7 @@ STOP_GRACE_S = 15.0  # how long stopping may take before the process exits regar
 
 
 async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
+    from ..node import Node  # here: the client commands load without the storage engines
     from ..http.app import serve  # aiohttp only when serving
     from ..http.auth import load_tokens
 

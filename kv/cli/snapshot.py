@@ -14,7 +14,6 @@ from ..server.datadir import DataDirLock
 from ..errors import SnapshotError
 from ..snapshot.format import SnapshotFormatError, iter_records, read_header, verify
 from ..statemachine.lease_table import RESERVED
-from ..snapshot.restore import RestoreError, check_file, restore
 from ..common.text import Progress
 from .options import client_options
 from .output import add_output_option, emit, report, wants_json
@@ -112,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         return _inspect(args)
     if args.snap_cmd == "restore":
         from ..server.config import parse_peers
+        from ..snapshot.restore import RestoreError, check_file, restore  # (loads the storage engines)
 
         _readable(args.file)
         peers = parse_peers(args.peers)
