@@ -16,7 +16,7 @@ from kv.server.access import request_forwarded
 from . import routes_admin, routes_kv, routes_leases, routes_members, routes_sessions, routes_watch
 from .answer import Answer
 from .auth import ADMIN, Grant, authorize
-from .context import CONTEXT, HttpContext
+from .context import CONTEXT, LARGE_ANSWER, HttpContext
 from .errors import run_handler
 from .fastpath import FastFront
 from .listener import CappedSite
@@ -30,9 +30,25 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 
 @web.middleware
 async def middleware(request: web.Request, handler) -> web.StreamResponse:
-    """handle(), for a request that aiohttp serves: an Answer becomes aiohttp's Response."""
+    """handle(), for a request that aiohttp serves: an Answer becomes aiohttp's Response.
+    A large one is written here, counted in the node's unread answers until its client has
+    taken it (as the fast path counts its own): the handler's room_for() then refuses the
+    next large answer while clients that do not read hold --http-unread-bytes."""
     resp = await handle(request, handler)
-    return resp.to_response() if isinstance(resp, Answer) else resp
+    if not isinstance(resp, Answer):
+        return resp
+    out = resp.to_response()
+    size = len(out.body) if isinstance(out.body, bytes | bytearray) else 0
+    if size <= LARGE_ANSWER:
+        return out
+    c = request.app[CONTEXT]
+    c.unread += size
+    try:
+        await out.prepare(request)
+        await out.write_eof()  # returns once the socket took most of it (aiohttp drains)
+    finally:
+        c.unread -= size
+    return out
 
 
 async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:

@@ -112,11 +112,17 @@ async def list_keys(request: web.Request) -> Answer:
     if not 0 < limit <= MAX_LIST:
         raise BadRequest(f"limit must be between 1 and {MAX_LIST}")
     force_b64 = q.get("encoding") == "base64"
+    # A page holds at most --max-txn-read-bytes of keys and values (with one key at least):
+    # 10,000 values of 1 MiB would otherwise be one answer of 13 GiB built in memory.
+    cap = c.node.config.max_txn_read_bytes
     items, index = await c.node.scan_page(
-        q.get("prefix", ""), after=q.get("after"), limit=limit + 1, consistency=_consistency(request), timeout=read_timeout(request)
+        q.get("prefix", ""), after=q.get("after"), limit=limit + 1, consistency=_consistency(request), timeout=read_timeout(request),
+        max_bytes=cap,
     )
-    more = len(items) > limit
+    size = sum(len(it.key.encode()) + len(it.value) for it in items)  # as the state machine counts
+    more = len(items) > limit or size >= cap  # cut short by its size: the client reads on from `next`
     items = items[:limit]
+    c.room_for(size)
     out = [{"key": it.key, **value_fields(it.value, force_b64), "mod_index": it.mod_index} for it in items]
     return json_response({"items": out, "next": items[-1].key if more else None, "index": index})
 

@@ -430,13 +430,17 @@ class Node(AsyncRecipes):
 
         return Scan(fetch, after=after, limit=limit, page=page)
 
-    async def scan_page(self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", timeout: float | None = None) -> Page:
-        """scan, and the applied index the page was read at (list, then watch from index + 1)."""
+    async def scan_page(
+        self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", timeout: float | None = None,
+        max_bytes: int | None = None,
+    ) -> Page:
+        """scan, and the applied index the page was read at (list, then watch from index + 1).
+        `max_bytes`: the page ends once its keys and values add up to that many bytes."""
         if limit <= 0:
             raise BadRequest("limit must be positive")
         index = await self.read_barrier(consistency, timeout)
         try:
-            return Page([Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit)], index)
+            return Page([Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit, max_bytes)], index)
         except StateCorrupt as e:
             raise public_error(e) from e
 

@@ -177,18 +177,22 @@ class LevelDBStateMachine:
             return None
         return _U64.unpack_from(raw)[0], raw[8:]
 
-    def scan(self, prefix: str = "", after: str | None = None, limit: int = 1000) -> list[tuple[str, bytes, int]]:
-        """Keys with the prefix, in key order, strictly after `after`: (key, value, mod_index)."""
+    def scan(self, prefix: str = "", after: str | None = None, limit: int = 1000, max_bytes: int | None = None) -> list[tuple[str, bytes, int]]:
+        """Keys with the prefix, in key order, strictly after `after`: (key, value, mod_index);
+        at most `limit`, and no more once their keys and values add up to `max_bytes`
+        (the one that reaches it included, so a page always holds a key when one is left)."""
         pre = _DATA + prefix.encode()
         start = _DATA + after.encode() + b"\x00" if after is not None else pre
         out = []
+        left = max_bytes if max_bytes is not None else float("inf")
         it = self._db.iterator(start=max(start, pre, _USER_DATA), prefix=None, verify_checksums=True)
         try:
             for k, v in it:
                 if not k.startswith(pre):
                     break
                 out.append((k[1:].decode(), v[8:], _U64.unpack_from(v)[0]))
-                if len(out) >= limit:
+                left -= len(k) + len(v) - 9
+                if len(out) >= limit or left <= 0:
                     break
         except plyvel.CorruptionError as e:
             raise self._damaged(e) from e

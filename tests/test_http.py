@@ -645,3 +645,35 @@ async def test_delete_a_prefix_in_one_entry_with_a_delete_event_per_key(api):
     assert [(x["type"], x.get("key"), x.get("index")) for x in lines[1:]] == [("delete", "dp/a", d["index"]), ("delete", "dp/b/c", d["index"])]
     assert (await api.get("/v1/kv/dp/a")).status == 404 and (await api.get("/v1/kv/dq/x")).status == 200
     assert (await (await api.delete("/v1/kv", params={"prefix": "dp/"})).json())["deleted"] == 0
+
+
+async def test_a_page_of_large_values_stops_at_the_read_limit_and_paging_on_loses_nothing(tmp_path):
+    """GET /v1/kv?limit=10000 over keys with 1 MiB values built one answer of up to 13 GiB
+    in the node's memory. A page now ends once its keys and values reach
+    --max-txn-read-bytes (one key at least), and `next` says where to read on."""
+    import kv
+
+    node, api = await make_client(tmp_path, max_txn_read_bytes=5000)
+    try:
+        keys = [f"big/{i:03d}" for i in range(30)] + [f"big/ü{i}" for i in range(5)]  # multi-byte keys count as bytes
+        for k in keys:
+            assert (await api.put(f"/v1/kv/{k}", data=b"x" * 900)).status == 200
+        got, after, pages = [], None, 0
+        while True:
+            r = await api.get("/v1/kv", params={"prefix": "big/", "limit": "10000", **({"after": after} if after else {})})
+            d = await r.json()
+            size = sum(len(it["key"].encode()) + len(it["value"]) for it in d["items"])
+            assert size < 5000 + 1000, size  # at most one value past the limit
+            got += [it["key"] for it in d["items"]]
+            pages += 1
+            if d["next"] is None:
+                break
+            after = d["next"]
+        assert got == sorted(keys) and pages >= 6  # every key once, in order, over several pages
+        async with kv.AsyncClient(f"http://{api.host}:{api.port}") as c:
+            assert [it.key for it in await c.scan("big/")] == sorted(keys)
+        one = await (await api.get("/v1/kv", params={"prefix": "big/", "limit": "1"})).json()
+        assert len(one["items"]) == 1 and one["next"] == one["items"][0]["key"]
+    finally:
+        await api.close()
+        await node.stop()
