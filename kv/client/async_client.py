@@ -343,7 +343,9 @@ class AsyncClient(AsyncRecipes):
 
     async def scan_page(self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable") -> Page:
         """One page of keys under prefix and the applied index it was read at: watch from
-        index + 1 to see every later change, none twice."""
+        index + 1 to see every later change, none twice. A page of large values holds fewer
+        than `limit` keys (the node's --max-txn-read-bytes): read on after its last key
+        until a page comes back empty, or use scan(), which does."""
         params = {"prefix": prefix, "limit": str(limit), "consistency": consistency, **({"after": after} if after is not None else {})}
         d = await self._json("GET", "/v1/kv", params=params)
         return Page([Item(it["key"], value_from(it), it["mod_index"]) for it in d["items"]], d["index"])
