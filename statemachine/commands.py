@@ -566,18 +566,16 @@ class _Cond(_Field):
 
 
 class _LeaseIds(_Field):
-    """u32 count, then each id as a u64."""
+    """A u32 count (1 to MAX_KEEPALIVES, checked before reading that many), then each id
+    as a u64 (each checked when encoded)."""
 
-    def pack(self, value) -> bytes:
+    def encode(self, value) -> bytes:
+        _keepalive_count(len(value))
         return _U32.pack(len(value)) + b"".join(map(_lease_id, value))
 
-    def read(self, r: _Reader):
-        n = r.u32()
-        self.check(range(n))  # the count, before reading that many
-        return struct.unpack(f">{n}Q", r.take(8 * n))
-
     def decode(self, r: _Reader):
-        return self.read(r)
+        n = _keepalive_count(r.u32())
+        return struct.unpack(f">{n}Q", r.take(8 * n))
 
 
 class _Keys(_Field):
@@ -621,9 +619,10 @@ def _check(ok, what: str):
 _index_check = _check(lambda v: type(v) is int and 0 < v <= MAX_INDEX, "sessions expire up to a log index")
 
 
-def _keepalives_check(value) -> None:
-    if not 0 < len(value) <= MAX_KEEPALIVES:
-        raise CommandError(f"a batched keepalive renews 1 to {MAX_KEEPALIVES} leases, not {len(value)}")
+def _keepalive_count(n: int) -> int:
+    if not 0 < n <= MAX_KEEPALIVES:
+        raise CommandError(f"a batched keepalive renews 1 to {MAX_KEEPALIVES} leases, not {n}")
+    return n
 
 
 def _query_check(lease) -> None:
@@ -646,9 +645,9 @@ COMMANDS: dict[int, tuple[type, tuple[_Field, ...]]] = {
     _OP_LEASE_GRANT_ID: (LeaseGrant, (_Int64("lease", _lease_id), _Int64("ttl_ms", check_ttl_ms), _Text("owner", _owner_check))),
     _OP_LEASE_REVOKE: (LeaseRevoke, (_Int64("lease", _lease_id),)),
     _OP_LEASE_KEEPALIVE: (LeaseKeepAlive, (_Int64("lease", _lease_id),)),
-    _OP_LEASE_KEEPALIVES: (LeaseKeepAlives, (_LeaseIds("leases", _keepalives_check),)),
+    _OP_LEASE_KEEPALIVES: (LeaseKeepAlives, (_LeaseIds("leases"),)),
     _OP_LEASE_QUERY: (LeaseQuery, (_Int64("lease", _query_check),)),
-    _OP_SESSION_OPEN: (SessionOpen, (_Int64("session", lambda session: check_request_id(session, 1)), _Int32("max_sessions", _max_sessions))),
+    _OP_SESSION_OPEN: (SessionOpen, (_Int64("session", _session_id), _Int32("max_sessions", _max_sessions))),
     _OP_SESSIONS_EXPIRE: (SessionsExpire, (_Int64("upto", _index_check),)),
 }
 _OPCODE_OF = {cls: op for op, (cls, _) in COMMANDS.items() if op != _OP_LEASE_GRANT}

@@ -44,6 +44,19 @@ async def _side_latencies(s: aiohttp.ClientSession, url: str, seconds: float) ->
     return sorted(out)
 
 
+def never_reading(hostport: str, request: bytes, n: int = 300) -> list[socket.socket]:
+    """n connections that send `request` with a 4 KB receive buffer, then never read."""
+    host, port = hostport.split(":")
+    socks = []
+    for _ in range(n):
+        so = socket.socket()
+        so.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        so.connect((host, int(port)))
+        so.sendall(request)
+        socks.append(so)
+    return socks
+
+
 def test_readers_that_never_read_hold_bounded_memory_and_stall_nobody():
     """An attack seen before: sockets asking for the whole history with a 4 KB receive
     buffer and never reading took a node from 109 MB to 3.1 GB and stalled its writes."""
@@ -56,14 +69,7 @@ def test_readers_that_never_read_hold_bounded_memory_and_stall_nobody():
                 url, pid = c.url(n1), c.procs[n1].pid
                 await _put_many(s, url, 8000)
                 before = rss_mb(pid)
-                host, port = c.http[n1].split(":")
-                socks = []
-                for _ in range(300):
-                    so = socket.socket()
-                    so.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                    so.connect((host, int(port)))
-                    so.sendall(b"GET /v1/watch?prefix=&from=1 HTTP/1.1\r\nHost: x\r\n\r\n")
-                    socks.append(so)
+                socks = never_reading(c.http[n1], b"GET /v1/watch?prefix=&from=1 HTTP/1.1\r\nHost: x\r\n\r\n")
                 try:
                     lat = await _side_latencies(s, url, 6)
                     during = rss_mb(pid)
@@ -148,14 +154,7 @@ def test_connections_that_never_read_large_values_pin_a_bounded_amount(route):
                 async with s.put(f"{url}/v1/kv/big", data=b"v" * (1 << 20)) as r:
                     assert r.status == 200
                 before = rss_mb(pid)
-                host, port = c.http[n1].split(":")
-                socks = []
-                for _ in range(300):
-                    so = socket.socket()
-                    so.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-                    so.connect((host, int(port)))
-                    so.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode() * 4)
-                    socks.append(so)
+                socks = never_reading(c.http[n1], f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode() * 4)
                 try:
                     await asyncio.sleep(3)
                     during = rss_mb(pid)
