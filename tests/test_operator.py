@@ -4,6 +4,7 @@ ports in use; JSON logs that carry the node and the term, and the access log."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -283,3 +284,31 @@ def test_a_node_started_alone_then_with_the_full_peers_is_refused(tmp_path):
         c.wait_http("n1")
     finally:
         c.close()
+
+
+def test_a_listing_piped_into_head_stops_quietly(node):
+    """`kv scan p/ | head -1` printed "kv scan: Broken pipe" once head had its line."""
+    import kv
+
+    c = node
+    with kv.Client(c.url("n1"), token="s3cret") as client:
+        for batch in range(40):  # 5,000 lines of 1 KB: far more than a pipe holds
+            client.put_many({f"pipe/{batch:02d}/{i:03d}": b"v" * 1000 for i in range(125)})
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KV_")}, "KV_TOKEN": "s3cret"}
+    with run_pipe(KV + ["scan", "pipe/", "--endpoints", c.url("n1")], env) as (proc, head):
+        assert head.startswith(b"pipe/00/000\tvvv") and head.count(b"\n") == 1
+        assert proc.returncode == 141, proc.returncode  # 128 + SIGPIPE, as `seq 1e9 | head -1`
+        assert proc.stderr.read() == b""  # not "kv scan: Broken pipe"
+
+
+@contextlib.contextmanager
+def run_pipe(argv: list[str], env: dict):
+    """argv | head -1: yields the command (finished) and what head printed."""
+    kv = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    head = subprocess.run(["head", "-1"], stdin=kv.stdout, capture_output=True, timeout=60)
+    kv.stdout.close()
+    kv.wait(timeout=60)
+    try:
+        yield kv, head.stdout
+    finally:
+        kv.stderr.close()

@@ -10,6 +10,7 @@ import argparse
 import difflib
 import importlib
 import logging
+import os
 import sys
 
 from .refusal import debug_wanted, describe
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (kv scan | head): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 141  # 128 + SIGPIPE
     except Exception as e:
         if debug_wanted(args.debug):
             raise
