@@ -153,7 +153,7 @@ class Node(AsyncRecipes):
             result_encoder=cmds.encode_result,
             observe_fsync=self._observe("fsync"),
             observe_rtt=lambda peer, seconds: self._metrics is not None and self._metrics.observe_rtt(peer, seconds),
-            no_space=self.disk.why,
+            no_space=self.disk.admit,
         )
         self.writer = Writer(c, self.raft, self.disk, self.leases.answer, self.counters, self._observe("commit_latency"))
         self.caller = FSMCaller(

@@ -180,10 +180,11 @@ class RaftNode:
         result_encoder: Callable[[Any], bytes] = lambda r: b"",
         observe_fsync: Callable[[float], None] | None = None,
         observe_rtt: Callable[[str, float], None] | None = None,
-        no_space: Callable[[], str | None] = lambda: None,
+        no_space: Callable[[int], str | None] = lambda nbytes: None,
     ) -> None:
         """Hooks: `snapshots` streams and receives snapshot files;
-        `no_space()` says why proposals are refused for now (the disk is nearly full), or None;
+        `no_space(nbytes)` says why proposals of nbytes are refused for now (the disk is
+        nearly full), or None;
         `result_encoder` encodes an apply result for a follower that forwarded the command.
         Metrics: `observe_fsync(seconds)` of each ledger write (called from the writer
         thread), `observe_rtt(peer, seconds)` of a heartbeat's round trip.
@@ -358,7 +359,7 @@ class RaftNode:
             raise TransferInProgress(core.transferee)
         if self.pending_proposals() >= self.max_pending:
             raise Overloaded(f"{self.max_pending} writes are already waiting to commit on {self.id}; retry shortly")
-        why = self._no_space()
+        why = self._no_space(sum(len(item[1]) for item in items))
         if why is not None:
             raise NoSpace(why)
         self._proposals.extend(items)

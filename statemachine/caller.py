@@ -81,17 +81,18 @@ class FSMCaller:
                         item.done.set_result(None)
                     break
                 except Exception as e:
-                    if self._stopping or not is_disk_full(e, self.sm.path):
+                    if not is_disk_full(e, self.sm.path):
                         item.done.set_exception(self._failed(e, item))
                         return
-                    await self._wait_for_space(e)
+                    if not await self._wait_for_space(e):
+                        return  # the node stops: a restart applies the batch again
             await asyncio.sleep(0)  # the answer may have queued the next batch: let replication and requests run first
 
-    async def _wait_for_space(self, e: Exception) -> None:
+    async def _wait_for_space(self, e: Exception) -> bool:
         """The disk filled under the state machine: nothing of the batch was written (it is
         one WriteBatch). Wait, open the database again (LevelDB refuses every write after a
         failed one until then), and apply the same batch again; the node serves reads
-        meanwhile, and kv/server/diskguard.py refuses writes."""
+        meanwhile, and kv/server/diskguard.py refuses writes. False: the node stopped first."""
         log.error("node %s: the disk is full (%s); applying waits for space and is tried again every second", self.node_id, e)
         self.stalled = e
         while not self._stopping:
@@ -108,7 +109,8 @@ class FSMCaller:
                 hook()
             self.stalled = None
             log.warning("node %s: the state machine is open again: applying goes on", self.node_id)
-            return
+            return True
+        return False
 
     def _apply(self, batch: CommittedBatch) -> list:
         entries = batch.entries

@@ -1,5 +1,6 @@
 """The disk under a node's data dir (etcd's NOSPACE alarm): a reserve of free space, checked
-once a second, below which the node takes no writes, and says so, until there is room again.
+once a second and whenever the writes proposed since the last look could have used a quarter
+of it, below which the node takes no writes, and says so, until there is room again.
 
 With the reserve, LMDB and LevelDB do not run into a full disk in the middle of a write; if
 they do all the same (a reserve of 0, the disk filled by something else at once), the ledger
@@ -17,6 +18,9 @@ from .sweep import Sweep
 log = logging.getLogger("kv.diskguard")
 
 CHECK_S = 1.0
+# Disk bytes a proposed byte can take before the ledger compacts: the ledger's copy,
+# LevelDB's log and its table (with headers and indexes on each).
+AMPLIFICATION = 4
 
 
 class DiskGuard:
@@ -25,13 +29,23 @@ class DiskGuard:
         self.path, self.min_free_bytes, self._stalled = path, min_free_bytes, stalled
         self.free: int | None = None
         self.low = False
+        self._proposed = 0  # bytes proposed since the last look at the disk
         self._sweep = Sweep(CHECK_S, self._check, f"disk-{node_id}")
         self.start, self.stop = self._sweep.start, self._sweep.stop
 
     async def _check(self, now: float = 0.0) -> None:
         self.check()
 
+    def admit(self, nbytes: int) -> str | None:
+        """Why a proposal of nbytes is refused now, or None. A fast writer can fill a
+        reserve within the second between two timed looks: it makes its own."""
+        self._proposed += nbytes
+        if self.min_free_bytes and self._proposed * AMPLIFICATION * 4 >= self.min_free_bytes:
+            self.check()
+        return self.why()
+
     def check(self) -> None:
+        self._proposed = 0
         try:
             self.free = free_bytes(self.path)
         except OSError as e:
