@@ -89,6 +89,27 @@ class LeaseNotFound(NotFound):
         return {"lease": self.lease}
 
 
+class KeyNotFound(NotFound):
+    """A put that keeps the key's value or lease (etcd's ignore_value / ignore_lease) on a
+    key that does not exist; nothing was written."""
+
+    code = "KEY_NOT_FOUND"
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"key {key!r} does not exist: a put that keeps its value or lease needs the key; write it in full")
+
+
+class LeaseExists(KVError):
+    """A lease was asked for with an id that another lease has; nothing was granted."""
+
+    code, http_status = "LEASE_EXISTS", 409
+
+    def __init__(self, lease: int) -> None:
+        self.lease = lease
+        super().__init__(f"lease {lease} exists already: ask for another id, or for none (the node picks one)")
+
+
 class PreconditionFailed(KVError):
     """A condition (If-Match, If-None-Match, a txn compare) did not hold; nothing changed."""
 

@@ -15,10 +15,11 @@ from collections.abc import Sequence
 
 from .common.results import DeleteResult, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
 from .common.arguments import lease_id, ttl_ms
+from .common.etcd_ids import etcd_id
 from .common.scan import Scan
 from .common.sessions import RequestId
 from .client.recipes import AsyncRecipes
-from .errors import BadRequest, Compacted, NotLeader, Unavailable
+from .errors import BadRequest, Compacted, KeyNotFound, LeaseExists, NotLeader, Unavailable
 from .raft.ledger import Ledger
 from .raft.membership import Membership
 from .raft.messages import Role
@@ -38,9 +39,9 @@ from .server.answers import (
 )
 from .server.config import NodeConfig
 from .server.datadir import DataDirLock
+from .server.members import Members
 from .server.diskguard import DiskGuard
 from .server.lessor import LeaseClock, granted_id
-from .server.members import Members
 from .server.recovery import Recovery
 from .server.session_sweeper import SessionSweeper
 from .server.snapshot_host import SnapshotHost
@@ -94,7 +95,7 @@ class Node(AsyncRecipes):
         self.leases = LeaseClock(f"leases-{c.id}", self._leading, lambda: self.sm.leases, self._propose_as_leader, self.read_barrier)
         self.watches = WatchHub(
             c.watch_budget_bytes, lambda: self.raft.applied_index, self.log_range, self.log_entries,
-            lambda lo, hi: self.sm.effects(lo, hi), lambda: self.sm.effects_from,
+            lambda lo, hi: self.sm.effects(lo, hi), lambda: self.sm.effects_from, self._want_rich_changes,
         )
         self._members = Members(c, self._running)
         self._session_sweeper: SessionSweeper | None = None
@@ -453,13 +454,19 @@ class Node(AsyncRecipes):
     # -- leases ----------------------------------------------------------------------------
 
     async def lease_grant(
-        self, ttl: float, *, owner: str = "", timeout: float | None = None, request_id: RequestId | None = None
+        self, ttl: float, *, owner: str = "", lease: int | None = None, timeout: float | None = None, request_id: RequestId | None = None
     ) -> LeaseStatus:
         """A new lease of `ttl` seconds (more than 0, at most a year); keep it alive with
         lease_keepalive (or use `lease()`, which does), attach keys with put(lease=...).
         Its id is random (nobody can guess another's); `owner`: the key prefix of the token
-        that asks (see lease_scope)."""
+        that asks (see lease_scope); `lease`: the id the caller chose (LeaseExists if it is
+        taken), as etcd's clients may."""
         ms = ttl_ms(ttl)
+        if lease is not None:
+            r = (await self.submit(cmds.LeaseGrant(ms, lease_id(lease), owner), timeout, request_id=request_id)).result
+            if type(r) is cmds.CommandError and "in use" in str(r):
+                raise LeaseExists(lease)
+            return lease_status(raise_failed(r))
         while True:
             # A caller's request is sent again, perhaps through another node, as the very same
             # command: its id comes from the request's, unguessable as the session's is.
@@ -507,9 +514,40 @@ class Node(AsyncRecipes):
         r = (await self.submit(cmds.LeaseQuery(0), timeout)).result
         return [lease_status(x) for x in r.leases]
 
+    # -- etcd's v3 API (v3api/) --------------------------------------------------------------
+
+    async def etcd_range(self, req: cmds.RangeReq, *, consistency: str = "linearizable", timeout: float | None = None) -> tuple[cmds.RangeResp, int]:
+        """etcd's Range on this node's state, and the applied index it was read at (the
+        response header's revision)."""
+        index = await self.read_barrier(consistency, timeout)
+        try:
+            return self.sm.range(req), index
+        except StateCorrupt as e:
+            raise public_error(e) from e
+
+    async def etcd_txn(self, txn: cmds.TxnReq, *, timeout: float | None = None, request_id: RequestId | None = None) -> cmds.TxnResp:
+        """etcd's Txn (its Put and DeleteRange are transactions of one op): one committed
+        entry, applied atomically. LeaseNotFound for a put to a lease that does not exist,
+        KeyNotFound for an ignore_value/ignore_lease put of a key that does not: then
+        nothing was applied."""
+        r = (await self.submit(txn, timeout, request_id=request_id)).result
+        if type(r) is cmds.KeyNotFound:
+            raise KeyNotFound(r.key)
+        return raise_failed(r)
+
+    def ids(self) -> tuple[int, int]:
+        """(cluster id, member id) as etcd's API reports them: stable 64-bit numbers derived
+        from the group's name and this node's id."""
+        return etcd_id(self.config.group), etcd_id(self.config.id)
+
     # -- watch -----------------------------------------------------------------------------
 
-    def watch(self, prefix: str = "", start_index: int | None = None, *, buffer_bytes: int | None = None, resume_when_behind: bool = True) -> Watch:
+    def _want_rich_changes(self, on: bool) -> None:
+        self.sm.rich_changes = on  # (watches open only on a running node)
+
+    def watch(
+        self, prefix: str = "", start_index: int | None = None, *, buffer_bytes: int | None = None, resume_when_behind: bool = True, rich: bool = False
+    ) -> Watch:
         """Every change under prefix in commit order, from start_index (default: the next
         one applied), as far back as this node's ledger goes; older raises WatchCompacted:
         scan_page the prefix, then watch from its index + 1. A watch more than buffer_bytes
@@ -519,7 +557,7 @@ class Node(AsyncRecipes):
         if start_index is not None and (type(start_index) is not int or start_index < 1):
             raise BadRequest(f"start_index must be a log index (an integer >= 1), not {start_index!r}")
         size = buffer_bytes if buffer_bytes is not None else self.config.watch_buffer_bytes
-        return self.watches.open(prefix, start_index, size, resume_when_behind)
+        return self.watches.open(prefix, start_index, size, resume_when_behind, rich)
 
     # -- the committed log -----------------------------------------------------------------
 

@@ -21,6 +21,10 @@ Commands:
                              is answered with the first one's result
 - SessionsExpire(upto)       close the sessions last used at or before index `upto` (the
                              leader commits one when they have been idle --session-ttl-s)
+- TxnReq(compares, success, failure)  etcd's v3 transaction (what the v3 API's Put,
+                             DeleteRange and Txn become): compares on a key's version,
+                             create/mod revision, value or lease, over one key or a range;
+                             ops RangeReq, PutReq, DeleteRangeReq and nested TxnReq
 
 A Put with `lease` attaches the key to that lease (refused with NoSuchLease when the lease
 does not exist); a Put without one, or a Delete, detaches it. Two more commands never enter
@@ -49,6 +53,7 @@ _OP_LEASE_KEEPALIVES = 10
 _OP_SESSION_OPEN, _OP_SESSION, _OP_SESSIONS_EXPIRE = 11, 12, 13
 _OP_LEASE_GRANT_ID = 14  # a grant with its id and owner (_OP_LEASE_GRANT: the id was the index)
 _OP_DELETE_PREFIX = 15
+_OP_TXN_REQ = 16  # etcd's v3 transaction (TxnReq)
 OP_IN_SESSION = _OP_SESSION
 MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
 MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
@@ -169,7 +174,134 @@ class SessionsExpire(NamedTuple):
     upto: int
 
 
-Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire
+# -- etcd's v3 transaction ---------------------------------------------------------------------
+#
+# The etcd v3 API's writes (v3api/) are one command, TxnReq, with etcd's semantics: keys
+# as bytes with a `range_end` (b"": the key alone; b"\x00": every key from `key` on; else
+# the keys in [key, range_end)); a key's revisions are the log indexes of its creation and
+# of its last change. Compares and the checks of the branch that runs (a put's lease
+# exists, an ignore_value/ignore_lease put's key exists) are decided against the state
+# before the transaction, nested transactions' compares included (etcd's txnPath); then
+# the ops run in order, each seeing the ones before it.
+
+CMP_VERSION, CMP_CREATE, CMP_MOD, CMP_VALUE, CMP_LEASE = range(5)  # etcd's Compare.CompareTarget
+CMP_EQUAL, CMP_GREATER, CMP_LESS, CMP_NOT_EQUAL = range(4)  # etcd's Compare.CompareResult
+MIN_INT64, MAX_INT64 = -(1 << 63), (1 << 63) - 1
+
+
+class Compare(NamedTuple):
+    target: int  # CMP_VERSION ... CMP_LEASE
+    result: int  # CMP_EQUAL ... CMP_NOT_EQUAL
+    key: bytes
+    arg: int | bytes  # bytes for CMP_VALUE
+    range_end: bytes = b""
+
+
+class RangeReq(NamedTuple):
+    key: bytes
+    range_end: bytes = b""
+    limit: int = 0  # 0: every key
+    keys_only: bool = False
+    count_only: bool = False
+
+
+class PutReq(NamedTuple):
+    key: bytes
+    value: bytes
+    lease: int = 0
+    prev_kv: bool = False
+    ignore_value: bool = False
+    ignore_lease: bool = False
+
+
+class DeleteRangeReq(NamedTuple):
+    key: bytes
+    range_end: bytes = b""
+    prev_kv: bool = False
+
+
+class TxnReq(NamedTuple):
+    compares: tuple[Compare, ...] = ()
+    success: tuple[RangeReq | PutReq | DeleteRangeReq | TxnReq, ...] = ()
+    failure: tuple[RangeReq | PutReq | DeleteRangeReq | TxnReq, ...] = ()
+
+
+class KeyValue(NamedTuple):
+    """A key as etcd reports it: create/mod revision (log indexes), version (1 at create,
+    +1 per put), lease (0: none)."""
+
+    key: str
+    create_revision: int
+    mod_revision: int
+    version: int
+    value: bytes
+    lease: int
+
+
+class RangeResp(NamedTuple):
+    kvs: tuple[KeyValue, ...]
+    count: int  # every key in the range, whatever the limit
+    more: bool
+
+
+class PutResp(NamedTuple):
+    prev_kv: KeyValue | None
+
+
+class DeleteRangeResp(NamedTuple):
+    deleted: int
+    prev_kvs: tuple[KeyValue, ...]
+
+
+class TxnResp(NamedTuple):
+    index: int  # the entry's index: the revision of what it changed
+    succeeded: bool
+    responses: tuple[RangeResp | PutResp | DeleteRangeResp | TxnResp | None, ...]  # None: a range nobody reads here
+
+
+class KeyNotFound(NamedTuple):
+    """A put with ignore_value or ignore_lease on a key that does not exist: nothing of
+    the transaction was applied (etcd's "key not found")."""
+
+    key: str
+
+
+def in_range(k: bytes, key: bytes, range_end: bytes) -> bool:
+    """Whether raw key k is in etcd's range (key, range_end)."""
+    if not range_end:
+        return k == key
+    return k >= key and (range_end == b"\x00" or k < range_end)
+
+
+def compare_holds(c: Compare, kv: KeyValue | None) -> bool:
+    """One key against a compare (None: the key does not exist, compared as zeros; a
+    value compare on it does not hold)."""
+    if c.target == CMP_VALUE:
+        if kv is None:
+            return False
+        a, b = kv.value, c.arg
+    else:
+        a = 0 if kv is None else (kv.version, kv.create_revision, kv.mod_revision, 0, kv.lease)[c.target]
+        b = c.arg
+    r = c.result
+    if r == CMP_EQUAL:
+        return a == b
+    if r == CMP_NOT_EQUAL:
+        return a != b
+    if r == CMP_GREATER:
+        return a > b
+    return a < b
+
+
+def txn_ops(txn: TxnReq):
+    """Every op of a transaction, both branches and nested ones (for checks and counts)."""
+    for op in txn.success + txn.failure:
+        yield op
+        if type(op) is TxnReq:
+            yield from txn_ops(op)
+
+
+Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire | TxnReq
 LocalCommand = LeaseKeepAlive | LeaseKeepAlives | LeaseQuery  # what a follower forwards but nobody logs
 
 
@@ -606,6 +738,154 @@ class _Results(_Field):
         return tuple(_result(r) for _ in range(r.u32()))
 
 
+# -- TxnReq on the wire ---------------------------------------------------------------------
+#
+#   TxnReq      u16 compares | each compare | u32 ops | each op (success) | u32 | each (failure)
+#   compare     target u8 | result u8 | key bytes16 | range_end bytes16 | arg (value: bytes32, else i64)
+#   op          b"r" key16 end16 limit i64 flags u8 | b"p" key16 value32 lease u64 flags u8
+#               | b"d" key16 end16 flags u8 | b"t" TxnReq
+MAX_TXN_DEPTH = 16  # nested transactions (etcd has no limit; the decoder needs one)
+_I64 = struct.Struct(">q")
+
+
+def _bytes16(b: bytes) -> bytes:
+    if len(b) > MAX_KEY_BYTES:
+        raise CommandError(f"a key or range end is {len(b)} bytes long; the limit is {MAX_KEY_BYTES}")
+    return _U16.pack(len(b)) + b
+
+
+def _req_key(key: bytes, range_end: bytes) -> bytes:
+    """A key with its range end; a key alone (no range end) follows check_key's rules."""
+    if type(key) is not bytes or type(range_end) is not bytes:
+        raise CommandError("keys and range ends of the v3 API are bytes")
+    if not range_end:
+        try:
+            check_key(key.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise CommandError("a key is UTF-8 in ledgerkv (this key is not)") from None
+    return _bytes16(key) + _bytes16(range_end)
+
+
+def _i64(v: int) -> bytes:
+    if type(v) is not int or not MIN_INT64 <= v <= MAX_INT64:
+        raise CommandError(f"a 64-bit integer, not {v!r}")
+    return _I64.pack(v)
+
+
+def _encode_txn_req(txn: TxnReq, parts: list, depth: int = 0) -> None:
+    if depth > MAX_TXN_DEPTH:
+        raise CommandError(f"transactions nest at most {MAX_TXN_DEPTH} deep")
+    if len(txn.compares) > MAX_CONDS:
+        raise CommandError(f"a transaction has {len(txn.compares)} compares; the format holds at most {MAX_CONDS}")
+    parts.append(_U16.pack(len(txn.compares)))
+    for c in txn.compares:
+        if c.target not in range(5) or c.result not in range(4):
+            raise CommandError(f"not a compare: {c!r}")
+        parts.append(bytes((c.target, c.result)) + _req_key(c.key, c.range_end))
+        if c.target == CMP_VALUE:
+            v = bytes(c.arg)
+            parts.append(_U32.pack(len(v)) + v)
+        else:
+            parts.append(_i64(c.arg))
+    for ops in (txn.success, txn.failure):
+        parts.append(_U32.pack(len(ops)))
+        for op in ops:
+            t = type(op)
+            if t is RangeReq:
+                if type(op.limit) is not int or op.limit < 0:
+                    raise CommandError(f"a range's limit is 0 or more, not {op.limit!r}")
+                parts.append(b"r" + _req_key(op.key, op.range_end) + _i64(op.limit) + bytes((op.keys_only | op.count_only << 1,)))
+            elif t is PutReq:
+                _req_key(op.key, b"")
+                parts.append(b"p" + _bytes16(op.key) + _U32.pack(len(op.value)) + bytes(op.value) + _U64.pack(op.lease and _lease_id(op.lease) and op.lease))
+                parts.append(bytes((op.prev_kv | op.ignore_value << 1 | op.ignore_lease << 2,)))
+            elif t is DeleteRangeReq:
+                parts.append(b"d" + _req_key(op.key, op.range_end) + bytes((op.prev_kv,)))
+            elif t is TxnReq:
+                parts.append(b"t")
+                _encode_txn_req(op, parts, depth + 1)
+            else:
+                raise CommandError(f"not an op of a transaction: {op!r}")
+
+
+def _read_txn_req(r: _Reader, depth: int = 0) -> TxnReq:
+    if depth > MAX_TXN_DEPTH:
+        raise CommandError(f"transactions nest at most {MAX_TXN_DEPTH} deep")
+    compares = []
+    for _ in range(r.u16()):
+        target, result = r.byte(), r.byte()
+        key, end = r.take(r.u16()), r.take(r.u16())
+        arg = r.take(r.u32()) if target == CMP_VALUE else _I64.unpack(r.take(8))[0]
+        if target > CMP_LEASE or result > CMP_NOT_EQUAL:
+            raise CommandError(f"unknown compare {target}/{result}")
+        compares.append(Compare(target, result, key, arg, end))
+    branches = []
+    for _ in range(2):
+        ops = []
+        for _ in range(r.u32()):
+            tag = r.take(1)
+            if tag == b"r":
+                key, end = r.take(r.u16()), r.take(r.u16())
+                limit = _I64.unpack(r.take(8))[0]
+                flags = r.byte()
+                ops.append(RangeReq(key, end, limit, bool(flags & 1), bool(flags & 2)))
+            elif tag == b"p":
+                key = r.take(r.u16())
+                value = r.take(r.u32())
+                lease = _U64.unpack(r.take(8))[0]
+                flags = r.byte()
+                ops.append(PutReq(key, value, lease, bool(flags & 1), bool(flags & 2), bool(flags & 4)))
+            elif tag == b"d":
+                key, end = r.take(r.u16()), r.take(r.u16())
+                ops.append(DeleteRangeReq(key, end, bool(r.byte())))
+            elif tag == b"t":
+                ops.append(_read_txn_req(r, depth + 1))
+            else:
+                raise CommandError(f"unknown transaction op {tag!r}")
+        branches.append(tuple(ops))
+    return TxnReq(tuple(compares), *branches)
+
+
+class _TxnReqBody(_Field):
+    def encode(self, value) -> bytes:
+        parts: list[bytes] = []
+        _encode_txn_req(value, parts)
+        return b"".join(parts)
+
+    def decode(self, r: _Reader):
+        return _read_txn_req(r)
+
+
+def _kv(kv: KeyValue | None) -> bytes:
+    if kv is None:
+        return b"\x00"
+    return b"\x01" + _key(kv.key) + _U64.pack(kv.create_revision) + _U64.pack(kv.mod_revision) + _U64.pack(kv.version) + _U64.pack(kv.lease) + _U32.pack(len(kv.value)) + kv.value
+
+
+def _read_kv(r: _Reader) -> KeyValue | None:
+    if not r.byte():
+        return None
+    key = r.key()
+    create, mod, version, lease = struct.unpack(">QQQQ", r.take(32))
+    return KeyValue(key, create, mod, version, r.take(r.u32()), lease)
+
+
+class _KeyValue(_Field):
+    def pack(self, value) -> bytes:
+        return _kv(value)
+
+    def read(self, r: _Reader):
+        return _read_kv(r)
+
+
+class _KeyValues(_Field):
+    def pack(self, value) -> bytes:
+        return _U32.pack(len(value)) + b"".join(map(_kv, value))
+
+    def read(self, r: _Reader):
+        return tuple(_read_kv(r) for _ in range(r.u32()))
+
+
 def _check(ok, what: str):
     """A field check: raise CommandError(what, with the value) unless ok(value)."""
 
@@ -649,6 +929,7 @@ COMMANDS: dict[int, tuple[type, tuple[_Field, ...]]] = {
     _OP_LEASE_QUERY: (LeaseQuery, (_Int64("lease", _query_check),)),
     _OP_SESSION_OPEN: (SessionOpen, (_Int64("session", _session_id), _Int32("max_sessions", _max_sessions))),
     _OP_SESSIONS_EXPIRE: (SessionsExpire, (_Int64("upto", _index_check),)),
+    _OP_TXN_REQ: (TxnReq, ()),  # written out by hand (a recursive body)
 }
 _OPCODE_OF = {cls: op for op, (cls, _) in COMMANDS.items() if op != _OP_LEASE_GRANT}
 
@@ -669,6 +950,11 @@ RESULTS: dict[bytes, tuple[type, tuple[_Field, ...]]] = {
     b"Z": (SessionExpired, (_Int64("session"),)),
     b"Q": (StaleRequest, (_Int64("session"), _Int64("seq"), _Int64("last_seq"))),
     b"M": (RequestMismatch, (_Int64("session"), _Int64("seq"))),
+    b"r": (RangeResp, (_KeyValues("kvs"), _Int64("count"), _Flag("more"))),
+    b"p": (PutResp, (_KeyValue("prev_kv"),)),
+    b"d": (DeleteRangeResp, (_Int64("deleted"), _KeyValues("prev_kvs"))),
+    b"t": (TxnResp, (_Int64("index"), _Flag("succeeded"), _Results("responses"))),
+    b"k": (KeyNotFound, (_Key("key"),)),
 }
 _TAG_OF = {cls: tag for tag, (cls, _) in RESULTS.items()}
 
@@ -690,6 +976,11 @@ def encode(cmd: Command | LocalCommand) -> bytes:
         return _PUT_HEAD + _key(cmd.key) + _cond(cmd.cond) + bytes(cmd.value)
     if kind is InSession:
         return in_session(cmd.session, cmd.seq, encode(cmd.cmd))
+    if kind is TxnReq:
+        try:
+            return bytes((COMMAND_FORMAT, _OP_TXN_REQ)) + _TxnReqBody("txn").encode(cmd)
+        except (TypeError, AttributeError, struct.error) as e:
+            raise CommandError(f"a transaction with a field of the wrong type: {cmd!r}") from e
     if kind is Txn:
         if len(cmd.conds) > MAX_CONDS:
             raise CommandError(f"a transaction has {len(cmd.conds)} conditions; the format holds at most {MAX_CONDS}")
@@ -736,6 +1027,8 @@ def decode(data: bytes) -> Command | LocalCommand:
             conds = tuple(r.cond() for _ in range(r.u16()))
             ops = r.ops(r.u32())
             cmd = Txn(conds, ops, r.ops(r.u32()))
+        elif code == _OP_TXN_REQ:
+            cmd = _read_txn_req(r)
         elif code in COMMANDS:
             cmd = _read(*COMMANDS[code], r)
         else:
@@ -753,7 +1046,7 @@ def is_local(payload: bytes) -> bool:
 
 
 # The opcodes (as one byte) of the commands sent in a session: the writes that are logged.
-SESSION_OPCODES = frozenset(bytes((op,)) for op in (_OP_PUT, _OP_PUT_LEASE, _OP_DELETE, _OP_DELETE_PREFIX, _OP_TXN, _OP_LEASE_GRANT, _OP_LEASE_GRANT_ID, _OP_LEASE_REVOKE))
+SESSION_OPCODES = frozenset(bytes((op,)) for op in (_OP_PUT, _OP_PUT_LEASE, _OP_DELETE, _OP_DELETE_PREFIX, _OP_TXN, _OP_LEASE_GRANT, _OP_LEASE_GRANT_ID, _OP_LEASE_REVOKE, _OP_TXN_REQ))
 
 
 # -- results on the wire (a leader answers a forwarded command) --------------------------------

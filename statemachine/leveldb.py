@@ -7,6 +7,10 @@ Layout:
     b"\\x00restoring"   present while a snapshot is being loaded: the state is incomplete
     b"k" + key         mod_index (u64) + value
     b"k\x00..."        reserved records: leases and the keys attached to them (leases.py)
+    b"k\x00meta/" + key  create_revision (u64) + version (u64) of a key, after the usual
+                       mod_index: what etcd's v3 API reports (a key written before these
+                       records has none: its create_revision is taken to be its mod_index,
+                       its version 1, until its next write)
     b"\\x00fx" + index  what that entry changed, when its log rows do not say (effect_record)
     b"\\x00effects_from" the first index with effect records (the watch history's floor)
     b"\\x00sessions_at"  the index as of which every client session's record is up to date
@@ -73,6 +77,17 @@ from .commands import (
     decode_result,
     encode_result,
     txn_branches,
+    DeleteRangeReq,
+    DeleteRangeResp,
+    KeyNotFound,
+    KeyValue,
+    PutReq,
+    PutResp,
+    RangeReq,
+    RangeResp,
+    TxnReq,
+    TxnResp,
+    compare_holds,
 )
 from .lease_table import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
 from .sessions import RESULT_AT, SESSION_RESULT_MAX, SessionTable, fingerprint, record_value, session_record
@@ -86,7 +101,11 @@ _EFFECTS = b"\x00fx"
 _EFFECTS_FROM = b"\x00effects_from"
 _SESSIONS_AT = b"\x00sessions_at"  # every session record is up to date as of this index
 _DATA = b"k"
+_DATA_END = b"l"  # the first key after every data record
 _USER_DATA = _DATA + b"\x01"  # where user keys start: the reserved ones sort before
+_META = _DATA + RESERVED + b"meta/"  # + key: its create_revision and version
+_META_END = _DATA + RESERVED + b"meta0"  # ("0" follows "/")
+_META_VALUE = struct.Struct(">QQ")
 _TWO_U64 = struct.Struct(">QQ")
 _U64 = struct.Struct(">Q")
 _RESTORE_BATCH = 10_000
@@ -106,6 +125,12 @@ class StateLocked(KVError):
 DAMAGED_MARKER = "DAMAGED"  # written into the state dir when a read finds corruption
 
 
+def _open(path: str):
+    # The bloom filter answers "no such key" without reading a table: every put reads the
+    # key's meta record (its version), which a new key does not have.
+    return plyvel.DB(path, create_if_missing=True, paranoid_checks=True, bloom_filter_bits=10)
+
+
 class LevelDBStateMachine:
     """Reads verify LevelDB's block checksums: a damaged file gives an error, never wrong
     data. Corruption found while reading leaves a marker, so the next start rebuilds."""
@@ -119,7 +144,7 @@ class LevelDBStateMachine:
             raise StateCorrupt(f"the state machine in {path} was found damaged while running")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         try:
-            self._db = plyvel.DB(path, create_if_missing=True, paranoid_checks=True)
+            self._db = _open(path)
             raw = self._db.get(_APPLIED, verify_checksums=True)
             self.incomplete = self._db.get(_RESTORING, verify_checksums=True) is not None
             self.leases = LeaseTable()
@@ -147,6 +172,8 @@ class LevelDBStateMachine:
         self.copies = 0  # session requests applied again and answered with the first one's result
         # Called with the changes of each applied batch, when someone watches.
         self.on_changes: Callable[[list[Change]], None] | None = None
+        # Changes carry the key before and after (etcd's watchers want them): Change + (KeyValue, KeyValue or None).
+        self.rich_changes = False
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -206,8 +233,10 @@ class LevelDBStateMachine:
 
     def _load_reserved(self) -> None:
         """The lease and session tables, from their records."""
-        with self._db.iterator(prefix=_DATA + RESERVED, verify_checksums=True) as it:
-            records = [(k[1:], _U64.unpack_from(v)[0], v[8:]) for k, v in it]
+        records = []
+        for lo, hi in ((_DATA + RESERVED, _META), (_META_END, _USER_DATA)):  # not the keys' meta records
+            with self._db.iterator(start=lo, stop=hi, verify_checksums=True) as it:
+                records += [(k[1:], _U64.unpack_from(v)[0], v[8:]) for k, v in it]
         self.leases.load((k, v) for k, _, v in records)
         self.sessions.load(records)
 
@@ -262,12 +291,11 @@ class LevelDBStateMachine:
                     if key is not None:
                         k = _DATA + raw
                         value = d[end + 1 :]
+                        self._stamp(key, raw, e.index, wb, overlay, value, 0, changes)
                         overlay[k] = (e.index, value)
                         wb.put(k, pack(e.index) + value)
                         if key in attached:
                             self._detach(key, wb)
-                        if changes is not None:
-                            changes.append((e.index, key, value))
                         result = PutResult(e.index)
                         if session:  # its answer is PutResult(this index): the record can wait (sessions.py)
                             s = sessions.pop(session)
@@ -284,6 +312,20 @@ class LevelDBStateMachine:
                     continue
                 if type(cmd) is Txn:
                     result = self._txn(cmd, e.index, wb, overlay, changes, answering is None or session or e.index in answering)
+                elif type(cmd) is TxnReq:
+                    made: list = []  # rich, for its effect record
+                    rich, self.rich_changes = self.rich_changes, True
+                    try:
+                        result = self._txn_req(cmd, e.index, wb, overlay, made, answering is None or session or e.index in answering)
+                    finally:
+                        self.rich_changes = rich
+                    wb.put(_EFFECTS + pack(e.index), changes_record(made))
+                    if changes is not None:
+                        changes += made if rich else [c[:3] for c in made]
+                    if session:
+                        self._answered(session, seq, fp, e.index, result, wb, overlay)
+                    results.append(result)
+                    continue
                 else:
                     result = self._execute(cmd, e.index, wb, overlay, changes)
                 took = effect_record(cmd, result)
@@ -486,12 +528,11 @@ class LevelDBStateMachine:
             t = type(op)
             if t is Put:
                 k = _DATA + op.key.encode()
+                self._stamp(op.key, k[1:], index, wb, overlay, op.value, 0, changes)
                 overlay[k] = (index, op.value)
                 wb.put(k, pack_index + op.value)
                 if op.key in self.leases.attached:
                     self._detach(op.key, wb)
-                if changes is not None:
-                    changes.append((index, op.key, op.value))
                 out.append(put_result)
             elif t is Get:
                 if not reads:
@@ -509,6 +550,7 @@ class LevelDBStateMachine:
 
     def _put(self, op: Put, index: int, wb, overlay: dict, changes: list | None) -> PutResult:
         k = _DATA + op.key.encode()
+        self._stamp(op.key, k[1:], index, wb, overlay, op.value, op.lease, changes)
         overlay[k] = (index, op.value)
         wb.put(k, _U64.pack(index) + op.value)
         had = self.leases.attached.get(op.key)
@@ -518,21 +560,18 @@ class LevelDBStateMachine:
             if op.lease:
                 self.leases.attach_in_memory(op.key, op.lease)
                 wb.put(_DATA + ATTACH_RECORD + op.key.encode(), _U64.pack(index) + _U64.pack(op.lease))
-        if changes is not None:
-            changes.append((index, op.key, op.value))
         return PutResult(index)
 
     def _delete(self, op: Delete, index: int, wb, overlay: dict, changes: list | None) -> DeleteApplied:
         k = _DATA + op.key.encode()
-        existed = self._current(k, overlay) is not None
+        cur = self._current(k, overlay)
         overlay[k] = None
-        if existed:
+        if cur is not None:
             wb.delete(k)
+            self._unstamp(op.key, k[1:], index, wb, overlay, cur, self.leases.attached.get(op.key, 0), changes)
         if op.key in self.leases.attached:
             self._detach(op.key, wb)
-        if changes is not None and existed:
-            changes.append((index, op.key, None))
-        return DeleteApplied(index, existed)
+        return DeleteApplied(index, cur is not None)
 
     def _detach(self, key: str, wb) -> None:
         self.leases.detach_in_memory(key)
@@ -546,12 +585,179 @@ class LevelDBStateMachine:
         wb.delete(_DATA + lease_record(lease))
         for key in keys:
             raw = key.encode()
+            cur = self._current(_DATA + raw, overlay) if self.rich_changes else None
             wb.delete(_DATA + ATTACH_RECORD + raw)
             wb.delete(_DATA + raw)
             overlay[_DATA + raw] = None
-            if changes is not None:
-                changes.append((index, key, None))
+            self._unstamp(key, raw, index, wb, overlay, cur, lease, changes)
         return LeaseRevoked(index, tuple(keys))
+
+    # -- create_revision and version (etcd's v3 API) --------------------------------------
+
+    def _stamp(self, key: str, raw: bytes, index: int, wb, overlay: dict, value: bytes, lease: int, changes: list | None) -> None:
+        """A put of key at index, before the put's own record is in overlay: its meta record
+        moves on (version + 1; create_revision = index for a new key), and the change is
+        listed for watchers (with the key before and after, in rich_changes mode)."""
+        mk = _META + raw
+        meta = self._current(mk, overlay)
+        old = None
+        if meta is not None:
+            create, version = _META_VALUE.unpack_from(meta[1])
+            was = (create, version)
+            version += 1
+        else:
+            old = self._current(_DATA + raw, overlay)  # a key from before meta records: see the layout
+            was = (old[0], 1) if old is not None else None
+            create, version = (old[0], 2) if old is not None else (index, 1)
+        v = _META_VALUE.pack(create, version)
+        overlay[mk] = (index, v)
+        wb.put(mk, _U64.pack(index) + v)
+        if changes is not None:
+            if not self.rich_changes:
+                changes.append((index, key, value))
+                return
+            if meta is not None:
+                old = self._current(_DATA + raw, overlay)
+            prev = KeyValue(key, was[0], old[0], was[1], old[1], self.leases.attached.get(key, 0)) if old is not None else None
+            changes.append((index, key, value, KeyValue(key, create, index, version, value, lease), prev))
+
+    def _unstamp(self, key: str, raw: bytes, index: int, wb, overlay: dict, cur: tuple[int, bytes] | None, lease: int, changes: list | None) -> None:
+        """A delete of key at index (cur: what it held, needed in rich_changes mode)."""
+        mk = _META + raw
+        if changes is not None:
+            if not self.rich_changes:
+                changes.append((index, key, None))
+            else:
+                meta = self._current(mk, overlay)
+                create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (cur[0], 1)
+                prev = KeyValue(key, create, cur[0], version, cur[1], lease)
+                changes.append((index, key, None, KeyValue(key, 0, index, 0, b"", 0), prev))
+        overlay[mk] = None
+        wb.delete(mk)
+
+    def _kv(self, raw: bytes, cur: tuple[int, bytes], overlay: dict) -> KeyValue:
+        key = raw.decode()
+        meta = self._current(_META + raw, overlay)
+        create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (cur[0], 1)
+        return KeyValue(key, create, cur[0], version, cur[1], self.leases.attached.get(key, 0))
+
+    def _range_items(self, key: bytes, end: bytes, overlay: dict) -> Iterator[tuple[bytes, tuple[int, bytes]]]:
+        """(raw key, (mod_index, value)) of every key in etcd's range (key, end), in key
+        order, as this batch leaves them."""
+        if not end:
+            cur = self._current(_DATA + key, overlay) if key[:1] > RESERVED else None
+            if cur is not None:
+                yield key, cur
+            return
+        lo = max(_DATA + key, _USER_DATA)
+        hi = _DATA_END if end == b"\x00" else _DATA + end
+        if hi <= lo:
+            return
+        ov = sorted((k, v) for k, v in overlay.items() if lo <= k < hi)
+        j, unpack = 0, _U64.unpack_from
+        try:
+            with self._db.iterator(start=lo, stop=hi, verify_checksums=True) as it:
+                for k, raw in it:
+                    while j < len(ov) and ov[j][0] < k:
+                        if ov[j][1] is not None:
+                            yield ov[j][0][1:], ov[j][1]
+                        j += 1
+                    if j < len(ov) and ov[j][0] == k:
+                        if ov[j][1] is not None:
+                            yield k[1:], ov[j][1]
+                        j += 1
+                        continue
+                    yield k[1:], (unpack(raw)[0], raw[8:])
+        except plyvel.CorruptionError as e:
+            raise self._damaged(e) from e
+        for k, v in ov[j:]:
+            if v is not None:
+                yield k[1:], v
+
+    def range(self, req: RangeReq) -> RangeResp:
+        """Keys of etcd's range as applied here (the v3 API's Range)."""
+        return self._range(req, {}, self.max_read_bytes)
+
+    def _range(self, req: RangeReq, overlay: dict, budget: int | None) -> RangeResp:
+        """At most req.limit keys (0: all) and at most `budget` bytes of values (then `more`),
+        with the count of every key in the range."""
+        kvs, count, left, full = [], 0, budget if budget is not None else float("inf"), False
+        for raw, cur in self._range_items(req.key, req.range_end, overlay):
+            count += 1
+            if req.count_only or full or (req.limit and len(kvs) >= req.limit):
+                continue
+            kv = self._kv(raw, cur, overlay)
+            if req.keys_only:
+                kv = kv._replace(value=b"")
+            left -= len(raw) + len(kv.value)
+            if left < 0 and kvs:
+                full = True
+                continue
+            kvs.append(kv)
+        return RangeResp(tuple(kvs), count, not req.count_only and count > len(kvs))
+
+    def _txn_req(self, txn: TxnReq, index: int, wb, overlay: dict, changes: list, reads: bool):
+        """etcd's Txn: which branch of it and of every nested transaction runs is decided
+        first, then the chosen ops are checked, then they run (see commands.TxnReq)."""
+        path: list[bool] = []
+        self._txn_path(txn, overlay, path)
+        refused = self._txn_check(txn, iter(path), overlay)
+        if refused is not None:
+            return refused
+        return self._txn_run(txn, iter(path), index, wb, overlay, changes, reads)
+
+    def _txn_path(self, txn: TxnReq, overlay: dict, path: list[bool]) -> None:
+        ok = all(self._compare(c, overlay) for c in txn.compares)
+        path.append(ok)
+        for op in txn.success if ok else txn.failure:
+            if type(op) is TxnReq:
+                self._txn_path(op, overlay, path)
+
+    def _compare(self, c, overlay: dict) -> bool:
+        found = False
+        for raw, cur in self._range_items(c.key, c.range_end, overlay):
+            found = True
+            if not compare_holds(c, self._kv(raw, cur, overlay)):
+                return False
+        return found or compare_holds(c, None)
+
+    def _txn_check(self, txn: TxnReq, path, overlay: dict) -> NoSuchLease | KeyNotFound | None:
+        for op in txn.success if next(path) else txn.failure:
+            t = type(op)
+            if t is PutReq:
+                if op.lease and op.lease not in self.leases.ttl_ms:
+                    return NoSuchLease(op.lease)
+                if (op.ignore_value or op.ignore_lease) and self._current(_DATA + op.key, overlay) is None:
+                    return KeyNotFound(op.key.decode())
+            elif t is TxnReq:
+                refused = self._txn_check(op, path, overlay)
+                if refused is not None:
+                    return refused
+        return None
+
+    def _txn_run(self, txn: TxnReq, path, index: int, wb, overlay: dict, changes: list, reads: bool) -> TxnResp:
+        ok = next(path)
+        out = []
+        for op in txn.success if ok else txn.failure:
+            t = type(op)
+            if t is RangeReq:
+                out.append(self._range(op, overlay, self.max_read_bytes) if reads else None)
+            elif t is PutReq:
+                cur = self._current(_DATA + op.key, overlay)
+                prev = self._kv(op.key, cur, overlay) if cur is not None else None
+                value = prev.value if op.ignore_value else op.value
+                lease = prev.lease if op.ignore_lease else op.lease
+                self._put(Put(op.key.decode(), value, None, lease), index, wb, overlay, changes)
+                out.append(PutResp(prev if op.prev_kv else None))
+            elif t is DeleteRangeReq:
+                items = list(self._range_items(op.key, op.range_end, overlay))
+                prevs = tuple(self._kv(raw, cur, overlay) for raw, cur in items) if op.prev_kv else ()
+                for raw, _ in items:
+                    self._delete(Delete(raw.decode()), index, wb, overlay, changes)
+                out.append(DeleteRangeResp(len(items), prevs))
+            else:
+                out.append(self._txn_run(op, path, index, wb, overlay, changes, reads))
+        return TxnResp(index, ok, tuple(out))
 
     # -- snapshots -------------------------------------------------------------------------
 
@@ -567,7 +773,7 @@ class LevelDBStateMachine:
         self._db.close()
         shutil.rmtree(self.path)
         os.makedirs(self.path)
-        self._db = plyvel.DB(self.path, create_if_missing=True, paranoid_checks=True)
+        self._db = _open(self.path)
         self._db.put(_RESTORING, b"1", sync=True)
         n = own = 0
         wb = self._db.write_batch()
@@ -601,11 +807,11 @@ class LevelDBStateMachine:
         """Open the database again, from disk: after a failed write (a full disk) LevelDB
         refuses every later one until then. What the failed batch changed in this object's
         tables is read back from disk, where none of it went."""
-        on_changes, copies = self.on_changes, self.copies
+        on_changes, copies, rich = self.on_changes, self.copies, self.rich_changes
         if self._db is not None and not self._db.closed:
             self._db.close()
         self.__init__(self.path, max_read_bytes=self.max_read_bytes)
-        self.on_changes, self.copies = on_changes, copies
+        self.on_changes, self.copies, self.rich_changes = on_changes, copies, rich
 
     def sync(self) -> None:
         """Make every applied batch durable (before the ledger drops the entries). A synced
@@ -626,7 +832,34 @@ class LevelDBStateMachine:
             self._db.close()
 
 
-EFFECT_MASK, EFFECT_DELETED = b"m", b"d"
+EFFECT_MASK, EFFECT_DELETED, EFFECT_CHANGES = b"m", b"d", b"c"
+_CHANGE_HEAD = struct.Struct(">HIQQQ")  # key length, value length + 1 (0: a delete), create_revision, version, lease
+
+
+def changes_record(changes: list) -> bytes:
+    """EFFECT_CHANGES + every change an etcd transaction made (rich changes), in order:
+    which branches ran, what its range deletes found and what its ignore_value puts wrote
+    were decided when it was applied; so were the keys' versions."""
+    parts = [EFFECT_CHANGES]
+    for _, key, value, kv, _prev in changes:
+        raw = key.encode()
+        parts.append(_CHANGE_HEAD.pack(len(raw), 0 if value is None else len(value) + 1, kv.create_revision, kv.version, kv.lease) + raw)
+        if value is not None:
+            parts.append(value)
+    return b"".join(parts)
+
+
+def changes_of(record: bytes) -> list[tuple[str, bytes | None, int, int, int]]:
+    """The (key, value or None, create_revision, version, lease) list of a changes_record."""
+    out, o = [], 1
+    while o < len(record):
+        kl, vl, create, version, lease = _CHANGE_HEAD.unpack_from(record, o)
+        o += _CHANGE_HEAD.size
+        key = record[o : o + kl].decode()
+        o += kl
+        out.append((key, record[o : o + vl - 1] if vl else None, create, version, lease))
+        o += max(vl - 1, 0)
+    return out
 
 
 def effect_record(cmd, result) -> bytes | None:
@@ -635,6 +868,8 @@ def effect_record(cmd, result) -> bytes | None:
     (kv.common.entry_stream.entry_rows): EFFECT_MASK + one byte each, 1 or 0 (None when all did); for
     a lease's revoke or a prefix's delete, the keys it deleted: EFFECT_DELETED + a JSON list
     (None if none)."""
+    if isinstance(cmd, TxnReq):  # (applied, its changes are recorded where it is applied)
+        return changes_record([])  # a session's copy: nothing took effect
     if isinstance(cmd, (LeaseRevoke, DeletePrefix)):
         keys = result.keys if isinstance(result, (LeaseRevoked, PrefixDeleted)) else ()
         return EFFECT_DELETED + json.dumps(list(keys)).encode() if keys else None

@@ -53,8 +53,23 @@ def test_http_uses_only_the_public_kv_api():
                     assert node.module in allowed or node.module.startswith("kv.common"), f"http/{name} imports {node.module}; use the public kv API"
 
 
+def test_the_etcd_front_uses_only_the_public_kv_api():
+    """v3api/ reaches the node through the public API too; besides it, the etcd request
+    and response types kv.Node.etcd_txn and etcd_range take and give (the command codec's),
+    and the token grants of the HTTP front, whose roles and prefixes it applies alike."""
+    allowed = {"kv", "kv.statemachine.commands", "kv.http.auth"}
+    for root, _dirs, files in os.walk(os.path.join(ROOT, "v3api")):
+        for name in files:
+            if name.endswith(".py") and "_pb2" not in name:
+                tree = ast.parse(open(os.path.join(root, name)).read())
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("kv"):
+                        names = {node.module} if node.module in allowed else {f"{node.module}.{a.name}" for a in node.names}
+                        assert names <= allowed or node.module.startswith("kv.common"), f"v3api/{name} imports {node.module}; use the public kv API"
+
+
 def test_mapped_folders_have_no_init_files():
-    for d in ("raft", "statemachine", "snapshot", "http"):
+    for d in ("raft", "statemachine", "snapshot", "http", "v3api"):
         assert not os.path.exists(os.path.join(ROOT, d, "__init__.py")), f"{d}/__init__.py would shadow the stdlib"
 
 
@@ -77,7 +92,8 @@ def test_wheel_puts_only_kv_at_the_top(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"kv"}
     for must in ("kv/raft/core.py", "kv/statemachine/leveldb.py", "kv/snapshot/format.py", "kv/http/app.py", "kv/http/openapi.json", "kv/py.typed",
-                 "kv/common/results.py", "kv/client/blocking.py", "kv/server/writes.py", "kv/spark/bulk.py", "kv/bench/harness.py", "kv/cli/serve.py"):
+                 "kv/common/results.py", "kv/client/blocking.py", "kv/server/writes.py", "kv/spark/bulk.py", "kv/bench/harness.py", "kv/cli/serve.py",
+                 "kv/v3api/server.py", "kv/v3api/proto/rpc_pb2.py", "kv/v3api/proto/rpc_pb2_grpc.py", "kv/v3api/proto/kv_pb2.py"):
         assert must in names
     (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE")]
     assert "Apache License" in zipfile.ZipFile(tmp_path / wheel).read(license_file).decode()
@@ -88,7 +104,7 @@ def test_wheel_puts_only_kv_at_the_top(tmp_path):
 
 # -- the seams between the layers --------------------------------------------------------
 
-LAYERS = ("raft", "statemachine", "snapshot", "http", "kv")
+LAYERS = ("raft", "statemachine", "snapshot", "http", "v3api", "kv")
 # `X.name` reaches that are allowed although `name` is private to another layer; each with
 # the reason. Keep this short: a reach belongs behind a method of the layer that owns it.
 ALLOWED_REACHES: set[tuple[str, str]] = set()
@@ -275,7 +291,7 @@ def test_the_store_api_is_one_api_on_every_face():
 # client needs never pulls in the server, and nothing below the front doors knows them.
 ROOMS = (
     "kv.raft", "kv.statemachine", "kv.snapshot", "kv.errors", "kv.common", "kv.client", "kv.server", "kv.node", "kv.store",
-    "kv", "kv.http", "kv.healthcheck", "kv.spark", "kv.bench", "kv.cli", "kv.__main__",
+    "kv", "kv.http", "kv.v3api", "kv.healthcheck", "kv.spark", "kv.bench", "kv.cli", "kv.__main__",
 )
 
 
@@ -286,7 +302,7 @@ def _module_of(path: str) -> str:
 
 def _is_module(name: str) -> bool:
     rel = name.split(".")[1:]
-    if rel and rel[0] in ("raft", "statemachine", "snapshot", "http"):
+    if rel and rel[0] in ("raft", "statemachine", "snapshot", "http", "v3api"):
         base = os.path.join(ROOT, *rel)
     else:
         base = os.path.join(ROOT, "kv", *rel)
@@ -410,7 +426,7 @@ def test_a_client_needs_neither_lmdb_nor_plyvel_nor_the_raft_driver():
         assert out.returncode == rc and said in out.stdout + out.stderr, (argv, out.stdout[-500:], out.stderr[-1000:])
 
 
-MAPPED = ("raft", "statemachine", "snapshot", "http")
+MAPPED = ("raft", "statemachine", "snapshot", "http", "v3api")
 
 
 def folder_name_imports(path: str) -> list[str]:

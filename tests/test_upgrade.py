@@ -53,3 +53,27 @@ def test_a_snapshot_file_from_before_sessions_restores(tmp_path):
         got = {it.key: it.value.decode() for it in db.scan("")}
         assert got["leased/a"] == "held" and got["t/1"] == "x" and "k/000" not in got
         assert db.lease_info(want["lease"]).keys == ("leased/a",)
+
+
+def test_keys_from_before_their_meta_records_report_etcd_versions_and_count_on(tmp_path):
+    """A key written before the state kept create_revision and version (its meta record)
+    reports its mod_index as its create_revision and version 1, and counts on from there."""
+    from kv.raft.messages import Entry, EntryKind
+    from kv.statemachine import commands as c
+    from kv.statemachine.leveldb import LevelDBStateMachine
+
+    path, want = unpack(tmp_path)
+    with kv.open(path):
+        pass  # replays the fixture's ledger tail with this code
+    sm = LevelDBStateMachine(os.path.join(path, "state"))
+    try:
+        value, mod = want["keys"]["k/069"]
+        (old,) = sm.range(c.RangeReq(b"k/069")).kvs
+        assert (old.value.decode(), old.create_revision, old.mod_revision, old.version) == (value, mod, mod, 1)
+        index = sm.applied()[0] + 1
+        r = sm.apply([Entry(index, 99, EntryKind.NORMAL, c.encode(c.TxnReq((), (c.PutReq(b"k/069", b"new", prev_kv=True),), ())))])[0]
+        assert r.responses[0].prev_kv == old
+        (now,) = sm.range(c.RangeReq(b"k/069")).kvs
+        assert (now.create_revision, now.mod_revision, now.version) == (mod, index, 2)
+    finally:
+        sm.close()

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 def layout(nodes: int, base_port: int, host: str = "127.0.0.1") -> list[dict]:
     plan = [
-        {"id": f"n{i + 1}", "http": f"{host}:{base_port + i}", "url": f"http://{host}:{base_port + i}", "peer": f"{host}:{base_port + 100 + i}"}
+        {"id": f"n{i + 1}", "http": f"{host}:{base_port + i}", "url": f"http://{host}:{base_port + i}", "peer": f"{host}:{base_port + 100 + i}", "grpc": f"{host}:{base_port + 200 + i}"}
         for i in range(nodes)
     ]
     peers = ",".join(f"{n['id']}={n['peer']}" for n in plan)
@@ -81,7 +81,7 @@ async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int
 async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int:
     plan = layout(nodes, base_port)
     # All free, or nothing starts (another cluster's nodes would answer in their place).
-    check_can_listen(*[pair for n in plan for pair in ((n["http"], f"{n['id']}'s --http "), (n["peer"], f"{n['id']}'s peer port "))])
+    check_can_listen(*[pair for n in plan for pair in ((n["http"], f"{n['id']}'s --http "), (n["peer"], f"{n['id']}'s peer port "), (n["grpc"], f"{n['id']}'s --grpc "))])
     procs: dict[str, asyncio.subprocess.Process] = {}
     logs = {}
     _say(f"starting {nodes} nodes under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
@@ -89,7 +89,7 @@ async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> i
         ndir = os.path.join(data_dir, n["id"])
         os.makedirs(ndir, exist_ok=True)
         logs[n["id"]] = open(os.path.join(ndir, "serve.log"), "ab")
-        n["args"] = ["--id", n["id"], "--data-dir", os.path.abspath(ndir), "--http", n["http"], "--peers", n["peers"], *extra]
+        n["args"] = ["--id", n["id"], "--data-dir", os.path.abspath(ndir), "--http", n["http"], "--grpc", n["grpc"], "--peers", n["peers"], *extra]
         procs[n["id"]] = await asyncio.create_subprocess_exec(
             *SERVE, *n["args"], stdout=logs[n["id"]], stderr=logs[n["id"]], start_new_session=True,
         )
@@ -98,12 +98,14 @@ async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> i
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print()
-    print("\n".join(columns([("node", "client endpoint", "pid"), *((n["id"], n["url"], str(procs[n["id"]].pid)) for n in plan)], right=(2,), indent="  ")))
+    rows = [("node", "client endpoint", "etcd API (gRPC)", "pid"), *((n["id"], n["url"], n["grpc"], str(procs[n["id"]].pid)) for n in plan)]
+    print("\n".join(columns(rows, right=(3,), indent="  ")))
     print()
     endpoints = ",".join(n["url"] for n in plan)
     print(f"  try:  kv put hello world --endpoints {endpoints}")
     print(f"        kv get hello --endpoints {endpoints}")
     print(f"        kv status --endpoints {endpoints}")
+    print(f"        etcdctl --endpoints {','.join(n['grpc'] for n in plan)} get hello")
     if endpoints != (os.environ.get("KV_ENDPOINTS") or ",".join(DEFAULT_ENDPOINTS)):  # where commands without --endpoints go
         print(f"  or, for every command in a shell:  export KV_ENDPOINTS={endpoints}")
     print("  Ctrl-C stops the cluster.\n", flush=True)

@@ -47,7 +47,7 @@ STOP_GRACE_S = 15.0  # how long stopping may take before the process exits regar
 async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     from ..node import Node  # here: the client commands load without the storage engines
     from ..http.app import serve  # aiohttp only when serving
-    from ..http.auth import load_tokens
+    from ..http.auth import ADMIN, load_tokens
 
     log = logging.getLogger("kv.serve")
     # Every file a setting names is read before the ports are looked at: a bad file is the
@@ -62,6 +62,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     check_can_listen(
         *([(config.peers[config.id], f"--peers {config.id}=")] if config.id in config.peers else []),
         *([(config.http, "--http ")] if config.http else []),
+        *([(config.grpc, "--grpc ")] if config.grpc else []),
     )
     lock = DataDirLock.acquire(config.data_dir)  # before anything in it is looked at
     try:
@@ -74,7 +75,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     await node.start()
     log_term_from(lambda: node.raft.term if node.raft else None)
     tune_gc()
-    runner = None
+    runner = grpc_server = None
     promoting = asyncio.ensure_future(promote_when_caught_up(config, lambda: any(m["id"] == config.id and m["voter"] for m in node.members()))) if config.join else None
     try:
         if config.http:
@@ -94,17 +95,26 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
                 )
             except OSError as e:
                 raise listen_error(e, "--http ", config.http) from e
+        if config.grpc:
+            from ..v3api.server import serve_grpc  # grpcio only when serving the etcd API
+
+            host, port = check_hostport(config.grpc, "--grpc")
+            try:
+                grpc_server = await serve_grpc(node, host, port, grants=tokens if tokens is not None else ({config.token: ADMIN} if config.token else None))
+            except (OSError, RuntimeError) as e:
+                raise listen_error(OSError(str(e)), "--grpc ", config.grpc) from e
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         scheme = "https" if sslctx else "http"
         log.info(
-            "ready: node %s of group %s, http %s://%s, peers %s, data dir %s, pid %d",
+            "ready: node %s of group %s, http %s://%s, etcd API %s, peers %s, data dir %s, pid %d",
             config.id,
             config.group,
             scheme,
             config.http or "(none)",
+            config.grpc or "(none)",
             ",".join(f"{k}={v}" for k, v in config.peers.items()) or "(single node)",
             os.path.abspath(config.data_dir),
             os.getpid(),
@@ -125,6 +135,8 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
             promoting.cancel()
         if runner is not None:
             await runner.cleanup()
+        if grpc_server is not None:
+            await grpc_server.stop(1.0)
         await node.stop()
 
 

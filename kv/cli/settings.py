@@ -116,6 +116,7 @@ SERVE_OPTIONS = [
     Option("--id", "id", _text, "this node's id, e.g. n1 (must appear in --peers)"),
     Option("--data-dir", "data_dir", _text, "directory for the ledger, state and snapshots"),
     Option("--http", "http", _hostport, "HOST:PORT for the client API, e.g. 127.0.0.1:8001"),
+    Option("--grpc", "grpc", _hostport, "HOST:PORT for etcd's v3 API over gRPC (etcdctl, python-etcd3, the Go client), e.g. 127.0.0.1:2379"),
     Option("--peers", "peers", _peers, "ID=HOST:PORT of every member, comma-separated; this node listens on its own"),
     Option("--group", "group", _text, "cluster name; nodes of other groups are refused (default: default)"),
     Option("--heartbeat-ms", "heartbeat_ms", _number("milliseconds", 0), "leader heartbeat interval (default 100)"),

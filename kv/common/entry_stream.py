@@ -116,6 +116,9 @@ def entry_rows(e: Entry) -> Iterator[Row]:
         # Which keys a revoke deletes was decided when it was applied: it is not in the log.
         yield (e.index, e.term, "lease", None, None, False, None)
         return
+    if type(cmd) is cmds.TxnReq:
+        yield from _txn_req_rows(e, cmd)
+        return
     if isinstance(cmd, cmds.Txn):
         wrote = False
         for branch, ops in cmds.txn_branches(cmd):
@@ -127,6 +130,29 @@ def entry_rows(e: Entry) -> Iterator[Row]:
             yield (e.index, e.term, "read", None, None, bool(cmd.conds), None)
         return
     yield _mutation(e, cmd, cmd.cond is not None, None)
+
+
+def _txn_req_rows(e: Entry, txn: cmds.TxnReq) -> Iterator[Row]:
+    """An etcd transaction's puts and deletes, as asked: a delete of a range is one row
+    (op "delete_range", key = its start); what took effect is in the watch history."""
+    wrote = False
+    stack = [(txn, None)]
+    while stack:
+        t, outer = stack.pop()
+        conditional = bool(t.compares) or outer is not None
+        for branch, ops in (("then", t.success), ("else", t.failure)) if t.compares else ((outer, t.success),):
+            for op in ops:
+                kind = type(op)
+                if kind is cmds.PutReq:
+                    wrote = True
+                    yield (e.index, e.term, "put", op.key.decode(), None if op.ignore_value else op.value, conditional, branch)
+                elif kind is cmds.DeleteRangeReq:
+                    wrote = True
+                    yield (e.index, e.term, "delete_range" if op.range_end else "delete", op.key.decode(errors="replace"), None, conditional, branch)
+                elif kind is cmds.TxnReq:
+                    stack.append((op, branch or "then"))
+    if not wrote:
+        yield (e.index, e.term, "read", None, None, bool(txn.compares), None)
 
 
 def _mutation(e: Entry, op: cmds.Put | cmds.Delete, conditional: bool, branch: str | None) -> Row:

@@ -46,6 +46,7 @@ class NodeConfig:
     data_dir: str
     peers: dict[str, str] = field(default_factory=dict)  # id -> HOST:PORT peers dial
     http: str | None = None  # HOST:PORT of the client API (None: no HTTP server)
+    grpc: str | None = None  # HOST:PORT of etcd's v3 API over gRPC (v3api/; None: not served)
     group: str = "default"
     heartbeat_ms: float = 100.0
     election_timeout_ms: float = 1000.0

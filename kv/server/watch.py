@@ -31,13 +31,30 @@ from ..common.entry_stream import LogStreamError, entry_rows
 from ..common.results import Event
 from ..errors import KVError, SlowWatcher, WatchCompacted
 from ..raft.messages import Entry, EntryKind
-from ..statemachine.leveldb import EFFECT_DELETED
+from ..statemachine.commands import KeyValue
+from ..statemachine.leveldb import EFFECT_CHANGES, EFFECT_DELETED, changes_of
 from .samples import Sample, gauge
 
 # Ledger bytes read per step of a catch-up: a stream sends each step before it reads the
 # next (waiting for the socket to drain), so this is about what one catching-up stream holds.
 HISTORY_CHUNK_BYTES = 16 << 10
 EVENT_OVERHEAD = 100  # bytes an event costs a buffer beyond its key and value
+
+
+class RichEvent(Event):
+    """An Event with the key as etcd's API reports it: `kv` after the change (for a delete,
+    its key and the deleting index), `prev` before it (None for a new key, and for changes
+    read back from history, which does not keep it). What a rich watch gets where the node
+    knows it: every live change, and from history the changes of etcd transactions."""
+
+    kv: KeyValue
+    prev: KeyValue | None
+
+
+def rich_event(index: int, key: str, value: bytes | None, kv: KeyValue, prev: KeyValue | None) -> RichEvent:
+    ev = RichEvent(index, key, value)
+    ev.kv, ev.prev = kv, prev
+    return ev
 
 
 def history_events(entries: list[Entry], effects: dict[int, bytes], prefix: str) -> list[Event]:
@@ -55,6 +72,12 @@ def history_events(entries: list[Entry], effects: dict[int, bytes], prefix: str)
         if record is not None and record[:1] == EFFECT_DELETED:  # a lease's revoke
             out += [Event(e.index, key, None) for key in json.loads(record[1:]) if key.startswith(prefix)]
             continue
+        if record is not None and record[:1] == EFFECT_CHANGES:  # an etcd transaction
+            out += [
+                rich_event(e.index, key, value, KeyValue(key, create, e.index, version, value or b"", lease), None)
+                for key, value, create, version, lease in changes_of(record) if key.startswith(prefix)
+            ]
+            continue
         took = record[1:] if record is not None else None  # EFFECT_MASK: a byte per mutation
         i = 0
         for row in rows:
@@ -71,10 +94,10 @@ class Watch:
     """An async iterator of Events under a prefix, in commit order. Close it when done.
     `next_batch` is the batch-at-a-time interface the HTTP stream uses."""
 
-    __slots__ = ("_hub", "prefix", "cursor", "_limit", "_resume", "_buf", "_bytes", "_live", "_wake", "_failure", "_closed", "_pending", "__weakref__")
+    __slots__ = ("_hub", "prefix", "rich", "cursor", "_limit", "_resume", "_buf", "_bytes", "_live", "_wake", "_failure", "_closed", "_pending", "__weakref__")
 
-    def __init__(self, hub: WatchHub, prefix: str, cursor: int, buffer_bytes: int, resume_when_behind: bool) -> None:
-        self._hub, self.prefix = hub, prefix
+    def __init__(self, hub: WatchHub, prefix: str, cursor: int, buffer_bytes: int, resume_when_behind: bool, rich: bool = False) -> None:
+        self._hub, self.prefix, self.rich = hub, prefix, rich  # rich: wants RichEvents (the node makes them while one is open)
         self.cursor = cursor  # every change before this index has been handed out
         self._limit, self._resume = buffer_bytes, resume_when_behind
         self._buf: list[Event] = []
@@ -186,7 +209,7 @@ class Watch:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._hub.remove(self)
+            self._hub.closed(self)
             self._drop_buffer()
             self._failure = None
             self._pending.clear()
@@ -215,8 +238,12 @@ class WatchHub:
         log_entries: Callable[[int, int, int], list[Entry]],
         effects: Callable[[int, int], dict[int, bytes]],
         effects_from: Callable[[], int],
+        want_rich: Callable[[bool], None] = lambda on: None,
     ) -> None:
+        """`want_rich(on)`: whether the state machine should make rich changes (the key
+        before and after each one) for the rich watches open."""
         self.applied_index, self._log_range, self._log_entries = applied_index, log_range, log_entries
+        self._want_rich, self._rich_open = want_rich, 0
         self._effects, self._effects_from = effects, effects_from
         self.budget = budget  # bytes all watches together may hold for their readers (--watch-budget-bytes)
         self.buffered = 0
@@ -224,12 +251,16 @@ class WatchHub:
         self._lengths: list[int] = []  # the distinct prefix lengths, to probe _by_prefix with
         self._open: weakref.WeakSet[Watch] = weakref.WeakSet()
 
-    def open(self, prefix: str, start_index: int | None, buffer_bytes: int, resume_when_behind: bool) -> Watch:
+    def open(self, prefix: str, start_index: int | None, buffer_bytes: int, resume_when_behind: bool, rich: bool = False) -> Watch:
         if start_index is None:
             start_index = self.applied_index() + 1
         self.check_start(start_index)
-        w = Watch(self, prefix, start_index, buffer_bytes, resume_when_behind)
+        w = Watch(self, prefix, start_index, buffer_bytes, resume_when_behind, rich)
         self._open.add(w)
+        if rich:
+            self._rich_open += 1
+            if self._rich_open == 1:
+                self._want_rich(True)
         return w
 
     def floor(self) -> int:
@@ -270,6 +301,13 @@ class WatchHub:
             self._lengths = sorted({len(p) for p in self._by_prefix})
         ws.add(w)
 
+    def closed(self, w: Watch) -> None:
+        self.remove(w)
+        if w.rich:
+            self._rich_open -= 1
+            if self._rich_open == 0:
+                self._want_rich(False)
+
     def remove(self, w: Watch) -> None:
         w._live = False
         ws = self._by_prefix.get(w.prefix)
@@ -285,14 +323,15 @@ class WatchHub:
             return
         lengths, by_prefix = self._lengths, self._by_prefix
         behind = []
-        for index, key, value in changes:
+        for change in changes:
+            index, key, value = change[0], change[1], change[2]
             ev = None
             for n in lengths:
                 ws = by_prefix.get(key[:n])
                 if not ws:
                     continue
                 if ev is None:
-                    ev = Event(index, key, value)
+                    ev = Event(index, key, value) if len(change) == 3 else rich_event(*change)
                     size = len(key) + (len(value) if value is not None else 0) + EVENT_OVERHEAD
                 for w in ws:
                     if not w._push(ev, size):

@@ -1,0 +1,375 @@
+"""etcd's v3 API (v3api/) on a cluster of real `kv serve` processes, through grpcio stubs
+generated from the protocol files, as etcd's own clients call it, and through Debian's
+etcdctl where it is installed. Requests go to a follower unless said otherwise."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from cluster import ProcCluster, wait_until
+
+from kv.bench.harness import free_port
+from kv.v3api.proto import kv_pb2, rpc_pb2, rpc_pb2_grpc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ETCDCTL = shutil.which("etcdctl")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = ProcCluster(str(tmp_path_factory.mktemp("v3")), 3)
+    c.grpc = {i: f"127.0.0.1:{free_port()}" for i in c.ids}
+    for i in c.ids:
+        c.node_env[i]["KV_GRPC"] = c.grpc[i]
+    try:
+        c.start(*c.ids)
+        c.leader_id = c.leader()
+        c.follower = next(i for i in c.ids if i != c.leader_id)
+        yield c
+    finally:
+        c.close()
+
+
+class Stubs:
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.kv = rpc_pb2_grpc.KVStub(self.channel)
+        self.watch = rpc_pb2_grpc.WatchStub(self.channel)
+        self.lease = rpc_pb2_grpc.LeaseStub(self.channel)
+        self.cluster = rpc_pb2_grpc.ClusterStub(self.channel)
+        self.maintenance = rpc_pb2_grpc.MaintenanceStub(self.channel)
+
+
+@pytest.fixture(scope="module")
+def etcd(cluster):
+    s = Stubs(cluster.grpc[cluster.follower])
+    yield s
+    s.channel.close()
+
+
+def put(etcd, key: bytes, value: bytes, **kw) -> rpc_pb2.PutResponse:
+    return etcd.kv.Put(rpc_pb2.PutRequest(key=key, value=value, **kw), timeout=10)
+
+
+def get(etcd, key: bytes, **kw) -> rpc_pb2.RangeResponse:
+    return etcd.kv.Range(rpc_pb2.RangeRequest(key=key, **kw), timeout=10)
+
+
+def op_put(key: bytes, value: bytes, **kw) -> rpc_pb2.RequestOp:
+    return rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, **kw))
+
+
+def test_the_generated_code_is_what_the_protocol_files_give(tmp_path):
+    work = tmp_path / "proto"
+    shutil.copytree(os.path.join(ROOT, "v3api", "proto"), work, ignore=shutil.ignore_patterns("*_pb2*", "__pycache__"))
+    subprocess.run([sys.executable, str(work / "generate.py")], check=True, capture_output=True)
+    made = sorted(p.name for p in work.glob("*_pb2*.py*"))
+    assert made == sorted(p for p in os.listdir(os.path.join(ROOT, "v3api", "proto")) if "_pb2" in p)
+    for name in made:
+        assert filecmp.cmp(work / name, os.path.join(ROOT, "v3api", "proto", name), shallow=False), f"{name} is stale: run v3api/proto/generate.py"
+
+
+def test_put_and_range_report_etcd_revisions_and_versions(etcd, cluster):
+    first = put(etcd, b"v3/a", b"1")
+    second = put(etcd, b"v3/a", b"2", prev_kv=True)
+    assert second.header.revision > first.header.revision
+    assert (second.prev_kv.value, second.prev_kv.version, second.prev_kv.mod_revision) == (b"1", 1, first.header.revision)
+    got = get(etcd, b"v3/a")
+    (kv,) = got.kvs
+    assert (kv.key, kv.value, kv.version, kv.create_revision, kv.mod_revision, got.count) == (b"v3/a", b"2", 2, first.header.revision, second.header.revision, 1)
+    assert got.header.revision >= second.header.revision and got.header.raft_term >= 1
+    assert got.header.member_id != 0 and got.header.cluster_id != 0
+    # the same numbers from the leader and from a serializable read on the third node
+    third = next(i for i in cluster.ids if i not in (cluster.leader_id, cluster.follower))
+    other = Stubs(cluster.grpc[third])
+    try:
+        wait_until(lambda: get(other, b"v3/a", serializable=True).kvs[:1] == got.kvs[:1], 10)
+        assert get(other, b"v3/a", serializable=True).header.cluster_id == got.header.cluster_id
+        assert get(other, b"v3/a", serializable=True).header.member_id != got.header.member_id
+    finally:
+        other.channel.close()
+
+
+def test_range_limits_sorts_counts_and_filters(etcd):
+    for i in range(5):
+        put(etcd, b"v3r/%d" % i, b"x" * (5 - i))
+    every = get(etcd, b"v3r/", range_end=b"v3r0")
+    assert [kv.key for kv in every.kvs] == [b"v3r/%d" % i for i in range(5)] and every.count == 5 and not every.more
+    page = get(etcd, b"v3r/", range_end=b"v3r0", limit=2)
+    assert [kv.key for kv in page.kvs] == [b"v3r/0", b"v3r/1"] and page.more and page.count == 5
+    desc = get(etcd, b"v3r/", range_end=b"v3r0", sort_order=rpc_pb2.RangeRequest.DESCEND, sort_target=rpc_pb2.RangeRequest.KEY, limit=2)
+    assert [kv.key for kv in desc.kvs] == [b"v3r/4", b"v3r/3"] and desc.more
+    by_value = get(etcd, b"v3r/", range_end=b"v3r0", sort_order=rpc_pb2.RangeRequest.ASCEND, sort_target=rpc_pb2.RangeRequest.VALUE)
+    assert by_value.kvs[0].key == b"v3r/4"
+    keys_only = get(etcd, b"v3r/", range_end=b"v3r0", keys_only=True)
+    assert all(kv.value == b"" for kv in keys_only.kvs) and len(keys_only.kvs) == 5
+    count_only = get(etcd, b"v3r/", range_end=b"v3r0", count_only=True)
+    assert (len(count_only.kvs), count_only.count) == (0, 5)
+    newer = get(etcd, b"v3r/", range_end=b"v3r0", min_mod_revision=every.kvs[3].mod_revision)
+    assert [kv.key for kv in newer.kvs] == [b"v3r/3", b"v3r/4"]
+    from_key = get(etcd, b"v3r/3", range_end=b"\x00")
+    assert [kv.key for kv in from_key.kvs][:2] == [b"v3r/3", b"v3r/4"]
+
+
+def test_revisions_outside_what_the_node_holds_get_etcds_errors(etcd):
+    now = put(etcd, b"v3rev", b"x").header.revision
+    with pytest.raises(grpc.RpcError) as e:
+        get(etcd, b"v3rev", revision=now + 1000)
+    assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and e.value.details() == "etcdserver: mvcc: required revision is a future revision"
+    with pytest.raises(grpc.RpcError) as e:
+        get(etcd, b"v3rev", revision=1)
+    assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and e.value.details() == "etcdserver: mvcc: required revision has been compacted"
+
+
+def test_delete_range_counts_and_returns_what_it_deleted(etcd):
+    for k in (b"v3d/a", b"v3d/b", b"v3d/c"):
+        put(etcd, k, b"v")
+    one = etcd.kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=b"v3d/a", prev_kv=True), timeout=10)
+    assert one.deleted == 1 and one.prev_kvs[0].value == b"v"
+    rest = etcd.kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=b"v3d/", range_end=b"v3d0"), timeout=10)
+    assert rest.deleted == 2 and get(etcd, b"v3d/", range_end=b"v3d0").count == 0
+    assert etcd.kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=b"v3d/a"), timeout=10).deleted == 0
+    assert put(etcd, b"v3d/a", b"again").header.revision > 0
+    assert get(etcd, b"v3d/a").kvs[0].version == 1  # a deleted key starts over
+
+
+def test_txn_compares_every_target_and_runs_one_branch_atomically(etcd):
+    created = put(etcd, b"v3t/k", b"one").header.revision
+    compare = rpc_pb2.Compare
+    cases = [
+        (compare(key=b"v3t/k", target=compare.VERSION, result=compare.EQUAL, version=1), True),
+        (compare(key=b"v3t/k", target=compare.CREATE, result=compare.EQUAL, create_revision=created), True),
+        (compare(key=b"v3t/k", target=compare.MOD, result=compare.LESS, mod_revision=created + 1), True),
+        (compare(key=b"v3t/k", target=compare.VALUE, result=compare.NOT_EQUAL, value=b"one"), False),
+        (compare(key=b"v3t/k", target=compare.VALUE, result=compare.GREATER, value=b"a"), True),
+        (compare(key=b"v3t/k", target=compare.LEASE, result=compare.EQUAL, lease=0), True),
+        (compare(key=b"v3t/absent", target=compare.VERSION, result=compare.EQUAL, version=0), True),
+        (compare(key=b"v3t/absent", target=compare.VALUE, result=compare.EQUAL, value=b""), False),  # a missing key's value compare fails
+        (compare(key=b"v3t/", range_end=b"v3t0", target=compare.VERSION, result=compare.GREATER, version=0), True),
+    ]
+    for c, holds in cases:
+        r = etcd.kv.Txn(rpc_pb2.TxnRequest(compare=[c], success=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=b"v3t/k"))]), timeout=10)
+        assert r.succeeded is holds, c
+    r = etcd.kv.Txn(
+        rpc_pb2.TxnRequest(
+            compare=[compare(key=b"v3t/k", target=compare.VALUE, result=compare.EQUAL, value=b"one")],
+            success=[op_put(b"v3t/k", b"two", prev_kv=True), op_put(b"v3t/other", b"x"), rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=b"v3t/k"))],
+            failure=[op_put(b"v3t/failed", b"x")],
+        ),
+        timeout=10,
+    )
+    assert r.succeeded and r.responses[0].response_put.prev_kv.value == b"one"
+    assert r.responses[2].response_range.kvs[0].value == b"two"  # a range sees the txn's own earlier put
+    assert r.responses[2].response_range.kvs[0].mod_revision == r.header.revision == get(etcd, b"v3t/other").kvs[0].mod_revision
+    assert get(etcd, b"v3t/failed").count == 0
+    nested = etcd.kv.Txn(
+        rpc_pb2.TxnRequest(
+            compare=[compare(key=b"v3t/k", target=compare.VALUE, result=compare.EQUAL, value=b"nope")],
+            failure=[rpc_pb2.RequestOp(request_txn=rpc_pb2.TxnRequest(
+                compare=[compare(key=b"v3t/k", target=compare.VERSION, result=compare.EQUAL, version=2)],
+                success=[op_put(b"v3t/nested", b"yes")],
+            ))],
+        ),
+        timeout=10,
+    )
+    assert not nested.succeeded and nested.responses[0].response_txn.succeeded
+    assert get(etcd, b"v3t/nested").kvs[0].value == b"yes"
+
+
+def test_txn_refusals_change_nothing_and_say_what_etcd_says(etcd):
+    put(etcd, b"v3x/k", b"v")
+    before = get(etcd, b"v3x/k").kvs[0].mod_revision
+    refusals = [
+        (rpc_pb2.TxnRequest(success=[op_put(b"v3x/k", b"1"), op_put(b"v3x/k", b"2")]), grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: duplicate key given in txn request"),
+        (rpc_pb2.TxnRequest(success=[op_put(b"v3x/k", b"1"), rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=b"v3x/", range_end=b"v3x0"))]),
+         grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: duplicate key given in txn request"),
+        (rpc_pb2.TxnRequest(success=[op_put(b"v3x/%d" % i, b"1") for i in range(200)]), grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: too many operations in txn request"),
+        (rpc_pb2.TxnRequest(success=[op_put(b"v3x/k", b"1"), op_put(b"v3x/l", b"1", lease=12345)]), grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found"),
+        (rpc_pb2.TxnRequest(success=[op_put(b"v3x/k", b"1"), op_put(b"v3x/absent", b"", ignore_value=True)]), grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: key not found"),
+        (rpc_pb2.TxnRequest(success=[op_put(b"", b"1")]), grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: key is not provided"),
+    ]
+    for req, code, text in refusals:
+        with pytest.raises(grpc.RpcError) as e:
+            etcd.kv.Txn(req, timeout=10)
+        assert (e.value.code(), e.value.details()) == (code, text)
+    assert get(etcd, b"v3x/k").kvs[0].mod_revision == before and get(etcd, b"v3x/k").kvs[0].value == b"v"
+    kept = put(etcd, b"v3x/k", b"", ignore_value=True, prev_kv=True)
+    assert kept.prev_kv.value == b"v" and get(etcd, b"v3x/k").kvs[0].value == b"v"
+
+
+def test_leases_grant_keep_alive_list_and_revoke(etcd):
+    granted = etcd.lease.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=30), timeout=10)
+    assert granted.ID > 0 and granted.TTL == 30
+    chosen = etcd.lease.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=30, ID=424242), timeout=10)
+    assert chosen.ID == 424242
+    with pytest.raises(grpc.RpcError) as e:
+        etcd.lease.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=30, ID=424242), timeout=10)
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: lease already exists")
+    put(etcd, b"v3l/held", b"v", lease=granted.ID)
+    assert get(etcd, b"v3l/held").kvs[0].lease == granted.ID
+    ttl = etcd.lease.LeaseTimeToLive(rpc_pb2.LeaseTimeToLiveRequest(ID=granted.ID, keys=True), timeout=10)
+    assert ttl.grantedTTL == 30 and 0 < ttl.TTL <= 30 and list(ttl.keys) == [b"v3l/held"]
+    answers = list(etcd.lease.LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=granted.ID), rpc_pb2.LeaseKeepAliveRequest(ID=99), rpc_pb2.LeaseKeepAliveRequest(ID=chosen.ID)]), timeout=10))
+    assert [(a.ID, a.TTL) for a in answers] == [(granted.ID, 30), (99, 0), (chosen.ID, 30)]
+    listed = {x.ID for x in etcd.lease.LeaseLeases(rpc_pb2.LeaseLeasesRequest(), timeout=10).leases}
+    assert {granted.ID, chosen.ID} <= listed
+    etcd.lease.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=granted.ID), timeout=10)
+    assert get(etcd, b"v3l/held").count == 0
+    assert etcd.lease.LeaseTimeToLive(rpc_pb2.LeaseTimeToLiveRequest(ID=granted.ID), timeout=10).TTL == -1
+    with pytest.raises(grpc.RpcError) as e:
+        etcd.lease.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=granted.ID), timeout=10)
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found")
+
+
+class WatchStream:
+    """One Watch stream: requests in, responses collected by a thread."""
+
+    def __init__(self, etcd) -> None:
+        self.requests: list = []
+        self.cond = threading.Condition()
+        self.responses: list[rpc_pb2.WatchResponse] = []
+        self.call = etcd.watch.Watch(self._requests())
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _requests(self):
+        sent = 0
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: len(self.requests) > sent)
+                req = self.requests[sent]
+            sent += 1
+            if req is None:
+                return
+            yield req
+
+    def send(self, req) -> None:
+        with self.cond:
+            self.requests.append(req)
+            self.cond.notify_all()
+
+    def _read(self) -> None:
+        try:
+            for r in self.call:
+                with self.cond:
+                    self.responses.append(r)
+                    self.cond.notify_all()
+        except grpc.RpcError:
+            pass
+
+    def wait(self, pred, timeout: float = 10.0):
+        with self.cond:
+            assert self.cond.wait_for(lambda: pred(self.responses), timeout), self.responses
+            return list(self.responses)
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+def test_watch_many_on_one_stream_with_prev_kv_filters_progress_and_cancel(etcd):
+    put(etcd, b"v3w/k", b"0")
+    s = WatchStream(etcd)
+    try:
+        s.send(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"v3w/k", prev_kv=True)))
+        s.send(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"v3w/", range_end=b"v3w0", filters=[rpc_pb2.WatchCreateRequest.NOPUT])))
+        created = s.wait(lambda rs: sum(r.created for r in rs) == 2)
+        ids = [r.watch_id for r in created if r.created]
+        assert len(set(ids)) == 2
+        txn = etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3w/k", b"1"), op_put(b"v3w/j", b"x")]), timeout=10)
+        etcd.kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=b"v3w/j"), timeout=10)
+        rs = s.wait(lambda rs: any(r.watch_id == ids[1] and r.events for r in rs) and any(r.watch_id == ids[0] and r.events for r in rs))
+        (on_key,) = [r for r in rs if r.watch_id == ids[0] and r.events]
+        (ev,) = on_key.events
+        assert ev.type == kv_pb2.Event.PUT and ev.kv.value == b"1" and ev.kv.version == 2 and ev.kv.mod_revision == txn.header.revision
+        assert ev.prev_kv.value == b"0" and ev.prev_kv.version == 1
+        (deletes,) = [r for r in rs if r.watch_id == ids[1] and r.events]
+        assert [(e.type, e.kv.key) for e in deletes.events] == [(kv_pb2.Event.DELETE, b"v3w/j")]  # NOPUT: the puts are left out
+        s.send(rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest()))
+        s.wait(lambda rs: any(r.watch_id == -1 and r.header.revision >= txn.header.revision for r in rs))
+        s.send(rpc_pb2.WatchRequest(cancel_request=rpc_pb2.WatchCancelRequest(watch_id=ids[0])))
+        s.wait(lambda rs: any(r.canceled and r.watch_id == ids[0] for r in rs))
+    finally:
+        s.close()
+
+
+def test_watch_from_a_past_revision_replays_the_transaction_whole(etcd):
+    r = etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3h/a", b"1"), op_put(b"v3h/b", b"2")]), timeout=10)
+    put(etcd, b"v3h/a", b"3")
+    s = WatchStream(etcd)
+    try:
+        s.send(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"v3h/", range_end=b"v3h0", start_revision=r.header.revision)))
+        rs = s.wait(lambda rs: sum(len(x.events) for x in rs) >= 3)
+        events = [e for x in rs for e in x.events]
+        assert [(e.kv.key, e.kv.value, e.kv.version) for e in events] == [(b"v3h/a", b"1", 1), (b"v3h/b", b"2", 1), (b"v3h/a", b"3", 2)]
+        first = next(x for x in rs if x.events)
+        assert len(first.events) >= 2 and first.events[0].kv.mod_revision == first.events[1].kv.mod_revision  # one revision, one response
+    finally:
+        s.close()
+
+
+def test_member_list_status_and_alarms(etcd, cluster):
+    members = etcd.cluster.MemberList(rpc_pb2.MemberListRequest(), timeout=10).members
+    assert sorted(m.name for m in members) == cluster.ids and len({m.ID for m in members}) == 3
+    own = next(m for m in members if m.name == cluster.follower)
+    assert own.clientURLs == [f"http://{cluster.grpc[cluster.follower]}"]
+    status = etcd.maintenance.Status(rpc_pb2.StatusRequest(), timeout=10)
+    assert status.version.startswith("3.4") and status.dbSize > 0 and status.raftTerm >= 1 and status.raftIndex >= 1
+    assert status.leader == next(m.ID for m in members if m.name == cluster.leader_id)
+    assert list(etcd.maintenance.Alarm(rpc_pb2.AlarmRequest(), timeout=10).alarms) == []
+    assert etcd.maintenance.HashKV(rpc_pb2.HashKVRequest(), timeout=10).hash != 0
+
+
+@pytest.mark.skipif(ETCDCTL is None, reason="etcdctl is not installed (Debian's etcd-client; .ci/run installs it)")
+def test_etcdctl_against_a_follower(cluster):
+    env = {**os.environ, "ETCDCTL_API": "3"}
+    ep = ["--endpoints", cluster.grpc[cluster.follower]]
+
+    def ctl(*args: str, stdin: str | None = None) -> str:
+        r = subprocess.run([ETCDCTL, *ep, *args], capture_output=True, text=True, env=env, input=stdin, timeout=30)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert ctl("put", "ctl/a", "1").strip() == "OK"
+    assert ctl("get", "ctl/a").split() == ["ctl/a", "1"]
+    assert ctl("put", "ctl/b", "2").strip() == "OK"
+    assert ctl("get", "ctl/", "--prefix", "--keys-only").split() == ["ctl/a", "ctl/b"]
+    assert ctl("txn", stdin='value("ctl/a") = "1"\n\nput ctl/c 3\n\nput ctl/c no\n\n').split()[0] == "SUCCESS"
+    assert ctl("get", "ctl/c").split() == ["ctl/c", "3"]
+    assert ctl("del", "ctl/", "--prefix").strip() == "3"
+    lease = ctl("lease", "grant", "30").split()[1]
+    ctl("put", "ctl/l", "v", f"--lease={lease}")
+    assert "attached keys([ctl/l])" in ctl("lease", "timetolive", lease, "--keys")
+    ctl("lease", "revoke", lease)
+    assert ctl("get", "ctl/l") == ""
+    assert len(ctl("member", "list").strip().splitlines()) == 3
+    assert "is healthy" in subprocess.run([ETCDCTL, *ep, "endpoint", "health"], capture_output=True, text=True, env=env, timeout=30).stderr
+
+
+@pytest.mark.skipif(ETCDCTL is None, reason="etcdctl is not installed (Debian's etcd-client; .ci/run installs it)")
+def test_etcdctl_lock_is_handed_over_when_the_holder_is_killed(cluster):
+    env = {**os.environ, "ETCDCTL_API": "3"}
+    holder = subprocess.Popen([ETCDCTL, "--endpoints", cluster.grpc[cluster.follower], "lock", "--ttl=3", "ctl-lock"], stdout=subprocess.PIPE, text=True, env=env)
+    waiter = None
+    try:
+        assert holder.stdout.readline().startswith("ctl-lock/")
+        other = next(i for i in cluster.ids if i != cluster.follower)
+        waiter = subprocess.Popen([ETCDCTL, "--endpoints", cluster.grpc[other], "lock", "ctl-lock"], stdout=subprocess.PIPE, text=True, env=env)
+        time.sleep(1.0)
+        assert waiter.poll() is None  # still waiting while the holder lives
+        holder.kill()  # its session's lease expires (3 s) and takes the lock key with it
+        t0 = time.monotonic()
+        line = waiter.stdout.readline()
+        assert line.startswith("ctl-lock/") and time.monotonic() - t0 < 15
+    finally:
+        for p in (holder, waiter):
+            if p is not None:
+                p.kill()
+                p.wait()

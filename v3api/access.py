@@ -1,0 +1,68 @@
+"""Who may call what on the etcd API: the node's tokens (--token, --tokens), read from the
+`token` or `authorization` metadata etcd's clients send, with the same roles and key
+prefixes as the HTTP front (http/auth.py). Errors inside a call become its gRPC status."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import grpc
+
+from kv import Forbidden, Unauthorized
+from kv.http.auth import Grant, grant_of
+
+from . import wire
+
+log = logging.getLogger("kv.v3api")
+
+
+class Access:
+    """`async with access(context, role, ranges):` checks the caller, then turns whatever
+    the body raises into the call's status (etcd's code and text)."""
+
+    def __init__(self, grants: dict[str, Grant] | None) -> None:
+        self.grants = grants
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, context, role: str, ranges: list[tuple[bytes, bytes]]):
+        try:
+            self.check(context, role, ranges)
+            yield
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            code, message = wire.status_of(e)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("etcd API call failed")
+            await context.abort(code, message)
+
+    def check(self, context, role: str, ranges: list[tuple[bytes, bytes]]) -> None:
+        if self.grants is None:
+            return
+        md = dict(context.invocation_metadata() or ())
+        token = md.get("token") or md.get("authorization", "")
+        if token.startswith("Bearer "):
+            token = token[7:]
+        grant = grant_of(self.grants, f"Bearer {token}")
+        if grant is None:
+            raise Unauthorized("missing or wrong token")
+        if not grant.may(role):
+            raise Forbidden(f"a {grant.role} token may not do this: it needs a {role} token")
+        if grant.prefix:
+            if role == "lease":
+                raise Forbidden(f"a token scoped to {grant.prefix!r} manages leases over HTTP only")
+            p = grant.prefix.encode()
+            for key, end in ranges:
+                inside = key.startswith(p) and (not end or (end <= _prefix_end(p) and end != b"\x00"))
+                if not inside:
+                    raise Forbidden(f"this token reaches only keys under {grant.prefix!r}")
+
+
+def _prefix_end(p: bytes) -> bytes:
+    """The end of the range of keys starting with p."""
+    for i in range(len(p) - 1, -1, -1):
+        if p[i] < 0xFF:
+            return p[:i] + bytes((p[i] + 1,))
+    return b"\x00"
+

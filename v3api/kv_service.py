@@ -1,0 +1,162 @@
+"""etcd's KV service: Range, Put, DeleteRange and Txn on kv.Node.
+
+A Range is a read on this node after the read barrier its `serializable` flag asks for
+(linearizable by default, as etcd's); Put and DeleteRange are transactions of one op; a
+Txn is one committed entry (kv.Node.etcd_txn). What a request asks is checked here, before
+anything is proposed: keys, duplicate keys among a transaction's writes, the op limit."""
+
+from __future__ import annotations
+
+import grpc
+
+from kv.statemachine import commands as cmds
+
+from . import wire
+from .access import Access
+from .proto import rpc_pb2, rpc_pb2_grpc
+from .wire import Abort
+
+
+class KVService(rpc_pb2_grpc.KVServicer):
+    def __init__(self, node, access: Access) -> None:
+        self.node, self.access = node, access
+        self.header = wire.Headers(node)
+        self.max_ops = node.config.max_txn_ops
+
+    async def Range(self, request, context):
+        async with self.access(context, "read", [(request.key, request.range_end)]):
+            req = wire.range_req(request)
+            got, index = await self.node.etcd_range(req, consistency="stale" if request.serializable else "linearizable")
+            if request.revision and request.revision != index:
+                self._check_revision(request.revision, index)
+            return wire.finish_range(request, got, self.header(index))
+
+    def _check_revision(self, revision: int, index: int) -> None:
+        # No history yet (every key's one version is kept): a past revision is compacted.
+        if revision > index:
+            raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_FUTURE_REV)
+        raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED)
+
+    async def Put(self, request, context):
+        async with self.access(context, "write", [(request.key, b"")]):
+            wire.key_of(request.key)
+            r = await self.node.etcd_txn(cmds.TxnReq((), (put_req(request),), ()))
+            (put,) = r.responses
+            return rpc_pb2.PutResponse(header=self.header(r.index), prev_kv=wire.kv_message(put.prev_kv) if put.prev_kv else None)
+
+    async def DeleteRange(self, request, context):
+        async with self.access(context, "write", [(request.key, request.range_end)]):
+            r = await self.node.etcd_txn(cmds.TxnReq((), (delete_req(request),), ()))
+            (d,) = r.responses
+            return rpc_pb2.DeleteRangeResponse(header=self.header(r.index), deleted=d.deleted, prev_kvs=[wire.kv_message(kv) for kv in d.prev_kvs])
+
+    async def Txn(self, request, context):
+        async with self.access(context, "write", list(txn_keys(request))):
+            txn = self.txn_req(request)
+            r = await self.node.etcd_txn(txn)
+            return txn_response(request, r, self.header)
+
+    async def Compact(self, request, context):
+        async with self.access(context, "write", []):
+            raise Abort(grpc.StatusCode.UNIMPLEMENTED, "etcdserver: ledgerkv keeps no history to compact yet (each key's latest version only)")
+
+    def txn_req(self, request: rpc_pb2.TxnRequest) -> cmds.TxnReq:
+        """The transaction to propose, checked as etcd checks it: at most --max-txn-ops
+        compares and ops per branch, and no key written twice in one branch path."""
+        if len(request.compare) > self.max_ops or len(request.success) > self.max_ops or len(request.failure) > self.max_ops:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_MANY_OPS)
+        compares = []
+        for c in request.compare:
+            start = wire.range_start(c.key, c.range_end)
+            which = c.WhichOneof("target_union")
+            arg = getattr(c, which) if which else (b"" if c.target == rpc_pb2.Compare.VALUE else 0)
+            compares.append(cmds.Compare(c.target, c.result, start, arg, c.range_end))
+        for branch in (request.success, request.failure):
+            check_unique_writes(branch)
+        return cmds.TxnReq(tuple(compares), tuple(self._op(op) for op in request.success), tuple(self._op(op) for op in request.failure))
+
+    def _op(self, op: rpc_pb2.RequestOp):
+        which = op.WhichOneof("request")
+        if which == "request_range":
+            return wire.range_req(op.request_range)
+        if which == "request_put":
+            wire.key_of(op.request_put.key)
+            return put_req(op.request_put)
+        if which == "request_delete_range":
+            return delete_req(op.request_delete_range)
+        if which == "request_txn":
+            return self.txn_req(op.request_txn)
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: a transaction op with no request")
+
+
+def put_req(p: rpc_pb2.PutRequest) -> cmds.PutReq:
+    if p.ignore_value and p.value:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: value is provided")
+    if p.ignore_lease and p.lease:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: lease is provided")
+    return cmds.PutReq(p.key, p.value, p.lease, p.prev_kv, p.ignore_value, p.ignore_lease)
+
+
+def delete_req(d: rpc_pb2.DeleteRangeRequest) -> cmds.DeleteRangeReq:
+    return cmds.DeleteRangeReq(wire.range_start(d.key, d.range_end), d.range_end, d.prev_kv)
+
+
+def check_unique_writes(ops) -> tuple[set[bytes], list[tuple[bytes, bytes]]]:
+    """etcd's checkIntervals: no key is put twice along one path of a transaction, nor put
+    where a delete of the same path reaches; returns the path's (puts, deletes)."""
+    dels = [(op.request_delete_range.key, op.request_delete_range.range_end) for op in ops if op.WhichOneof("request") == "request_delete_range"]
+    puts: set[bytes] = set()
+
+    def add(key: bytes) -> None:
+        if key in puts or any(cmds.in_range(key, k, end) for k, end in dels):
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_DUPLICATE_KEY)
+        puts.add(key)
+
+    for op in ops:
+        if op.WhichOneof("request") == "request_txn":
+            then_puts, then_dels = check_unique_writes(op.request_txn.success)
+            else_puts, else_dels = check_unique_writes(op.request_txn.failure)
+            for key in then_puts | else_puts:  # one of the two branches runs
+                add(key)
+            dels += then_dels + else_dels
+    for op in ops:
+        if op.WhichOneof("request") == "request_put":
+            add(op.request_put.key)
+    return puts, dels
+
+
+def txn_keys(request: rpc_pb2.TxnRequest):
+    """(key, range_end) of everything a transaction compares, reads or writes."""
+    for c in request.compare:
+        yield c.key, c.range_end
+    for op in list(request.success) + list(request.failure):
+        which = op.WhichOneof("request")
+        if which == "request_range":
+            yield op.request_range.key, op.request_range.range_end
+        elif which == "request_put":
+            yield op.request_put.key, b""
+        elif which == "request_delete_range":
+            yield op.request_delete_range.key, op.request_delete_range.range_end
+        elif which == "request_txn":
+            yield from txn_keys(op.request_txn)
+
+
+def txn_response(request: rpc_pb2.TxnRequest, r: cmds.TxnResp, header) -> rpc_pb2.TxnResponse:
+    ops = request.success if r.succeeded else request.failure
+    responses = []
+    for op, got in zip(ops, r.responses):
+        which = op.WhichOneof("request")
+        h = header(r.index)
+        if which == "request_range":
+            responses.append(rpc_pb2.ResponseOp(response_range=wire.finish_range(op.request_range, got, h)))
+        elif which == "request_put":
+            responses.append(rpc_pb2.ResponseOp(response_put=rpc_pb2.PutResponse(header=h, prev_kv=wire.kv_message(got.prev_kv) if got.prev_kv else None)))
+        elif which == "request_delete_range":
+            responses.append(
+                rpc_pb2.ResponseOp(
+                    response_delete_range=rpc_pb2.DeleteRangeResponse(header=h, deleted=got.deleted, prev_kvs=[wire.kv_message(kv) for kv in got.prev_kvs])
+                )
+            )
+        else:
+            responses.append(rpc_pb2.ResponseOp(response_txn=txn_response(op.request_txn, got, header)))
+    return rpc_pb2.TxnResponse(header=header(r.index), succeeded=r.succeeded, responses=responses)

@@ -1,0 +1,41 @@
+"""The etcd v3 API's gRPC server (grpc.aio, on the node's event loop): `kv serve --grpc
+HOST:PORT`. Services KV, Watch, Lease, Cluster, Maintenance and Auth (which says
+authentication is by token)."""
+
+from __future__ import annotations
+
+import grpc
+
+from .access import Access
+from .cluster_service import AuthService, ClusterService, MaintenanceService
+from .kv_service import KVService
+from .lease_service import LeaseService
+from .proto import rpc_pb2_grpc
+from .watch_service import WatchService
+
+# etcdctl and the Go client ping every few seconds on an idle connection; the C core's
+# default answers pings more often than every 5 minutes with GOAWAY ("too_many_pings").
+_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_receive_message_length", 2 * 1024 * 1024 + 64 * 1024),  # etcd's 1.5 MiB request limit and some room
+    ("grpc.max_send_message_length", (1 << 31) - 1),
+    ("grpc.so_reuseport", 0),
+]
+
+
+async def serve_grpc(node, host: str, port: int, *, grants=None) -> grpc.aio.Server:
+    """Start serving the etcd API for node on host:port; stop it with `await server.stop(grace)`."""
+    server = grpc.aio.server(options=_OPTIONS)
+    access = Access(grants)
+    rpc_pb2_grpc.add_KVServicer_to_server(KVService(node, access), server)
+    rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(node, access), server)
+    rpc_pb2_grpc.add_LeaseServicer_to_server(LeaseService(node, access), server)
+    rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(node, access, f"http://{host}:{port}"), server)
+    rpc_pb2_grpc.add_MaintenanceServicer_to_server(MaintenanceService(node, access), server)
+    rpc_pb2_grpc.add_AuthServicer_to_server(AuthService(), server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise OSError(f"cannot listen on {host}:{port} for the etcd API")
+    await server.start()
+    return server

@@ -1,0 +1,182 @@
+"""etcd's Watch service: many watches on one bidirectional stream, each over a key, a
+range or a prefix, from now or from a revision the node's log still holds, with prev_kv
+and the NOPUT/NODELETE filters; "created" answers in request order, progress requests
+answered with the applied revision (watch_id -1), every event of one transaction in one
+response.
+
+A watch is one of kv.Node's rich watches (kv/server/watch.py) over the longest prefix its
+range shares, filtered to the range. Changes read back from history (a start revision
+before now) carry their versions where the node recorded them (etcd transactions) but no
+prev_kv: history keeps the changes, not the values before them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from kv import KVError, SlowWatcher, WatchCompacted
+from kv.statemachine import commands as cmds
+
+from . import wire
+from .access import Access
+from .proto import kv_pb2, rpc_pb2, rpc_pb2_grpc
+
+PROGRESS_WATCH_ID = -1  # etcd's id of the answer to a progress request
+_PUT, _DELETE = kv_pb2.Event.PUT, kv_pb2.Event.DELETE
+
+
+def watch_prefix(key: bytes, range_end: bytes) -> str:
+    """The longest prefix (as a str of whole characters) every key of the range starts with."""
+    if not range_end:
+        raw = key
+    elif range_end == b"\x00":
+        raw = b""
+    else:
+        n = 0
+        while n < min(len(key), len(range_end)) and key[n] == range_end[n]:
+            n += 1
+        raw = key[:n]
+    while raw:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raw = raw[:-1]
+    return ""
+
+
+class _Stream:
+    """The watches of one client stream and the one queue of its answers."""
+
+    def __init__(self, service: WatchService, context) -> None:
+        self.service, self.context = service, context
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.next_id = 0
+
+    def header(self, revision: int | None = None) -> rpc_pb2.ResponseHeader:
+        return self.service.header.now() if revision is None else self.service.header(revision)
+
+    def create(self, req: rpc_pb2.WatchCreateRequest) -> None:
+        node = self.service.node
+        wid = req.watch_id
+        if wid == 0 or wid in self.tasks:
+            if wid and wid in self.tasks:  # etcd: a duplicate id is refused, the stream goes on
+                self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason="etcdserver: duplicate watch ID"))
+                return
+            while self.next_id in self.tasks:
+                self.next_id += 1
+            wid = self.next_id
+            self.next_id += 1
+        try:
+            start = wire.range_start(req.key, req.range_end)
+        except wire.Abort as e:
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=e.message))
+            return
+        try:
+            w = node.watch(watch_prefix(start, req.range_end), req.start_revision or None, resume_when_behind=False, rich=True)
+        except WatchCompacted as e:
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, compact_revision=e.index + 1, cancel_reason=wire.ERR_COMPACTED))
+            return
+        except KVError as e:
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=str(e)))
+            return
+        self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
+        no_put = rpc_pb2.WatchCreateRequest.NOPUT in req.filters
+        no_delete = rpc_pb2.WatchCreateRequest.NODELETE in req.filters
+        self.tasks[wid] = asyncio.ensure_future(self._pump(wid, w, start, req.range_end, req.prev_kv, no_put, no_delete, req.progress_notify))
+
+    async def _pump(self, wid: int, w, key: bytes, range_end: bytes, prev_kv: bool, no_put: bool, no_delete: bool, progress: bool) -> None:
+        try:
+            while True:
+                got = await w.next_batch(timeout=self.service.progress_s if progress else None)
+                if got is None:
+                    return
+                events, through = got
+                out = []
+                for ev in events:
+                    raw = ev.key.encode()
+                    if not cmds.in_range(raw, key, range_end):
+                        continue
+                    deleted = ev.value is None
+                    if (deleted and no_delete) or (not deleted and no_put):
+                        continue
+                    out.append(_event(ev, raw, prev_kv))
+                if out:
+                    self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(events[-1].index), watch_id=wid, events=out))
+                elif not events and progress:
+                    self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(through), watch_id=wid))
+        except WatchCompacted as e:
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, compact_revision=e.index + 1, cancel_reason=wire.ERR_COMPACTED))
+        except SlowWatcher as e:
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {e}"))
+        finally:
+            w.close()
+
+    def cancel(self, wid: int) -> None:
+        task = self.tasks.pop(wid, None)
+        if task is not None:
+            task.cancel()
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True))
+
+    def close(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        self.tasks.clear()
+
+
+def _event(ev, raw: bytes, prev_kv: bool) -> kv_pb2.Event:
+    kv = getattr(ev, "kv", None)
+    if ev.value is None:
+        msg = kv_pb2.KeyValue(key=raw, mod_revision=ev.index)
+    elif kv is not None:
+        msg = wire.kv_message(kv)
+    else:  # a change of ledgerkv's own API read back from history: no versions recorded
+        msg = kv_pb2.KeyValue(key=raw, mod_revision=ev.index, value=ev.value)
+    prev = getattr(ev, "prev", None) if prev_kv else None
+    return kv_pb2.Event(type=_DELETE if ev.value is None else _PUT, kv=msg, prev_kv=wire.kv_message(prev) if prev is not None else None)
+
+
+class WatchService(rpc_pb2_grpc.WatchServicer):
+    progress_s = 600.0  # etcd's progress notification interval for watches that ask for one
+
+    def __init__(self, node, access: Access) -> None:
+        self.node, self.access = node, access
+        self.header = wire.Headers(node)
+
+    async def Watch(self, request_iterator, context):
+        stream = _Stream(self, context)
+
+        async def read() -> None:
+            async for req in request_iterator:
+                which = req.WhichOneof("request_union")
+                if which == "create_request":
+                    c = req.create_request
+                    try:
+                        self.access.check(context, "read", [(c.key, c.range_end)])
+                    except KVError as e:
+                        _code, message = wire.status_of(e)
+                        stream.out.put_nowait(rpc_pb2.WatchResponse(header=stream.header(), created=True, canceled=True, cancel_reason=message))
+                        continue
+                    stream.create(c)
+                elif which == "cancel_request":
+                    stream.cancel(req.cancel_request.watch_id)
+                elif which == "progress_request":
+                    stream.out.put_nowait(rpc_pb2.WatchResponse(header=stream.header(), watch_id=PROGRESS_WATCH_ID))
+
+        reader = asyncio.ensure_future(read())
+        try:
+            async with self.access(context, "read", []):
+                while True:
+                    get = asyncio.ensure_future(stream.out.get())
+                    waits = [get] if reader.done() else [get, reader]
+                    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if get not in done:
+                        get.cancel()
+                        reader.result()  # raises what broke the reader; after a half-close (as etcd) the watches go on
+                        continue
+                    yield get.result()
+        finally:
+            reader.cancel()
+            stream.close()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader

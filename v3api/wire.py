@@ -1,0 +1,167 @@
+"""Between etcd's messages (proto/) and kv.Node's: keys, key-values, response headers, and
+ledgerkv's errors as the gRPC status codes and texts etcd's clients match on."""
+
+from __future__ import annotations
+
+import grpc
+
+from kv import (
+    BadRequest,
+    Compacted,
+    Forbidden,
+    KeyNotFound,
+    KVError,
+    LeaseExists,
+    LeaseNotFound,
+    NoQuorum,
+    NoSpace,
+    NotLeader,
+    Timeout,
+    Unauthorized,
+    Unavailable,
+    ValueTooLarge,
+)
+from kv.statemachine import commands as cmds
+
+from .proto import kv_pb2, rpc_pb2
+
+# etcd's texts (clients compare them: python-etcd3's exceptions, the Go client's rpctypes)
+ERR_COMPACTED = "etcdserver: mvcc: required revision has been compacted"
+ERR_FUTURE_REV = "etcdserver: mvcc: required revision is a future revision"
+ERR_LEASE_NOT_FOUND = "etcdserver: requested lease not found"
+ERR_LEASE_EXISTS = "etcdserver: lease already exists"
+ERR_KEY_NOT_FOUND = "etcdserver: key not found"
+ERR_EMPTY_KEY = "etcdserver: key is not provided"
+ERR_DUPLICATE_KEY = "etcdserver: duplicate key given in txn request"
+ERR_TOO_MANY_OPS = "etcdserver: too many operations in txn request"
+ERR_NO_LEADER = "etcdserver: no leader"
+ERR_TOO_LARGE = "etcdserver: request is too large"
+ERR_TIMEOUT = "etcdserver: request timed out"
+ERR_NO_SPACE = "etcdserver: mvcc: database space exceeded"
+ERR_PERMISSION = "etcdserver: permission denied"
+ERR_TOKEN = "etcdserver: invalid auth token"
+
+ETCD_VERSION = "3.4.0"  # the API level served: clients check the major and minor
+
+
+class Abort(KVError):
+    """A request refused with a gRPC status and etcd's message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status for an error of kv.Node's (with etcd's text where it has one)."""
+    if isinstance(e, Abort):
+        return e.code, e.message
+    if isinstance(e, LeaseNotFound):
+        return grpc.StatusCode.NOT_FOUND, ERR_LEASE_NOT_FOUND
+    if isinstance(e, KeyNotFound):
+        return grpc.StatusCode.INVALID_ARGUMENT, ERR_KEY_NOT_FOUND
+    if isinstance(e, LeaseExists):
+        return grpc.StatusCode.FAILED_PRECONDITION, ERR_LEASE_EXISTS
+    if isinstance(e, Compacted):
+        return grpc.StatusCode.OUT_OF_RANGE, ERR_COMPACTED
+    if isinstance(e, ValueTooLarge):
+        return grpc.StatusCode.INVALID_ARGUMENT, ERR_TOO_LARGE
+    if isinstance(e, (NotLeader, NoQuorum)):
+        return grpc.StatusCode.UNAVAILABLE, f"{ERR_NO_LEADER} ({e})"
+    if isinstance(e, Timeout):
+        return grpc.StatusCode.UNAVAILABLE, f"{ERR_TIMEOUT} ({e})"
+    if isinstance(e, NoSpace):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{ERR_NO_SPACE} ({e})"
+    if isinstance(e, Unauthorized):
+        return grpc.StatusCode.UNAUTHENTICATED, ERR_TOKEN
+    if isinstance(e, Forbidden):
+        return grpc.StatusCode.PERMISSION_DENIED, f"{ERR_PERMISSION} ({e})"
+    if isinstance(e, (BadRequest, cmds.CommandError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"etcdserver: {e}"
+    if isinstance(e, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE, f"etcdserver: {e}"
+    if isinstance(e, KVError):
+        return grpc.StatusCode.UNKNOWN, f"etcdserver: {e}"
+    return grpc.StatusCode.INTERNAL, f"etcdserver: {type(e).__name__}: {e}"
+
+
+def key_of(raw: bytes) -> str:
+    """A key of one key (not a range's start): ledgerkv's keys are UTF-8."""
+    if not raw:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, ERR_EMPTY_KEY)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: ledgerkv keys are UTF-8 (this key is not)") from None
+
+
+def range_start(key: bytes, range_end: bytes) -> bytes:
+    """etcd's start of a range; "\\0" with range end "\\0" is every key."""
+    if not key and not range_end:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, ERR_EMPTY_KEY)
+    if range_end:
+        return b"" if key == b"\x00" else key
+    key_of(key)
+    return key
+
+
+class Headers:
+    """The ResponseHeader of a node: cluster and member id, its term, a revision."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.cluster_id, self.member_id = node.ids()
+
+    def __call__(self, revision: int) -> rpc_pb2.ResponseHeader:
+        raft = self.node.raft
+        return rpc_pb2.ResponseHeader(cluster_id=self.cluster_id, member_id=self.member_id, revision=revision, raft_term=raft.term if raft else 0)
+
+    def now(self) -> rpc_pb2.ResponseHeader:
+        raft = self.node.raft
+        return self(raft.applied_index if raft else 0)
+
+
+def kv_message(kv: cmds.KeyValue) -> kv_pb2.KeyValue:
+    return kv_pb2.KeyValue(
+        key=kv.key.encode(), create_revision=kv.create_revision, mod_revision=kv.mod_revision, version=kv.version, value=kv.value, lease=kv.lease
+    )
+
+
+def range_req(r: rpc_pb2.RangeRequest) -> cmds.RangeReq:
+    """The state machine's part of a Range (sorting, revision filters and the limit after
+    a sort are the front's: see kv_service.finish_range)."""
+    sorted_ = r.sort_order != rpc_pb2.RangeRequest.NONE and not (r.sort_target == rpc_pb2.RangeRequest.KEY and r.sort_order == rpc_pb2.RangeRequest.ASCEND)
+    filtered = r.min_mod_revision or r.max_mod_revision or r.min_create_revision or r.max_create_revision
+    if r.limit < 0:
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: a range's limit is 0 or more")
+    limit = 0 if (sorted_ or filtered) else r.limit
+    return cmds.RangeReq(range_start(r.key, r.range_end), r.range_end, limit, r.keys_only, r.count_only)
+
+
+def finish_range(r: rpc_pb2.RangeRequest, got: cmds.RangeResp, header) -> rpc_pb2.RangeResponse:
+    """etcd's RangeResponse: revision filters, then the sort, then the limit."""
+    kvs = list(got.kvs)
+    if r.min_mod_revision or r.max_mod_revision or r.min_create_revision or r.max_create_revision:
+        kvs = [
+            kv for kv in kvs
+            if (not r.min_mod_revision or kv.mod_revision >= r.min_mod_revision)
+            and (not r.max_mod_revision or kv.mod_revision <= r.max_mod_revision)
+            and (not r.min_create_revision or kv.create_revision >= r.min_create_revision)
+            and (not r.max_create_revision or kv.create_revision <= r.max_create_revision)
+        ]
+    order = r.sort_order
+    if order == rpc_pb2.RangeRequest.NONE and r.sort_target != rpc_pb2.RangeRequest.KEY:
+        order = rpc_pb2.RangeRequest.ASCEND  # etcd: a target without an order sorts ascending
+    if order != rpc_pb2.RangeRequest.NONE:
+        field = {
+            rpc_pb2.RangeRequest.KEY: lambda kv: kv.key.encode(),
+            rpc_pb2.RangeRequest.VERSION: lambda kv: kv.version,
+            rpc_pb2.RangeRequest.CREATE: lambda kv: kv.create_revision,
+            rpc_pb2.RangeRequest.MOD: lambda kv: kv.mod_revision,
+            rpc_pb2.RangeRequest.VALUE: lambda kv: kv.value,
+        }[r.sort_target]
+        kvs.sort(key=field, reverse=order == rpc_pb2.RangeRequest.DESCEND)
+    more = got.more
+    if r.limit and len(kvs) > r.limit:
+        kvs, more = kvs[: r.limit], True
+    return rpc_pb2.RangeResponse(header=header, kvs=[kv_message(kv) for kv in kvs], more=more, count=got.count)
