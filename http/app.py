@@ -86,9 +86,12 @@ def _log_access(request: web.Request, route: str, status: int, elapsed: float) -
     )
 
 
-def create_app(node: Node, *, token: str | None = None, tokens: dict[str, Grant] | None = None, access_log: bool = False) -> web.Application:
+def create_app(
+    node: Node, *, token: str | None = None, tokens: dict[str, Grant] | None = None, access_log: bool = False, more_routes: list | None = None
+) -> web.Application:
     """`token` is an admin token; `tokens` maps more tokens to their grants (http/auth.py).
-    With neither, every request is allowed."""
+    With neither, every request is allowed. `more_routes`: another front's routes on the
+    same port (etcd's JSON gateway, v3api/gateway.py), which check their callers themselves."""
     grants = dict(tokens or {})
     if token:
         grants[token] = ADMIN
@@ -112,6 +115,8 @@ def create_app(node: Node, *, token: str | None = None, tokens: dict[str, Grant]
     routes_leases.add_routes(app)
     routes_sessions.add_routes(app)
     routes_watch.add_routes(app)
+    if more_routes:
+        app.router.add_routes(more_routes)
 
     async def session_ctx(app: web.Application):
         trust = client_context(node.config.cacert) or True
@@ -135,6 +140,7 @@ async def serve(
     max_connections: int = 10_000,
     access_log: bool = False,
     fast_path: bool = True,
+    more_routes: list | None = None,
 ) -> web.AppRunner:
     """Start the HTTP API of `node`; returns the runner (await runner.cleanup() to stop).
 
@@ -142,7 +148,7 @@ async def serve(
     response, and closes the connection if no whole request head arrived by then: so
     `idle_timeout_s` bounds both an idle connection and a slowly sent request head; the
     fast path (http/fastpath.py, on unless `fast_path` is False) keeps the same rule."""
-    app = create_app(node, token=token, tokens=tokens, access_log=access_log)
+    app = create_app(node, token=token, tokens=tokens, access_log=access_log, more_routes=more_routes)
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=idle_timeout_s)
     await runner.setup()
     # A fast-path request is a key's read or write or a transaction: done within the node's timeouts.

@@ -4,13 +4,17 @@ etcdctl where it is installed. Requests go to a follower unless said otherwise."
 
 from __future__ import annotations
 
+import base64
 import filecmp
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -275,11 +279,11 @@ class WatchStream:
 
 
 def test_watch_many_on_one_stream_with_prev_kv_filters_progress_and_cancel(etcd):
-    put(etcd, b"v3w/k", b"0")
+    after = put(etcd, b"v3w/k", b"0").header.revision + 1  # (a follower may not have applied it yet: "now" could be before it)
     s = WatchStream(etcd)
     try:
-        s.send(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"v3w/k", prev_kv=True)))
-        s.send(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"v3w/", range_end=b"v3w0", filters=[rpc_pb2.WatchCreateRequest.NOPUT])))
+        s.send(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"v3w/k", prev_kv=True, start_revision=after)))
+        s.send(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"v3w/", range_end=b"v3w0", filters=[rpc_pb2.WatchCreateRequest.NOPUT], start_revision=after)))
         created = s.wait(lambda rs: sum(r.created for r in rs) == 2)
         ids = [r.watch_id for r in created if r.created]
         assert len(set(ids)) == 2
@@ -373,3 +377,67 @@ def test_etcdctl_lock_is_handed_over_when_the_holder_is_killed(cluster):
             if p is not None:
                 p.kill()
                 p.wait()
+
+
+# -- the JSON gateway (etcd 3.4's grpc-gateway, on the node's HTTP port) ----------------------
+
+def b64(s: bytes) -> str:
+    return base64.b64encode(s).decode()
+
+
+def gw(cluster, path: str, body: dict, node: str | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{cluster.http[node or cluster.follower]}{path}", data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_json_gateway_speaks_etcd_34s_json(cluster):
+    status, put_r = gw(cluster, "/v3/kv/put", {"key": b64(b"gw/a"), "value": b64(b"1")})
+    assert status == 200 and int(put_r["header"]["revision"]) > 0 and isinstance(put_r["header"]["revision"], str)
+    status, got = gw(cluster, "/v3/kv/range", {"key": b64(b"gw/"), "range_end": b64(b"gw0")})
+    assert status == 200 and got["count"] == "1"
+    (kv,) = got["kvs"]
+    assert (base64.b64decode(kv["key"]), base64.b64decode(kv["value"]), kv["version"], kv["create_revision"]) == (b"gw/a", b"1", "1", put_r["header"]["revision"])
+    # Patroni's leader update: compares on CREATE/MOD/VALUE, a nested txn in failure
+    status, txn = gw(cluster, "/v3/kv/txn", {
+        "compare": [{"key": b64(b"gw/a"), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]},
+                    {"key": b64(b"gw/a"), "target": "VALUE", "result": "EQUAL", "value": b64(b"1")}],
+        "success": [{"request_put": {"key": b64(b"gw/a"), "value": b64(b"2")}}],
+        "failure": [{"request_txn": {"compare": [{"key": b64(b"gw/a"), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                                     "success": [{"request_put": {"key": b64(b"gw/a"), "value": b64(b"new")}}]}}],
+    })
+    assert status == 200 and txn["succeeded"] is True and "response_put" in txn["responses"][0]
+    status, err = gw(cluster, "/v3/kv/range", {"key": b64(b"gw/a"), "revision": str(int(txn["header"]["revision"]) + 10_000)})
+    assert status == 400 and err["code"] == grpc.StatusCode.OUT_OF_RANGE.value[0] and err["error"] == "etcdserver: mvcc: required revision is a future revision"
+    status, err = gw(cluster, "/v3/kv/range", {"key": "not base64!"})
+    assert status == 400 and "RangeRequest" in err["message"]
+    status, lease = gw(cluster, "/v3/lease/grant", {"TTL": "20"})
+    assert status == 200 and int(lease["ID"]) > 0 and lease["TTL"] == "20"
+    status, ttl = gw(cluster, "/v3/kv/lease/timetolive", {"ID": lease["ID"]})
+    assert status == 200 and int(ttl["grantedTTL"]) == 20
+    status, members = gw(cluster, "/v3/cluster/member/list", {})
+    assert status == 200 and sorted(m["name"] for m in members["members"]) == cluster.ids
+    status, st = gw(cluster, "/v3/maintenance/status", {})
+    assert status == 200 and st["version"].startswith("3.4")
+    with urllib.request.urlopen(f"http://{cluster.http[cluster.follower]}/version", timeout=10) as r:
+        assert json.loads(r.read())["etcdserver"].startswith("3.4")
+
+
+def test_the_gateways_watch_and_keepalive_stream_json_lines(cluster):
+    req = urllib.request.Request(
+        f"http://{cluster.http[cluster.follower]}/v3/watch",
+        data=json.dumps({"create_request": {"key": b64(b"gww/"), "range_end": b64(b"gww0"), "prev_kv": True}}).encode(), method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=10) as stream:
+        created = json.loads(stream.readline())["result"]
+        assert created["created"] is True
+        gw(cluster, "/v3/kv/put", {"key": b64(b"gww/x"), "value": b64(b"v")})
+        event = json.loads(stream.readline())["result"]["events"][0]
+        assert base64.b64decode(event["kv"]["key"]) == b"gww/x" and event["kv"]["version"] == "1"
+    status, lease = gw(cluster, "/v3/lease/grant", {"TTL": "20"})
+    req = urllib.request.Request(f"http://{cluster.http[cluster.follower]}/v3/lease/keepalive", data=json.dumps({"ID": lease["ID"]}).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=10) as stream:
+        assert json.loads(stream.readline())["result"]["TTL"] == "20"

@@ -54,6 +54,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     # error to report, whatever else holds the port (kv.Node loads the peer files again).
     sslctx = tls.server_context(config.tls_cert, config.tls_key)
     tokens = load_tokens(config.tokens) if config.tokens else None
+    grants = {**(tokens or {}), **({config.token: ADMIN} if config.token else {})} or None  # for the etcd API's fronts
     tls.peer_tls(config.peer_cert, config.peer_key, config.peer_ca)
     fd_limit = raise_fd_limit()
     max_http = http_connection_cap(config.max_http_connections, fd_limit)
@@ -79,6 +80,8 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     promoting = asyncio.ensure_future(promote_when_caught_up(config, lambda: any(m["id"] == config.id and m["voter"] for m in node.members()))) if config.join else None
     try:
         if config.http:
+            from ..v3api.gateway import routes as gateway_routes  # etcd's JSON gateway, on the same port
+
             host, port = check_hostport(config.http, "--http")
             try:
                 runner = await serve(
@@ -92,6 +95,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
                     max_connections=max_http,
                     access_log=access_log,
                     fast_path=not config.http_aiohttp_only,
+                    more_routes=gateway_routes(node, grants),
                 )
             except OSError as e:
                 raise listen_error(e, "--http ", config.http) from e
@@ -100,7 +104,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
 
             host, port = check_hostport(config.grpc, "--grpc")
             try:
-                grpc_server = await serve_grpc(node, host, port, grants=tokens if tokens is not None else ({config.token: ADMIN} if config.token else None))
+                grpc_server = await serve_grpc(node, host, port, grants=grants)
             except (OSError, RuntimeError) as e:
                 raise listen_error(OSError(str(e)), "--grpc ", config.grpc) from e
         stop = asyncio.Event()
