@@ -156,7 +156,10 @@ class Node(AsyncRecipes):
             observe_rtt=lambda peer, seconds: self._metrics is not None and self._metrics.observe_rtt(peer, seconds),
             no_space=self.disk.admit,
         )
-        self.writer = Writer(c, self.raft, self.disk, self.leases.answer, self.counters, self._observe("commit_latency"))
+        self.writer = Writer(
+            c, self.raft, self.disk, self.leases.answer, self.counters, self._observe("commit_latency"),
+            alarms=lambda: self.sm.nospace,
+        )
         self.caller = FSMCaller(
             self.sm,
             self.raft.committed,
@@ -534,6 +537,17 @@ class Node(AsyncRecipes):
         if type(r) is cmds.KeyNotFound:
             raise KeyNotFound(r.key)
         return raise_failed(r)
+
+    async def set_alarm(self, member: int, alarm: int, active: bool, *, timeout: float | None = None) -> list[tuple[int, int]]:
+        """Raise (active) or clear an alarm of a member (0: the cluster's), through the log:
+        while a NOSPACE one is raised, every node refuses writes that add data (etcd's
+        Alarm ACTIVATE/DEACTIVATE). Returns the (member, alarm) pairs it changed."""
+        r = raise_failed((await self.submit(cmds.AlarmSet(member, alarm, active), timeout)).result)
+        return list(zip(r.members, r.kinds))
+
+    def raised_alarms(self) -> list[tuple[int, int]]:
+        """The (member, alarm) pairs raised through the log, as this node has applied them."""
+        return sorted(self.sm.alarms) if self.sm is not None else []
 
     def ids(self) -> tuple[int, int]:
         """(cluster id, member id) as etcd's API reports them: stable 64-bit numbers derived

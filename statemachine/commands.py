@@ -25,6 +25,8 @@ Commands:
                              DeleteRange and Txn become): compares on a key's version,
                              create/mod revision, value or lease, over one key or a range;
                              ops RangeReq, PutReq, DeleteRangeReq and nested TxnReq
+- AlarmSet(member, alarm, active)  raise or clear an alarm of a member (0: the cluster):
+                             while a NOSPACE one is raised, writes that add data are refused
 
 A Put with `lease` attaches the key to that lease (refused with NoSuchLease when the lease
 does not exist); a Put without one, or a Delete, detaches it. Two more commands never enter
@@ -54,6 +56,7 @@ _OP_SESSION_OPEN, _OP_SESSION, _OP_SESSIONS_EXPIRE = 11, 12, 13
 _OP_LEASE_GRANT_ID = 14  # a grant with its id and owner (_OP_LEASE_GRANT: the id was the index)
 _OP_DELETE_PREFIX = 15
 _OP_TXN_REQ = 16  # etcd's v3 transaction (TxnReq)
+_OP_ALARM = 17  # raise or clear an alarm (etcd's Maintenance.Alarm)
 OP_IN_SESSION = _OP_SESSION
 MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
 MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
@@ -259,6 +262,27 @@ class TxnResp(NamedTuple):
     responses: tuple[RangeResp | PutResp | DeleteRangeResp | TxnResp | None, ...]  # None: a range nobody reads here
 
 
+class AlarmSet(NamedTuple):
+    member: int  # etcd's member id (0: not one member's)
+    alarm: int  # etcd's AlarmType: 1 NOSPACE, 2 CORRUPT
+    active: bool
+
+
+class Alarms(NamedTuple):
+    """The alarms an AlarmSet raised or cleared: (member, alarm) pairs, as two columns."""
+
+    members: tuple[int, ...]
+    kinds: tuple[int, ...]
+
+
+ALARM_NOSPACE, ALARM_CORRUPT = 1, 2
+
+
+class SpaceExceeded(NamedTuple):
+    """Refused when applied: a NOSPACE alarm is raised and the command adds data (every
+    replica refuses it alike, as etcd's capped applier does). Nothing changed."""
+
+
 class KeyNotFound(NamedTuple):
     """A put with ignore_value or ignore_lease on a key that does not exist: nothing of
     the transaction was applied (etcd's "key not found")."""
@@ -301,7 +325,7 @@ def txn_ops(txn: TxnReq):
             yield from txn_ops(op)
 
 
-Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire | TxnReq
+Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire | TxnReq | AlarmSet
 LocalCommand = LeaseKeepAlive | LeaseKeepAlives | LeaseQuery  # what a follower forwards but nobody logs
 
 
@@ -728,6 +752,19 @@ class _Value(_Field):
         return r.take(r.u32()) if r.byte() else None
 
 
+class _Ints(_Field):
+    """A u32 count, then each as a u64."""
+
+    def pack(self, value) -> bytes:
+        return _U32.pack(len(value)) + b"".join(_U64.pack(v) for v in value)
+
+    def read(self, r: _Reader):
+        n = r.u32()
+        if n > MAX_CONDS:
+            raise CommandError(f"a list of {n} numbers is longer than any this format holds")
+        return struct.unpack(f">{n}Q", r.take(8 * n))
+
+
 class _Results(_Field):
     """Nested results: a u32 count, then each (a transaction's, a lease listing's)."""
 
@@ -930,6 +967,7 @@ COMMANDS: dict[int, tuple[type, tuple[_Field, ...]]] = {
     _OP_SESSION_OPEN: (SessionOpen, (_Int64("session", _session_id), _Int32("max_sessions", _max_sessions))),
     _OP_SESSIONS_EXPIRE: (SessionsExpire, (_Int64("upto", _index_check),)),
     _OP_TXN_REQ: (TxnReq, ()),  # written out by hand (a recursive body)
+    _OP_ALARM: (AlarmSet, (_Int64("member"), _Int32("alarm", _check(lambda v: v in (ALARM_NOSPACE, ALARM_CORRUPT), "an alarm is NOSPACE (1) or CORRUPT (2)")), _Flag("active"))),
 }
 _OPCODE_OF = {cls: op for op, (cls, _) in COMMANDS.items() if op != _OP_LEASE_GRANT}
 
@@ -955,6 +993,8 @@ RESULTS: dict[bytes, tuple[type, tuple[_Field, ...]]] = {
     b"d": (DeleteRangeResp, (_Int64("deleted"), _KeyValues("prev_kvs"))),
     b"t": (TxnResp, (_Int64("index"), _Flag("succeeded"), _Results("responses"))),
     b"k": (KeyNotFound, (_Key("key"),)),
+    b"a": (Alarms, (_Ints("members"), _Ints("kinds"))),
+    b"n": (SpaceExceeded, ()),
 }
 _TAG_OF = {cls: tag for tag, (cls, _) in RESULTS.items()}
 
@@ -1038,6 +1078,18 @@ def decode(data: bytes) -> Command | LocalCommand:
     if r.o != len(data):
         raise CommandError("stray bytes after the command")
     return cmd
+
+
+def adds_data(cmd) -> bool:
+    """Whether a command can add data (what a raised NOSPACE alarm refuses: etcd lets
+    deletes, revokes and reads through, and clearing the alarm)."""
+    if type(cmd) is InSession:
+        cmd = cmd.cmd
+    if type(cmd) is TxnReq:
+        return any(type(op) is PutReq for op in txn_ops(cmd))
+    if type(cmd) is Txn:
+        return any(type(op) is Put for _, ops in txn_branches(cmd) for op in ops)
+    return type(cmd) in (Put, LeaseGrant)
 
 
 def is_local(payload: bytes) -> bool:

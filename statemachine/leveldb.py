@@ -7,6 +7,7 @@ Layout:
     b"\\x00restoring"   present while a snapshot is being loaded: the state is incomplete
     b"k" + key         mod_index (u64) + value
     b"k\x00..."        reserved records: leases and the keys attached to them (leases.py)
+    b"k\x00alarm/" + member (16 hex digits) + "/" + alarm   a raised alarm (etcd's AlarmMember)
     b"k\x00meta/" + key  create_revision (u64) + version (u64) of a key, after the usual
                        mod_index: what etcd's v3 API reports (a key written before these
                        records has none: its create_revision is taken to be its mod_index,
@@ -73,6 +74,11 @@ from .commands import (
     StaleRequest,
     Txn,
     TxnApplied,
+    ALARM_NOSPACE,
+    AlarmSet,
+    Alarms,
+    SpaceExceeded,
+    adds_data,
     decode,
     decode_result,
     encode_result,
@@ -106,6 +112,7 @@ _USER_DATA = _DATA + b"\x01"  # where user keys start: the reserved ones sort be
 _META = _DATA + RESERVED + b"meta/"  # + key: its create_revision and version
 _META_END = _DATA + RESERVED + b"meta0"  # ("0" follows "/")
 _META_VALUE = struct.Struct(">QQ")
+_ALARM = RESERVED + b"alarm/"
 _TWO_U64 = struct.Struct(">QQ")
 _U64 = struct.Struct(">Q")
 _RESTORE_BATCH = 10_000
@@ -239,6 +246,8 @@ class LevelDBStateMachine:
                 records += [(k[1:], _U64.unpack_from(v)[0], v[8:]) for k, v in it]
         self.leases.load((k, v) for k, _, v in records)
         self.sessions.load(records)
+        self.alarms = {(int(k[len(_ALARM) : len(_ALARM) + 16], 16), int(k[len(_ALARM) + 17 :])) for k, _, _ in records if k.startswith(_ALARM)}
+        self.nospace = any(kind == ALARM_NOSPACE for _, kind in self.alarms)  # writes that add data are refused
 
     def lease_info(self, lease: int) -> LeaseInfo | None:
         """A lease as applied here (remaining: the full ttl; only the leader's clock knows
@@ -278,7 +287,7 @@ class LevelDBStateMachine:
                 o = SESSION_HEAD_BYTES
                 fp = fingerprint(d, o)
             result = None
-            if d[o : o + 2] == PUT_HEAD and len(d) > o + 4:
+            if d[o : o + 2] == PUT_HEAD and len(d) > o + 4 and not self.nospace:
                 # The hot path, an unconditional put, read straight from the encoding:
                 # version, opcode, key length, key, no condition, value.
                 end = o + 4 + ((d[o + 2] << 8) | d[o + 3])
@@ -310,7 +319,9 @@ class LevelDBStateMachine:
                 except CommandError as err:
                     results.append(err)  # deterministic: every replica rejects it alike
                     continue
-                if type(cmd) is Txn:
+                if self.nospace and adds_data(cmd):
+                    result = SpaceExceeded()
+                elif type(cmd) is Txn:
                     result = self._txn(cmd, e.index, wb, overlay, changes, answering is None or session or e.index in answering)
                 elif type(cmd) is TxnReq:
                     made: list = []  # rich, for its effect record
@@ -494,6 +505,8 @@ class LevelDBStateMachine:
             return self._check(cmd.cond, overlay) or self._delete(cmd, index, wb, overlay, changes)
         if isinstance(cmd, DeletePrefix):
             return self._delete_prefix(cmd.prefix, index, wb, overlay, changes)
+        if isinstance(cmd, AlarmSet):
+            return self._set_alarm(cmd, index, wb)
         raise CommandError(f"unknown command {cmd!r}")
 
     def _delete_prefix(self, prefix: str, index: int, wb, overlay: dict, changes: list | None) -> PrefixDeleted:
@@ -591,6 +604,20 @@ class LevelDBStateMachine:
             overlay[_DATA + raw] = None
             self._unstamp(key, raw, index, wb, overlay, cur, lease, changes)
         return LeaseRevoked(index, tuple(keys))
+
+    def _set_alarm(self, cmd: AlarmSet, index: int, wb) -> Alarms:
+        pair = (cmd.member, cmd.alarm)
+        if cmd.active == (pair in self.alarms):  # raised already (etcd answers it), or not raised
+            return Alarms((cmd.member,), (cmd.alarm,)) if cmd.active else Alarms((), ())
+        rec = _DATA + _ALARM + b"%016x/%d" % pair
+        if cmd.active:
+            self.alarms.add(pair)
+            wb.put(rec, _U64.pack(index))
+        else:
+            self.alarms.discard(pair)
+            wb.delete(rec)
+        self.nospace = any(kind == ALARM_NOSPACE for _, kind in self.alarms)
+        return Alarms((cmd.member,), (cmd.alarm,))
 
     # -- create_revision and version (etcd's v3 API) --------------------------------------
 

@@ -20,7 +20,7 @@ def pytest_addoption(parser):
 SIM_MODULES = ("test_raft_sim.py", "test_lease_sim.py", "test_membership_sim.py")
 # Also untimed: the benchmarks' smoke runs (they check that reports come out, not figures),
 # the docs (their examples, the site's build) and the layout checks (a wheel build).
-UNTIMED_MODULES = ("test_bench_smoke.py", "test_docs.py", "test_layout.py", "test_public_api.py")
+UNTIMED_MODULES = ("test_bench_smoke.py", "test_docs.py", "test_layout.py", "test_public_api.py", "test_compat_python_etcd3.py")
 
 
 def lane(nodeid: str) -> str:

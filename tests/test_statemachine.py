@@ -206,3 +206,20 @@ def test_command_encodings_are_those_of_the_log_so_far(cmd, pinned):
 def test_result_encodings_are_those_of_the_wire_so_far(result, pinned):
     assert c.encode_result(result).hex() == pinned
     assert c.decode_result(bytes.fromhex(pinned)) == result
+
+
+def test_a_raised_nospace_alarm_refuses_what_adds_data_on_every_replica_and_survives_a_restart(tmp_path):
+    sm = LevelDBStateMachine(str(tmp_path / "state"))
+    assert sm.apply([normal(1, c.Put("a", b"1")), normal(2, c.AlarmSet(0, c.ALARM_NOSPACE, True))]) == [c.PutResult(1), c.Alarms((0,), (c.ALARM_NOSPACE,))]
+    put_txn = c.TxnReq((), (c.PutReq(b"b", b"2"),), ())
+    got = sm.apply([normal(3, c.Put("b", b"2")), normal(4, put_txn), normal(5, c.LeaseGrant(1000, 77)), normal(6, c.Delete("a")),
+                    normal(7, c.TxnReq((), (c.DeleteRangeReq(b"a", b"\x00"),), ()))])
+    assert got[:3] == [c.SpaceExceeded()] * 3 and got[3] == c.DeleteApplied(6, True) and got[4].succeeded
+    assert sm.get("b") is None and 77 not in sm.leases.ttl_ms
+    sm.close()
+    again = LevelDBStateMachine(str(tmp_path / "state"))
+    try:
+        assert again.alarms == {(0, c.ALARM_NOSPACE)} and again.apply([normal(8, c.Put("b", b"2"))]) == [c.SpaceExceeded()]
+        assert again.apply([normal(9, c.AlarmSet(0, c.ALARM_NOSPACE, False)), normal(10, c.Put("b", b"2"))]) == [c.Alarms((0,), (c.ALARM_NOSPACE,)), c.PutResult(10)]
+    finally:
+        again.close()

@@ -441,3 +441,32 @@ def test_the_gateways_watch_and_keepalive_stream_json_lines(cluster):
     req = urllib.request.Request(f"http://{cluster.http[cluster.follower]}/v3/lease/keepalive", data=json.dumps({"ID": lease["ID"]}).encode(), method="POST")
     with urllib.request.urlopen(req, timeout=10) as stream:
         assert json.loads(stream.readline())["result"]["TTL"] == "20"
+
+
+def test_a_nospace_alarm_raised_through_the_api_refuses_writes_that_add_data_until_cleared(etcd, cluster):
+    put(etcd, b"v3alarm/k", b"v")
+    raised = etcd.maintenance.Alarm(rpc_pb2.AlarmRequest(action=rpc_pb2.AlarmRequest.ACTIVATE, alarm=rpc_pb2.NOSPACE), timeout=10)
+    try:
+        assert [(a.memberID, a.alarm) for a in raised.alarms] == [(0, rpc_pb2.NOSPACE)]
+        other = Stubs(cluster.grpc[cluster.leader_id])
+        try:
+            assert [(a.memberID, a.alarm) for a in other.maintenance.Alarm(rpc_pb2.AlarmRequest(), timeout=10).alarms] == [(0, rpc_pb2.NOSPACE)]
+            with pytest.raises(grpc.RpcError) as e:
+                put(other, b"v3alarm/new", b"x")
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.details().startswith("etcdserver: mvcc: database space exceeded")
+        finally:
+            other.channel.close()
+        assert etcd.kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=b"v3alarm/k"), timeout=10).deleted == 1  # deletes go through
+    finally:
+        cleared = etcd.maintenance.Alarm(rpc_pb2.AlarmRequest(action=rpc_pb2.AlarmRequest.DEACTIVATE, alarm=rpc_pb2.NOSPACE), timeout=10)
+    assert [(a.memberID, a.alarm) for a in cleared.alarms] == [(0, rpc_pb2.NOSPACE)]
+    assert list(etcd.maintenance.Alarm(rpc_pb2.AlarmRequest(), timeout=10).alarms) == []
+    wait_until(lambda: _put_ok(etcd), 10)
+
+
+def _put_ok(etcd) -> bool:
+    try:
+        put(etcd, b"v3alarm/after", b"x")
+        return True
+    except grpc.RpcError:
+        return False

@@ -57,12 +57,21 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
             )
 
     async def Alarm(self, request, context):
-        async with self.access(context, "read" if request.action == rpc_pb2.AlarmRequest.GET else "admin", []):
-            if request.action != rpc_pb2.AlarmRequest.GET:
-                raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: ledgerkv raises and clears its alarms itself (NOSPACE: --min-free-bytes)")
-            member = self.node.ids()[1]
-            alarms = [rpc_pb2.AlarmMember(memberID=member, alarm=rpc_pb2.NOSPACE) for a in self.node.status().get("alarms", []) if a["alarm"] == "NOSPACE"]
-            return rpc_pb2.AlarmResponse(header=self.header.now(), alarms=alarms)
+        """GET: the alarms raised through the log, and this node's own NOSPACE while its disk
+        is below --min-free-bytes; ACTIVATE / DEACTIVATE: through the log (admin)."""
+        get = request.action == rpc_pb2.AlarmRequest.GET
+        async with self.access(context, "read" if get else "admin", []):
+            if get:
+                await self.node.read_barrier("linearizable")  # every alarm raised before the call is applied here
+                raised = set(self.node.raised_alarms())
+                if any(a["alarm"] == "NOSPACE" for a in self.node.status().get("alarms", [])):
+                    raised.add((self.node.ids()[1], rpc_pb2.NOSPACE))
+                pairs = sorted(p for p in raised if request.alarm in (rpc_pb2.NONE, p[1]))
+            else:
+                if request.alarm == rpc_pb2.NONE:
+                    raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: say which alarm (NOSPACE or CORRUPT)")
+                pairs = await self.node.set_alarm(request.memberID, request.alarm, request.action == rpc_pb2.AlarmRequest.ACTIVATE)
+            return rpc_pb2.AlarmResponse(header=self.header.now(), alarms=[rpc_pb2.AlarmMember(memberID=m, alarm=a) for m, a in pairs])
 
     async def Hash(self, request, context):
         async with self.access(context, "read", []):

@@ -2,7 +2,8 @@
 range or a prefix, from now or from a revision the node's log still holds, with prev_kv
 and the NOPUT/NODELETE filters; "created" answers in request order, progress requests
 answered with the applied revision (watch_id -1), every event of one transaction in one
-response.
+response. A watch starts after a linearizable read barrier: "now" (start revision 0) is
+the cluster's, not a lagging follower's.
 
 A watch is one of kv.Node's rich watches (kv/server/watch.py) over the longest prefix its
 range shares, filtered to the range. Changes read back from history (a start revision
@@ -56,7 +57,7 @@ class _Stream:
     def header(self, revision: int | None = None) -> rpc_pb2.ResponseHeader:
         return self.service.header.now() if revision is None else self.service.header(revision)
 
-    def create(self, req: rpc_pb2.WatchCreateRequest) -> None:
+    async def create(self, req: rpc_pb2.WatchCreateRequest) -> None:
         node = self.service.node
         wid = req.watch_id
         if wid == 0 or wid in self.tasks:
@@ -69,8 +70,11 @@ class _Stream:
             self.next_id += 1
         try:
             start = wire.range_start(req.key, req.range_end)
-        except wire.Abort as e:
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=e.message))
+            # What was committed when the watch was asked for is applied here first: on a
+            # follower too, "now" is the cluster's, and history up to it comes in one answer.
+            await node.read_barrier("linearizable")
+        except KVError as e:
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=wire.status_of(e)[1]))
             return
         try:
             w = node.watch(watch_prefix(start, req.range_end), req.start_revision or None, resume_when_behind=False, rich=True)
@@ -157,7 +161,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
                         _code, message = wire.status_of(e)
                         stream.out.put_nowait(rpc_pb2.WatchResponse(header=stream.header(), created=True, canceled=True, cancel_reason=message))
                         continue
-                    stream.create(c)
+                    await stream.create(c)
                 elif which == "cancel_request":
                     stream.cancel(req.cancel_request.watch_id)
                 elif which == "progress_request":

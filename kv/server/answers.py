@@ -5,7 +5,7 @@ the public ones (kv/errors.py), and the state machine's results into the store A
 from __future__ import annotations
 
 from ..common.results import DeleteResult, Item, LeaseStatus, PrefixDeleteResult, TxnResult, WriteResult
-from ..errors import BadRequest, Conflict, KVError, LeaseNotFound, PreconditionFailed, ReadsOmitted, SessionExpired, Timeout, Unavailable
+from ..errors import BadRequest, Conflict, KVError, LeaseNotFound, NoSpace, PreconditionFailed, ReadsOmitted, SessionExpired, Timeout, Unavailable
 from ..raft.errors import ConfigChangeRefused, TransferInProgress
 from ..raft.node import Applied, DeadlineExceeded, NodeStopped, OutcomeUnknown, Overloaded
 from ..statemachine import commands as cmds
@@ -74,6 +74,9 @@ def lease_status(r: cmds.LeaseInfo) -> LeaseStatus:
     return LeaseStatus(r.lease, r.ttl_ms / 1000, r.remaining_ms / 1000, r.keys)
 
 
+NOSPACE_ALARM = "a NOSPACE alarm is raised on the cluster (etcd's Alarm API): writes that add data are refused until it is cleared"
+
+
 def raise_failed(result):
     if isinstance(result, cmds.NoSuchLease):
         raise LeaseNotFound(result.lease)
@@ -81,6 +84,8 @@ def raise_failed(result):
         raise PreconditionFailed(result.key, result.mod_index)
     if isinstance(result, cmds.CommandError):
         raise public_error(result)
+    if isinstance(result, cmds.SpaceExceeded):
+        raise NoSpace(NOSPACE_ALARM)
     return result
 
 

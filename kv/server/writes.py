@@ -23,7 +23,7 @@ from ..raft.messages import EntryKind, ForwardCode, Role
 from ..raft.node import Applied, DeadlineExceeded, NeverCommitted, NodeStopped, OutcomeUnknown, Overloaded, RaftNode
 from ..statemachine import commands as cmds
 from .access import request_forwarded
-from .answers import encode_command, public_error, session_answer, unknown_outcome
+from .answers import NOSPACE_ALARM, encode_command, public_error, session_answer, unknown_outcome
 from .diskguard import DiskGuard
 from .limits import check_request_bytes
 from .reads import await_leader
@@ -46,8 +46,10 @@ class Writer:
         answer_local: Callable[[cmds.LocalCommand], Awaitable[object]],
         counters: Counter,
         observe_commit: Callable[[float], None],
+        alarms: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.config, self.raft, self.disk = config, raft, disk
+        """`alarms()`: whether a NOSPACE alarm is raised through the log (set_alarm)."""
+        self.config, self.raft, self.disk, self.alarms = config, raft, disk, alarms
         self._answer_local, self._observe_commit = answer_local, observe_commit
         self.counters = counters
         # Sessions for the writes this node is handed without one.
@@ -79,6 +81,8 @@ class Writer:
             raft = self.raft
             if self.disk.low and not cmds.is_local(payload):  # (the leader checks its own disk too)
                 raise NoSpace(self.disk.why())
+            if self.alarms() and cmds.adds_data(cmd):
+                raise NoSpace(NOSPACE_ALARM)
             wait = timeout if timeout is not None else self.config.write_timeout_s
             deadline = raft.loop.time() + wait
             self.counters["writes"] += 1
