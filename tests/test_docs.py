@@ -28,13 +28,14 @@ def python_blocks(text: str) -> list[str]:
 BLOCKS = python_blocks(page("metadata-store.md"))  # kv.open in a temporary dir: they run alone
 COORDINATION = python_blocks(page("coordination.md"))
 SPARK = python_blocks(page("spark.md"))
+ETCD = python_blocks(page("etcd.md"))  # python-etcd3, from the venv of tests/compat/python_etcd3.py
 
 
 def test_every_python_block_of_the_docs_is_run_here():
     pages = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs"))) if f.endswith(".md")]
     every = [b for p in pages for b in python_blocks(open(os.path.join(ROOT, p)).read())]
-    assert sorted(every) == sorted(BLOCKS + COORDINATION + SPARK), "a Python block no test runs: add it to a test in this file"
-    assert len(BLOCKS) == 2 and len(COORDINATION) == 1 and len(SPARK) == 1
+    assert sorted(every) == sorted(BLOCKS + COORDINATION + SPARK + ETCD), "a Python block no test runs: add it to a test in this file"
+    assert len(BLOCKS) == 2 and len(COORDINATION) == 1 and len(SPARK) == 1 and len(ETCD) == 1
 
 
 def run_python(code: str, cwd: str) -> subprocess.CompletedProcess:
@@ -104,6 +105,30 @@ def example_on_a_cluster(tmp_path, code: str):
         r = run_python(ours, str(tmp_path))
         assert r.returncode == 0, r.stderr[-3000:]
         yield c, r
+    finally:
+        c.close()
+
+
+def test_the_etcd_page_example_runs_with_python_etcd3_against_a_follower(tmp_path):
+    """docs/etcd.md's python-etcd3 example, as written but for the port (the page's is
+    `kv cluster up`'s n2), against a follower of a three-node cluster."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "compat"))
+    from cluster import ProcCluster
+    from python_etcd3 import suite
+
+    from kv.bench.harness import free_port
+
+    python, _ = suite()
+    c = ProcCluster(str(tmp_path / "cluster"), proxies=False)
+    grpc = {i: f"127.0.0.1:{free_port()}" for i in c.ids}
+    for i in c.ids:
+        c.node_env[i]["KV_GRPC"] = grpc[i]
+    try:
+        c.start()
+        follower = next(i for i in c.ids if i != c.leader())
+        code = ETCD[0].replace("port=8202", f"port={grpc[follower].rsplit(':', 1)[1]}") + "assert value == b'1' and meta.version == 1\n"
+        r = subprocess.run([python, "-c", code], cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-3000:]
     finally:
         c.close()
 

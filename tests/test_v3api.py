@@ -470,3 +470,38 @@ def _put_ok(etcd) -> bool:
         return True
     except grpc.RpcError:
         return False
+
+
+@pytest.mark.skipif(ETCDCTL is None or shutil.which("etcd") is None, reason="etcd and etcdctl are not installed (Debian's etcd-server and etcd-client; .ci/run installs them)")
+def test_etcdctl_make_mirror_moves_a_live_etcd_into_ledgerkv(cluster, tmp_path):
+    """The way over from etcd: make-mirror copies every key, then follows the changes."""
+    env = {**os.environ, "ETCDCTL_API": "3"}
+    client, peer = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    etcd = subprocess.Popen(
+        ["etcd", "--name", "src", "--data-dir", str(tmp_path / "etcd"), "--listen-client-urls", f"http://{client}", "--advertise-client-urls", f"http://{client}",
+         "--listen-peer-urls", f"http://{peer}", "--initial-advertise-peer-urls", f"http://{peer}", "--initial-cluster", f"src=http://{peer}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    mirror = None
+    try:
+        def src(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([ETCDCTL, "--endpoints", client, *args], capture_output=True, text=True, env=env, timeout=30)
+
+        wait_until(lambda: src("put", "mm/0", "v0").returncode == 0, 20)
+        for i in range(1, 40):
+            assert src("put", f"mm/{i}", f"v{i}").returncode == 0
+        mirror = subprocess.Popen([ETCDCTL, "--endpoints", client, "make-mirror", cluster.grpc[cluster.follower]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        dest = Stubs(cluster.grpc[cluster.leader_id])
+        try:
+            wait_until(lambda: get(dest, b"mm/", range_end=b"mm0").count == 40, 20)
+            src("put", "mm/live", "after")
+            src("del", "mm/0")
+            wait_until(lambda: get(dest, b"mm/live").count == 1 and get(dest, b"mm/0").count == 0, 20)
+            assert {kv.key: kv.value for kv in get(dest, b"mm/", range_end=b"mm0").kvs}[b"mm/39"] == b"v39"
+        finally:
+            dest.channel.close()
+    finally:
+        for p in (mirror, etcd):
+            if p is not None:
+                p.kill()
+                p.wait()
