@@ -1,9 +1,15 @@
 """etcd's Lease service on kv.Node's leases: grant (with the client's id or a random
 one), revoke, time-to-live, the list, and KeepAlive as a stream that renews any number of
-leases, each request answered in order."""
+leases, each request answered in order.
+
+Keepalives of every stream of the node go to the leader together: those that arrive while
+one batch is on its way go in the next (kv.Node.lease_keepalives, one read barrier on the
+leader for all of them), so ten thousand leases cost a few round trips a second, not ten
+thousand."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import grpc
@@ -15,10 +21,53 @@ from .access import Access
 from .proto import rpc_pb2, rpc_pb2_grpc
 
 
+MAX_BATCH = 10_000  # kv.Node.lease_keepalives' limit
+
+
+class KeepAliveBatcher:
+    """renew(lease) -> its ttl in seconds (0: no such lease), batched across callers."""
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self._waiting: dict[int, list[asyncio.Future]] = {}
+        self._flushing = False
+
+    async def renew(self, lease: int) -> int:
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(lease, []).append(fut)
+        if not self._flushing:
+            self._flushing = True
+            asyncio.ensure_future(self._flush())
+        return await fut
+
+    async def _flush(self) -> None:
+        try:
+            while self._waiting:
+                await asyncio.sleep(0)  # the keepalives already read off the streams join this batch
+                ids = list(self._waiting)[:MAX_BATCH]
+                batch = {i: self._waiting.pop(i) for i in ids}
+                try:
+                    got = await self.node.lease_keepalives(ids)
+                except Exception as e:  # every caller of the batch gets the error
+                    for futs in batch.values():
+                        for f in futs:
+                            if not f.done():
+                                f.set_exception(e)
+                    continue
+                for i, status in zip(ids, got):
+                    ttl = round(status.ttl) if status is not None else 0
+                    for f in batch[i]:
+                        if not f.done():
+                            f.set_result(ttl)
+        finally:
+            self._flushing = False
+
+
 class LeaseService(rpc_pb2_grpc.LeaseServicer):
     def __init__(self, node, access: Access) -> None:
         self.node, self.access = node, access
         self.header = wire.Headers(node)
+        self.keepalives = KeepAliveBatcher(node)
 
     async def LeaseGrant(self, request, context):
         async with self.access(context, "lease", []):
@@ -50,12 +99,24 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
 
     async def LeaseKeepAlive(self, request_iterator, context):
         """One answer per request, in order, until the client half-closes: TTL 0 for a lease
-        that does not exist (etcd's answer)."""
+        that does not exist (etcd's answer). Requests are read ahead (up to MAX_BATCH at
+        once), so that the keepalives of one stream share batches."""
         async with self.access(context, "lease", []):
-            async for req in request_iterator:
+            pending: asyncio.Queue = asyncio.Queue(MAX_BATCH)
+
+            async def read() -> None:
                 try:
-                    got = await self.node.lease_keepalive(req.ID)
-                    ttl = round(got.ttl)
-                except LeaseNotFound:
-                    ttl = 0
-                yield rpc_pb2.LeaseKeepAliveResponse(header=self.header.now(), ID=req.ID, TTL=ttl)
+                    async for req in request_iterator:
+                        await pending.put((req.ID, asyncio.ensure_future(self.keepalives.renew(req.ID)) if req.ID > 0 else None))
+                finally:
+                    await pending.put(None)
+
+            reader = asyncio.ensure_future(read())
+            try:
+                while (item := await pending.get()) is not None:
+                    lease, renewal = item
+                    ttl = await renewal if renewal is not None else 0
+                    yield rpc_pb2.LeaseKeepAliveResponse(header=self.header.now(), ID=lease, TTL=ttl)
+                reader.result()  # raises what broke the reader
+            finally:
+                reader.cancel()

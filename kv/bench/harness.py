@@ -180,10 +180,12 @@ class ServeCluster:
     """n `kv serve` processes on loopback with free ports, data under root/<id>, logs in
     root/<id>.log; stopped on exit."""
 
-    def __init__(self, root: str, n: int, extra: list[str] | None = None, env: dict | None = None) -> None:
+    def __init__(self, root: str, n: int, extra: list[str] | None = None, env: dict | None = None, grpc: bool = False) -> None:
+        """`grpc`: each node serves etcd's API too (self.grpc[id])."""
         self.root, self.ids = root, [f"n{i}" for i in range(1, n + 1)]
         self.peer = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
         self.http = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
+        self.grpc = {i: f"127.0.0.1:{free_port()}" for i in self.ids} if grpc else {}
         self.extra = extra or []
         self.env = env  # the nodes' environment (None: this process's)
         self.procs = Procs()
@@ -195,6 +197,8 @@ class ServeCluster:
         spec = peer_spec(self.peer)
         for i in ids or self.ids:
             args = ["--id", i, "--data-dir", os.path.join(self.root, i), "--http", self.http[i], "--peers", spec, *self.extra]
+            if self.grpc:
+                args += ["--grpc", self.grpc[i]]
             self.procs.start(i, args, os.path.join(self.root, f"{i}.log"), self.env)
 
     async def leader(self, session, timeout: float = 20.0, among: list[str] | None = None) -> str:
