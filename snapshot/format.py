@@ -214,9 +214,26 @@ def _check_membership(members) -> None:
         ids.add(m["id"])
 
 
+ETCD_SUFFIX_ALIGN, ETCD_SUFFIX_HASH = 512, 32  # see _snapshot_end
+
+
+def _snapshot_end(f, size: int) -> int:
+    """Where the snapshot ends in a file of `size` bytes: its end, or, for a file saved by
+    etcd's client (`etcdctl snapshot save` from ledgerkv's etcd API), before the zeros that
+    pad it to a multiple of 512 bytes and the sha256 after them, which that client wants."""
+    f.seek(max(0, size - len(END_MAGIC)))
+    if f.read(len(END_MAGIC)) == END_MAGIC or size % ETCD_SUFFIX_ALIGN != ETCD_SUFFIX_HASH:
+        return size
+    room = min(size, ETCD_SUFFIX_ALIGN + ETCD_SUFFIX_HASH)
+    f.seek(size - room)
+    body = f.read(room)[:-ETCD_SUFFIX_HASH]
+    kept = body.rstrip(b"\0")
+    return size - ETCD_SUFFIX_HASH - (len(body) - len(kept)) if kept.endswith(END_MAGIC) else size
+
+
 def read_trailer(f) -> Trailer:
     f.seek(0, io.SEEK_END)
-    size = f.tell()
+    size = _snapshot_end(f, f.tell())
     if size < _TRAILER.size + len(MAGIC):
         raise SnapshotFormatError("snapshot file is truncated (no trailer)")
     f.seek(size - _TRAILER.size)

@@ -31,3 +31,36 @@ def test_python_etcd3s_suite_passes_what_it_passes_against_etcd_34():
     summary = [line for line in r.stdout.splitlines() if line.startswith(("python-etcd3", "  "))]
     assert r.returncode == 0, "\n".join(summary) + "\n" + r.stdout[-3000:] + r.stderr[-2000:]
     assert any("passed" in line for line in summary), r.stdout[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_python_etcd3_and_etcdctl_log_in_with_a_token_over_tls(tmp_path):
+    """etcd's clients send credentials only over TLS: the etcd API speaks TLS with the
+    node's --tls-cert/--tls-key, and takes a token of the node's as the password."""
+    sys.path.insert(0, os.path.dirname(HARNESS))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HARNESS)))
+    from pki import make_pki
+    from python_etcd3 import suite
+
+    from kv.bench.harness import Procs, free_port, wait_until
+
+    python, _ = suite()
+    pki = make_pki(tmp_path, ["n1"])
+    grpc_addr, token = f"127.0.0.1:{free_port()}", "t-fedcba9876543210"
+    procs = Procs()
+    try:
+        procs.spawn("n1", [sys.executable, "-m", "kv", "serve", "--id", "n1", "--data-dir", str(tmp_path / "n1"), "--http", f"127.0.0.1:{free_port()}",
+                           "--grpc", grpc_addr, "--peers", f"n1=127.0.0.1:{free_port()}", "--tls-cert", pki["n1"][0], "--tls-key", pki["n1"][1], "--token", token],
+                    str(tmp_path / "n1.log"))
+        host, port = grpc_addr.split(":")
+        code = (f"import etcd3\nc = etcd3.client(host={host!r}, port={port}, user='root', password={token!r}, ca_cert={pki['ca']!r})\n"
+                "c.put('k', 'v')\nassert c.get('k')[0] == b'v'\n")
+        wait_until(lambda: subprocess.run([python, "-c", code], capture_output=True, timeout=60).returncode == 0, 30, "python-etcd3 over TLS with the token")
+        bad = subprocess.run([python, "-c", code.replace(token, "wrong")], capture_output=True, text=True, timeout=60)
+        assert bad.returncode != 0 and "authentication failed" in bad.stderr
+        if shutil.which("etcdctl"):
+            r = subprocess.run(["etcdctl", "--endpoints", f"https://{grpc_addr}", "--cacert", pki["ca"], "--user", f"root:{token}", "get", "k"],
+                               capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"}, timeout=30)
+            assert r.returncode == 0 and r.stdout.split() == ["k", "v"], r.stderr
+    finally:
+        procs.stop()

@@ -96,6 +96,10 @@ def test_dockerfile_is_multi_stage_pinned_json_and_non_root():
         project = tomllib.load(f)["project"]
     for dep in project["dependencies"] + project["optional-dependencies"]["speed"]:
         assert re.match(r"[A-Za-z0-9_.\-]+", dep).group(0).lower().replace("_", "-") in pinned, dep
+    copied = {line.split()[1] for line in lines if line.startswith("COPY") and "--from" not in line}
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        folders = tomllib.load(f)["tool"]["setuptools"]["package-dir"].values()
+    assert set(folders) <= copied, f"the image leaves out {set(folders) - copied} (pyproject's package-dir)"
     for line in lines:
         if line.startswith("COPY") and "--from" not in line:
             for src in line.split()[1:-1]:

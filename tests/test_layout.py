@@ -56,8 +56,9 @@ def test_http_uses_only_the_public_kv_api():
 def test_the_etcd_front_uses_only_the_public_kv_api():
     """v3api/ reaches the node through the public API too; besides it, the etcd request
     and response types kv.Node.etcd_txn and etcd_range take and give (the command codec's),
-    and the token grants of the HTTP front, whose roles and prefixes it applies alike."""
-    allowed = {"kv", "kv.statemachine.commands", "kv.http.auth"}
+    the token grants of the HTTP front, whose roles and prefixes it applies alike, and the
+    snapshot format's constants for the suffix etcd's client wants after a snapshot."""
+    allowed = {"kv", "kv.statemachine.commands", "kv.http.auth", "kv.snapshot.format"}
     for root, _dirs, files in os.walk(os.path.join(ROOT, "v3api")):
         for name in files:
             if name.endswith(".py") and "_pb2" not in name:

@@ -322,8 +322,7 @@ def test_watch_from_a_past_revision_replays_the_transaction_whole(etcd):
 def test_member_list_status_and_alarms(etcd, cluster):
     members = etcd.cluster.MemberList(rpc_pb2.MemberListRequest(), timeout=10).members
     assert sorted(m.name for m in members) == cluster.ids and len({m.ID for m in members}) == 3
-    own = next(m for m in members if m.name == cluster.follower)
-    assert own.clientURLs == [f"http://{cluster.grpc[cluster.follower]}"]
+    assert {m.name: list(m.clientURLs) for m in members} == {i: [f"http://{cluster.grpc[i]}"] for i in cluster.ids}  # what --cluster dials
     status = etcd.maintenance.Status(rpc_pb2.StatusRequest(), timeout=10)
     assert status.version.startswith("3.4") and status.dbSize > 0 and status.raftTerm >= 1 and status.raftIndex >= 1
     assert status.leader == next(m.ID for m in members if m.name == cluster.leader_id)
@@ -355,6 +354,10 @@ def test_etcdctl_against_a_follower(cluster):
     assert ctl("get", "ctl/l") == ""
     assert len(ctl("member", "list").strip().splitlines()) == 3
     assert "is healthy" in subprocess.run([ETCDCTL, *ep, "endpoint", "health"], capture_output=True, text=True, env=env, timeout=30).stderr
+    health = subprocess.run([ETCDCTL, *ep, "endpoint", "health", "--cluster"], capture_output=True, text=True, env=env, timeout=30)
+    assert health.returncode == 0 and health.stderr.count("is healthy") == 3, health.stderr  # every member, found through MemberList
+    # etcd's minimum TTL, 1.5 election timeouts: 1 s with these nodes' 500 ms (2 s with the default 1 s, as etcd's)
+    assert ctl("lease", "grant", "0").split()[4] == "TTL(1s)"
 
 
 @pytest.mark.skipif(ETCDCTL is None, reason="etcdctl is not installed (Debian's etcd-client; .ci/run installs it)")
@@ -505,3 +508,59 @@ def test_etcdctl_make_mirror_moves_a_live_etcd_into_ledgerkv(cluster, tmp_path):
             if p is not None:
                 p.kill()
                 p.wait()
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One node with a token and a short ledger (snapshots every 50 entries, 10 kept)."""
+    c = ProcCluster(str(tmp_path_factory.mktemp("v3one")), 1, extra=["--snapshot-threshold", "50", "--snapshot-trailing", "10"], proxies=False)
+    c.grpc = {"n1": f"127.0.0.1:{free_port()}"}
+    c.token = "t-0123456789abcdef"
+    c.node_env["n1"].update(KV_GRPC=c.grpc["n1"], KV_TOKEN=c.token)
+    try:
+        c.start()  # (its status needs the token: the first write waits for its leadership)
+        yield c
+    finally:
+        c.close()
+
+
+def test_tokens_through_etcds_authenticate_and_a_watch_older_than_the_log(single, tmp_path):
+    env = {**os.environ, "ETCDCTL_API": "3"}
+    s = Stubs(single.grpc["n1"])
+    meta = [("token", single.token)]
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            put(s, b"one/k", b"v")
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, "etcdserver: invalid auth token")
+        auth = rpc_pb2_grpc.AuthStub(s.channel)
+        assert auth.Authenticate(rpc_pb2.AuthenticateRequest(name="any", password=single.token), timeout=10).token == single.token
+        with pytest.raises(grpc.RpcError) as e:
+            auth.Authenticate(rpc_pb2.AuthenticateRequest(name="any", password="wrong"), timeout=10)
+        assert e.value.details() == "etcdserver: authentication failed, invalid user ID or password"
+        for i in range(120):
+            s.kv.Put(rpc_pb2.PutRequest(key=b"one/%d" % i, value=b"v"), metadata=meta, timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            s.kv.Put(rpc_pb2.PutRequest(key=b"one/big", value=b"x" * (1 << 20 | 1)), metadata=meta, timeout=10)
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: request is too large")  # --max-value-bytes
+        call = s.watch.Watch(iter([rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"one/", range_end=b"one0", start_revision=5))]), metadata=meta, timeout=10)
+        created, canceled = next(call), next(call)
+        call.cancel()
+        assert created.created and canceled.canceled and canceled.cancel_reason == "etcdserver: mvcc: required revision has been compacted"
+        assert canceled.compact_revision > 5  # the oldest revision a watch can start from here
+    finally:
+        s.channel.close()
+    if ETCDCTL is None:
+        return
+    ctl = [ETCDCTL, "--endpoints", single.grpc["n1"], "--user", f"root:{single.token}"]
+    r = subprocess.run([*ctl, "get", "one/7"], capture_output=True, text=True, env=env, timeout=30)
+    assert r.returncode == 0 and r.stdout.split() == ["one/7", "v"], r.stderr
+    saved = tmp_path / "backup.db"
+    r = subprocess.run([*ctl, "snapshot", "save", str(saved)], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "kv", "snapshot", "restore", str(saved), "--data-dir", str(tmp_path / "restored"), "--id", "local", "--peers", "local=127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    import kv
+
+    with kv.open(str(tmp_path / "restored")) as db:
+        assert db.get("one/119").value == b"v"

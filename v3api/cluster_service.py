@@ -3,35 +3,68 @@ a hash of the state, and the snapshot stream (ledgerkv's own snapshot format).""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import os
+import ssl
+import time
 import zlib
 
+import aiohttp
 import grpc
 
 from kv.common.etcd_ids import etcd_id
+from kv.http.auth import grant_of
+from kv.snapshot.format import ETCD_SUFFIX_ALIGN, ETCD_SUFFIX_HASH
 
 from . import wire
 from .access import Access
 from .proto import rpc_pb2, rpc_pb2_grpc
 
 SNAPSHOT_CHUNK = 1 << 20
+PEER_URL_TTL_S = 60.0
 
 
 class ClusterService(rpc_pb2_grpc.ClusterServicer):
+    """MemberList, with each member's etcd API URL as its client URL (what etcdctl's
+    --cluster and the Go client's member sync dial): this node's own, and the others' as
+    their /v1/status says (asked over HTTP, remembered for PEER_URL_TTL_S)."""
+
     def __init__(self, node, access: Access, client_url: str) -> None:
         self.node, self.access, self.client_url = node, access, client_url
         self.header = wire.Headers(node)
+        self._urls: dict[str, tuple[float, str]] = {}  # member id -> (when asked, its etcd API URL)
 
     async def MemberList(self, request, context):
         async with self.access(context, "read", []):
+            listed = self.node.members()
+            others = [m for m in listed if m["id"] != self.node.config.id and m.get("http")]
+            await asyncio.gather(*(self._learn(m["id"], m["http"]) for m in others))
             members = []
-            for m in self.node.members():
-                own = m["id"] == self.node.config.id
-                # Only this node's etcd API address is known here; for the others their HTTP one.
-                urls = [self.client_url] if own else [m["http"]] if m.get("http") else []
+            for m in listed:
+                if m["id"] == self.node.config.id:
+                    urls = [self.client_url]
+                else:
+                    url = self._urls.get(m["id"], (0.0, ""))[1]
+                    urls = [url] if url else []
                 peer = m["peer"] if "://" in m["peer"] else f"http://{m['peer']}"
                 members.append(rpc_pb2.Member(ID=etcd_id(m["id"]), name=m["id"], peerURLs=[peer], clientURLs=urls, isLearner=not m["voter"]))
             return rpc_pb2.MemberListResponse(header=self.header.now(), members=members)
+
+    async def _learn(self, member: str, http_url: str) -> None:
+        now = time.monotonic()
+        if now - self._urls.get(member, (-PEER_URL_TTL_S, ""))[0] < PEER_URL_TTL_S:
+            return
+        grants = self.access.grants
+        token = next(iter(grants), None) if grants else None
+        ssl_ctx = ssl.create_default_context(cafile=self.node.config.cacert) if http_url.startswith("https") else None
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1.0)) as s:
+                async with s.get(http_url + "/v1/status", headers={"Authorization": f"Bearer {token}"} if token else {}, ssl=ssl_ctx) as r:
+                    url = (await r.json()).get("grpc", "") if r.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
+            return  # (asked again on the next call)
+        self._urls[member] = (now, url)
 
 
 class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
@@ -52,7 +85,8 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
                 raftIndex=s.get("commit_index", 0),
                 raftTerm=s.get("term", 0),
                 raftAppliedIndex=s.get("applied_index", 0),
-                errors=[a["message"] for a in s.get("alarms", [])],
+                errors=[a["message"] for a in s.get("alarms", [])]
+                + [f"memberID:{m} alarm:{rpc_pb2.AlarmType.Name(kind)} " for m, kind in self.node.raised_alarms()],
                 isLearner=s.get("role") == "learner",
             )
 
@@ -100,19 +134,40 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
 
     async def Snapshot(self, request, context):
         """A fresh snapshot of this node, in ledgerkv's own format (kv snapshot restore
-        reads it; etcdctl's snapshot status and restore, which read etcd's, do not)."""
+        reads it, as `etcdctl snapshot save` stores it; etcdctl's snapshot status and
+        restore, which read etcd's, do not)."""
         async with self.access(context, "admin", []):
             snap, index = await self.node.take_snapshot()
             with open(snap.path, "rb") as f:  # (open before the next snapshot may remove it)
-                size, sent = os.fstat(f.fileno()).st_size, 0
+                size = os.fstat(f.fileno()).st_size
+                # etcd's client checks that the stream ends in a sha256 of what came before,
+                # after zeros to a multiple of 512 bytes; ledgerkv's reader skips both.
+                padding = b"\0" * (-size % ETCD_SUFFIX_ALIGN)
+                total, sent, digest = size + len(padding) + ETCD_SUFFIX_HASH, 0, hashlib.sha256()
                 while chunk := f.read(SNAPSHOT_CHUNK):
                     sent += len(chunk)
-                    yield rpc_pb2.SnapshotResponse(header=self.header(index), remaining_bytes=size - sent, blob=chunk)
+                    digest.update(chunk)
+                    yield rpc_pb2.SnapshotResponse(header=self.header(index), remaining_bytes=total - sent, blob=chunk)
+            digest.update(padding)
+            yield rpc_pb2.SnapshotResponse(header=self.header(index), remaining_bytes=0, blob=padding + digest.digest())
 
 
 class AuthService(rpc_pb2_grpc.AuthServicer):
+    """ledgerkv's tokens through etcd's Authenticate: the password is a token of the node's
+    (`etcdctl --user any:<token>`), and the token etcd's client then sends with every call
+    is that token. Without tokens: "authentication is not enabled", which etcd's clients
+    take as leave to go on without."""
+
+    def __init__(self, node, access: Access) -> None:
+        self.access = access
+        self.header = wire.Headers(node)
+
     async def Authenticate(self, request, context):
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "etcdserver: authentication is not enabled (ledgerkv takes bearer tokens: send the token as 'token' metadata)")
+        if self.access.grants is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, wire.ERR_AUTH_NOT_ENABLED)
+        if grant_of(self.access.grants, f"Bearer {request.password}") is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_AUTH_FAILED)
+        return rpc_pb2.AuthenticateResponse(header=self.header.now(), token=request.password)
 
 
 def _dir_bytes(path: str) -> int:

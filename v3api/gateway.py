@@ -19,7 +19,7 @@ from kv import KVError
 
 from . import wire
 from .access import Access
-from .cluster_service import ClusterService, MaintenanceService
+from .cluster_service import AuthService, ClusterService, MaintenanceService
 from .kv_service import KVService
 from .lease_service import LeaseService
 from .proto import rpc_pb2
@@ -84,7 +84,7 @@ async def _parse(request: web.Request, cls):
         raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
     msg = cls()
     try:
-        json_format.Parse(body or b"{}", msg)
+        json_format.Parse(body or b"{}", msg, ignore_unknown_fields=True)  # as etcd's gateway
     except (json_format.ParseError, UnicodeDecodeError) as e:
         raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not a {cls.__name__} in JSON: {e}") from None
     return msg
@@ -112,6 +112,7 @@ def routes(node, grants) -> list[web.RouteDef]:
         "maintenance/status": (maintenance.Status, rpc_pb2.StatusRequest),
         "maintenance/alarm": (maintenance.Alarm, rpc_pb2.AlarmRequest),
         "maintenance/hash": (maintenance.HashKV, rpc_pb2.HashKVRequest),
+        "auth/authenticate": (AuthService(node, access).Authenticate, rpc_pb2.AuthenticateRequest),
     }
     streams = {
         "watch": (watch.Watch, rpc_pb2.WatchRequest),

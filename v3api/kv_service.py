@@ -39,8 +39,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
 
     async def Put(self, request, context):
         async with self.access(context, "write", [(request.key, b"")]):
-            wire.key_of(request.key)
-            r = await self.node.etcd_txn(cmds.TxnReq((), (put_req(request),), ()))
+            r = await self.node.etcd_txn(cmds.TxnReq((), (self.put_req(request),), ()))
             (put,) = r.responses
             return rpc_pb2.PutResponse(header=self.header(r.index), prev_kv=wire.kv_message(put.prev_kv) if put.prev_kv else None)
 
@@ -80,13 +79,19 @@ class KVService(rpc_pb2_grpc.KVServicer):
         if which == "request_range":
             return wire.range_req(op.request_range)
         if which == "request_put":
-            wire.key_of(op.request_put.key)
-            return put_req(op.request_put)
+            return self.put_req(op.request_put)
         if which == "request_delete_range":
             return delete_req(op.request_delete_range)
         if which == "request_txn":
             return self.txn_req(op.request_txn)
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: a transaction op with no request")
+
+    def put_req(self, p: rpc_pb2.PutRequest) -> cmds.PutReq:
+        """A put, checked: its key, and its value against --max-value-bytes."""
+        wire.key_of(p.key)
+        if len(p.value) > self.node.config.max_value_bytes:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
+        return put_req(p)
 
 
 def put_req(p: rpc_pb2.PutRequest) -> cmds.PutReq:

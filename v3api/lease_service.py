@@ -15,6 +15,7 @@ import math
 import grpc
 
 from kv import LeaseNotFound
+from kv.statemachine import commands as cmds
 
 from . import wire
 from .access import Access
@@ -22,6 +23,7 @@ from .proto import rpc_pb2, rpc_pb2_grpc
 
 
 MAX_BATCH = 10_000  # kv.Node.lease_keepalives' limit
+MAX_TTL_S = cmds.MAX_TTL_MS // 1000  # ledgerkv's longest lease (etcd's is longer: it answers "too large" above its own)
 
 
 class KeepAliveBatcher:
@@ -63,17 +65,26 @@ class KeepAliveBatcher:
             self._flushing = False
 
 
+def _drain(q: asyncio.Queue) -> list:
+    out = []
+    while not q.empty():
+        out.append(q.get_nowait())
+    return out
+
+
 class LeaseService(rpc_pb2_grpc.LeaseServicer):
     def __init__(self, node, access: Access) -> None:
         self.node, self.access = node, access
         self.header = wire.Headers(node)
         self.keepalives = KeepAliveBatcher(node)
+        self.min_ttl = math.ceil(1.5 * node.config.election_timeout_ms / 1000)
 
     async def LeaseGrant(self, request, context):
         async with self.access(context, "lease", []):
-            if request.TTL <= 0:
-                raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: a lease's TTL is at least 1 second")
-            got = await self.node.lease_grant(request.TTL, lease=request.ID or None)
+            if request.TTL > MAX_TTL_S:
+                raise wire.Abort(grpc.StatusCode.OUT_OF_RANGE, "etcdserver: too large lease TTL")
+            # etcd grants at least its minimum TTL (1.5 election timeouts), whatever is asked
+            got = await self.node.lease_grant(max(request.TTL, self.min_ttl), lease=request.ID or None)
             return rpc_pb2.LeaseGrantResponse(header=self.header.now(), ID=got.id, TTL=round(got.ttl))
 
     async def LeaseRevoke(self, request, context):
@@ -120,3 +131,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
                 reader.result()  # raises what broke the reader
             finally:
                 reader.cancel()
+                left = [reader] + [item[1] for item in _drain(pending) if item is not None and item[1] is not None]
+                for task in left:
+                    task.cancel()
+                await asyncio.gather(*left, return_exceptions=True)

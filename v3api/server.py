@@ -25,17 +25,25 @@ _OPTIONS = [
 ]
 
 
-async def serve_grpc(node, host: str, port: int, *, grants=None) -> grpc.aio.Server:
-    """Start serving the etcd API for node on host:port; stop it with `await server.stop(grace)`."""
+async def serve_grpc(node, host: str, port: int, *, grants=None, tls: tuple[str, str] | None = None) -> grpc.aio.Server:
+    """Start serving the etcd API for node on host:port; stop it with `await server.stop(grace)`.
+    `tls`: (certificate file, key file), the node's --tls-cert and --tls-key: then the port
+    speaks TLS, as the HTTP one does (etcd's clients send credentials only over TLS)."""
     server = grpc.aio.server(options=_OPTIONS)
     access = Access(grants)
+    scheme = "https" if tls else "http"
     rpc_pb2_grpc.add_KVServicer_to_server(KVService(node, access), server)
     rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(node, access), server)
     rpc_pb2_grpc.add_LeaseServicer_to_server(LeaseService(node, access), server)
-    rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(node, access, f"http://{host}:{port}"), server)
+    rpc_pb2_grpc.add_ClusterServicer_to_server(ClusterService(node, access, f"{scheme}://{host}:{port}"), server)
     rpc_pb2_grpc.add_MaintenanceServicer_to_server(MaintenanceService(node, access), server)
-    rpc_pb2_grpc.add_AuthServicer_to_server(AuthService(), server)
-    if server.add_insecure_port(f"{host}:{port}") == 0:
+    rpc_pb2_grpc.add_AuthServicer_to_server(AuthService(node, access), server)
+    if tls:
+        with open(tls[0], "rb") as c, open(tls[1], "rb") as k:
+            bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([(k.read(), c.read())]))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} for the etcd API")
     await server.start()
     return server

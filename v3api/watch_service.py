@@ -78,8 +78,9 @@ class _Stream:
             return
         try:
             w = node.watch(watch_prefix(start, req.range_end), req.start_revision or None, resume_when_behind=False, rich=True)
-        except WatchCompacted as e:
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, compact_revision=e.index + 1, cancel_reason=wire.ERR_COMPACTED))
+        except WatchCompacted as e:  # etcd: created, then canceled with the oldest revision it still has
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
+            self.out.put_nowait(_compacted(self.header(), wid, e))
             return
         except KVError as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=str(e)))
@@ -106,11 +107,11 @@ class _Stream:
                         continue
                     out.append(_event(ev, raw, prev_kv))
                 if out:
-                    self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(events[-1].index), watch_id=wid, events=out))
+                    self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, events=out))
                 elif not events and progress:
                     self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(through), watch_id=wid))
         except WatchCompacted as e:
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, compact_revision=e.index + 1, cancel_reason=wire.ERR_COMPACTED))
+            self.out.put_nowait(_compacted(self.header(), wid, e))
         except SlowWatcher as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {e}"))
         finally:
@@ -122,10 +123,18 @@ class _Stream:
             task.cancel()
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True))
 
-    def close(self) -> None:
-        for task in self.tasks.values():
-            task.cancel()
+    async def close(self) -> None:
+        tasks = list(self.tasks.values())
         self.tasks.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _compacted(header, wid: int, e: WatchCompacted) -> rpc_pb2.WatchResponse:
+    """The answer to a watch whose start is before what this node's log holds: etcd's
+    compact_revision is the oldest revision a watch can start from."""
+    return rpc_pb2.WatchResponse(header=header, watch_id=wid, canceled=True, compact_revision=e.ledger_begin_index + 1, cancel_reason=wire.ERR_COMPACTED)
 
 
 def _event(ev, raw: bytes, prev_kv: bool) -> kv_pb2.Event:
@@ -172,15 +181,18 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
             async with self.access(context, "read", []):
                 while True:
                     get = asyncio.ensure_future(stream.out.get())
-                    waits = [get] if reader.done() else [get, reader]
-                    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    try:
+                        waits = [get] if reader.done() else [get, reader]
+                        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        if not get.done():
+                            get.cancel()
                     if get not in done:
-                        get.cancel()
                         reader.result()  # raises what broke the reader; after a half-close (as etcd) the watches go on
                         continue
                     yield get.result()
         finally:
             reader.cancel()
-            stream.close()
+            await stream.close()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader

@@ -3,6 +3,8 @@ ledgerkv's errors as the gRPC status codes and texts etcd's clients match on."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from kv import (
@@ -25,6 +27,8 @@ from kv.statemachine import commands as cmds
 
 from .proto import kv_pb2, rpc_pb2
 
+log = logging.getLogger("kv.v3api")
+
 # etcd's texts (clients compare them: python-etcd3's exceptions, the Go client's rpctypes)
 ERR_COMPACTED = "etcdserver: mvcc: required revision has been compacted"
 ERR_FUTURE_REV = "etcdserver: mvcc: required revision is a future revision"
@@ -39,6 +43,8 @@ ERR_TOO_LARGE = "etcdserver: request is too large"
 ERR_TIMEOUT = "etcdserver: request timed out"
 ERR_NO_SPACE = "etcdserver: mvcc: database space exceeded"
 ERR_PERMISSION = "etcdserver: permission denied"
+ERR_AUTH_NOT_ENABLED = "etcdserver: authentication is not enabled"
+ERR_AUTH_FAILED = "etcdserver: authentication failed, invalid user ID or password"
 ERR_TOKEN = "etcdserver: invalid auth token"
 
 ETCD_VERSION = "3.4.0"  # the API level served: clients check the major and minor
@@ -66,16 +72,17 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.OUT_OF_RANGE, ERR_COMPACTED
     if isinstance(e, ValueTooLarge):
         return grpc.StatusCode.INVALID_ARGUMENT, ERR_TOO_LARGE
+    # etcd's exact texts: clients compare them (what ledgerkv would add goes to the log)
     if isinstance(e, (NotLeader, NoQuorum)):
-        return grpc.StatusCode.UNAVAILABLE, f"{ERR_NO_LEADER} ({e})"
+        return _logged(e, grpc.StatusCode.UNAVAILABLE, ERR_NO_LEADER)
     if isinstance(e, Timeout):
-        return grpc.StatusCode.UNAVAILABLE, f"{ERR_TIMEOUT} ({e})"
+        return _logged(e, grpc.StatusCode.UNAVAILABLE, ERR_TIMEOUT)
     if isinstance(e, NoSpace):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"{ERR_NO_SPACE} ({e})"
+        return _logged(e, grpc.StatusCode.RESOURCE_EXHAUSTED, ERR_NO_SPACE)
     if isinstance(e, Unauthorized):
         return grpc.StatusCode.UNAUTHENTICATED, ERR_TOKEN
     if isinstance(e, Forbidden):
-        return grpc.StatusCode.PERMISSION_DENIED, f"{ERR_PERMISSION} ({e})"
+        return _logged(e, grpc.StatusCode.PERMISSION_DENIED, ERR_PERMISSION)
     if isinstance(e, (BadRequest, cmds.CommandError)):
         return grpc.StatusCode.INVALID_ARGUMENT, f"etcdserver: {e}"
     if isinstance(e, Unavailable):
@@ -83,6 +90,11 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, KVError):
         return grpc.StatusCode.UNKNOWN, f"etcdserver: {e}"
     return grpc.StatusCode.INTERNAL, f"etcdserver: {type(e).__name__}: {e}"
+
+
+def _logged(e: Exception, code: grpc.StatusCode, text: str) -> tuple[grpc.StatusCode, str]:
+    log.info("etcd API call answered %s %r: %s", code.name, text, e)
+    return code, text
 
 
 def key_of(raw: bytes) -> str:

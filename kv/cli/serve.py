@@ -104,7 +104,8 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
 
             host, port = check_hostport(config.grpc, "--grpc")
             try:
-                grpc_server = await serve_grpc(node, host, port, grants=grants)
+                tls_files = (config.tls_cert, config.tls_key) if config.tls_cert else None
+                grpc_server = await serve_grpc(node, host, port, grants=grants, tls=tls_files)
             except (OSError, RuntimeError) as e:
                 raise listen_error(OSError(str(e)), "--grpc ", config.grpc) from e
         stop = asyncio.Event()

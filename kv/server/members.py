@@ -55,6 +55,7 @@ class Members:
             "ledger_end_index": r.ledger_end_index,
             "snapshot_index": snapshot_index,
             "alarms": alarms,
+            "grpc": f"{'https' if self.config.tls_cert else 'http'}://{self.config.grpc}" if self.config.grpc else "",
             "peers": {
                 m.id: {
                     "address": m.peer_addr,
