@@ -64,3 +64,14 @@ def test_python_etcd3_and_etcdctl_log_in_with_a_token_over_tls(tmp_path):
             assert r.returncode == 0 and r.stdout.split() == ["k", "v"], r.stderr
     finally:
         procs.stop()
+
+
+@pytest.mark.skipif(shutil.which("etcdctl") is None or shutil.which("etcd") is None, reason="etcd and etcdctl are not installed (.ci/run installs them)")
+@pytest.mark.timeout(600)
+def test_etcdctl_answers_as_etcd_34_does():
+    """tests/compat/etcdctl_compare.py: one etcdctl session against etcd 3.4 and ledgerkv,
+    every answer alike field by field but the known differences it lists."""
+    if not _port_free(2379):
+        pytest.fail("127.0.0.1:2379 is taken: the comparison's clusters use that port")
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(HARNESS), "etcdctl_compare.py")], capture_output=True, text=True, timeout=580)
+    assert r.returncode == 0 and " 0 differ otherwise" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]

@@ -49,7 +49,7 @@ class ClusterService(rpc_pb2_grpc.ClusterServicer):
                     urls = [url] if url else []
                 peer = m["peer"] if "://" in m["peer"] else f"http://{m['peer']}"
                 members.append(rpc_pb2.Member(ID=etcd_id(m["id"]), name=m["id"], peerURLs=[peer], clientURLs=urls, isLearner=not m["voter"]))
-            return rpc_pb2.MemberListResponse(header=self.header.now(), members=members)
+            return rpc_pb2.MemberListResponse(header=self.header.without_revision(), members=members)
 
     async def _learn(self, member: str, http_url: str) -> None:
         now = time.monotonic()
@@ -105,7 +105,9 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
                 if request.alarm == rpc_pb2.NONE:
                     raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: say which alarm (NOSPACE or CORRUPT)")
                 pairs = await self.node.set_alarm(request.memberID, request.alarm, request.action == rpc_pb2.AlarmRequest.ACTIVATE)
-            return rpc_pb2.AlarmResponse(header=self.header.now(), alarms=[rpc_pb2.AlarmMember(memberID=m, alarm=a) for m, a in pairs])
+            # (etcd answers a GET with the alarms alone, no header)
+            header = None if get else self.header.now()
+            return rpc_pb2.AlarmResponse(header=header, alarms=[rpc_pb2.AlarmMember(memberID=m, alarm=a) for m, a in pairs])
 
     async def Hash(self, request, context):
         async with self.access(context, "read", []):

@@ -151,7 +151,7 @@ def txn_response(request: rpc_pb2.TxnRequest, r: cmds.TxnResp, header) -> rpc_pb
     responses = []
     for op, got in zip(ops, r.responses):
         which = op.WhichOneof("request")
-        h = header(r.index)
+        h = rpc_pb2.ResponseHeader(revision=r.index)  # (etcd's inner responses carry the revision alone)
         if which == "request_range":
             responses.append(rpc_pb2.ResponseOp(response_range=wire.finish_range(op.request_range, got, h)))
         elif which == "request_put":

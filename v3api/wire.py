@@ -128,6 +128,11 @@ class Headers:
         raft = self.node.raft
         return rpc_pb2.ResponseHeader(cluster_id=self.cluster_id, member_id=self.member_id, revision=revision, raft_term=raft.term if raft else 0)
 
+    def without_revision(self) -> rpc_pb2.ResponseHeader:
+        """The header of etcd's cluster calls: ids and term, no revision."""
+        raft = self.node.raft
+        return rpc_pb2.ResponseHeader(cluster_id=self.cluster_id, member_id=self.member_id, raft_term=raft.term if raft else 0)
+
     def now(self) -> rpc_pb2.ResponseHeader:
         raft = self.node.raft
         return self(raft.applied_index if raft else 0)

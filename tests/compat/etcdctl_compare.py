@@ -5,6 +5,7 @@ field (`-w json`, with revisions, ids and terms replaced by their order of appea
 
 Both run as 3-member clusters on loopback; every command goes to a follower. Prints each
 command whose answers differ, with both; exit status 1 if any does (besides KNOWN below).
+The members' order and their ports (all but pifpaf0's 2379) are normalised too.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ KNOWN = {
     # A past revision: etcd keeps history, ledgerkv does not yet (issue 37).
     "get app/ --prefix --rev 1 -w json",
 }
+# The second txn changes nothing: etcd's header then says the store's revision (that of the
+# last change); ledgerkv's revisions are log indexes, and the transaction has an entry.
+KNOWN_AT = {13: "a transaction that changes nothing has a revision of its own (its log index)"}
+_PORT = re.compile(r"127\.0\.0\.1:(?!2379\b)\d+")
 _NUMBERS = re.compile(r'"(revision|create_revision|mod_revision|raft_term|cluster_id|member_id|ID|id|compact_revision|leader|raft_index)":\s*"?(\d+)"?')
 
 
@@ -64,18 +69,19 @@ def normalised(text: str) -> str:
         return f'"{field}": "<{kind} {n}>"'
 
     try:
-        text = json.dumps(json.loads(text), sort_keys=True)
+        doc = json.loads(text)
+        if isinstance(doc, dict) and "members" in doc:  # in no particular order, on ports of their own
+            doc["members"].sort(key=lambda m: m.get("name", ""))
+        text = json.dumps(doc, sort_keys=True)
     except ValueError:
         pass
-    return _NUMBERS.sub(sub, text)
+    return _NUMBERS.sub(sub, _PORT.sub("127.0.0.1:<port>", text))
 
 
 def session(cluster) -> list[str]:
     env = {**os.environ, "ETCDCTL_API": "3"}
     out = []
     for args, stdin in SESSION:
-        if args[:2] == ["member", "list"] or args[:2] == ["alarm", "list"]:
-            pass
         r = subprocess.run(["etcdctl", "--endpoints", cluster.client["pifpaf0"], *args], input=stdin, capture_output=True, text=True, env=env, timeout=30)
         out.append(normalised(r.stdout.strip()) if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
     return out
@@ -92,14 +98,16 @@ def main() -> int:
         finally:
             c.stop()
             shutil.rmtree(root, ignore_errors=True)
-    differ = 0
-    for (args, _), a, b in zip(SESSION, results["EtcdCluster"], results["LedgerkvCluster"]):
+    differ = known_n = 0
+    for n, ((args, _), a, b) in enumerate(zip(SESSION, results["EtcdCluster"], results["LedgerkvCluster"])):
         name = " ".join(args)
         if a != b:
-            known = name in KNOWN
+            known = name in KNOWN or n in KNOWN_AT
             differ += not known
+            known_n += known
             print(f"{'known: ' if known else 'DIFFERS: '}etcdctl {name}\n  etcd 3.4: {a[:600]}\n  ledgerkv: {b[:600]}")
-    print(f"{len(SESSION)} etcdctl commands, {len(SESSION) - differ} answered alike (revisions, ids and terms normalised)")
+    print(f"{len(SESSION)} etcdctl commands: {len(SESSION) - differ - known_n} answered alike (revisions, ids and terms normalised), "
+          f"{known_n} differ as known, {differ} differ otherwise")
     return 1 if differ else 0
 
 
