@@ -532,11 +532,15 @@ class Node(AsyncRecipes):
         """etcd's Txn (its Put and DeleteRange are transactions of one op): one committed
         entry, applied atomically. LeaseNotFound for a put to a lease that does not exist,
         KeyNotFound for an ignore_value/ignore_lease put of a key that does not: then
-        nothing was applied."""
+        nothing was applied. Answered once this node has applied it."""
         r = (await self.submit(txn, timeout, request_id=request_id)).result
         if type(r) is cmds.KeyNotFound:
             raise KeyNotFound(r.key)
-        return raise_failed(r)
+        r = raise_failed(r)
+        # As etcd's members do, answer once this node has applied it too: a client that
+        # reads from the node it wrote through (serializable, say) sees its write.
+        await self.wait_applied(r.index, timeout=timeout if timeout is not None else self.config.write_timeout_s)
+        return r
 
     async def set_alarm(self, member: int, alarm: int, active: bool, *, timeout: float | None = None) -> list[tuple[int, int]]:
         """Raise (active) or clear an alarm of a member (0: the cluster's), through the log:
@@ -548,6 +552,17 @@ class Node(AsyncRecipes):
     def raised_alarms(self) -> list[tuple[int, int]]:
         """The (member, alarm) pairs raised through the log, as this node has applied them."""
         return sorted(self.sm.alarms) if self.sm is not None else []
+
+    async def etcd_compact(self, revision: int, *, timeout: float | None = None) -> cmds.CompactAnswer:
+        """etcd's Compact, through the log: from then on no read or watch at or below
+        `revision` is served (ledgerkv keeps one version of each key: there is nothing
+        older to drop). The answer says the compact revision, and why it was refused
+        ("compacted": at or below it already; "future": above the log's end)."""
+        return raise_failed((await self.submit(cmds.Compact(revision), timeout)).result)
+
+    def compact_revision(self) -> int:
+        """The revision of the last Compact applied here (0: none)."""
+        return self.sm.compact_revision if self.sm is not None else 0
 
     def ids(self) -> tuple[int, int]:
         """(cluster id, member id) as etcd's API reports them: stable 64-bit numbers derived

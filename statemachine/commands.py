@@ -27,6 +27,8 @@ Commands:
                              ops RangeReq, PutReq, DeleteRangeReq and nested TxnReq
 - AlarmSet(member, alarm, active)  raise or clear an alarm of a member (0: the cluster):
                              while a NOSPACE one is raised, writes that add data are refused
+- Compact(revision)          etcd's Compact: no read or watch at or below `revision` is
+                             served from now on (ledgerkv keeps no older versions to drop)
 
 A Put with `lease` attaches the key to that lease (refused with NoSuchLease when the lease
 does not exist); a Put without one, or a Delete, detaches it. Two more commands never enter
@@ -57,6 +59,7 @@ _OP_LEASE_GRANT_ID = 14  # a grant with its id and owner (_OP_LEASE_GRANT: the i
 _OP_DELETE_PREFIX = 15
 _OP_TXN_REQ = 16  # etcd's v3 transaction (TxnReq)
 _OP_ALARM = 17  # raise or clear an alarm (etcd's Maintenance.Alarm)
+_OP_COMPACT = 18  # etcd's Compact: the revision below which no read or watch is served
 OP_IN_SESSION = _OP_SESSION
 MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
 MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
@@ -278,6 +281,19 @@ class Alarms(NamedTuple):
 ALARM_NOSPACE, ALARM_CORRUPT = 1, 2
 
 
+class Compact(NamedTuple):
+    revision: int
+
+
+class CompactAnswer(NamedTuple):
+    """The compact revision after a Compact, and why it was refused ("": it was not;
+    "compacted": at or below the compact revision already; "future": above the entry's
+    own index)."""
+
+    compact_revision: int
+    refused: str
+
+
 class SpaceExceeded(NamedTuple):
     """Refused when applied: a NOSPACE alarm is raised and the command adds data (every
     replica refuses it alike, as etcd's capped applier does). Nothing changed."""
@@ -325,7 +341,7 @@ def txn_ops(txn: TxnReq):
             yield from txn_ops(op)
 
 
-Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire | TxnReq | AlarmSet
+Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire | TxnReq | AlarmSet | Compact
 LocalCommand = LeaseKeepAlive | LeaseKeepAlives | LeaseQuery  # what a follower forwards but nobody logs
 
 
@@ -967,6 +983,7 @@ COMMANDS: dict[int, tuple[type, tuple[_Field, ...]]] = {
     _OP_SESSION_OPEN: (SessionOpen, (_Int64("session", _session_id), _Int32("max_sessions", _max_sessions))),
     _OP_SESSIONS_EXPIRE: (SessionsExpire, (_Int64("upto", _index_check),)),
     _OP_TXN_REQ: (TxnReq, ()),  # written out by hand (a recursive body)
+    _OP_COMPACT: (Compact, (_Int64("revision", _check(lambda v: type(v) is int and 0 < v <= MAX_INDEX, "a revision is a log index")),)),
     _OP_ALARM: (AlarmSet, (_Int64("member"), _Int32("alarm", _check(lambda v: v in (ALARM_NOSPACE, ALARM_CORRUPT), "an alarm is NOSPACE (1) or CORRUPT (2)")), _Flag("active"))),
 }
 _OPCODE_OF = {cls: op for op, (cls, _) in COMMANDS.items() if op != _OP_LEASE_GRANT}
@@ -995,6 +1012,7 @@ RESULTS: dict[bytes, tuple[type, tuple[_Field, ...]]] = {
     b"k": (KeyNotFound, (_Key("key"),)),
     b"a": (Alarms, (_Ints("members"), _Ints("kinds"))),
     b"n": (SpaceExceeded, ()),
+    b"c": (CompactAnswer, (_Int64("compact_revision"), _Text("refused"))),
 }
 _TAG_OF = {cls: tag for tag, (cls, _) in RESULTS.items()}
 

@@ -7,6 +7,7 @@ Layout:
     b"\\x00restoring"   present while a snapshot is being loaded: the state is incomplete
     b"k" + key         mod_index (u64) + value
     b"k\x00..."        reserved records: leases and the keys attached to them (leases.py)
+    b"k\x00compact"    the compact revision (etcd's Compact), after the usual mod_index
     b"k\x00alarm/" + member (16 hex digits) + "/" + alarm   a raised alarm (etcd's AlarmMember)
     b"k\x00meta/" + key  create_revision (u64) + version (u64) of a key, after the usual
                        mod_index: what etcd's v3 API reports (a key written before these
@@ -76,6 +77,8 @@ from .commands import (
     TxnApplied,
     ALARM_NOSPACE,
     AlarmSet,
+    Compact,
+    CompactAnswer,
     Alarms,
     SpaceExceeded,
     adds_data,
@@ -113,6 +116,7 @@ _META = _DATA + RESERVED + b"meta/"  # + key: its create_revision and version
 _META_END = _DATA + RESERVED + b"meta0"  # ("0" follows "/")
 _META_VALUE = struct.Struct(">QQ")
 _ALARM = RESERVED + b"alarm/"
+_COMPACT = RESERVED + b"compact"
 _TWO_U64 = struct.Struct(">QQ")
 _U64 = struct.Struct(">Q")
 _RESTORE_BATCH = 10_000
@@ -248,6 +252,7 @@ class LevelDBStateMachine:
         self.sessions.load(records)
         self.alarms = {(int(k[len(_ALARM) : len(_ALARM) + 16], 16), int(k[len(_ALARM) + 17 :])) for k, _, _ in records if k.startswith(_ALARM)}
         self.nospace = any(kind == ALARM_NOSPACE for _, kind in self.alarms)  # writes that add data are refused
+        self.compact_revision = next((_U64.unpack(v)[0] for k, _, v in records if k == _COMPACT), 0)
 
     def lease_info(self, lease: int) -> LeaseInfo | None:
         """A lease as applied here (remaining: the full ttl; only the leader's clock knows
@@ -507,6 +512,8 @@ class LevelDBStateMachine:
             return self._delete_prefix(cmd.prefix, index, wb, overlay, changes)
         if isinstance(cmd, AlarmSet):
             return self._set_alarm(cmd, index, wb)
+        if isinstance(cmd, Compact):
+            return self._compact(cmd.revision, index, wb)
         raise CommandError(f"unknown command {cmd!r}")
 
     def _delete_prefix(self, prefix: str, index: int, wb, overlay: dict, changes: list | None) -> PrefixDeleted:
@@ -604,6 +611,15 @@ class LevelDBStateMachine:
             overlay[_DATA + raw] = None
             self._unstamp(key, raw, index, wb, overlay, cur, lease, changes)
         return LeaseRevoked(index, tuple(keys))
+
+    def _compact(self, revision: int, index: int, wb) -> CompactAnswer:
+        if revision <= self.compact_revision:
+            return CompactAnswer(self.compact_revision, "compacted")
+        if revision > index:
+            return CompactAnswer(self.compact_revision, "future")
+        self.compact_revision = revision
+        wb.put(_DATA + _COMPACT, _U64.pack(index) + _U64.pack(revision))
+        return CompactAnswer(revision, "")
 
     def _set_alarm(self, cmd: AlarmSet, index: int, wb) -> Alarms:
         pair = (cmd.member, cmd.alarm)

@@ -66,3 +66,17 @@ def test_rows_one_per_mutation_and_one_for_entries_without_any():
 def test_an_entry_this_version_cannot_read_names_its_index():
     with pytest.raises(LogStreamError, match="entry 5 .term 1."):
         list(entry_rows(Entry(5, 1, EntryKind.NORMAL, b"\x09\x01")))
+
+
+def test_every_logged_command_has_rows_etcds_ones_included():
+    """A watch's history and the change feed read every entry of the log: etcd's
+    transactions, alarms and compactions too (a watch from an old revision died on them)."""
+    txn = cmds.TxnReq(
+        (cmds.Compare(cmds.CMP_VERSION, cmds.CMP_EQUAL, b"a", 0),),
+        (cmds.PutReq(b"a", b"1"), cmds.DeleteRangeReq(b"b", b"c"), cmds.TxnReq((), (cmds.PutReq(b"n", b"2"),), ())),
+        (cmds.RangeReq(b"a"),),
+    )
+    got = {c: list(entry_rows(Entry(7, 1, EntryKind.NORMAL, cmds.encode(c)))) for c in (txn, cmds.AlarmSet(0, cmds.ALARM_NOSPACE, True), cmds.Compact(3))}
+    assert [(r[2], r[3], r[4], r[6]) for r in got[txn]] == [("put", "a", b"1", "then"), ("delete_range", "b", None, "then"), ("put", "n", b"2", "then")]
+    assert [r[2] for r in got[cmds.AlarmSet(0, cmds.ALARM_NOSPACE, True)]] == ["alarm"]
+    assert [r[2] for r in got[cmds.Compact(3)]] == ["compact"]

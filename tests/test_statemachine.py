@@ -223,3 +223,15 @@ def test_a_raised_nospace_alarm_refuses_what_adds_data_on_every_replica_and_surv
         assert again.apply([normal(9, c.AlarmSet(0, c.ALARM_NOSPACE, False)), normal(10, c.Put("b", b"2"))]) == [c.Alarms((0,), (c.ALARM_NOSPACE,)), c.PutResult(10)]
     finally:
         again.close()
+
+
+def test_compact_moves_the_compact_revision_once_and_keeps_it_across_a_restart(tmp_path):
+    sm = LevelDBStateMachine(str(tmp_path / "state"))
+    assert sm.apply([normal(1, c.Put("a", b"1")), normal(2, c.Compact(1)), normal(3, c.Compact(1)), normal(4, c.Compact(9))]) == [
+        c.PutResult(1), c.CompactAnswer(1, ""), c.CompactAnswer(1, "compacted"), c.CompactAnswer(1, "future")]
+    sm.close()
+    again = LevelDBStateMachine(str(tmp_path / "state"))
+    try:
+        assert again.compact_revision == 1
+    finally:
+        again.close()

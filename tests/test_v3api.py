@@ -510,6 +510,24 @@ def test_etcdctl_make_mirror_moves_a_live_etcd_into_ledgerkv(cluster, tmp_path):
                 p.wait()
 
 
+
+def test_compact_through_the_log_refuses_reads_and_watches_below_it(etcd, cluster):
+    now = put(etcd, b"v3c/k", b"v").header.revision
+    etcd.kv.Compact(rpc_pb2.CompactionRequest(revision=2), timeout=10)
+    for rev, text in ((2, "etcdserver: mvcc: required revision has been compacted"), (now + 10_000, "etcdserver: mvcc: required revision is a future revision")):
+        with pytest.raises(grpc.RpcError) as e:
+            etcd.kv.Compact(rpc_pb2.CompactionRequest(revision=rev), timeout=10)
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.OUT_OF_RANGE, text)
+    leader = Stubs(cluster.grpc[cluster.leader_id])
+    try:
+        assert leader.maintenance.HashKV(rpc_pb2.HashKVRequest(), timeout=10).compact_revision == 2  # every member applied it
+        call = leader.watch.Watch(iter([rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"v3c/k", start_revision=1))]), timeout=10)
+        created, canceled = next(call), next(call)
+        call.cancel()
+        assert created.created and canceled.canceled and canceled.compact_revision == 2
+    finally:
+        leader.channel.close()
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """One node with a token and a short ledger (snapshots every 50 entries, 10 kept)."""

@@ -119,7 +119,7 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
             h, index = await self._hash()
             if request.revision and request.revision != index:
                 raise wire.Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED if request.revision < index else wire.ERR_FUTURE_REV)
-            return rpc_pb2.HashKVResponse(header=self.header(index), hash=h)
+            return rpc_pb2.HashKVResponse(header=self.header(index), hash=h, compact_revision=self.node.compact_revision())
 
     async def _hash(self) -> tuple[int, int]:
         """A CRC-32 of every key and value as this node has applied them (equal on every

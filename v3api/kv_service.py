@@ -56,8 +56,15 @@ class KVService(rpc_pb2_grpc.KVServicer):
             return txn_response(request, r, self.header)
 
     async def Compact(self, request, context):
+        """Through the log; ledgerkv keeps one version of each key, so there is no history
+        to drop: what changes is the revision below which reads and watches are refused."""
         async with self.access(context, "write", []):
-            raise Abort(grpc.StatusCode.UNIMPLEMENTED, "etcdserver: ledgerkv keeps no history to compact yet (each key's latest version only)")
+            if request.revision <= 0:
+                raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED)
+            r = await self.node.etcd_compact(request.revision)
+            if r.refused:
+                raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED if r.refused == "compacted" else wire.ERR_FUTURE_REV)
+            return rpc_pb2.CompactionResponse(header=self.header.now())
 
     def txn_req(self, request: rpc_pb2.TxnRequest) -> cmds.TxnReq:
         """The transaction to propose, checked as etcd checks it: at most --max-txn-ops

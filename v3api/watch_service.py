@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from kv import KVError, SlowWatcher, WatchCompacted
 from kv.statemachine import commands as cmds
@@ -21,6 +22,8 @@ from kv.statemachine import commands as cmds
 from . import wire
 from .access import Access
 from .proto import kv_pb2, rpc_pb2, rpc_pb2_grpc
+
+log = logging.getLogger("kv.v3api")
 
 PROGRESS_WATCH_ID = -1  # etcd's id of the answer to a progress request
 _PUT, _DELETE = kv_pb2.Event.PUT, kv_pb2.Event.DELETE
@@ -76,6 +79,10 @@ class _Stream:
         except KVError as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=wire.status_of(e)[1]))
             return
+        if req.start_revision and req.start_revision < node.compact_revision():  # below the last Compact: refused, as etcd's
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, compact_revision=node.compact_revision(), cancel_reason=wire.ERR_COMPACTED))
+            return
         try:
             w = node.watch(watch_prefix(start, req.range_end), req.start_revision or None, resume_when_behind=False, rich=True)
         except WatchCompacted as e:  # etcd: created, then canceled with the oldest revision it still has
@@ -114,6 +121,9 @@ class _Stream:
             self.out.put_nowait(_compacted(self.header(), wid, e))
         except SlowWatcher as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {e}"))
+        except Exception as e:  # a bug: the client hears of it, the log says where
+            log.exception("watch %d failed", wid)
+            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {type(e).__name__}: {e}"))
         finally:
             w.close()
 

@@ -18,8 +18,8 @@ transaction with conditions) is what was asked; whether its condition held was d
 when it was applied and is not in the log, and so is whether a write sent in a client
 session was a copy of one applied before (statemachine/sessions.py): the log holds every
 copy that was appended; a watch (kv/server/watch.py) shows what took effect. Entries without a
-mutation still get one row (op "noop", "config", "read", "lease" or "session": a session
-opened or expired), so every index of the range appears; a prefix's delete is one row
+mutation still get one row (op "noop", "config", "read", "lease", "session": a session
+opened or expired, "alarm" or "compact": etcd's Alarm and Compact), so every index of the range appears; a prefix's delete is one row
 (op "delete_prefix", key = the prefix).
 """
 
@@ -111,6 +111,12 @@ def entry_rows(e: Entry) -> Iterator[Row]:
     if type(cmd) is cmds.DeletePrefix:
         # Which keys it deleted was decided when it was applied: the watch history has them.
         yield (e.index, e.term, "delete_prefix", cmd.prefix, None, False, None)
+        return
+    if type(cmd) is cmds.AlarmSet:
+        yield (e.index, e.term, "alarm", None, None, False, None)
+        return
+    if type(cmd) is cmds.Compact:
+        yield (e.index, e.term, "compact", None, None, False, None)
         return
     if isinstance(cmd, (cmds.LeaseGrant, cmds.LeaseRevoke)):
         # Which keys a revoke deletes was decided when it was applied: it is not in the log.

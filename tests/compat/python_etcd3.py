@@ -41,8 +41,6 @@ CLIENT_PORT = 2379
 # Tests that pass against etcd 3.4 and cannot pass against ledgerkv yet, and why.
 NOT_YET = {
     "TestEtcd3::test_snapshot": "runs `etcdctl snapshot status` on the file, which reads etcd's own bbolt format; ledgerkv streams its own snapshot format",
-    "TestEtcd3::test_watch_key_with_revision_compacted": "needs Compact and a history of past revisions (issue 37, the history store)",
-    "TestClient::test_compact": "needs Compact (issue 37, the history store)",
 }
 
 
