@@ -8,6 +8,7 @@ import base64
 import filecmp
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -427,6 +428,11 @@ def test_the_json_gateway_speaks_etcd_34s_json(cluster):
     assert status == 200 and st["version"].startswith("3.4")
     with urllib.request.urlopen(f"http://{cluster.http[cluster.follower]}/version", timeout=10) as r:
         assert json.loads(r.read())["etcdserver"].startswith("3.4")
+    with urllib.request.urlopen(f"http://{cluster.http[cluster.follower]}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    counted = dict(re.findall(r'^kv_etcd_api_(calls_total\{front="\w+"\}|errors_total\{code="\w+"\}) (\S+)$', metrics, re.M))
+    assert float(counted['calls_total{front="grpc"}']) > 10 and float(counted['calls_total{front="gateway"}']) >= 8, counted
+    assert float(counted['errors_total{code="OUT_OF_RANGE"}']) >= 1 and float(counted['errors_total{code="INVALID_ARGUMENT"}']) >= 1, counted
 
 
 def test_the_gateways_watch_and_keepalive_stream_json_lines(cluster):

@@ -11,21 +11,40 @@ import grpc
 
 from kv import Forbidden, Unauthorized
 from kv.http.auth import Grant, grant_of
+from kv.server.samples import Sample, labelled
 
 from . import wire
 
 log = logging.getLogger("kv.v3api")
 
 
-class Access:
-    """`async with access(context, role, ranges):` checks the caller, then turns whatever
-    the body raises into the call's status (etcd's code and text)."""
+class CallCounts:
+    """The etcd API's calls on one node, by front (grpc, gateway), and its refusals by gRPC
+    code: what /metrics shows of it (kv_etcd_api_*)."""
 
-    def __init__(self, grants: dict[str, Grant] | None) -> None:
-        self.grants = grants
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.errors: dict[str, int] = {}
+
+    def samples(self) -> list[Sample]:
+        return [
+            labelled("counter", "kv_etcd_api_calls", "Calls of etcd's v3 API, by front (grpc, gateway).", "front", self.calls.items()),
+            labelled("counter", "kv_etcd_api_errors", "Calls of etcd's v3 API answered with an error, by gRPC code.", "code", self.errors.items()),
+        ]
+
+
+class Access:
+    """`async with access(context, role, ranges):` checks the caller, counts the call, then
+    turns whatever the body raises into the call's status (etcd's code and text)."""
+
+    def __init__(self, grants: dict[str, Grant] | None, front: str = "grpc", counts: CallCounts | None = None) -> None:
+        self.grants, self.front = grants, front
+        self.counts = counts if counts is not None else CallCounts()
 
     @contextlib.asynccontextmanager
     async def __call__(self, context, role: str, ranges: list[tuple[bytes, bytes]]):
+        calls = self.counts.calls
+        calls[self.front] = calls.get(self.front, 0) + 1
         try:
             self.check(context, role, ranges)
             yield
@@ -33,6 +52,8 @@ class Access:
             raise
         except Exception as e:
             code, message = wire.status_of(e)
+            errors = self.counts.errors
+            errors[code.name] = errors.get(code.name, 0) + 1
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("etcd API call failed")
             await context.abort(code, message)

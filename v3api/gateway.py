@@ -18,7 +18,7 @@ from google.protobuf import json_format
 from kv import KVError
 
 from . import wire
-from .access import Access
+from .access import Access, CallCounts
 from .cluster_service import AuthService, ClusterService, MaintenanceService
 from .kv_service import KVService
 from .lease_service import LeaseService
@@ -90,9 +90,10 @@ async def _parse(request: web.Request, cls):
     return msg
 
 
-def routes(node, grants) -> list[web.RouteDef]:
-    """The gateway's routes for node (grants: the node's tokens, None for none)."""
-    access = Access(grants)
+def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]:
+    """The gateway's routes for node (grants: the node's tokens, None for none; counts:
+    where its calls are counted, shared with the gRPC front)."""
+    access = Access(grants, "gateway", counts)
     kv, lease = KVService(node, access), LeaseService(node, access)
     cluster, maintenance, watch = ClusterService(node, access, node.config.grpc and f"http://{node.config.grpc}" or ""), MaintenanceService(node, access), WatchService(node, access)
     unary = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import grpc
 
-from .access import Access
+from .access import Access, CallCounts
 from .cluster_service import AuthService, ClusterService, MaintenanceService
 from .kv_service import KVService
 from .lease_service import LeaseService
@@ -25,12 +25,12 @@ _OPTIONS = [
 ]
 
 
-async def serve_grpc(node, host: str, port: int, *, grants=None, tls: tuple[str, str] | None = None) -> grpc.aio.Server:
+async def serve_grpc(node, host: str, port: int, *, grants=None, tls: tuple[str, str] | None = None, counts: CallCounts | None = None) -> grpc.aio.Server:
     """Start serving the etcd API for node on host:port; stop it with `await server.stop(grace)`.
     `tls`: (certificate file, key file), the node's --tls-cert and --tls-key: then the port
     speaks TLS, as the HTTP one does (etcd's clients send credentials only over TLS)."""
     server = grpc.aio.server(options=_OPTIONS)
-    access = Access(grants)
+    access = Access(grants, "grpc", counts)
     scheme = "https" if tls else "http"
     rpc_pb2_grpc.add_KVServicer_to_server(KVService(node, access), server)
     rpc_pb2_grpc.add_WatchServicer_to_server(WatchService(node, access), server)

@@ -79,6 +79,10 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     runner = grpc_server = None
     promoting = asyncio.ensure_future(promote_when_caught_up(config, lambda: any(m["id"] == config.id and m["voter"] for m in node.members()))) if config.join else None
     try:
+        from ..v3api.access import CallCounts  # etcd's API: its two fronts' calls, counted together
+
+        etcd_calls = CallCounts()
+        node.metrics.register(etcd_calls.samples)
         if config.http:
             from ..v3api.gateway import routes as gateway_routes  # etcd's JSON gateway, on the same port
 
@@ -95,7 +99,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
                     max_connections=max_http,
                     access_log=access_log,
                     fast_path=not config.http_aiohttp_only,
-                    more_routes=gateway_routes(node, grants),
+                    more_routes=gateway_routes(node, grants, etcd_calls),
                 )
             except OSError as e:
                 raise listen_error(e, "--http ", config.http) from e
@@ -105,7 +109,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
             host, port = check_hostport(config.grpc, "--grpc")
             try:
                 tls_files = (config.tls_cert, config.tls_key) if config.tls_cert else None
-                grpc_server = await serve_grpc(node, host, port, grants=grants, tls=tls_files)
+                grpc_server = await serve_grpc(node, host, port, grants=grants, tls=tls_files, counts=etcd_calls)
             except (OSError, RuntimeError) as e:
                 raise listen_error(OSError(str(e)), "--grpc ", config.grpc) from e
         stop = asyncio.Event()
