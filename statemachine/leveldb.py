@@ -291,7 +291,7 @@ class LevelDBStateMachine:
                     continue
                 o = SESSION_HEAD_BYTES
                 fp = fingerprint(d, o)
-            result = None
+            result = took = None
             if d[o : o + 2] == PUT_HEAD and len(d) > o + 4 and not self.nospace:
                 # The hot path, an unconditional put, read straight from the encoding:
                 # version, opcode, key length, key, no condition, value.
@@ -329,22 +329,11 @@ class LevelDBStateMachine:
                 elif type(cmd) is Txn:
                     result = self._txn(cmd, e.index, wb, overlay, changes, answering is None or session or e.index in answering)
                 elif type(cmd) is TxnReq:
-                    made: list = []  # rich, for its effect record
-                    rich, self.rich_changes = self.rich_changes, True
-                    try:
-                        result = self._txn_req(cmd, e.index, wb, overlay, made, answering is None or session or e.index in answering)
-                    finally:
-                        self.rich_changes = rich
-                    wb.put(_EFFECTS + pack(e.index), changes_record(made))
-                    if changes is not None:
-                        changes += made if rich else [c[:3] for c in made]
-                    if session:
-                        self._answered(session, seq, fp, e.index, result, wb, overlay)
-                    results.append(result)
-                    continue
+                    result, took = self._txn_req_entry(cmd, e.index, wb, overlay, changes, answering is None or session or e.index in answering)
                 else:
                     result = self._execute(cmd, e.index, wb, overlay, changes)
-                took = effect_record(cmd, result)
+                if took is None:
+                    took = effect_record(cmd, result)
                 if took is not None:
                     wb.put(_EFFECTS + pack(e.index), took)
             if session:
@@ -739,6 +728,20 @@ class LevelDBStateMachine:
             kvs.append(kv)
         return RangeResp(tuple(kvs), count, not req.count_only and count > len(kvs))
 
+    def _txn_req_entry(self, txn: TxnReq, index: int, wb, overlay: dict, changes: list | None, reads: bool):
+        """Apply a TxnReq entry: (its result, its effect record). The record lists every
+        change it made with the key's versions, so its changes are made rich whatever the
+        watchers want; they get them as they asked."""
+        made: list = []
+        rich, self.rich_changes = self.rich_changes, True
+        try:
+            result = self._txn_req(txn, index, wb, overlay, made, reads)
+        finally:
+            self.rich_changes = rich
+        if changes is not None:
+            changes += made if rich else [c[:3] for c in made]
+        return result, changes_record(made)
+
     def _txn_req(self, txn: TxnReq, index: int, wb, overlay: dict, changes: list, reads: bool):
         """etcd's Txn: which branch of it and of every nested transaction runs is decided
         first, then the chosen ops are checked, then they run (see commands.TxnReq)."""
@@ -786,8 +789,10 @@ class LevelDBStateMachine:
             if t is RangeReq:
                 out.append(self._range(op, overlay, self.max_read_bytes) if reads else None)
             elif t is PutReq:
-                cur = self._current(_DATA + op.key, overlay)
-                prev = self._kv(op.key, cur, overlay) if cur is not None else None
+                prev = None
+                if op.prev_kv or op.ignore_value or op.ignore_lease:  # (the key's versions cost a read)
+                    cur = self._current(_DATA + op.key, overlay)
+                    prev = self._kv(op.key, cur, overlay) if cur is not None else None
                 value = prev.value if op.ignore_value else op.value
                 lease = prev.lease if op.ignore_lease else op.lease
                 self._put(Put(op.key.decode(), value, None, lease), index, wb, overlay, changes)

@@ -81,13 +81,13 @@ class _Stream:
             return
         if req.start_revision and req.start_revision < node.compact_revision():  # below the last Compact: refused, as etcd's
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, compact_revision=node.compact_revision(), cancel_reason=wire.ERR_COMPACTED))
+            self.out.put_nowait(_compacted(self.header(), wid, node.compact_revision()))
             return
         try:
             w = node.watch(watch_prefix(start, req.range_end), req.start_revision or None, resume_when_behind=False, rich=True)
         except WatchCompacted as e:  # etcd: created, then canceled with the oldest revision it still has
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
-            self.out.put_nowait(_compacted(self.header(), wid, e))
+            self.out.put_nowait(_compacted(self.header(), wid, e.ledger_begin_index + 1))
             return
         except KVError as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=str(e)))
@@ -118,7 +118,7 @@ class _Stream:
                 elif not events and progress:
                     self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(through), watch_id=wid))
         except WatchCompacted as e:
-            self.out.put_nowait(_compacted(self.header(), wid, e))
+            self.out.put_nowait(_compacted(self.header(), wid, e.ledger_begin_index + 1))
         except SlowWatcher as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {e}"))
         except Exception as e:  # a bug: the client hears of it, the log says where
@@ -141,10 +141,10 @@ class _Stream:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _compacted(header, wid: int, e: WatchCompacted) -> rpc_pb2.WatchResponse:
-    """The answer to a watch whose start is before what this node's log holds: etcd's
-    compact_revision is the oldest revision a watch can start from."""
-    return rpc_pb2.WatchResponse(header=header, watch_id=wid, canceled=True, compact_revision=e.ledger_begin_index + 1, cancel_reason=wire.ERR_COMPACTED)
+def _compacted(header, wid: int, oldest: int) -> rpc_pb2.WatchResponse:
+    """The answer to a watch that starts before what this node serves (its log's start, or
+    the last Compact): etcd's compact_revision, the oldest revision a watch can start from."""
+    return rpc_pb2.WatchResponse(header=header, watch_id=wid, canceled=True, compact_revision=oldest, cancel_reason=wire.ERR_COMPACTED)
 
 
 def _event(ev, raw: bytes, prev_kv: bool) -> kv_pb2.Event:
