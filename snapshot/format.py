@@ -283,6 +283,9 @@ def verify(path: str) -> tuple[SnapshotHeader, Trailer]:
     return header, trailer
 
 
+_MAX_RESERVED_KEY_BYTES = 2 * MAX_KEY_BYTES + 64
+
+
 def _keys_and_mods(payload: bytes, n: int) -> tuple[list[bytes], list[int]]:
     """A block's keys and mod_indexes (verify has no use for the values)."""
     ko, kb, _vo, _vb, mb = block_columns(payload, n)
@@ -296,15 +299,20 @@ def _slices(offsets: bytes, data: bytes, n: int) -> list[bytes]:
 
 
 def _check_records(keys: list[bytes], mods: list[int], last_key: bytes | None, index: int) -> bytes | None:
-    """Keys are valid UTF-8 within the key limit, strictly increasing; mod_indexes are in
-    [1, the snapshot's index]. Returns the last key."""
+    """Keys are valid UTF-8 within the key limit (ledgerkv's own records, the reserved keys
+    starting with NUL, are bytes, at most twice as long plus some: a history record holds a
+    key), strictly increasing; mod_indexes are in [1, the snapshot's index]. Returns the last key."""
     for k, mod in zip(keys, mods):
-        if not 0 < len(k) <= MAX_KEY_BYTES:
+        if k[:1] == b"\x00":
+            if len(k) > _MAX_RESERVED_KEY_BYTES:
+                raise SnapshotFormatError(f"snapshot record: a reserved key of {len(k)} bytes (at most {_MAX_RESERVED_KEY_BYTES})")
+        elif not 0 < len(k) <= MAX_KEY_BYTES:
             raise SnapshotFormatError(f"snapshot record: a key of {len(k)} bytes (keys are 1 to {MAX_KEY_BYTES})")
-        try:
-            k.decode("utf-8")
-        except UnicodeDecodeError:
-            raise SnapshotFormatError(f"snapshot record: key {k[:60]!r} is not UTF-8") from None
+        else:
+            try:
+                k.decode("utf-8")
+            except UnicodeDecodeError:
+                raise SnapshotFormatError(f"snapshot record: key {k[:60]!r} is not UTF-8") from None
         if last_key is not None and k <= last_key:
             raise SnapshotFormatError(f"snapshot record: key {k[:60]!r} is out of order")
         if not 0 < mod <= index:

@@ -13,6 +13,8 @@ Layout:
                        mod_index: what etcd's v3 API reports (a key written before these
                        records has none: its create_revision is taken to be its mod_index,
                        its version 1, until its next write)
+    b"k\x00hist/...", b"k\x00hrev/..."  the history: every key's earlier versions (history.py)
+    b"k\x00hfrom"      the first revision whose changes the history holds (after the usual mod_index)
     b"\\x00fx" + index  what that entry changed, when its log rows do not say (effect_record)
     b"\\x00effects_from" the first index with effect records (the watch history's floor)
     b"\\x00sessions_at"  the index as of which every client session's record is up to date
@@ -33,6 +35,7 @@ replays them); `sync()` makes everything durable before the ledger is compacted.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
 import os
 import shutil
@@ -98,6 +101,7 @@ from .commands import (
     TxnResp,
     compare_holds,
 )
+from . import history
 from .lease_table import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
 from .sessions import RESULT_AT, SESSION_RESULT_MAX, SessionTable, fingerprint, record_value, session_record
 
@@ -117,12 +121,19 @@ _META_END = _DATA + RESERVED + b"meta0"  # ("0" follows "/")
 _META_VALUE = struct.Struct(">QQ")
 _ALARM = RESERVED + b"alarm/"
 _COMPACT = RESERVED + b"compact"
+_HISTORY_END = history.CHANGES[:-1] + b"0"  # the first key after both history ranges
 _TWO_U64 = struct.Struct(">QQ")
 _U64 = struct.Struct(">Q")
 _RESTORE_BATCH = 10_000
 
 # A change event for watchers: (index, key, value or None for a delete, mod_index).
 Change = tuple[int, str, bytes | None]
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """etcd's range_end for every key with the prefix (b"\\x00": every key, for b"")."""
+    stripped = prefix.rstrip(b"\xff")
+    return stripped[:-1] + bytes([stripped[-1] + 1]) if stripped else b"\x00"
 
 
 class StateCorrupt(KVError):
@@ -168,6 +179,9 @@ class LevelDBStateMachine:
                 raise StateLocked(f"the state machine in {path} is open in another process ({e})") from e
             raise StateCorrupt(f"the state machine in {path} cannot be opened ({e})") from e
         self._applied = _TWO_U64.unpack(raw) if raw else (0, 0)
+        if self.history_from is None and not self.incomplete:
+            self._start_history(self._db, self._applied[0] + 1)
+        self._changes_at = self._changes_n = 0  # the entry whose changes _keep lists, and how many so far
         self._membership = self._db.get(_MEMBERSHIP) or b""
         self._removed = set(json.loads(self._db.get(_REMOVED) or b"[]"))
         raw_from = self._db.get(_EFFECTS_FROM)
@@ -215,28 +229,119 @@ class LevelDBStateMachine:
             return None
         return _U64.unpack_from(raw)[0], raw[8:]
 
-    def scan(self, prefix: str = "", after: str | None = None, limit: int = 1000, max_bytes: int | None = None) -> list[tuple[str, bytes, int]]:
+    def scan(
+        self, prefix: str = "", after: str | None = None, limit: int = 1000, max_bytes: int | None = None, revision: int | None = None
+    ) -> list[tuple[str, bytes, int]]:
         """Keys with the prefix, in key order, strictly after `after`: (key, value, mod_index);
         at most `limit`, and no more once their keys and values add up to `max_bytes`
-        (the one that reaches it included, so a page always holds a key when one is left)."""
-        pre = _DATA + prefix.encode()
-        start = _DATA + after.encode() + b"\x00" if after is not None else pre
+        (the one that reaches it included, so a page always holds a key when one is left).
+        `revision`: as of that revision (see oldest_revision), not as of now."""
+        if revision is not None:
+            pre = prefix.encode()
+            start = after.encode() + b"\x00" if after is not None else pre
+            items = ((kv.key, kv.value, kv.mod_revision) for _, kv in self._items_at(max(start, pre), prefix_end(pre), revision))
+        else:
+            items = self._scan_now(prefix, after)
         out = []
         left = max_bytes if max_bytes is not None else float("inf")
+        for item in items:
+            out.append(item)
+            left -= len(item[0]) + len(item[1])
+            if len(out) >= limit or left <= 0:
+                break
+        return out
+
+    def _scan_now(self, prefix: str, after: str | None) -> Iterator[tuple[str, bytes, int]]:
+        pre = _DATA + prefix.encode()
+        start = _DATA + after.encode() + b"\x00" if after is not None else pre
         it = self._db.iterator(start=max(start, pre, _USER_DATA), prefix=None, verify_checksums=True)
         try:
             for k, v in it:
                 if not k.startswith(pre):
                     break
-                out.append((k[1:].decode(), v[8:], _U64.unpack_from(v)[0]))
-                left -= len(k) + len(v) - 9
-                if len(out) >= limit or left <= 0:
-                    break
+                yield k[1:].decode(), v[8:], _U64.unpack_from(v)[0]
         except plyvel.CorruptionError as e:
             raise self._damaged(e) from e
         finally:
             it.close()
+
+    # -- the history (history.py) -----------------------------------------------------------
+
+    def _start_history(self, target, revision: int) -> None:
+        # (its mod_index: the last applied entry's, as every record's is at most that)
+        target.put(_DATA + history.HISTORY_FROM, _U64.pack(max(revision - 1, 1)) + _U64.pack(revision))
+        self.history_from = revision
+
+    def oldest_revision(self) -> int:
+        """The oldest revision a read can be at: the last Compact's, or the one before the
+        history began (a data dir from before it)."""
+        return max(self.compact_revision, self.history_from - 1)
+
+    def get_at(self, key: str, revision: int) -> tuple[int, bytes] | None:
+        """(mod_index, value) of a key as of a revision (see oldest_revision), or None."""
+        raw = key.encode()
+        past = self._at(raw, revision)
+        if past is None:
+            return self.get(key)
+        return None if past.kv is None else (past.kv.mod_revision, past.kv.value)
+
+    def _at(self, raw: bytes, revision: int) -> history.Past | None:
+        try:
+            past = history.at(self._db, raw, revision)
+        except plyvel.CorruptionError as e:
+            raise self._damaged(e) from e
+        return past if past.found else None
+
+    def _items_at(self, key: bytes, end: bytes, revision: int) -> Iterator[tuple[bytes, KeyValue]]:
+        """(raw key, KeyValue) of every key of etcd's range (key, end) as of a revision, in
+        key order: the keys there now and the keys with history, merged."""
+        if not end:
+            past = self._at(key, revision)
+            if past is not None:
+                if past.kv is not None:
+                    yield key, past.kv
+                return
+            for raw, cur in self._range_items(key, end, {}):
+                yield raw, self._kv(raw, cur, {})
+            return
+        now = self._range_items(key, end, {})
+        had = ((raw, None) for raw in history.keys_between(self._db, max(key, b"\x01"), None if end == b"\x00" else end))
+        last = None
+        for raw, cur in heapq.merge(now, had, key=lambda item: item[0]):
+            if raw == last:
+                continue
+            last = raw
+            past = self._at(raw, revision)
+            if past is not None:
+                if past.kv is not None:
+                    yield raw, past.kv
+                continue
+            cur = cur if cur is not None else self._current(_DATA + raw, {})
+            if cur is not None:
+                yield raw, self._kv(raw, cur, {})
+
+    def history_changes(self, start: int, upto: int, max_changes: int) -> list[tuple[int, str, bytes | None, KeyValue, KeyValue | None]]:
+        """The changes of revisions [start, upto] in order, as rich changes (index, key, value
+        or None, the key after, the key before or None), at most about max_changes."""
+        out = []
+        for rev, raw in history.changes_from(self._db, start, upto, max_changes):
+            prev, after = history.change_of(self._db, raw, rev)
+            key = raw.decode()
+            if after.found:
+                kv = after.kv
+            else:
+                cur = self._current(_DATA + raw, {})
+                kv = self._kv(raw, cur, {}) if cur is not None else None
+            if kv is None:
+                out.append((rev, key, None, KeyValue(key, 0, rev, 0, b"", 0), prev))
+            else:
+                out.append((rev, key, kv.value, kv, prev))
         return out
+
+    def purge_history(self, max_changes: int = 10_000) -> int:
+        """Drop up to max_changes changes' history records below the compact revision (no
+        read can reach them); returns how many went (0: none are left)."""
+        return history.purge(self._db, self.compact_revision, max_changes)
 
     def count(self) -> int:
         with self._db.iterator(start=_USER_DATA, stop=_DATA + b"\xff" * 8, include_value=False) as it:
@@ -245,7 +350,8 @@ class LevelDBStateMachine:
     def _load_reserved(self) -> None:
         """The lease and session tables, from their records."""
         records = []
-        for lo, hi in ((_DATA + RESERVED, _META), (_META_END, _USER_DATA)):  # not the keys' meta records
+        # Not the keys' meta records, nor the history (history.py): every key has those.
+        for lo, hi in ((_DATA + RESERVED, history.VERSIONS), (_HISTORY_END, _META), (_META_END, _USER_DATA)):
             with self._db.iterator(start=lo, stop=hi, verify_checksums=True) as it:
                 records += [(k[1:], _U64.unpack_from(v)[0], v[8:]) for k, v in it]
         self.leases.load((k, v) for k, _, v in records)
@@ -253,6 +359,8 @@ class LevelDBStateMachine:
         self.alarms = {(int(k[len(_ALARM) : len(_ALARM) + 16], 16), int(k[len(_ALARM) + 17 :])) for k, _, _ in records if k.startswith(_ALARM)}
         self.nospace = any(kind == ALARM_NOSPACE for _, kind in self.alarms)  # writes that add data are refused
         self.compact_revision = next((_U64.unpack(v)[0] for k, _, v in records if k == _COMPACT), 0)
+        # A state from before the history: it starts with the next entry applied.
+        self.history_from = next((_U64.unpack(v)[0] for k, _, v in records if k == history.HISTORY_FROM), None)
 
     def lease_info(self, lease: int) -> LeaseInfo | None:
         """A lease as applied here (remaining: the full ttl; only the leader's clock knows
@@ -594,11 +702,12 @@ class LevelDBStateMachine:
         wb.delete(_DATA + lease_record(lease))
         for key in keys:
             raw = key.encode()
-            cur = self._current(_DATA + raw, overlay) if self.rich_changes else None
+            cur = self._current(_DATA + raw, overlay)
             wb.delete(_DATA + ATTACH_RECORD + raw)
             wb.delete(_DATA + raw)
             overlay[_DATA + raw] = None
-            self._unstamp(key, raw, index, wb, overlay, cur, lease, changes)
+            if cur is not None:
+                self._unstamp(key, raw, index, wb, overlay, cur, lease, changes)
         return LeaseRevoked(index, tuple(keys))
 
     def _compact(self, revision: int, index: int, wb) -> CompactAnswer:
@@ -628,44 +737,55 @@ class LevelDBStateMachine:
 
     def _stamp(self, key: str, raw: bytes, index: int, wb, overlay: dict, value: bytes, lease: int, changes: list | None) -> None:
         """A put of key at index, before the put's own record is in overlay: its meta record
-        moves on (version + 1; create_revision = index for a new key), and the change is
-        listed for watchers (with the key before and after, in rich_changes mode)."""
+        moves on (version + 1; create_revision = index for a new key), what it held goes to
+        the history, and the change is listed for watchers (with the key before and after,
+        in rich_changes mode)."""
         mk = _META + raw
-        meta = self._current(mk, overlay)
-        old = None
-        if meta is not None:
-            create, version = _META_VALUE.unpack_from(meta[1])
-            was = (create, version)
-            version += 1
+        old = self._current(_DATA + raw, overlay)
+        if old is None:
+            create, version, prev = index, 1, None
         else:
-            old = self._current(_DATA + raw, overlay)  # a key from before meta records: see the layout
-            was = (old[0], 1) if old is not None else None
-            create, version = (old[0], 2) if old is not None else (index, 1)
+            meta = self._current(mk, overlay)
+            create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (old[0], 1)  # a key from before meta records
+            prev = KeyValue(key, create, old[0], version, old[1], self.leases.attached.get(key, 0))
+            version += 1
         v = _META_VALUE.pack(create, version)
         overlay[mk] = (index, v)
         wb.put(mk, _U64.pack(index) + v)
+        self._keep(raw, index, prev, wb, overlay)
         if changes is not None:
             if not self.rich_changes:
                 changes.append((index, key, value))
                 return
-            if meta is not None:
-                old = self._current(_DATA + raw, overlay)
-            prev = KeyValue(key, was[0], old[0], was[1], old[1], self.leases.attached.get(key, 0)) if old is not None else None
             changes.append((index, key, value, KeyValue(key, create, index, version, value, lease), prev))
 
-    def _unstamp(self, key: str, raw: bytes, index: int, wb, overlay: dict, cur: tuple[int, bytes] | None, lease: int, changes: list | None) -> None:
-        """A delete of key at index (cur: what it held, needed in rich_changes mode)."""
+    def _unstamp(self, key: str, raw: bytes, index: int, wb, overlay: dict, cur: tuple[int, bytes], lease: int, changes: list | None) -> None:
+        """A delete of key at index (cur: what it held)."""
         mk = _META + raw
+        meta = self._current(mk, overlay)
+        create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (cur[0], 1)
+        prev = KeyValue(key, create, cur[0], version, cur[1], lease)
+        self._keep(raw, index, prev, wb, overlay)
         if changes is not None:
             if not self.rich_changes:
                 changes.append((index, key, None))
             else:
-                meta = self._current(mk, overlay)
-                create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (cur[0], 1)
-                prev = KeyValue(key, create, cur[0], version, cur[1], lease)
                 changes.append((index, key, None, KeyValue(key, 0, index, 0, b"", 0), prev))
         overlay[mk] = None
         wb.delete(mk)
+
+    def _keep(self, raw: bytes, index: int, prev: KeyValue | None, wb, overlay: dict) -> None:
+        """Move what key raw held before entry `index` into the history (history.py); a key
+        the entry changes again keeps the first record: the key as it was before the entry."""
+        vk = history.version_key(raw, index)
+        if vk in overlay:
+            return
+        overlay[vk] = (index, b"")
+        wb.put(vk, history.version_value(index, prev))
+        if self._changes_at != index:
+            self._changes_at, self._changes_n = index, 0
+        wb.put(history.change_key(index, self._changes_n), _U64.pack(index) + raw)
+        self._changes_n += 1
 
     def _kv(self, raw: bytes, cur: tuple[int, bytes], overlay: dict) -> KeyValue:
         key = raw.decode()
@@ -706,19 +826,21 @@ class LevelDBStateMachine:
             if v is not None:
                 yield k[1:], v
 
-    def range(self, req: RangeReq) -> RangeResp:
-        """Keys of etcd's range as applied here (the v3 API's Range)."""
-        return self._range(req, {}, self.max_read_bytes)
+    def range(self, req: RangeReq, revision: int | None = None) -> RangeResp:
+        """Keys of etcd's range as applied here (the v3 API's Range), or as of a revision
+        (see oldest_revision)."""
+        return self._range(req, {}, self.max_read_bytes, revision)
 
-    def _range(self, req: RangeReq, overlay: dict, budget: int | None) -> RangeResp:
+    def _range(self, req: RangeReq, overlay: dict, budget: int | None, revision: int | None = None) -> RangeResp:
         """At most req.limit keys (0: all) and at most `budget` bytes of values (then `more`),
         with the count of every key in the range."""
         kvs, count, left, full = [], 0, budget if budget is not None else float("inf"), False
-        for raw, cur in self._range_items(req.key, req.range_end, overlay):
+        now = revision is None
+        for raw, cur in self._range_items(req.key, req.range_end, overlay) if now else self._items_at(req.key, req.range_end, revision):
             count += 1
             if req.count_only or full or (req.limit and len(kvs) >= req.limit):
                 continue
-            kv = self._kv(raw, cur, overlay)
+            kv = self._kv(raw, cur, overlay) if now else cur
             if req.keys_only:
                 kv = kv._replace(value=b"")
             left -= len(raw) + len(kv.value)
@@ -849,6 +971,8 @@ class LevelDBStateMachine:
         self._applied = (index, term)
         self.incomplete = False
         self._load_reserved()
+        if self.history_from is None:  # a snapshot from before the history
+            self._start_history(self._db, index + 1)
         return n - own
 
     def reopen(self) -> None:

@@ -128,8 +128,10 @@ def test_capture_is_a_frozen_view_and_restore_replaces_everything(sm, tmp_path):
     sm.apply([normal(11, c.Put("k1", b"changed")), normal(12, c.Delete("k2"))])
     items = list(view.items())
     view.release()
-    user = [it for it in items if not it[0].startswith(b"\x00")]  # besides each key's meta record
-    assert (view.index, len(user), len(items)) == (10, 10, 20) and (b"k1", b"v1", 1) in items
+    user = [it for it in items if not it[0].startswith(b"\x00")]
+    # besides each key's meta record, the history: a version ("absent") and a change record
+    # per put, and where it starts
+    assert (view.index, len(user), len(items)) == (10, 10, 41) and (b"k1", b"v1", 1) in items
     other = LevelDBStateMachine(str(tmp_path / "other"))
     other.apply([normal(1, c.Put("junk", b"x"))])
     assert other.restore(10, 1, b"[]", iter(items)) == 10

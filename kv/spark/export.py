@@ -153,19 +153,21 @@ def _read_blocks(batches):
                     if n >= count:
                         break
                     ko, kb, vo, vb, mb = block_columns(payload, records)
-                    keys = pa.Array.from_buffers(pa.binary(), records, [None, pa.py_buffer(ko), pa.py_buffer(kb)])
                     batch = pa.RecordBatch.from_arrays(
                         [
-                            keys.cast(pa.string()),  # checks the keys are UTF-8
+                            pa.Array.from_buffers(pa.binary(), records, [None, pa.py_buffer(ko), pa.py_buffer(kb)]),
                             pa.Array.from_buffers(pa.binary(), records, [None, pa.py_buffer(vo), pa.py_buffer(vb)]),
                             pa.Array.from_buffers(pa.int64(), records, [None, pa.py_buffer(mb)]),
                         ],
                         names=["key", "value", "mod_index"],
                     )
+                    if kb[:1] == b"\x00":  # ledgerkv's own records (leases, sessions, history: bytes) sort first
+                        starts = memoryview(ko).cast("i")
+                        own = next((i for i in range(records) if kb[starts[i] : starts[i] + 1] != b"\x00"), records)
+                        batch = batch.slice(own)
+                    batch = batch.set_column(0, "key", batch.column(0).cast(pa.string()))  # checks the keys are UTF-8
                     if prefix:
                         batch = batch.filter(pc.starts_with(batch.column(0), prefix))
-                    elif kb[:1] == b"\x00":  # ledgerkv's own records (leases, sessions) sort first
-                        batch = batch.filter(pc.invert(pc.starts_with(batch.column(0), "\x00")))
                     if batch.num_rows == 0:
                         continue
                     yield batch

@@ -1,0 +1,154 @@
+"""The history: the earlier versions of every key, until compacted (etcd's MVCC on LevelDB).
+
+A change at revision R (the index of the entry that made it) moves the record the key held
+before R into the history, under (key, R): its create_revision, mod_revision, version,
+lease and value, or "absent" when R creates the key. The change itself is listed under
+(R, n), n its place among the entry's changes. So, with no more than a seek each:
+
+- the key as of revision X is its first history record after X, or its current record when
+  it has none (nothing changed it since X);
+- a change's prev_kv is its history record, and what it wrote is the key's next history
+  record, or its current record;
+- Compact(C) makes every record below C useless (a read at C or later stops at a record
+  above C), so compaction drops them, in bounded batches after the Compact is applied.
+
+Every change since `history_from` is recorded (a data dir from before the history starts it
+at the index it was opened at). Both kinds of records sit among the data records
+(b"k\\x00hist/...", b"k\\x00hrev/...") with a mod_index prefix like every other, so a
+snapshot carries the history that is not yet compacted, and a restore loads it back.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from .commands import KeyValue
+from .lease_table import RESERVED
+
+_DATA = b"k"
+VERSIONS = _DATA + RESERVED + b"hist/"  # + escaped key + b"\x00\x00" + revision: the key before it
+CHANGES = _DATA + RESERVED + b"hrev/"  # + revision + n: the n-th key that revision changed
+HISTORY_FROM = RESERVED + b"hfrom"  # (a data record) the first revision whose changes are all kept
+_U64 = struct.Struct(">Q")
+_REV_N = struct.Struct(">QI")
+_VERSION = struct.Struct(">QQQQQ")  # mod_index prefix (= the revision), create, mod, version, lease
+_END = b"\x00\x00"
+
+
+def escaped(raw: bytes) -> bytes:
+    """A key as it sorts among version records: NUL bytes doubled up as NUL 0xFF, and the
+    key ended with two NULs, so that every key's records sort together and in key order."""
+    return (raw.replace(b"\x00", b"\x00\xff") if b"\x00" in raw else raw) + _END
+
+
+def unescaped(esc: bytes) -> bytes:
+    return esc.replace(b"\x00\xff", b"\x00")
+
+
+def version_key(raw: bytes, revision: int) -> bytes:
+    return VERSIONS + escaped(raw) + _U64.pack(revision)
+
+
+def version_value(revision: int, prev: KeyValue | None) -> bytes:
+    if prev is None:
+        return _U64.pack(revision)
+    return _VERSION.pack(revision, prev.create_revision, prev.mod_revision, prev.version, prev.lease) + prev.value
+
+
+def change_key(revision: int, n: int) -> bytes:
+    return CHANGES + _REV_N.pack(revision, n)
+
+
+def _version_of(key: str, value: bytes) -> KeyValue | None:
+    if len(value) == 8:
+        return None
+    _, create, mod, version, lease = _VERSION.unpack_from(value)
+    return KeyValue(key, create, mod, version, value[_VERSION.size :], lease)
+
+
+class Past(NamedTuple):
+    """A key as of a revision, from its history: `found` False when the history has no
+    record of it after that revision (then its current record says it)."""
+
+    found: bool
+    kv: KeyValue | None
+
+
+def at(db, raw: bytes, revision: int) -> Past:
+    """Key `raw` as of `revision`: its first history record after it (found), if any."""
+    head = VERSIONS + escaped(raw)
+    it = db.iterator(start=head + _U64.pack(revision + 1), stop=head + b"\xff" * 8)
+    try:
+        for k, v in it:
+            return Past(True, _version_of(raw.decode(), v))
+    finally:
+        it.close()
+    return Past(False, None)
+
+
+def keys_between(db, lo: bytes, hi: bytes | None) -> Iterator[bytes]:
+    """Every raw key in [lo, hi) (hi None: no end) that has a history record, in key order."""
+    start = VERSIONS + escaped(lo)[:-2]
+    stop = VERSIONS + escaped(hi)[:-2] if hi is not None else VERSIONS[:-1] + b"0"  # ("0" follows "/")
+    it = db.raw_iterator()
+    try:
+        it.seek(start)
+        while it.valid():
+            k = it.key()
+            if k >= stop:
+                return
+            esc = k[len(VERSIONS) : -8]
+            yield unescaped(esc[:-2])
+            it.seek(k[:-8] + b"\xff" * 9)  # past every record of this key
+    finally:
+        it.close()
+
+
+def changes_from(db, revision: int, upto: int, max_changes: int) -> list[tuple[int, bytes]]:
+    """(revision, raw key) of the changes of revisions [revision, upto], in order, at most
+    max_changes of them (then the last revision's changes are all included)."""
+    out: list[tuple[int, bytes]] = []
+    with db.iterator(start=change_key(revision, 0), stop=change_key(upto + 1, 0)) as it:
+        for k, v in it:
+            rev = _U64.unpack_from(k, len(CHANGES))[0]
+            if len(out) >= max_changes and rev != out[-1][0]:
+                break
+            out.append((rev, v[8:]))
+    return out
+
+
+def change_of(db, raw: bytes, revision: int) -> tuple[KeyValue | None, Past]:
+    """What the change of `raw` at `revision` found (prev_kv) and what it left: the key's
+    next history record, or (found False) its current record."""
+    key = raw.decode()
+    head = VERSIONS + escaped(raw)
+    it = db.iterator(start=head + _U64.pack(revision), stop=head + b"\xff" * 8)
+    try:
+        prev = None
+        for i, (k, v) in enumerate(it):
+            if i == 0:
+                prev = _version_of(key, v)
+                continue
+            return prev, Past(True, _version_of(key, v))
+        return prev, Past(False, None)
+    finally:
+        it.close()
+
+
+def purge(db, below: int, max_records: int) -> int:
+    """Drop the history records of revisions below `below`, at most max_records changes'
+    worth in one write; returns how many changes were dropped (0: none are left)."""
+    wb = db.write_batch()
+    n = 0
+    with db.iterator(start=CHANGES, stop=change_key(below, 0)) as it:
+        for k, v in it:
+            rev = _U64.unpack_from(k, len(CHANGES))[0]
+            wb.delete(k)
+            wb.delete(version_key(v[8:], rev))
+            n += 1
+            if n >= max_records:
+                break
+    wb.write()
+    return n

@@ -1,0 +1,144 @@
+"""The state machine's history (statemachine/history.py): reads at a past revision, the
+changes of a range of revisions with prev_kv, Compact and the purge of what it made
+unreachable, snapshots carrying it — checked against a model kept by the test."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kv.raft.messages import Entry, EntryKind
+from kv.statemachine import commands as c
+from kv.statemachine.leveldb import LevelDBStateMachine
+
+KEYS = ["a", "a\x00", "a\x00b", "a\x01", "ab", "b", "b/1", "b/2", "ключ", "z"]
+
+
+def _entry(index: int, cmd) -> Entry:
+    return Entry(index, 1, EntryKind.NORMAL, c.encode(cmd))
+
+
+def _random_cmd(rng: random.Random, index: int):
+    pick = rng.random()
+    key = rng.choice(KEYS)
+    if pick < 0.5:
+        return c.Put(key, b"v%d" % index)
+    if pick < 0.65:
+        return c.Delete(key)
+    if pick < 0.75:
+        return c.DeletePrefix(rng.choice(["a", "b/", "z"]))
+    if pick < 0.9:  # a transaction writing two keys at one revision
+        other = rng.choice(KEYS)
+        return c.Txn(ops=(c.Put(key, b"t%d" % index), c.Delete(other) if other != key else c.Put(key, b"u%d" % index)))
+    return c.TxnReq((), (c.PutReq(key.encode(), b"e%d" % index), c.DeleteRangeReq(b"b/", b"b0")), ())
+
+
+def _model_apply(state: dict, cmd, index: int) -> None:
+    """What each command does to {key: (mod, value)} (the test's own model)."""
+    t = type(cmd)
+    if t is c.Put:
+        state[cmd.key] = (index, cmd.value)
+    elif t is c.Delete:
+        state.pop(cmd.key, None)
+    elif t is c.DeletePrefix:
+        for k in [k for k in state if k.startswith(cmd.prefix)]:
+            del state[k]
+    elif t is c.Txn:
+        for op in cmd.ops:
+            _model_apply(state, op, index)
+    elif t is c.TxnReq:
+        for op in cmd.success:
+            if type(op) is c.PutReq:
+                state[op.key.decode()] = (index, op.value)
+            else:
+                for k in [k for k in state if op.key <= k.encode() < op.range_end]:
+                    del state[k]
+
+
+@pytest.fixture
+def history(tmp_path):
+    """A state machine that applied 300 random commands, and the model's state at every revision."""
+    rng = random.Random(7)
+    sm = LevelDBStateMachine(str(tmp_path / "sm"))
+    state: dict = {}
+    at = {0: {}}
+    for index in range(1, 301):
+        cmd = _random_cmd(rng, index)
+        sm.apply([_entry(index, cmd)])
+        _model_apply(state, cmd, index)
+        at[index] = dict(state)
+    yield sm, at
+    sm.close()
+
+
+def test_every_past_revision_reads_as_it_was(history):
+    sm, at = history
+    for rev in range(0, 301, 7):
+        want = sorted((k, v, m) for k, (m, v) in at[rev].items())
+        assert sm.scan("", limit=100, revision=rev) == want
+        assert sm.scan("b/", limit=100, revision=rev) == [x for x in want if x[0].startswith("b/")]
+        for key in KEYS:
+            got = sm.get_at(key, rev)
+            assert got == (at[rev][key] if key in at[rev] else None), (key, rev)
+        rng = sm.range(c.RangeReq(b"a", b"b"), revision=rev)
+        assert [(kv.key, kv.value, kv.mod_revision) for kv in rng.kvs] == [x for x in want if "a" <= x[0] < "b"]
+    # pages at one revision after `after` keys
+    page = sm.scan("", after="a\x00", limit=3, revision=150)
+    assert page == sorted((k, v, m) for k, (m, v) in at[150].items() if k > "a\x00")[:3]
+
+
+def test_changes_of_past_revisions_carry_what_the_key_held_before(history):
+    sm, at = history
+    changes = sm.history_changes(1, 300, 10_000)
+    assert [ch[0] for ch in changes] == sorted(ch[0] for ch in changes)
+    seen = set()
+    for index, key, value, kv, prev in changes:
+        seen.add((index, key))
+        before, after = at[index - 1].get(key), at[index].get(key)
+        assert (prev.mod_revision, prev.value) == before if prev else before is None, (index, key)
+        assert (None if value is None else (kv.mod_revision, value)) == after, (index, key)
+    # every key whose record moved from one revision to the next is listed
+    for index in range(1, 301):
+        for key in set(at[index - 1]) | set(at[index]):
+            if at[index - 1].get(key) != at[index].get(key):
+                assert (index, key) in seen, (index, key)
+
+
+def test_compact_keeps_reads_at_and_after_it_and_purges_the_rest(history, tmp_path):
+    sm, at = history
+    r = sm.apply([_entry(301, c.Compact(200))])[0]
+    assert r == c.CompactAnswer(200, "")
+    assert sm.oldest_revision() == 200
+    left = sm.purge_history(max_changes=50)
+    assert left == 50
+    while sm.purge_history(max_changes=50):
+        pass
+    assert sm.history_changes(1, 199, 10_000) == []
+    for rev in (200, 250, 300):
+        assert sm.scan("", limit=100, revision=rev) == sorted((k, v, m) for k, (m, v) in at[rev].items())
+    # a snapshot carries the history that is left, and its start
+    view = sm.capture()
+    other = LevelDBStateMachine(str(tmp_path / "other"))
+    try:
+        other.restore(view.index, view.term, view.membership, view.items())
+        assert other.compact_revision == 200 and other.history_from == sm.history_from
+        for rev in (200, 275):
+            assert other.scan("", limit=100, revision=rev) == sm.scan("", limit=100, revision=rev)
+        assert other.history_changes(200, 301, 10_000) == sm.history_changes(200, 301, 10_000)
+    finally:
+        view.release()
+        other.close()
+
+
+def test_a_state_from_before_the_history_starts_it_at_the_next_entry(tmp_path):
+    sm = LevelDBStateMachine(str(tmp_path / "sm"))
+    sm.apply([_entry(1, c.Put("a", b"1"))])
+    assert sm.history_from == 1 and sm.oldest_revision() == 0
+    sm.close()
+    sm = LevelDBStateMachine(str(tmp_path / "sm"))
+    try:
+        assert sm.history_from == 1
+        assert sm.get_at("a", 0) is None and sm.get_at("a", 1) == (1, b"1")
+    finally:
+        sm.close()
