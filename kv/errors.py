@@ -6,7 +6,7 @@ is the snapshot layer's (snapshot/format.py). They are re-exported here.
 
     KVError
     ├── NotLeader ── NoQuorum                        NO_LEADER / NO_QUORUM, 503
-    ├── BadRequest (ValueError) ── ValueTooLarge     400 / 413
+    ├── BadRequest (ValueError) ── ValueTooLarge, FutureRevision  400 / 413 / 400
     ├── NotFound (KeyError) ── LeaseNotFound         404
     ├── PreconditionFailed                           412
     ├── Conflict ── MemberExists, SessionExpired     409
@@ -16,7 +16,7 @@ is the snapshot layer's (snapshot/format.py). They are re-exported here.
     ├── NoSpace                                      507 (the disk is below its reserve: reads go on)
     ├── Unauthorized, Forbidden                      401, 403
     ├── DataDirLocked                                409
-    ├── Compacted ── WatchCompacted                  410
+    ├── Compacted ── WatchCompacted, RevisionCompacted  410
     ├── SnapshotError ── SnapshotFormatError, RestoreError (kv.snapshot)
     ├── SlowWatcher                                  503
     ├── LogStreamError (kv.common.entry_stream), CannotListen (kv.server.process)
@@ -66,6 +66,12 @@ class BadRequest(KVError, ValueError):
 
 class ValueTooLarge(BadRequest):
     code, http_status = "VALUE_TOO_LARGE", 413
+
+
+class FutureRevision(BadRequest):
+    """A read at a revision this node has not reached (etcd's ErrFutureRev)."""
+
+    code = "FUTURE_REVISION"
 
 
 class NotFound(KVError, KeyError):
@@ -231,6 +237,18 @@ class Compacted(KVError):
     """What was asked for is older than what the node still keeps (compacted away)."""
 
     code, http_status = "COMPACTED", 410
+
+
+class RevisionCompacted(Compacted):
+    """A read at a revision older than the history keeps (a Compact, or auto-compaction,
+    dropped it): read at `compact_revision` or later."""
+
+    def __init__(self, message: str, compact_revision: int) -> None:
+        super().__init__(message)
+        self.compact_revision = compact_revision
+
+    def details(self) -> dict:
+        return {"compact_revision": self.compact_revision}
 
 
 class WatchCompacted(Compacted):

@@ -19,7 +19,7 @@ from .common.etcd_ids import etcd_id
 from .common.scan import Scan
 from .common.sessions import RequestId
 from .client.recipes import AsyncRecipes
-from .errors import BadRequest, Compacted, KeyNotFound, LeaseExists, NotLeader, Unavailable
+from .errors import BadRequest, Compacted, FutureRevision, KeyNotFound, LeaseExists, NotLeader, RevisionCompacted, Unavailable
 from .raft.ledger import Ledger
 from .raft.membership import Membership
 from .raft.messages import Role
@@ -43,6 +43,7 @@ from .server.members import Members
 from .server.diskguard import DiskGuard
 from .server.lessor import LeaseClock, granted_id
 from .server.recovery import Recovery
+from .server.compactor import Compactor
 from .server.session_sweeper import SessionSweeper
 from .server.snapshot_host import SnapshotHost
 from .server.watch import Watch, WatchHub
@@ -94,11 +95,12 @@ class Node(AsyncRecipes):
         self.counters = collections.Counter()
         self.leases = LeaseClock(f"leases-{c.id}", self._leading, lambda: self.sm.leases, self._propose_as_leader, self.read_barrier)
         self.watches = WatchHub(
-            c.watch_budget_bytes, lambda: self.raft.applied_index, self.log_range, self.log_entries,
-            lambda lo, hi: self.sm.effects(lo, hi), lambda: self.sm.effects_from, self._want_rich_changes,
+            c.watch_budget_bytes, lambda: self.sm.applied()[0], self.log_range,
+            lambda start, prefix, n: self.sm.history_changes(start, prefix, n), lambda: self.sm.watch_floor(), self._want_rich_changes,
         )
         self._members = Members(c, self._running)
         self._session_sweeper: SessionSweeper | None = None
+        self._compactor: Compactor | None = None
         self.started_at = 0.0
         self._metrics = None  # kv.server.metrics.NodeMetrics, made on first use (see metrics)
 
@@ -180,6 +182,11 @@ class Node(AsyncRecipes):
             evicted=lambda: sessions.evicted, max_sessions=c.max_sessions,
         )
         self._session_sweeper.start()
+        self._compactor = Compactor(
+            c.auto_compaction_retention, lambda: self.writer.leader_view()[:2] + (self.sm.applied()[0],), lambda: self.sm,
+            lambda revision, term: self.writer.propose_as_leader(cmds.Compact(revision), term), f"compactor-{c.id}",
+        )
+        self._compactor.start()
         self.started_at = time.time()
         return self
 
@@ -226,6 +233,8 @@ class Node(AsyncRecipes):
             await self.disk.stop()
         if self._session_sweeper is not None:
             await self._session_sweeper.stop()
+        if self._compactor is not None:
+            await self._compactor.stop()
         if self.snapshots is not None:
             await self.snapshots.stop()  # a snapshot in progress still needs the ledger writer
         if self.raft is not None:
@@ -403,18 +412,43 @@ class Node(AsyncRecipes):
 
     # -- reads -----------------------------------------------------------------------------
 
-    async def get(self, key: str, *, consistency: str = "linearizable", timeout: float | None = None) -> Item | None:
-        return (await self.get_at(key, consistency=consistency, timeout=timeout))[0]
+    async def get(
+        self, key: str, *, consistency: str = "linearizable", timeout: float | None = None, revision: int | None = None
+    ) -> Item | None:
+        return (await self.get_at(key, consistency=consistency, timeout=timeout, revision=revision))[0]
 
-    async def get_at(self, key: str, *, consistency: str = "linearizable", timeout: float | None = None) -> tuple[Item | None, int]:
-        """get, and the applied index the read was at."""
+    async def get_at(
+        self, key: str, *, consistency: str = "linearizable", timeout: float | None = None, revision: int | None = None
+    ) -> tuple[Item | None, int]:
+        """get, and the applied index the read was at. `revision`: the key as it was then
+        (RevisionCompacted below what the history keeps, FutureRevision above the index)."""
         validate_key(key)
         index = await self.read_barrier(consistency, timeout)
         try:
-            got = self.sm.get(key)  # no await since the barrier: the state is at `index`
+            # no await since the barrier: the state is at `index`
+            got = self.sm.get(key) if revision is None else self.sm.get_at(key, self._past(revision, index))
         except StateCorrupt as e:
             raise public_error(e) from e
         return (Item(key, got[1], got[0]) if got else None), index
+
+    def _past(self, revision, index: int) -> int:
+        """A revision to read at, checked against what this node holds (read at `index`)."""
+        if type(revision) is not int or revision < 1:
+            raise BadRequest(f"revision must be a log index (an integer >= 1), not {revision!r}")
+        if revision > index:
+            raise FutureRevision(f"revision {revision} is ahead of this node's applied index {index}; read at {index} or earlier")
+        oldest = self.sm.oldest_revision()
+        if revision < oldest:
+            raise RevisionCompacted(
+                f"revision {revision} is compacted: the history here goes back to revision {oldest} "
+                "(--auto-compaction-retention, or a Compact); read at a later revision", oldest,
+            )
+        return revision
+
+    def oldest_revision(self) -> int:
+        """The oldest revision a read can be at on this node (the compact revision, or where
+        its history began)."""
+        return self.sm.oldest_revision() if self.sm is not None else 0
 
     def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", timeout: float | None = None, page: int = 1000) -> Scan:
         """Every key under a prefix in key order (strictly after `after`; at most `limit`):
@@ -436,14 +470,19 @@ class Node(AsyncRecipes):
 
     async def scan_page(
         self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", timeout: float | None = None,
-        max_bytes: int | None = None,
+        max_bytes: int | None = None, revision: int | None = None,
     ) -> Page:
         """scan, and the applied index the page was read at (list, then watch from index + 1).
-        `max_bytes`: the page ends once its keys and values add up to that many bytes."""
+        `max_bytes`: the page ends once its keys and values add up to that many bytes.
+        `revision`: the keys as they were at that revision (pass the first page's index to
+        page through one consistent cut while writes go on); the page's index is then it."""
         if limit <= 0:
             raise BadRequest("limit must be positive")
         index = await self.read_barrier(consistency, timeout)
         try:
+            if revision is not None:
+                at = self._past(revision, index)
+                return Page([Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit, max_bytes, at)], at)
             return Page([Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit, max_bytes)], index)
         except StateCorrupt as e:
             raise public_error(e) from e
@@ -519,11 +558,15 @@ class Node(AsyncRecipes):
 
     # -- etcd's v3 API (v3api/) --------------------------------------------------------------
 
-    async def etcd_range(self, req: cmds.RangeReq, *, consistency: str = "linearizable", timeout: float | None = None) -> tuple[cmds.RangeResp, int]:
-        """etcd's Range on this node's state, and the applied index it was read at (the
-        response header's revision)."""
+    async def etcd_range(
+        self, req: cmds.RangeReq, *, consistency: str = "linearizable", timeout: float | None = None, revision: int | None = None
+    ) -> tuple[cmds.RangeResp, int]:
+        """etcd's Range on this node's state (as of `revision`, if given), and the applied
+        index it was read at (the response header's revision)."""
         index = await self.read_barrier(consistency, timeout)
         try:
+            if revision is not None and revision != index:
+                return self.sm.range(req, self._past(revision, index)), index
             return self.sm.range(req), index
         except StateCorrupt as e:
             raise public_error(e) from e
@@ -554,10 +597,10 @@ class Node(AsyncRecipes):
         return sorted(self.sm.alarms) if self.sm is not None else []
 
     async def etcd_compact(self, revision: int, *, timeout: float | None = None) -> cmds.CompactAnswer:
-        """etcd's Compact, through the log: from then on no read or watch at or below
-        `revision` is served (ledgerkv keeps one version of each key: there is nothing
-        older to drop). The answer says the compact revision, and why it was refused
-        ("compacted": at or below it already; "future": above the log's end)."""
+        """etcd's Compact, through the log: from then on no read below `revision`, nor watch
+        from before it, is served, and every node drops the history below it. The answer
+        says the compact revision, and why it was refused ("compacted": at or below it
+        already; "future": above the log's end)."""
         return raise_failed((await self.submit(cmds.Compact(revision), timeout)).result)
 
     def compact_revision(self) -> int:
@@ -578,9 +621,10 @@ class Node(AsyncRecipes):
         self, prefix: str = "", start_index: int | None = None, *, buffer_bytes: int | None = None, resume_when_behind: bool = True, rich: bool = False
     ) -> Watch:
         """Every change under prefix in commit order, from start_index (default: the next
-        one applied), as far back as this node's ledger goes; older raises WatchCompacted:
+        one applied), as far back as this node's history goes (its ledger, for a plain
+        watch, as DESIGN.md says); older raises WatchCompacted:
         scan_page the prefix, then watch from its index + 1. A watch more than buffer_bytes
-        behind the live changes reads on from the ledger (resume_when_behind), or ends with
+        behind the live changes reads on from the history (resume_when_behind), or ends with
         SlowWatcher (for a stream whose client resumes)."""
         self._running()
         if start_index is not None and (type(start_index) is not int or start_index < 1):

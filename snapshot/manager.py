@@ -81,9 +81,6 @@ class SnapshotHost(Protocol):
     def sync_state(self) -> None:
         """Make everything applied durable (before the ledger drops it); any thread."""
 
-    def forget_effects(self, index: int) -> None:
-        """The ledger no longer holds entries up to index: drop what refers to them."""
-
     def load_state(self, index: int, term: int, membership: bytes, records: Iterable[tuple[bytes, bytes, int]]) -> int:
         """Replace the state with a snapshot's records (a worker thread); returns how many."""
 
@@ -199,9 +196,6 @@ class SnapshotManager:
         done = await self.raft.compact(upto, before=self.host.sync_state)
         if done is None:
             return
-        # The watch history's records of what was dropped; here, not in the writer thread, so
-        # that a watch reading history sees either the old floor and its records or the new floor.
-        self.host.forget_effects(done[0])
         self.stats.compactions += 1
 
     # -- loading ---------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The history: the earlier versions of every key, until compacted (etcd's MVCC on LevelDB).
 
-A change at revision R (the index of the entry that made it) moves the record the key held
-before R into the history, under (key, R): its create_revision, mod_revision, version,
-lease and value, or "absent" when R creates the key. The change itself is listed under
-(R, n), n its place among the entry's changes. So, with no more than a seek each:
+A change at revision R (the index of the entry that made it), the n-th of that entry's,
+moves the record the key held before it into the history, under (key, R, n): its
+create_revision, mod_revision, version, lease and value, or "absent" when the change creates
+the key; and it is listed under (R, n). (A ledgerkv transaction may change a key twice:
+each change is kept.) So, with no more than a seek each:
 
 - the key as of revision X is its first history record after X, or its current record when
   it has none (nothing changed it since X);
@@ -28,13 +29,14 @@ from .commands import KeyValue
 from .lease_table import RESERVED
 
 _DATA = b"k"
-VERSIONS = _DATA + RESERVED + b"hist/"  # + escaped key + b"\x00\x00" + revision: the key before it
+VERSIONS = _DATA + RESERVED + b"hist/"  # + escaped key + revision + n: the key before that change
 CHANGES = _DATA + RESERVED + b"hrev/"  # + revision + n: the n-th key that revision changed
 HISTORY_FROM = RESERVED + b"hfrom"  # (a data record) the first revision whose changes are all kept
 _U64 = struct.Struct(">Q")
 _REV_N = struct.Struct(">QI")
 _VERSION = struct.Struct(">QQQQQ")  # mod_index prefix (= the revision), create, mod, version, lease
 _END = b"\x00\x00"
+_ALL_ONES = b"\xff" * (_REV_N.size + 1)  # after every (revision, n) of a key
 
 
 def escaped(raw: bytes) -> bytes:
@@ -47,8 +49,8 @@ def unescaped(esc: bytes) -> bytes:
     return esc.replace(b"\x00\xff", b"\x00")
 
 
-def version_key(raw: bytes, revision: int) -> bytes:
-    return VERSIONS + escaped(raw) + _U64.pack(revision)
+def version_key(raw: bytes, revision: int, n: int) -> bytes:
+    return VERSIONS + escaped(raw) + _REV_N.pack(revision, n)
 
 
 def version_value(revision: int, prev: KeyValue | None) -> bytes:
@@ -79,7 +81,7 @@ class Past(NamedTuple):
 def at(db, raw: bytes, revision: int) -> Past:
     """Key `raw` as of `revision`: its first history record after it (found), if any."""
     head = VERSIONS + escaped(raw)
-    it = db.iterator(start=head + _U64.pack(revision + 1), stop=head + b"\xff" * 8)
+    it = db.iterator(start=head + _REV_N.pack(revision + 1, 0), stop=head + _ALL_ONES)
     try:
         for k, v in it:
             return Past(True, _version_of(raw.decode(), v))
@@ -99,32 +101,32 @@ def keys_between(db, lo: bytes, hi: bytes | None) -> Iterator[bytes]:
             k = it.key()
             if k >= stop:
                 return
-            esc = k[len(VERSIONS) : -8]
+            esc = k[len(VERSIONS) : -_REV_N.size]
             yield unescaped(esc[:-2])
-            it.seek(k[:-8] + b"\xff" * 9)  # past every record of this key
+            it.seek(k[: -_REV_N.size] + _ALL_ONES)  # past every record of this key
     finally:
         it.close()
 
 
-def changes_from(db, revision: int, upto: int, max_changes: int) -> list[tuple[int, bytes]]:
-    """(revision, raw key) of the changes of revisions [revision, upto], in order, at most
-    max_changes of them (then the last revision's changes are all included)."""
-    out: list[tuple[int, bytes]] = []
+def changes_from(db, revision: int, upto: int, max_changes: int) -> list[tuple[int, int, bytes]]:
+    """(revision, n, raw key) of the changes of revisions [revision, upto], in order, at
+    most max_changes of them (then the last revision's changes are all included)."""
+    out: list[tuple[int, int, bytes]] = []
     with db.iterator(start=change_key(revision, 0), stop=change_key(upto + 1, 0)) as it:
         for k, v in it:
-            rev = _U64.unpack_from(k, len(CHANGES))[0]
+            rev, n = _REV_N.unpack_from(k, len(CHANGES))
             if len(out) >= max_changes and rev != out[-1][0]:
                 break
-            out.append((rev, v[8:]))
+            out.append((rev, n, v[8:]))
     return out
 
 
-def change_of(db, raw: bytes, revision: int) -> tuple[KeyValue | None, Past]:
-    """What the change of `raw` at `revision` found (prev_kv) and what it left: the key's
-    next history record, or (found False) its current record."""
+def change_of(db, raw: bytes, revision: int, n: int) -> tuple[KeyValue | None, Past]:
+    """What the n-th change at `revision`, of `raw`, found (prev_kv) and what it left: the
+    key's next history record, or (found False) its current record."""
     key = raw.decode()
     head = VERSIONS + escaped(raw)
-    it = db.iterator(start=head + _U64.pack(revision), stop=head + b"\xff" * 8)
+    it = db.iterator(start=head + _REV_N.pack(revision, n), stop=head + _ALL_ONES)
     try:
         prev = None
         for i, (k, v) in enumerate(it):
@@ -144,9 +146,9 @@ def purge(db, below: int, max_records: int) -> int:
     n = 0
     with db.iterator(start=CHANGES, stop=change_key(below, 0)) as it:
         for k, v in it:
-            rev = _U64.unpack_from(k, len(CHANGES))[0]
+            rev, change = _REV_N.unpack_from(k, len(CHANGES))
             wb.delete(k)
-            wb.delete(version_key(v[8:], rev))
+            wb.delete(version_key(v[8:], rev, change))
             n += 1
             if n >= max_records:
                 break

@@ -15,16 +15,8 @@ Layout:
                        its version 1, until its next write)
     b"k\x00hist/...", b"k\x00hrev/..."  the history: every key's earlier versions (history.py)
     b"k\x00hfrom"      the first revision whose changes the history holds (after the usual mod_index)
-    b"\\x00fx" + index  what that entry changed, when its log rows do not say (effect_record)
-    b"\\x00effects_from" the first index with effect records (the watch history's floor)
     b"\\x00sessions_at"  the index as of which every client session's record is up to date
     b"k\\x00sess/..."      client sessions (sessions.py)
-
-The effect records let a watch replay history from the ledger: an entry's mutations are
-in the log, but whether a compare-and-set's condition held, which branch of a transaction
-ran, whether a delete found its key, and which keys a lease's revoke deleted were decided
-here. An entry whose mutations all took effect (every unconditional put) has no record. Records are dropped with the ledger prefix
-they describe (`forget_effects`).
 
 Every applied batch is one WriteBatch that also moves the applied index, so a crash never
 applies an entry twice or skips one: on restart the node replays the ledger from the
@@ -88,7 +80,6 @@ from .commands import (
     decode,
     decode_result,
     encode_result,
-    txn_branches,
     DeleteRangeReq,
     DeleteRangeResp,
     KeyNotFound,
@@ -110,7 +101,7 @@ _MEMBERSHIP = b"\x00membership"
 _RESTORING = b"\x00restoring"
 _SYNC = b"\x00sync"
 _REMOVED = b"\x00removed"  # ids removed from the cluster (JSON list): their peers are refused
-_EFFECTS = b"\x00fx"
+_EFFECTS = b"\x00fx"  # what entries changed, kept by versions before the history: dropped at open
 _EFFECTS_FROM = b"\x00effects_from"
 _SESSIONS_AT = b"\x00sessions_at"  # every session record is up to date as of this index
 _DATA = b"k"
@@ -184,11 +175,8 @@ class LevelDBStateMachine:
         self._changes_at = self._changes_n = 0  # the entry whose changes _keep lists, and how many so far
         self._membership = self._db.get(_MEMBERSHIP) or b""
         self._removed = set(json.loads(self._db.get(_REMOVED) or b"[]"))
-        raw_from = self._db.get(_EFFECTS_FROM)
-        if raw_from is None:  # a new state, or one from a version that kept no records
-            raw_from = _U64.pack(self._applied[0] + 1)
-            self._db.put(_EFFECTS_FROM, raw_from)
-        self.effects_from = _U64.unpack(raw_from)[0]
+        if self._db.get(_EFFECTS_FROM) is not None:
+            self._drop_effect_records()
         raw_at = self._db.get(_SESSIONS_AT)
         if raw_at is None:  # a new state, or one from a version without sessions: none to replay
             raw_at = _U64.pack(self._applied[0])
@@ -320,15 +308,27 @@ class LevelDBStateMachine:
             if cur is not None:
                 yield raw, self._kv(raw, cur, {})
 
-    def history_changes(self, start: int, upto: int, max_changes: int) -> list[tuple[int, str, bytes | None, KeyValue, KeyValue | None]]:
-        """The changes of revisions [start, upto] in order, as rich changes (index, key, value
-        or None, the key after, the key before or None), at most about max_changes."""
+    def watch_floor(self) -> int:
+        """The oldest revision whose changes the history still holds."""
+        return max(self.compact_revision, self.history_from)
+
+    def history_changes(self, start: int, prefix: str, max_changes: int) -> tuple[list[tuple[int, str, bytes | None, KeyValue, KeyValue | None]], int]:
+        """The changes under prefix of revisions from start on, in order, as rich changes
+        (index, key, value or None, the key after, the key before or None), from about
+        max_changes of every key's; and the revision to go on from (the applied index + 1
+        once they are all read)."""
+        upto = self._applied[0]
+        listed = history.changes_from(self._db, start, upto, max_changes)
+        after = listed[-1][0] + 1 if len(listed) >= max_changes else upto + 1
+        pre = prefix.encode()
         out = []
-        for rev, raw in history.changes_from(self._db, start, upto, max_changes):
-            prev, after = history.change_of(self._db, raw, rev)
+        for rev, n, raw in listed:
+            if not raw.startswith(pre):
+                continue
+            prev, then = history.change_of(self._db, raw, rev, n)
             key = raw.decode()
-            if after.found:
-                kv = after.kv
+            if then.found:
+                kv = then.kv
             else:
                 cur = self._current(_DATA + raw, {})
                 kv = self._kv(raw, cur, {}) if cur is not None else None
@@ -336,7 +336,7 @@ class LevelDBStateMachine:
                 out.append((rev, key, None, KeyValue(key, 0, rev, 0, b"", 0), prev))
             else:
                 out.append((rev, key, kv.value, kv, prev))
-        return out
+        return out, after
 
     def purge_history(self, max_changes: int = 10_000) -> int:
         """Drop up to max_changes changes' history records below the compact revision (no
@@ -399,7 +399,7 @@ class LevelDBStateMachine:
                     continue
                 o = SESSION_HEAD_BYTES
                 fp = fingerprint(d, o)
-            result = took = None
+            result = None
             if d[o : o + 2] == PUT_HEAD and len(d) > o + 4 and not self.nospace:
                 # The hot path, an unconditional put, read straight from the encoding:
                 # version, opcode, key length, key, no condition, value.
@@ -437,13 +437,9 @@ class LevelDBStateMachine:
                 elif type(cmd) is Txn:
                     result = self._txn(cmd, e.index, wb, overlay, changes, answering is None or session or e.index in answering)
                 elif type(cmd) is TxnReq:
-                    result, took = self._txn_req_entry(cmd, e.index, wb, overlay, changes, answering is None or session or e.index in answering)
+                    result = self._txn_req(cmd, e.index, wb, overlay, changes, answering is None or session or e.index in answering)
                 else:
                     result = self._execute(cmd, e.index, wb, overlay, changes)
-                if took is None:
-                    took = effect_record(cmd, result)
-                if took is not None:
-                    wb.put(_EFFECTS + pack(e.index), took)
             if session:
                 self._answered(session, seq, fp, e.index, result, wb, overlay)
             results.append(result)
@@ -479,8 +475,8 @@ class LevelDBStateMachine:
 
     def _not_again(self, e: Entry, session: int, seq: int, s: list[int] | None, wb, overlay: dict):
         """A write in a session that is not open, or a copy of one applied already: the
-        first one's result, or why it is refused. Nothing is applied; the effect record
-        says so (the ledger holds the copy's mutations)."""
+        first one's result, or why it is refused. Nothing is applied (the ledger holds
+        the copy's mutations; the history does not)."""
         if s is None:
             result = SessionExpired(session)
         elif seq < s[0]:
@@ -496,12 +492,6 @@ class LevelDBStateMachine:
             else:  # a plain put, whose record waits for the next flush
                 result = PutResult(s[1])
             self.copies += 1
-        try:
-            took = effect_record(decode(e.data).cmd, None)
-        except CommandError:
-            took = None  # nothing to mark: its mutations cannot be read either
-        if took is not None:
-            wb.put(_EFFECTS + _U64.pack(e.index), took)
         return result
 
     def flush_sessions(self, wb=None) -> None:
@@ -548,21 +538,14 @@ class LevelDBStateMachine:
         wb.put(_REMOVED, json.dumps(sorted(self._removed)).encode())
         self._membership = data
 
-    def effects(self, lo: int, hi: int) -> dict[int, bytes]:
-        """The effect records of entries [lo, hi), by index (see effect_record). Entries
-        without one had every mutation in their log rows take effect."""
-        out = {}
-        with self._db.iterator(start=_EFFECTS + _U64.pack(lo), stop=_EFFECTS + _U64.pack(hi)) as it:
-            for k, v in it:
-                out[_U64.unpack_from(k, len(_EFFECTS))[0]] = v
-        return out
-
-    def forget_effects(self, upto: int) -> None:
-        """Drop the effect records of entries up to `upto` (the ledger no longer has them)."""
+    def _drop_effect_records(self) -> None:
+        """Versions before the history kept a record of what some entries changed, for
+        watches to read the ledger with; the history says it all now."""
         wb = self._db.write_batch()
-        with self._db.iterator(start=_EFFECTS + _U64.pack(0), stop=_EFFECTS + _U64.pack(upto + 1), include_value=False) as it:
+        with self._db.iterator(start=_EFFECTS, stop=_EFFECTS + b"\xff" * 8, include_value=False) as it:
             for k in it:
                 wb.delete(k)
+        wb.delete(_EFFECTS_FROM)
         wb.write()
 
     def removed(self) -> frozenset[str]:
@@ -752,7 +735,7 @@ class LevelDBStateMachine:
         v = _META_VALUE.pack(create, version)
         overlay[mk] = (index, v)
         wb.put(mk, _U64.pack(index) + v)
-        self._keep(raw, index, prev, wb, overlay)
+        self._keep(raw, index, prev, wb)
         if changes is not None:
             if not self.rich_changes:
                 changes.append((index, key, value))
@@ -765,7 +748,7 @@ class LevelDBStateMachine:
         meta = self._current(mk, overlay)
         create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (cur[0], 1)
         prev = KeyValue(key, create, cur[0], version, cur[1], lease)
-        self._keep(raw, index, prev, wb, overlay)
+        self._keep(raw, index, prev, wb)
         if changes is not None:
             if not self.rich_changes:
                 changes.append((index, key, None))
@@ -774,18 +757,15 @@ class LevelDBStateMachine:
         overlay[mk] = None
         wb.delete(mk)
 
-    def _keep(self, raw: bytes, index: int, prev: KeyValue | None, wb, overlay: dict) -> None:
-        """Move what key raw held before entry `index` into the history (history.py); a key
-        the entry changes again keeps the first record: the key as it was before the entry."""
-        vk = history.version_key(raw, index)
-        if vk in overlay:
-            return
-        overlay[vk] = (index, b"")
-        wb.put(vk, history.version_value(index, prev))
+    def _keep(self, raw: bytes, index: int, prev: KeyValue | None, wb) -> None:
+        """Move what key raw held before this change (of entry `index`) into the history,
+        and list the change (history.py)."""
         if self._changes_at != index:
             self._changes_at, self._changes_n = index, 0
-        wb.put(history.change_key(index, self._changes_n), _U64.pack(index) + raw)
+        n = self._changes_n
         self._changes_n += 1
+        wb.put(history.version_key(raw, index, n), history.version_value(index, prev))
+        wb.put(history.change_key(index, n), _U64.pack(index) + raw)
 
     def _kv(self, raw: bytes, cur: tuple[int, bytes], overlay: dict) -> KeyValue:
         key = raw.decode()
@@ -849,20 +829,6 @@ class LevelDBStateMachine:
                 continue
             kvs.append(kv)
         return RangeResp(tuple(kvs), count, not req.count_only and count > len(kvs))
-
-    def _txn_req_entry(self, txn: TxnReq, index: int, wb, overlay: dict, changes: list | None, reads: bool):
-        """Apply a TxnReq entry: (its result, its effect record). The record lists every
-        change it made with the key's versions, so its changes are made rich whatever the
-        watchers want; they get them as they asked."""
-        made: list = []
-        rich, self.rich_changes = self.rich_changes, True
-        try:
-            result = self._txn_req(txn, index, wb, overlay, made, reads)
-        finally:
-            self.rich_changes = rich
-        if changes is not None:
-            changes += made if rich else [c[:3] for c in made]
-        return result, changes_record(made)
 
     def _txn_req(self, txn: TxnReq, index: int, wb, overlay: dict, changes: list, reads: bool):
         """etcd's Txn: which branch of it and of every nested transaction runs is decided
@@ -963,8 +929,6 @@ class LevelDBStateMachine:
         fin.put(_APPLIED, _TWO_U64.pack(index, term))
         self._membership = membership
         fin.delete(_RESTORING)
-        fin.put(_EFFECTS_FROM, _U64.pack(index + 1))  # the records before it were not loaded
-        self.effects_from = index + 1
         fin.put(_SESSIONS_AT, _U64.pack(index))
         self.sessions_at = index
         fin.write()
@@ -1002,68 +966,6 @@ class LevelDBStateMachine:
                 with contextlib.suppress(plyvel.Error):  # a full disk: the restart replays them instead
                     self.flush_sessions()  # a restart then has nothing to replay
             self._db.close()
-
-
-EFFECT_MASK, EFFECT_DELETED, EFFECT_CHANGES = b"m", b"d", b"c"
-_CHANGE_HEAD = struct.Struct(">HIQQQ")  # key length, value length + 1 (0: a delete), create_revision, version, lease
-
-
-def changes_record(changes: list) -> bytes:
-    """EFFECT_CHANGES + every change an etcd transaction made (rich changes), in order:
-    which branches ran, what its range deletes found and what its ignore_value puts wrote
-    were decided when it was applied; so were the keys' versions."""
-    parts = [EFFECT_CHANGES]
-    for _, key, value, kv, _prev in changes:
-        raw = key.encode()
-        parts.append(_CHANGE_HEAD.pack(len(raw), 0 if value is None else len(value) + 1, kv.create_revision, kv.version, kv.lease) + raw)
-        if value is not None:
-            parts.append(value)
-    return b"".join(parts)
-
-
-def changes_of(record: bytes) -> list[tuple[str, bytes | None, int, int, int]]:
-    """The (key, value or None, create_revision, version, lease) list of a changes_record."""
-    out, o = [], 1
-    while o < len(record):
-        kl, vl, create, version, lease = _CHANGE_HEAD.unpack_from(record, o)
-        o += _CHANGE_HEAD.size
-        key = record[o : o + kl].decode()
-        o += kl
-        out.append((key, record[o : o + vl - 1] if vl else None, create, version, lease))
-        o += max(vl - 1, 0)
-    return out
-
-
-def effect_record(cmd, result) -> bytes | None:
-    """What an applied command changed, where the log does not say it: for a put, delete or
-    transaction which of its mutations took effect, in the order of the log's rows
-    (kv.common.entry_stream.entry_rows): EFFECT_MASK + one byte each, 1 or 0 (None when all did); for
-    a lease's revoke or a prefix's delete, the keys it deleted: EFFECT_DELETED + a JSON list
-    (None if none)."""
-    if isinstance(cmd, TxnReq):  # (applied, its changes are recorded where it is applied)
-        return changes_record([])  # a session's copy: nothing took effect
-    if isinstance(cmd, (LeaseRevoke, DeletePrefix)):
-        keys = result.keys if isinstance(result, (LeaseRevoked, PrefixDeleted)) else ()
-        return EFFECT_DELETED + json.dumps(list(keys)).encode() if keys else None
-    if isinstance(cmd, Put):
-        took = [isinstance(result, PutResult)]  # not a failed condition, nor an unknown lease
-    elif isinstance(cmd, Delete):
-        took = [isinstance(result, DeleteApplied) and result.deleted]
-    elif isinstance(cmd, Txn):
-        if not isinstance(result, TxnApplied):  # refused (a session's copy): nothing took effect
-            n = sum(type(op) is not Get for _, ops in txn_branches(cmd) for op in ops)
-            return EFFECT_MASK + bytes(n) if n else None
-        took = []
-        for branch, ops in txn_branches(cmd):
-            ran = (branch == "else") != result.succeeded
-            outcomes = iter(result.results if ran else ())
-            for op in ops:
-                r = next(outcomes, None)
-                if type(op) is not Get:
-                    took.append(ran and (type(op) is Put or r.deleted))
-    else:
-        return None
-    return None if all(took) else EFFECT_MASK + bytes(took)
 
 
 class LevelDBView:

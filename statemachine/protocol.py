@@ -1,8 +1,8 @@
 """The contract between the replicated log and what it drives (DLedger's StateMachine:
 onApply / onSnapshotSave / onSnapshotLoad / onShutdown; hashicorp's FSM), as the LevelDB
 machine implements it and its callers use it: the FSM caller (apply, reopen), the snapshot
-layer through the node (capture, sync, forget_effects, restore), the node at start
-(applied, membership) and the watch hub (on_changes, effects).
+layer through the node (capture, sync, restore), the node at start (applied,
+membership) and the watch hub (on_changes, history_changes).
 `tests/test_statemachine.py` checks that LevelDBStateMachine has every member named here
 with the same parameters."""
 
@@ -55,12 +55,13 @@ class StateMachine(Protocol):
         """Make everything applied durable (before the ledger drops the entries)."""
         ...
 
-    def effects(self, lo: int, hi: int) -> dict[int, bytes]:
-        """What entries [lo, hi) did, by index, where their log rows alone do not say."""
+    def history_changes(self, start: int, prefix: str, max_changes: int) -> tuple[list, int]:
+        """The changes under prefix from revision `start` on, with the key before and
+        after each, and the revision to go on from."""
         ...
 
-    def forget_effects(self, upto: int) -> None:
-        """Drop what effects() keeps for entries up to `upto` (compacted from the ledger)."""
+    def watch_floor(self) -> int:
+        """The oldest revision whose changes history_changes still has."""
         ...
 
     def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]]) -> int:

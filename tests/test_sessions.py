@@ -15,7 +15,6 @@ from kv.common.sessions import RequestId, SessionPool
 from kv.server.session_sweeper import IdleSessions
 from kv.statemachine import commands as c
 from kv.statemachine.leveldb import LevelDBStateMachine
-from kv.server.watch import history_events
 
 
 @pytest.fixture
@@ -100,7 +99,7 @@ def test_sessions_survive_a_restart_and_a_snapshot_in_lru_order(tmp_path, sm):
     other.close()
 
 
-def test_a_watch_replaying_the_ledger_sees_a_copy_once(sm):
+def test_the_history_holds_a_copy_once(sm):
     entries = [
         normal(1, c.SessionOpen(3, 100)),
         in_session(2, 3, 1, c.Put("w/a", b"1")),
@@ -109,8 +108,8 @@ def test_a_watch_replaying_the_ledger_sees_a_copy_once(sm):
         in_session(5, 3, 2, c.Txn((), (c.Put("w/b", b"2"), c.Delete("w/a")))),
     ]
     sm.apply(entries)
-    events = history_events(entries, sm.effects(1, 6), "w/")
-    assert [(e.index, e.key, e.value) for e in events] == [(2, "w/a", b"1"), (4, "w/b", b"2"), (4, "w/a", None)]
+    events, _ = sm.history_changes(1, "w/", 1000)
+    assert [e[:3] for e in events] == [(2, "w/a", b"1"), (4, "w/b", b"2"), (4, "w/a", None)]
 
 
 def test_malformed_session_entries_are_refused_not_fatal(sm):
@@ -302,5 +301,5 @@ def test_a_prefix_delete_and_its_copy_in_the_history(sm):
     res = sm.apply(entries)
     assert res[1] == res[2] == c.PrefixDeleted(6, ("r/a", "r/b", "r/c"))  # the copy answered, not applied again
     assert sm.scan("") == [("s", b"3", 4)]
-    events = history_events(entries, sm.effects(5, 8), "r/")
-    assert [(e.index, e.key, e.value) for e in events] == [(5, "r/c", b"4"), (6, "r/a", None), (6, "r/b", None), (6, "r/c", None)]
+    events, _ = sm.history_changes(5, "r/", 1000)
+    assert [e[:3] for e in events] == [(5, "r/c", b"4"), (6, "r/a", None), (6, "r/b", None), (6, "r/c", None)]

@@ -64,8 +64,8 @@ def put(etcd, key: bytes, value: bytes, **kw) -> rpc_pb2.PutResponse:
     return etcd.kv.Put(rpc_pb2.PutRequest(key=key, value=value, **kw), timeout=10)
 
 
-def get(etcd, key: bytes, **kw) -> rpc_pb2.RangeResponse:
-    return etcd.kv.Range(rpc_pb2.RangeRequest(key=key, **kw), timeout=10)
+def get(etcd, key: bytes, metadata=None, **kw) -> rpc_pb2.RangeResponse:
+    return etcd.kv.Range(rpc_pb2.RangeRequest(key=key, **kw), metadata=metadata, timeout=10)
 
 
 def op_put(key: bytes, value: bytes, **kw) -> rpc_pb2.RequestOp:
@@ -129,9 +129,10 @@ def test_revisions_outside_what_the_node_holds_get_etcds_errors(etcd):
     with pytest.raises(grpc.RpcError) as e:
         get(etcd, b"v3rev", revision=now + 1000)
     assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and e.value.details() == "etcdserver: mvcc: required revision is a future revision"
-    with pytest.raises(grpc.RpcError) as e:
-        get(etcd, b"v3rev", revision=1)
-    assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and e.value.details() == "etcdserver: mvcc: required revision has been compacted"
+    assert get(etcd, b"v3rev", revision=now - 1).count == 0  # the history: it was not there yet
+    assert get(etcd, b"v3rev", revision=now).kvs[0].value == b"x"
+    # (below the compact revision: tested on the single node, whose history this test
+    # does not share with the others)
 
 
 def test_delete_range_counts_and_returns_what_it_deleted(etcd):
@@ -566,11 +567,29 @@ def test_tokens_through_etcds_authenticate_and_a_watch_older_than_the_log(single
         with pytest.raises(grpc.RpcError) as e:
             s.kv.Put(rpc_pb2.PutRequest(key=b"one/big", value=b"x" * (1 << 20 | 1)), metadata=meta, timeout=10)
         assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: request is too large")  # --max-value-bytes
-        call = s.watch.Watch(iter([rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"one/", range_end=b"one0", start_revision=5))]), metadata=meta, timeout=10)
+        # The ledger holds 10 entries behind its snapshot; the history holds every revision.
+        first = get(s, b"one/0", metadata=meta).kvs[0].mod_revision
+        req = rpc_pb2.WatchCreateRequest(key=b"one/", range_end=b"one0", start_revision=first, prev_kv=True)
+        call = s.watch.Watch(iter([rpc_pb2.WatchRequest(create_request=req)]), metadata=meta, timeout=10)
+        assert next(call).created
+        events = []
+        while len(events) < 120:
+            events += next(call).events
+        call.cancel()
+        assert [ev.kv.key for ev in events] == [b"one/%d" % i for i in range(120)] and events[0].kv.mod_revision == first
+        old = get(s, b"one/", range_end=b"one0", revision=first + 59, metadata=meta)
+        assert old.count == 60 and old.header.revision >= first + 119  # as it was then, read now
+        compact_at = first + 60
+        s.kv.Compact(rpc_pb2.CompactionRequest(revision=compact_at), metadata=meta, timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            get(s, b"one/", range_end=b"one0", revision=compact_at - 1, metadata=meta)
+        assert e.value.details() == "etcdserver: mvcc: required revision has been compacted"
+        assert get(s, b"one/", range_end=b"one0", revision=compact_at, metadata=meta).count == 61
+        call = s.watch.Watch(iter([rpc_pb2.WatchRequest(create_request=req)]), metadata=meta, timeout=10)
         created, canceled = next(call), next(call)
         call.cancel()
         assert created.created and canceled.canceled and canceled.cancel_reason == "etcdserver: mvcc: required revision has been compacted"
-        assert canceled.compact_revision > 5  # the oldest revision a watch can start from here
+        assert canceled.compact_revision == compact_at  # the oldest revision a watch can start from here
     finally:
         s.channel.close()
     if ETCDCTL is None:

@@ -26,16 +26,9 @@ class KVService(rpc_pb2_grpc.KVServicer):
     async def Range(self, request, context):
         async with self.access(context, "read", [(request.key, request.range_end)]):
             req = wire.range_req(request)
-            got, index = await self.node.etcd_range(req, consistency="stale" if request.serializable else "linearizable")
-            if request.revision and request.revision != index:
-                self._check_revision(request.revision, index)
+            consistency = "stale" if request.serializable else "linearizable"
+            got, index = await self.node.etcd_range(req, consistency=consistency, revision=request.revision if request.revision > 0 else None)
             return wire.finish_range(request, got, self.header(index))
-
-    def _check_revision(self, revision: int, index: int) -> None:
-        # No history yet (every key's one version is kept): a past revision is compacted.
-        if revision > index:
-            raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_FUTURE_REV)
-        raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED)
 
     async def Put(self, request, context):
         async with self.access(context, "write", [(request.key, b"")]):
@@ -56,8 +49,8 @@ class KVService(rpc_pb2_grpc.KVServicer):
             return txn_response(request, r, self.header)
 
     async def Compact(self, request, context):
-        """Through the log; ledgerkv keeps one version of each key, so there is no history
-        to drop: what changes is the revision below which reads and watches are refused."""
+        """Through the log: every node drops the history below the revision, and refuses
+        reads and watches there from then on."""
         async with self.access(context, "write", []):
             if request.revision <= 0:
                 raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED)

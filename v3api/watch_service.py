@@ -1,14 +1,13 @@
 """etcd's Watch service: many watches on one bidirectional stream, each over a key, a
-range or a prefix, from now or from a revision the node's log still holds, with prev_kv
+range or a prefix, from now or from any revision the node's history still holds, with prev_kv
 and the NOPUT/NODELETE filters; "created" answers in request order, progress requests
 answered with the applied revision (watch_id -1), every event of one transaction in one
 response. A watch starts after a linearizable read barrier: "now" (start revision 0) is
 the cluster's, not a lagging follower's.
 
 A watch is one of kv.Node's rich watches (kv/server/watch.py) over the longest prefix its
-range shares, filtered to the range. Changes read back from history (a start revision
-before now) carry their versions where the node recorded them (etcd transactions) but no
-prev_kv: history keeps the changes, not the values before them."""
+range shares, filtered to the range. Changes read back from the history (a start revision
+before now) carry the key before them as live ones do (statemachine/history.py)."""
 
 from __future__ import annotations
 
@@ -79,10 +78,6 @@ class _Stream:
         except KVError as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=wire.status_of(e)[1]))
             return
-        if req.start_revision and req.start_revision < node.compact_revision():  # below the last Compact: refused, as etcd's
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
-            self.out.put_nowait(_compacted(self.header(), wid, node.compact_revision()))
-            return
         try:
             w = node.watch(watch_prefix(start, req.range_end), req.start_revision or None, resume_when_behind=False, rich=True)
         except WatchCompacted as e:  # etcd: created, then canceled with the oldest revision it still has
@@ -142,20 +137,14 @@ class _Stream:
 
 
 def _compacted(header, wid: int, oldest: int) -> rpc_pb2.WatchResponse:
-    """The answer to a watch that starts before what this node serves (its log's start, or
-    the last Compact): etcd's compact_revision, the oldest revision a watch can start from."""
+    """The answer to a watch that starts before what this node's history holds (the last
+    Compact): etcd's compact_revision, the oldest revision a watch can start from."""
     return rpc_pb2.WatchResponse(header=header, watch_id=wid, canceled=True, compact_revision=oldest, cancel_reason=wire.ERR_COMPACTED)
 
 
 def _event(ev, raw: bytes, prev_kv: bool) -> kv_pb2.Event:
-    kv = getattr(ev, "kv", None)
-    if ev.value is None:
-        msg = kv_pb2.KeyValue(key=raw, mod_revision=ev.index)
-    elif kv is not None:
-        msg = wire.kv_message(kv)
-    else:  # a change of ledgerkv's own API read back from history: no versions recorded
-        msg = kv_pb2.KeyValue(key=raw, mod_revision=ev.index, value=ev.value)
-    prev = getattr(ev, "prev", None) if prev_kv else None
+    msg = kv_pb2.KeyValue(key=raw, mod_revision=ev.index) if ev.value is None else wire.kv_message(ev.kv)
+    prev = ev.prev if prev_kv else None
     return kv_pb2.Event(type=_DELETE if ev.value is None else _PUT, kv=msg, prev_kv=wire.kv_message(prev) if prev is not None else None)
 
 

@@ -23,6 +23,7 @@ from kv import (
     Unavailable,
     ValueTooLarge,
 )
+from kv.errors import FutureRevision
 from kv.statemachine import commands as cmds
 
 from .proto import kv_pb2, rpc_pb2
@@ -70,6 +71,8 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, ERR_LEASE_EXISTS
     if isinstance(e, Compacted):
         return grpc.StatusCode.OUT_OF_RANGE, ERR_COMPACTED
+    if isinstance(e, FutureRevision):
+        return grpc.StatusCode.OUT_OF_RANGE, ERR_FUTURE_REV
     if isinstance(e, ValueTooLarge):
         return grpc.StatusCode.INVALID_ARGUMENT, ERR_TOO_LARGE
     # etcd's exact texts: clients compare them (what ledgerkv would add goes to the log)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..server.compactor import parse_retention
 from ..server.config import NodeConfig, check_hostport, parse_peers
 from ..errors import BadRequest
 
@@ -68,6 +69,14 @@ def _hostport(v: Any) -> str:
     except BadRequest:
         raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:8001") from None
     return v
+
+
+def _retention(v: Any) -> str:
+    try:
+        parse_retention(str(v))
+    except BadRequest:
+        raise ValueError("expected a number of revisions (100000), a time with its unit (30m, 1h, 90s), or 0") from None
+    return str(v)
 
 
 def _url(v: Any) -> str:
@@ -152,6 +161,7 @@ SERVE_OPTIONS = [
     Option("--watch-progress-ms", "watch_progress_ms", _number("milliseconds", 0), "how often an idle watch stream sends a progress line (default 5000)"),
     Option("--min-free-bytes", "min_free_bytes", _integer(0), "free disk space kept in reserve: below it the node refuses writes (507 NO_SPACE, reads go on) until there is room again (default 128 MiB)"),
     Option("--session-ttl-s", "session_ttl_s", _number("seconds", 0), "a client session unused this long is closed; a write retried in it after that has an unknown outcome (default 600)"),
+    Option("--auto-compaction-retention", "auto_compaction_retention", _retention, "the history kept for reads and watches at past revisions: a number of revisions, a time (30m, 1h) or 0 for all until a Compact (default 100000)"),
     Option("--max-sessions", "max_sessions", _integer(1), "client sessions open at once; opening one more closes the least recently used (default 50000)"),
     Option("--metrics-public", "metrics_public", _bool, "serve /metrics without the token (default: it needs the token)"),
     Option("--log-level", "log_level", _choice(LOG_LEVELS, str.upper), "DEBUG, INFO, WARNING or ERROR (default INFO)", node=False),

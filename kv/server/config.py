@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import BadRequest
+from .compactor import DEFAULT_RETENTION, parse_retention
 from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TXN_OPS, DEFAULT_MAX_TXN_READ_BYTES, REQUEST_OVERHEAD
 from .session_sweeper import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S
 from ..statemachine.commands import MAX_CONDS, MAX_SESSIONS
@@ -86,6 +87,7 @@ class NodeConfig:
     watch_progress_ms: float = 5000.0  # an idle watch stream says how far it has seen this often
     session_ttl_s: float = DEFAULT_SESSION_TTL_S  # a client session unused this long closes (kv/common/sessions.py and kv/server/writes.py)
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most; one more evicts the least recently used
+    auto_compaction_retention: str = DEFAULT_RETENTION  # history kept: revisions ("100000"), a time ("1h"), or "0": all (compactor.py)
 
     def __post_init__(self) -> None:
         self.peers = parse_peers(self.peers)
@@ -121,6 +123,7 @@ class NodeConfig:
             raise BadRequest("--http-unread-bytes must be positive")
         if self.http_idle_timeout_s <= 0 or self.max_http_connections < 1:
             raise BadRequest("--http-idle-timeout-s must be positive and --max-http-connections at least 1")
+        parse_retention(self.auto_compaction_retention)
         if self.watch_buffer_bytes <= 0 or self.watch_progress_ms <= 0 or self.watch_budget_bytes <= 0:
             raise BadRequest("--watch-buffer-bytes, --watch-budget-bytes and --watch-progress-ms must be positive")
         if not self.session_ttl_s >= MIN_SESSION_TTL_S or self.session_ttl_s == float("inf"):

@@ -24,8 +24,5 @@ class SnapshotHost:
     def sync_state(self) -> None:
         self._state().sync()
 
-    def forget_effects(self, index: int) -> None:
-        self._state().forget_effects(index)
-
     def load_state(self, index: int, term: int, membership: bytes, records) -> int:
         return self._state().restore(index, term, membership, records)

@@ -1,11 +1,9 @@
 """Watches: every committed change under a prefix, in commit order, each exactly once, from
-any index the node's ledger still holds.
+any revision the node's history still holds (statemachine/history.py).
 
 A watch starts at an index (its cursor). While the cursor is at or below the applied index
-it reads history: the ledger's entries (the rows of kv.common.entry_stream.entry_rows), minus the
-mutations that did not take effect (a compare-and-set whose condition failed, the branch of a
-transaction that did not run, a delete of a missing key), plus the keys a lease's revoke
-deleted — what the state machine recorded when it applied them. Once it has caught up it joins the live fan-out: the state machine hands
+it reads history: the changes the state machine recorded, each with the key before and
+after it. Once it has caught up it joins the live fan-out: the state machine hands
 each applied batch's changes to the WatchHub, which finds the watches whose prefix matches
 (one dictionary probe per distinct prefix length, however many watches there are) and appends
 the event to their buffers. Going from history to live happens without an await in between,
@@ -14,38 +12,32 @@ so nothing is missed or seen twice.
 Each buffer is bounded (bytes of keys and values), and so is what all of a node's buffers
 hold together (--watch-budget-bytes). A watch that falls further behind, or wants more when
 the node's budget is spent, is taken out of the fan-out and its buffer dropped: an
-in-process watch then reads on from the ledger; a stream (HTTP) ends with SlowWatcher, and
-its client resumes from the last index it saw + 1. History is read a page at a time, and a
-stream sends each page before it reads the next.
+in-process watch then reads on from the history; a stream (HTTP) ends with SlowWatcher, and
+its client resumes from the last index it saw + 1. History is read a chunk at a time, and a
+stream sends each chunk before it reads the next.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import weakref
 from collections import deque
 from collections.abc import Callable
 
-from ..common.entry_stream import LogStreamError, entry_rows
 from ..common.results import Event
 from ..errors import KVError, SlowWatcher, WatchCompacted
-from ..raft.messages import Entry, EntryKind
 from ..statemachine.commands import KeyValue
-from ..statemachine.leveldb import EFFECT_CHANGES, EFFECT_DELETED, changes_of
 from .samples import Sample, gauge
 
-# Ledger bytes read per step of a catch-up: a stream sends each step before it reads the
-# next (waiting for the socket to drain), so this is about what one catching-up stream holds.
-HISTORY_CHUNK_BYTES = 16 << 10
+# Changes (of every key) read per step of a catch-up: a stream sends each step's events
+# before it reads the next (waiting for the socket to drain).
+HISTORY_CHUNK_CHANGES = 256
 EVENT_OVERHEAD = 100  # bytes an event costs a buffer beyond its key and value
 
 
 class RichEvent(Event):
     """An Event with the key as etcd's API reports it: `kv` after the change (for a delete,
-    its key and the deleting index), `prev` before it (None for a new key, and for changes
-    read back from history, which does not keep it). What a rich watch gets where the node
-    knows it: every live change, and from history the changes of etcd transactions."""
+    its key and the deleting index), `prev` before it (None for a new key)."""
 
     kv: KeyValue
     prev: KeyValue | None
@@ -55,39 +47,6 @@ def rich_event(index: int, key: str, value: bytes | None, kv: KeyValue, prev: Ke
     ev = RichEvent(index, key, value)
     ev.kv, ev.prev = kv, prev
     return ev
-
-
-def history_events(entries: list[Entry], effects: dict[int, bytes], prefix: str) -> list[Event]:
-    """The changes under prefix that these applied entries made; `effects` are the state
-    machine's records of which mutations took effect (none: all of them did)."""
-    out = []
-    for e in entries:
-        if e.kind != EntryKind.NORMAL:
-            continue
-        try:
-            rows = list(entry_rows(e))
-        except LogStreamError:
-            continue  # a command no replica could decode changed nothing
-        record = effects.get(e.index)
-        if record is not None and record[:1] == EFFECT_DELETED:  # a lease's revoke
-            out += [Event(e.index, key, None) for key in json.loads(record[1:]) if key.startswith(prefix)]
-            continue
-        if record is not None and record[:1] == EFFECT_CHANGES:  # an etcd transaction
-            out += [
-                rich_event(e.index, key, value, KeyValue(key, create, e.index, version, value or b"", lease), None)
-                for key, value, create, version, lease in changes_of(record) if key.startswith(prefix)
-            ]
-            continue
-        took = record[1:] if record is not None else None  # EFFECT_MASK: a byte per mutation
-        i = 0
-        for row in rows:
-            op, key = row[2], row[3]
-            if op not in ("put", "delete"):
-                continue
-            if (took is None or took[i]) and key.startswith(prefix):
-                out.append(Event(e.index, key, row[4]))
-            i += 1
-    return out
 
 
 class Watch:
@@ -226,25 +185,24 @@ class WatchHub:
     """The watches of one node and the one fan-out of its applied changes to them.
 
     What it reads of the node: `applied_index()`; `log_range()`, the (first, last) indexes
-    of the committed entries its ledger holds, and `log_entries(lo, hi, max_bytes)`, those
-    entries; `effects(lo, hi)`, the state machine's records of which mutations took effect,
-    and `effects_from()`, the first index it holds them for."""
+    of the committed entries its ledger holds; `history(start, prefix, max_changes)`, the
+    recorded changes from a revision on and the revision to go on from (the state
+    machine's history_changes), and `history_floor()`, the oldest revision it holds."""
 
     def __init__(
         self,
         budget: int,
         applied_index: Callable[[], int],
         log_range: Callable[[], tuple[int, int]],
-        log_entries: Callable[[int, int, int], list[Entry]],
-        effects: Callable[[int, int], dict[int, bytes]],
-        effects_from: Callable[[], int],
+        history: Callable[[int, str, int], tuple[list, int]],
+        history_floor: Callable[[], int],
         want_rich: Callable[[bool], None] = lambda on: None,
     ) -> None:
         """`want_rich(on)`: whether the state machine should make rich changes (the key
         before and after each one) for the rich watches open."""
-        self.applied_index, self._log_range, self._log_entries = applied_index, log_range, log_entries
+        self.applied_index, self._log_range = applied_index, log_range
         self._want_rich, self._rich_open = want_rich, 0
-        self._effects, self._effects_from = effects, effects_from
+        self._history, self._history_floor = history, history_floor
         self.budget = budget  # bytes all watches together may hold for their readers (--watch-budget-bytes)
         self.buffered = 0
         self._by_prefix: dict[str, set[Watch]] = {}
@@ -254,7 +212,7 @@ class WatchHub:
     def open(self, prefix: str, start_index: int | None, buffer_bytes: int, resume_when_behind: bool, rich: bool = False) -> Watch:
         if start_index is None:
             start_index = self.applied_index() + 1
-        self.check_start(start_index)
+        self.check_start(start_index, rich)
         w = Watch(self, prefix, start_index, buffer_bytes, resume_when_behind, rich)
         self._open.add(w)
         if rich:
@@ -263,35 +221,33 @@ class WatchHub:
                 self._want_rich(True)
         return w
 
-    def floor(self) -> int:
-        """The first index a watch can start at on this node."""
-        first, _ = self._log_range()
-        return max(first, self._effects_from())
+    def floor(self, rich: bool = False) -> int:
+        """The first index a watch can start at on this node: as far back as the history
+        goes for etcd's watches (rich); no further back than the ledger for ledgerkv's own,
+        whose contract says a start below the ledger is compacted (DESIGN.md, Watch)."""
+        floor = self._history_floor()
+        return floor if rich else max(floor, self._log_range()[0])
 
-    def check_start(self, index: int) -> None:
-        floor = self.floor()
+    def check_start(self, index: int, rich: bool = False) -> None:
+        floor = self.floor(rich)
         if index < floor:
             raise WatchCompacted(
-                f"changes before index {floor} are no longer in this node's log (ledger_begin_index "
-                f"{floor - 1}); read the prefix (GET /v1/kv?prefix=..., which answers the index it read at) and "
-                "watch from that index + 1, or try a node that kept more of its log",
+                f"changes before index {floor} are no longer kept on this node (compacted); read the prefix "
+                "(GET /v1/kv?prefix=..., which answers the index it read at) and watch from that index + 1",
                 floor - 1,
             )
 
     def catch_up(self, w: Watch) -> list[Event]:
-        """One step of reading history for w: the events of the next chunk of the ledger,
-        or, once w has caught up, nothing — and w is in the fan-out."""
-        self.check_start(w.cursor)
-        _, last = self._log_range()
-        if w.cursor > last:
+        """One step of reading history for w: the events of the next chunk of it, or, once
+        w has caught up, nothing — and w is in the fan-out."""
+        self.check_start(w.cursor, w.rich)
+        changes, w.cursor = self._history(w.cursor, w.prefix, HISTORY_CHUNK_CHANGES)
+        if not changes and w.cursor > self.applied_index():
             self._add(w)
             return []
-        entries = self._log_entries(w.cursor, last + 1, HISTORY_CHUNK_BYTES)
-        if not entries or entries[0].index != w.cursor:  # compacted or replaced (a snapshot) under us
-            raise WatchCompacted(f"index {w.cursor} is no longer in this node's log (it installed a snapshot); resume on another node", self._log_range()[0] - 1)
-        effects = self._effects(entries[0].index, entries[-1].index + 1)
-        w.cursor = entries[-1].index + 1
-        return history_events(entries, effects, w.prefix)
+        if w.rich:
+            return [rich_event(*change) for change in changes]
+        return [Event(index, key, value) for index, key, value, _, _ in changes]
 
     def _add(self, w: Watch) -> None:
         w._live = True
@@ -341,15 +297,19 @@ class WatchHub:
 
     def snapshot_loaded(self, index: int) -> None:
         """This node's state was replaced by a snapshot up to index: the changes before it
-        never passed through here, so every watch that still needed them ends."""
+        never passed through here, so every watch that still needed them reads them from
+        the history the snapshot brought (or ends, compacted, if it does not go back that far)."""
         for ws in list(self._by_prefix.values()):
             for w in list(ws):
                 if w.cursor <= index:
                     self.remove(w)
-                    w._fail(WatchCompacted(
-                        f"this node caught up by installing a snapshot at index {index}; the changes from {w.cursor} "
-                        "are not in its log: resume on another node", index,
-                    ))
+                    if w.cursor >= self.floor(w.rich):
+                        w._notify()
+                    else:
+                        w._fail(WatchCompacted(
+                            f"this node caught up by installing a snapshot at index {index}; the changes from {w.cursor} "
+                            "are not in its log: resume on another node", index,
+                        ))
 
     def close_all(self) -> None:
         for w in list(self._open):
