@@ -74,6 +74,9 @@ def _timeout(request: web.Request, limit_s: float) -> float | None:
     return min(float(value), limit_s)
 
 
+MAX_INDEX = (1 << 63) - 1  # a mod_index is a log index, which fits a signed 64-bit integer
+
+
 def index_param(request: web.Request, name: str, default: int) -> int:
     raw = request.query.get(name)
     if raw is None:
@@ -82,9 +85,16 @@ def index_param(request: web.Request, name: str, default: int) -> int:
         value = int(raw)
     except ValueError:
         raise BadRequest(f"{name} must be a log index (an integer), not {raw!r}") from None
+    if value > MAX_INDEX:
+        raise BadRequest(f"{name} must be at most {MAX_INDEX}")
     if value < 1:
         raise BadRequest(f"{name} must be at least 1")
     return value
+
+
+def revision_param(request: web.Request) -> int | None:
+    """?revision=N: read as of that revision (None: now)."""
+    return index_param(request, "revision", 0) or None
 
 
 async def json_body(request: web.Request) -> dict:

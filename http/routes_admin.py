@@ -16,7 +16,7 @@ from .answer import Answer
 from .context import ctx
 from .errors import json_response
 from .forward import forward_to_leader
-from .params import index_param, json_body, read_timeout
+from .params import index_param, json_body, read_timeout, write_timeout
 
 OPENAPI_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
 
@@ -115,6 +115,18 @@ async def leader_transfer(request: web.Request) -> Answer:
     return json_response({"leader": leader})
 
 
+async def compact(request: web.Request) -> Answer:
+    """POST /v1/compact {"revision": N}: drop the history below N on every node (through the
+    log; a follower forwards it). 410 if N is compacted already, 400 if it is ahead of the log."""
+    doc = await json_body(request)
+    revision = doc.get("revision")
+    if type(revision) is not int or revision < 1:
+        raise BadRequest('give the revision to compact at: {"revision": 1234} (a log index; reads below it are refused from then on)')
+    node = ctx(request).node
+    done = await node.compact(revision, timeout=write_timeout(request))
+    return json_response({"compact_revision": done})
+
+
 async def openapi(request: web.Request) -> Answer:
     with open(OPENAPI_PATH, "rb") as f:
         return Answer(f.read())
@@ -130,5 +142,6 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/v1/snapshot", get_snapshot, name="snapshot_get")
     r.add_get("/v1/log", get_log, name="log")
     r.add_post("/v1/leader/transfer", leader_transfer, name="leader_transfer")
+    r.add_post("/v1/compact", compact, name="compact")
     r.add_get("/v1/openapi.json", openapi, name="openapi")
 

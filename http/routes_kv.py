@@ -15,10 +15,9 @@ from .auth import check_keys, hidden_leases
 from .context import ctx
 from .errors import json_response
 from .keys import key_from_raw_path
-from .params import read_body, read_timeout, request_id, write_timeout
+from .params import MAX_INDEX, read_body, read_timeout, request_id, revision_param, write_timeout
 
 KV_PREFIX = "/v1/kv/"
-MAX_INDEX = (1 << 63) - 1  # a mod_index is a log index, which fits a signed 64-bit integer
 MAX_LIST = 10_000
 
 
@@ -74,7 +73,7 @@ def _if_match(value: str | None) -> tuple[int | None, bool]:
 async def get_key(request: web.Request) -> Answer:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
-    item, index = await c.node.get_at(key, consistency=_consistency(request), timeout=read_timeout(request))
+    item, index = await c.node.get_at(key, consistency=_consistency(request), timeout=read_timeout(request), revision=revision_param(request))
     if item is None:
         raise NotFound(f"key {key!r} does not exist")
     c.room_for(len(item.value))
@@ -117,7 +116,7 @@ async def list_keys(request: web.Request) -> Answer:
     cap = c.node.config.max_txn_read_bytes
     items, index = await c.node.scan_page(
         q.get("prefix", ""), after=q.get("after"), limit=limit + 1, consistency=_consistency(request), timeout=read_timeout(request),
-        max_bytes=cap,
+        max_bytes=cap, revision=revision_param(request),
     )
     size = sum(len(it.key.encode()) + len(it.value) for it in items)  # as the state machine counts
     more = len(items) > limit or size >= cap  # cut short by its size: the client reads on from `next`

@@ -596,12 +596,20 @@ class Node(AsyncRecipes):
         """The (member, alarm) pairs raised through the log, as this node has applied them."""
         return sorted(self.sm.alarms) if self.sm is not None else []
 
-    async def etcd_compact(self, revision: int, *, timeout: float | None = None) -> cmds.CompactAnswer:
-        """etcd's Compact, through the log: from then on no read below `revision`, nor watch
-        from before it, is served, and every node drops the history below it. The answer
-        says the compact revision, and why it was refused ("compacted": at or below it
-        already; "future": above the log's end)."""
-        return raise_failed((await self.submit(cmds.Compact(revision), timeout)).result)
+    async def compact(self, revision: int, *, timeout: float | None = None) -> int:
+        """Compact the history at `revision`, through the log (etcd's Compact): from then on
+        every node refuses reads below it and watches from before it, and drops the history
+        there. Returns the compact revision; RevisionCompacted if it is there already (or
+        past it; compacting at the compact revision again is done already), FutureRevision
+        if `revision` is ahead of the log."""
+        if type(revision) is not int or revision < 1:
+            raise BadRequest(f"revision must be a log index (an integer >= 1), not {revision!r}")
+        r = raise_failed((await self.submit(cmds.Compact(revision), timeout)).result)
+        if r.refused == "compacted" and r.compact_revision != revision:  # (the same one again: a retry, done)
+            raise RevisionCompacted(f"revision {revision} is compacted already (the compact revision is {r.compact_revision})", r.compact_revision)
+        if r.refused == "future":
+            raise FutureRevision(f"revision {revision} is ahead of the log: compact at a revision that was written")
+        return r.compact_revision
 
     def compact_revision(self) -> int:
         """The revision of the last Compact applied here (0: none)."""
@@ -699,4 +707,5 @@ class Node(AsyncRecipes):
         """This node's own view (never forwarded): the fields of GET /v1/status."""
         if self.raft is None:
             return {"id": self.config.id, "role": "stopped"}
-        return self._members.status(self._running(), self._snapshot_index(), self.disk.alarms())
+        history = {"compact_revision": self.sm.compact_revision, "oldest_revision": self.sm.oldest_revision()}
+        return {**self._members.status(self._running(), self._snapshot_index(), self.disk.alarms()), **history}

@@ -240,9 +240,11 @@ class Store:
             raise Unavailable("the store is closed")
         return self._node.sm
 
-    def get(self, key: str, *, consistency: str = "linearizable") -> Item | None:
+    def get(self, key: str, *, consistency: str = "linearizable", revision: int | None = None) -> Item | None:
         """The key's Item, or None. (Every consistency is linearizable in a one-member
-        store: each write is applied before its call returns.)"""
+        store: each write is applied before its call returns.) revision: as it was then."""
+        if revision is not None:
+            return self._call(self._node.get(key, consistency="stale", revision=revision))
         validate_key(key)
         _check_consistency(consistency)
         try:
@@ -268,11 +270,19 @@ class Store:
             left -= len(rows)
             after = rows[-1][0]
 
-    def scan_page(self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable") -> Page:
+    def scan_page(
+        self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", revision: int | None = None
+    ) -> Page:
         """One page of keys under prefix and the applied index it was read at (one
-        consistent cut): watch from index + 1 to see every later change, none twice."""
+        consistent cut): watch from index + 1 to see every later change, none twice.
+        revision: the keys as they were then (the first page's index: every page at one cut)."""
         _check_consistency(consistency)
-        return self._call(self._node.scan_page(prefix, after=after, limit=limit, consistency="stale"))
+        return self._call(self._node.scan_page(prefix, after=after, limit=limit, consistency="stale", revision=revision))
+
+    def compact(self, revision: int) -> int:
+        """Drop the history below `revision` (reads below it are refused from then on);
+        returns the compact revision."""
+        return self._call(self._node.compact(revision))
 
     def watch(self, prefix: str = "", start_index: int | None = None, *, timeout: float | None = None) -> Iterator[Event]:
         """Yield changes under prefix as they commit (blocks; `timeout` ends a quiet wait)."""

@@ -1,4 +1,4 @@
-"""`kv put|get|del|scan|watch`: reading and writing keys over HTTP."""
+"""`kv put|get|del|scan|watch|compact`: reading and writing keys over HTTP."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
     a = client_command(sub, "get", "read a value (linearizable unless --stale)", run)
     a.add_argument("key")
     a.add_argument("--stale", action="store_true", help="read the node's local state without a quorum check")
+    a.add_argument("--rev", type=at_least(1), default=None, help="the value as of this revision (log index), from the history")
     a = client_command(sub, "del", "delete a key, or every key under a prefix (--prefix)", run)
     a.add_argument("key")
     a.add_argument("--if-match", type=at_least(0), help="delete only if the key's mod_index is this")
@@ -28,9 +29,12 @@ def add_parser(sub) -> None:
     a = client_command(sub, "scan", "list keys under a prefix", run)
     a.add_argument("prefix", nargs="?", default="")
     a.add_argument("--limit", type=int, default=None)
+    a.add_argument("--rev", type=at_least(1), default=None, help="the keys as of this revision (log index), every page at that one cut")
     a = client_command(sub, "watch", "print every change under a prefix as it commits (Ctrl-C stops)", run)
     a.add_argument("prefix", nargs="?", default="")
     a.add_argument("--from", dest="from_index", type=at_least(1), default=None, help="start at this log index (default: the next commit)")
+    a = client_command(sub, "compact", "drop the history below a revision on every node (reads below it are refused from then on)", run)
+    a.add_argument("revision", type=at_least(1))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +59,7 @@ async def _run(c, args: argparse.Namespace) -> int:
         r = await c.put(args.key, value, if_mod_index=args.if_match, lease=args.lease)
         report(args, {"key": args.key, "index": r.index, "term": r.term}, f"OK index={r.index} term={r.term}")
     elif cmd == "get":
-        item = await c.get(args.key, consistency="stale" if args.stale else "linearizable")
+        item = await c.get(args.key, consistency="stale" if args.stale else "linearizable", revision=args.rev)
         if item is None:
             raise NotFound(f"key {args.key!r} does not exist")
         if wants_json(args):
@@ -72,11 +76,26 @@ async def _run(c, args: argparse.Namespace) -> int:
         text = f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}"
         report(args, {"key": args.key, "index": r.index, "term": r.term, "deleted": r.deleted}, text)
     elif cmd == "scan":
-        async for it in c.scan(args.prefix, limit=args.limit):
+        async for it in c.scan(args.prefix, limit=args.limit) if args.rev is None else _scan_at(c, args.prefix, args.limit, args.rev):
             report(args, _item(it), f"{it.key}\t{listing_text(it.value)}\t{it.mod_index}")
+    elif cmd == "compact":
+        done = await c.compact(args.revision)
+        report(args, {"compact_revision": done}, f"OK compact_revision={done}")
     elif cmd == "watch":
         await _watch(c, args)
     return 0
+
+
+async def _scan_at(c, prefix: str, limit: int | None, revision: int):
+    after, left = None, limit if limit is not None else float("inf")
+    while left > 0:
+        page = await c.scan_page(prefix, after=after, limit=int(min(left, 1000)), revision=revision)
+        if not page.items:
+            return
+        for it in page.items:
+            yield it
+        left -= len(page.items)
+        after = page.items[-1].key
 
 
 async def _watch(c, args: argparse.Namespace) -> None:

@@ -303,10 +303,12 @@ class AsyncClient(AsyncRecipes):
         (the one a get returned; 0: the key must not exist). PreconditionFailed otherwise."""
         return await self.put(key, value, if_mod_index=expected_mod_index)
 
-    async def get(self, key: str, *, consistency: str = "linearizable") -> Item | None:
+    async def get(self, key: str, *, consistency: str = "linearizable", revision: int | None = None) -> Item | None:
         """The key's Item (value, mod_index), or None. consistency: linearizable (default),
-        lease, or stale (the answering node's own state)."""
-        status, headers, body = await self.request("GET", _key_path(key), params={"consistency": consistency}, ok=(200, 404))
+        lease, or stale (the answering node's own state). revision: as it was then
+        (Compacted below what the nodes keep, BadRequest above their applied index)."""
+        params = {"consistency": consistency, **({"revision": str(revision)} if revision is not None else {})}
+        status, headers, body = await self.request("GET", _key_path(key), params=params, ok=(200, 404))
         if status == 404:
             return None
         etag = headers.get("ETag")
@@ -341,12 +343,18 @@ class AsyncClient(AsyncRecipes):
 
         return Scan(fetch, after=after, limit=limit, page=page)
 
-    async def scan_page(self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable") -> Page:
+    async def scan_page(
+        self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", revision: int | None = None
+    ) -> Page:
         """One page of keys under prefix and the applied index it was read at: watch from
         index + 1 to see every later change, none twice. A page of large values holds fewer
         than `limit` keys (the node's --max-txn-read-bytes): read on after its last key
-        until a page comes back empty, or use scan(), which does."""
+        until a page comes back empty, or use scan(), which does. revision: the keys as
+        they were then (pass the first page's index to read every page at that one cut
+        while writes go on; Compacted once the history no longer goes back that far)."""
         params = {"prefix": prefix, "limit": str(limit), "consistency": consistency, **({"after": after} if after is not None else {})}
+        if revision is not None:
+            params["revision"] = str(revision)
         d = await self._json("GET", "/v1/kv", params=params)
         return Page([Item(it["key"], value_from(it), it["mod_index"]) for it in d["items"]], d["index"])
 
@@ -440,6 +448,12 @@ class AsyncClient(AsyncRecipes):
     async def transfer_leader(self, to: str) -> dict:
         """Hand leadership to member `to` (caught up first)."""
         return await self._json("POST", "/v1/leader/transfer", data=orjson.dumps({"to": to}), headers={"Content-Type": "application/json"})
+
+    async def compact(self, revision: int) -> int:
+        """Drop the history below `revision` on every node (reads below it are refused from
+        then on); returns the compact revision."""
+        d = await self._json("POST", "/v1/compact", data=orjson.dumps({"revision": revision}), headers={"Content-Type": "application/json"})
+        return d["compact_revision"]
 
     async def take_snapshot(self, endpoint: str | None = None) -> dict:
         """Ask a node to take a snapshot now; {"index", "term"}."""

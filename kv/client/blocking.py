@@ -88,6 +88,7 @@ class Client:
     status_all = _blocking(AsyncClient.status_all)
     transfer_leader = _blocking(AsyncClient.transfer_leader)
     take_snapshot = _blocking(AsyncClient.take_snapshot)
+    compact = _blocking(AsyncClient.compact)
     download_snapshot = _blocking(AsyncClient.download_snapshot)
     read_log = _blocking_iter(AsyncClient.read_log)
     scan_page = _blocking(AsyncClient.scan_page)
