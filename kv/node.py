@@ -600,12 +600,12 @@ class Node(AsyncRecipes):
         """Compact the history at `revision`, through the log (etcd's Compact): from then on
         every node refuses reads below it and watches from before it, and drops the history
         there. Returns the compact revision; RevisionCompacted if it is there already (or
-        past it; compacting at the compact revision again is done already), FutureRevision
-        if `revision` is ahead of the log."""
+        past it, as etcd's: a retried compact that was applied gets it, naming the compact
+        revision), FutureRevision if `revision` is ahead of the log."""
         if type(revision) is not int or revision < 1:
             raise BadRequest(f"revision must be a log index (an integer >= 1), not {revision!r}")
         r = raise_failed((await self.submit(cmds.Compact(revision), timeout)).result)
-        if r.refused == "compacted" and r.compact_revision != revision:  # (the same one again: a retry, done)
+        if r.refused == "compacted":
             raise RevisionCompacted(f"revision {revision} is compacted already (the compact revision is {r.compact_revision})", r.compact_revision)
         if r.refused == "future":
             raise FutureRevision(f"revision {revision} is ahead of the log: compact at a revision that was written")

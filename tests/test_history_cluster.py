@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from tests.cluster import ProcCluster, free_port
-from v3api.proto import rpc_pb2, rpc_pb2_grpc
+from kv.v3api.proto import rpc_pb2, rpc_pb2_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

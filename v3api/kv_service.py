@@ -54,9 +54,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         async with self.access(context, "write", []):
             if request.revision <= 0:
                 raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED)
-            r = await self.node.etcd_compact(request.revision)
-            if r.refused:
-                raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED if r.refused == "compacted" else wire.ERR_FUTURE_REV)
+            await self.node.compact(request.revision)
             return rpc_pb2.CompactionResponse(header=self.header.now())
 
     def txn_req(self, request: rpc_pb2.TxnRequest) -> cmds.TxnReq:

@@ -11,6 +11,7 @@ from kv import (
     BadRequest,
     Compacted,
     Forbidden,
+    FutureRevision,
     KeyNotFound,
     KVError,
     LeaseExists,
@@ -23,7 +24,6 @@ from kv import (
     Unavailable,
     ValueTooLarge,
 )
-from kv.errors import FutureRevision
 from kv.statemachine import commands as cmds
 
 from .proto import kv_pb2, rpc_pb2
