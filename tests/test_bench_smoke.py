@@ -18,6 +18,7 @@ RUNS = {
     "snapshot": ["--keys", "2000", "--seconds", "0.5"],
     "watch": ["--events", "300", "--watchers", "3", "--rate", "50", "--idle", "5", "--seconds", "1"],
     "lease": ["--leases", "30", "--ttl", "3", "--seconds", "1", "--rounds", "2"],
+    "history": ["--versions", "3000", "--keys", "100"],
 }
 
 

@@ -10,6 +10,8 @@
     kv bench watch     watch streams: one watcher's events/s, commit-to-delivery with 100
                        watchers, 1,000 idle watchers' memory and effect on writes
     kv bench lease     the leader's CPU with 10,000 leases kept alive; lock hand-over time
+    kv bench history   what the history costs: versions/s and bytes per kept version, the
+                       purge of a million versions after a Compact (its time and memory)
 
 Figures are printed as a table and can be written as JSON (--json FILE). The machine may
 be shared and noisy: compare figures taken side by side in one run.
@@ -58,9 +60,13 @@ def add_parser(sub) -> None:
     from ..bench.lease import add_arguments as lease_arguments
 
     lease_arguments(common(bs.add_parser("lease", help="leases kept alive: the leader's CPU; lock hand-over latency")))
+    from ..bench.history import add_arguments as history_arguments
+
+    history_arguments(common(bs.add_parser("history", help="the history's cost: versions/s, bytes per version, purging a million")))
 
 
 def run(args) -> int:
+    from ..bench.history import bench_history
     from ..bench.lease import bench_lease
     from ..bench.runs import bench_commit, bench_failover, bench_http, bench_snapshot, bench_spark, bench_store
     from ..bench.watch import bench_watch
@@ -70,6 +76,7 @@ def run(args) -> int:
     fn = {
         "watch": bench_watch,
         "lease": bench_lease,
+        "history": bench_history,
         "commit": bench_commit,
         "http": bench_http,
         "store": bench_store,
