@@ -80,6 +80,11 @@ def test_a_paged_list_at_one_revision_a_watch_from_far_behind_and_compact(tmp_pa
             assert rewriter.poll() is None, "the rewrite ended before the paging did: nothing was checked against it"
         finally:
             assert rewriter.wait(timeout=600) == 0, rewriter.stderr.read()
+        # a key's GET at the revision (the HTTP fast path's route) and now
+        status, headers, body = c.request(follower, "GET", f"/v1/kv/h/000007?revision={revision}&consistency=stale")
+        assert (status, body, headers["ETag"]) == (200, b"one-7", f'"{listed_mod(pages, "h/000007")}"')
+        status, _, body = c.request(follower, "GET", "/v1/kv/h/000007")
+        assert status == 200 and body == b"two-7"
         listed = [item for _, items in pages for item in items]
         assert len(pages) == keys // 500 and all(index == revision for index, _ in pages)
         assert [k for k, _, _ in listed] == [f"h/{i:06d}" for i in range(keys)]
@@ -134,6 +139,10 @@ def test_a_paged_list_at_one_revision_a_watch_from_far_behind_and_compact(tmp_pa
         print(f"state bytes before compaction {sizes}, after {after_sizes}")
     finally:
         c.close()
+
+
+def listed_mod(pages: list, key: str) -> int:
+    return next(m for _, items in pages for k, _, m in items if k == key)
 
 
 def _size(path: str) -> int:

@@ -46,15 +46,22 @@ SESSION: list[tuple[list[str], str | None]] = [
     (["member", "list", "-w", "json"], None),
     (["alarm", "list", "-w", "json"], None),
     (["get", "app/", "--prefix", "--rev", "1", "-w", "json"], None),
+    # The history: {rev@-N} is the revision in the answer of the command N before this one.
+    (["put", "app/h", "1", "-w", "json"], None),
+    (["put", "app/h", "2", "-w", "json"], None),
+    (["get", "app/h", "--rev", "{rev@-2}", "-w", "json"], None),
+    (["compaction", "{rev@-2}"], None),
+    (["get", "app/h", "--rev", "{rev@-4}", "-w", "json"], None),
+    (["get", "app/h", "--rev", "{rev@-4}", "-w", "json"], None),
+    (["compaction", "{rev@-5}"], None),
 ]
-KNOWN = {
-    # A past revision: etcd keeps history, ledgerkv does not yet (issue 37).
-    "get app/ --prefix --rev 1 -w json",
-}
+KNOWN: set[str] = set()
 # The second txn changes nothing: etcd's header then says the store's revision (that of the
 # last change); ledgerkv's revisions are log indexes, and the transaction has an entry.
 KNOWN_AT = {13: "a transaction that changes nothing has a revision of its own (its log index)"}
 _PORT = re.compile(r"127\.0\.0\.1:(?!2379\b)\d+")
+_COMPACTED = re.compile(r"compacted revision \d+")
+_REV_AT = re.compile(r"\{rev@-(\d+)\}")
 _NUMBERS = re.compile(r'"(revision|create_revision|mod_revision|raft_term|cluster_id|member_id|ID|id|compact_revision|leader|raft_index)":\s*"?(\d+)"?')
 
 
@@ -75,15 +82,24 @@ def normalised(text: str) -> str:
         text = json.dumps(doc, sort_keys=True)
     except ValueError:
         pass
-    return _NUMBERS.sub(sub, _PORT.sub("127.0.0.1:<port>", text))
+    return _NUMBERS.sub(sub, _PORT.sub("127.0.0.1:<port>", _COMPACTED.sub("compacted revision <rev>", text)))
+
+
+def _revision(stdout: str) -> int | None:
+    try:
+        return int(json.loads(stdout)["header"]["revision"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def session(cluster) -> list[str]:
     env = {**os.environ, "ETCDCTL_API": "3"}
-    out = []
+    out, revisions = [], []
     for args, stdin in SESSION:
+        args = [_REV_AT.sub(lambda m: str(revisions[-int(m.group(1))]), a) for a in args]
         r = subprocess.run(["etcdctl", "--endpoints", cluster.client["pifpaf0"], *args], input=stdin, capture_output=True, text=True, env=env, timeout=30)
         out.append(normalised(r.stdout.strip()) if r.returncode == 0 else f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
+        revisions.append(_revision(r.stdout) if r.returncode == 0 else None)
     return out
 
 
