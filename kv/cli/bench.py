@@ -47,7 +47,9 @@ def add_parser(sub) -> None:
     sk = common(bs.add_parser("spark", help="Spark import into a 3-node cluster and export from a snapshot (needs the spark extra)"))
     sk.add_argument("--rows", type=int, default=0, help="import the first ROWS flights (default: all 336,776)")
     sk.add_argument("--keys", type=int, default=1_000_000)
-    sk.add_argument("--master", default="local[2]")
+    from .spark import spark_options
+
+    spark_options(sk, ship=False)
     h = common(bs.add_parser("http", help="a kv serve cluster over HTTP: PUT, linearizable and stale GET"))
     h.add_argument("--nodes", type=int, default=3)
     h.add_argument("--value-bytes", type=int, default=100)

@@ -9,6 +9,7 @@ import tempfile
 
 from ..errors import BadRequest, KVError
 from ..snapshot.format import read_header
+from .runtime import session  # noqa: F401  (kv.spark.session; it lived here)
 
 VALUE_TYPES = ("binary", "string")
 
@@ -330,20 +331,3 @@ def _arrow(rows: list[tuple], schema):
 
     a = to_arrow_schema(schema)
     return pa.RecordBatch.from_arrays([pa.array(col, f.type) for col, f in zip(zip(*rows), a)], schema=a)
-
-
-def session(master: str = "local[2]", app: str = "ledgerkv"):
-    """A SparkSession for the CLI (the workers run this same Python)."""
-    import sys
-
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    return (
-        SparkSession.builder.master(master)
-        .appName(app)
-        .config("spark.ui.showConsoleProgress", str(sys.stderr.isatty()).lower())  # a progress bar on a terminal
-        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-        .getOrCreate()
-    )
