@@ -142,7 +142,7 @@ def test_change_feed_exports_a_committed_log_range_raw(spark, cluster, tmp_path)
         capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"exported {len(got)} rows" in r.stdout
+    assert f"exported {len(got)} rows from the log [{start}, {end}] of" in r.stdout  # the range read
     assert spark.read.parquet(out).filter("op = 'delete'").count() == 1
 
     with pytest.raises(BadRequest, match="start must be at least 1"):
@@ -376,3 +376,29 @@ def test_package_zip_holds_the_mapped_sub_packages(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == "[True]"  # every kv module from the zip
+
+
+def test_log_ranges_start_at_the_lowest_index_any_member_holds():
+    """export-log's default range does not depend on which node answers first: it starts at
+    the lowest index any member holds, and each piece is read from members holding it whole."""
+    import itertools
+
+    from kv.spark.export import plan_log_ranges
+
+    nodes = [("a", 50, 200), ("b", 1, 100), ("c", 120, 210)]
+    for order in itertools.permutations(nodes):
+        start, end, pieces = plan_log_ranges(list(order), None, None, 4)
+        assert (start, end) == (1, 210)
+        assert [lo for _, lo, _ in pieces] == [1] + [hi + 1 for _, _, hi in pieces[:-1]] and pieces[-1][2] == 210  # no gap, no overlap
+        for holders, lo, hi in pieces:
+            held = {ep: (f, last) for ep, f, last in order}
+            assert holders and all(held[ep][0] <= lo and hi <= held[ep][1] for ep in holders), (holders, lo, hi)
+        assert pieces[0][0] == ["b"]
+    assert plan_log_ranges(nodes, 60, 70, 1)[2] == [(["a", "b"], 60, 70)]
+    with pytest.raises(kv.Compacted, match="no member holds the log before index 5"):
+        plan_log_ranges([("a", 5, 10), ("b", 7, 12)], 2, None, 2)
+    with pytest.raises(kv.Compacted, match=r"no member holds the entries \[11, 19\]"):
+        plan_log_ranges([("a", 1, 10), ("b", 20, 30)], None, None, 2)
+    with pytest.raises(BadRequest, match="not applied on any member yet .* 12, on b"):
+        plan_log_ranges([("a", 5, 10), ("b", 7, 12)], None, 13, 2)
+    assert plan_log_ranges([("a", 11, 10)], None, None, 2) == (11, 10, [])  # everything compacted, nothing new: empty

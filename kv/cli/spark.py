@@ -53,9 +53,9 @@ def add_parser(sub) -> None:
         help="write the changes of the committed range [--from, --to] (what a watch saw; --raw: the log entries as proposed)",
     )
     g.add_argument("out", help="output path")
-    g.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster; the first that answers is read (default $KV_ENDPOINTS)")
-    g.add_argument("--from", dest="start", type=int, default=None, help="first index (default: the oldest the node still holds)")
-    g.add_argument("--to", dest="end", type=int, default=None, help="last index (default: the node's applied index)")
+    g.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster; each range is read from a member that holds it (default $KV_ENDPOINTS)")
+    g.add_argument("--from", dest="start", type=int, default=None, help="first index (default: the lowest any member still holds; every endpoint is asked)")
+    g.add_argument("--to", dest="end", type=int, default=None, help="last index (default: the highest applied index)")
     g.add_argument("--prefix", default="", help="only changes of keys under this prefix (not with --raw)")
     g.add_argument("--raw", action="store_true", help="the log entries as proposed (term, op, conditional, branch), for audit")
     g.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
@@ -186,13 +186,17 @@ def _export(kvspark, s, args: argparse.Namespace) -> int:
         )
         rows, source = meta["rows"], f"{meta['source']} as of index {meta['index']} (term {meta['term']})"
     else:
+        if args.raw and args.prefix:
+            raise BadRequest("--prefix selects changes; the raw log (--raw) is exported whole")
+        # Every member is asked: by default the range starts at the lowest index any holds.
+        start, end = kvspark.log_range(args.endpoints, args.start, args.end, args.token)
         if args.raw:
-            if args.prefix:
-                raise BadRequest("--prefix selects changes; the raw log (--raw) is exported whole")
-            df = kvspark.read_log(s, args.endpoints, args.start, args.end, partitions=args.partitions, token=args.token)
+            df = kvspark.read_log(s, args.endpoints, start, end, partitions=args.partitions, token=args.token)
         else:
-            df = kvspark.read_changes(s, args.endpoints, args.start, args.end, prefix=args.prefix, partitions=args.partitions, token=args.token)
-        source = f"the {'log' if args.raw else 'changes'} of {args.endpoints}"
+            df = kvspark.read_changes(s, args.endpoints, start, end, prefix=args.prefix, partitions=args.partitions, token=args.token)
+        whence = [] if args.start is not None else ["from the oldest entry any member holds"]
+        whence += [] if args.end is not None else ["to the highest applied index"]
+        source = f"the {'log' if args.raw else 'changes'} [{start}, {end}]" + (f" ({', '.join(whence)})" if whence else "") + f" of {args.endpoints}"
         df.write.mode("overwrite" if args.overwrite else "errorifexists").format(args.format).save(args.out)
         rows = s.read.format(args.format).load(args.out).count()
     took = time.monotonic() - t0

@@ -27,7 +27,7 @@ The range is split into index ranges, and each task streams its own from the nod
 the snapshot for the state before them.
 """
 
-from .export import download_snapshot, export_snapshot, fetch_snapshot, read_changes, read_log, read_snapshot
+from .export import download_snapshot, export_snapshot, fetch_snapshot, log_range, read_changes, read_log, read_snapshot
 from .runtime import package_zip, root_cause, session
 from .importer import ImportReport, load, write
 
@@ -37,6 +37,7 @@ __all__ = [
     "export_snapshot",
     "fetch_snapshot",
     "load",
+    "log_range",
     "package_zip",
     "read_changes",
     "read_log",
