@@ -402,3 +402,19 @@ def test_log_ranges_start_at_the_lowest_index_any_member_holds():
     with pytest.raises(BadRequest, match="not applied on any member yet .* 12, on b"):
         plan_log_ranges([("a", 5, 10), ("b", 7, 12)], None, 13, 2)
     assert plan_log_ranges([("a", 11, 10)], None, None, 2) == (11, 10, [])  # everything compacted, nothing new: empty
+
+
+def test_root_cause_is_the_innermost_cause():
+    from kv.spark.runtime import root_cause
+
+    java = (
+        "An error occurred while calling o42.save.\n: org.apache.spark.SparkException: Job aborted.\n\tat org.apache.spark.Foo(Foo.scala:1)\n"
+        "Caused by: java.lang.RuntimeException: wrapped\n\tat x.Y(Y.java:2)\nCaused by: java.io.IOException: No space left on device\n\tat z.W(W.java:3)\n"
+    )
+    assert root_cause(Exception(java)) == "IOException: No space left on device (--debug shows Spark's log)"
+    python = (
+        "Job aborted due to stage failure: Task 0 in stage 1.0 failed 1 times\norg.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+        '  File "/x/worker.py", line 1, in main\n    func()\n'
+        "kv.common.entry_stream.LogStreamError: log range [1, 9] from http://n1: the stream ended at index 4\n\tat org.apache.spark.api.python.BasePythonRunner(Py.scala:5)\n"
+    )
+    assert root_cause(Exception(python), debug_hint=False) == "kv.common.entry_stream.LogStreamError: log range [1, 9] from http://n1: the stream ended at index 4"

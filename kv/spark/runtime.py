@@ -177,8 +177,8 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
     from pyspark.sql import SparkSession
 
     settings, chosen, _ = session_settings(master, app, conf, quiet=quiet)
-    if is_local(chosen):
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if is_local(chosen):  # a --conf spark.pyspark.python is the user's choice of this same machine
+        os.environ.setdefault("PYSPARK_PYTHON", settings.get("spark.pyspark.python") or sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if quiet:
         _launch_quiet_gateway(settings)
@@ -263,7 +263,6 @@ class _JvmStderr:
 
 # -- errors -----------------------------------------------------------------------------------
 
-_PY_EXC = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning|Failure|Refused|Timeout|NotFound|Conflict|Unavailable|Compacted)\b[^\n]*)$")
 _JAVA_CAUSE = re.compile(r"^(?:Caused by: )?((?:[a-z_$][\w$]*\.)+[A-Z][\w$]*(?:Exception|Error|Throwable)[\w$]*)(?::\s*(.*))?$")
 
 
@@ -272,13 +271,11 @@ def _python_exception(text: str) -> str | None:
     lines = text.splitlines()
     found = None
     for i, line in enumerate(lines):
-        if line.startswith("Traceback (most recent call last):"):
+        if line.rstrip().endswith("Traceback (most recent call last):"):
             for later in lines[i + 1 :]:
                 if later.startswith((" ", "\t")) or not later.strip():
                     continue
-                m = _PY_EXC.match(later.strip())
-                if m:
-                    found = m.group(1)
+                found = later.strip()  # the exception the traceback ends with
                 break
     return found
 
