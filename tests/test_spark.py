@@ -345,14 +345,16 @@ def test_executors_without_kv_one_line_then_ship_package(tmp_path):
     worker.chmod(0o755)
     snap = _snapshot_file(str(tmp_path / "snap"))
     env = {**os.environ, "PYSPARK_PYTHON": str(worker)}
-    cmd = [sys.executable, "-m", "kv", "spark", "export", str(tmp_path / "out"), "--snapshot", snap]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 1
-    assert r.stderr.count("\n") == 1, r.stderr[-3000:]
-    assert r.stderr.startswith("kv spark export: ModuleNotFoundError: No module named 'kv' — ") and "--ship-package" in r.stderr, r.stderr
-    r = subprocess.run([*cmd, "--ship-package", "--overwrite"], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0 and r.stderr == "", r.stderr[-3000:]
-    assert "exported 50 rows" in r.stdout
+    cmd = [sys.executable, "-m", "kv", "spark", "export", "--snapshot", snap]
+    # Both at once: each is mostly a JVM starting.
+    without = subprocess.Popen([*cmd, str(tmp_path / "out1")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    shipped = subprocess.Popen([*cmd, str(tmp_path / "out2"), "--ship-package"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    (_, err), (out2, err2) = without.communicate(timeout=300), shipped.communicate(timeout=300)
+    assert without.returncode == 1
+    assert err.count("\n") == 1, err[-3000:]
+    assert err.startswith("kv spark export: ModuleNotFoundError: No module named 'kv' — ") and "--ship-package" in err, err
+    assert shipped.returncode == 0 and err2 == "", err2[-3000:]
+    assert "exported 50 rows" in out2
 
 
 def test_package_zip_holds_the_mapped_sub_packages(tmp_path):
