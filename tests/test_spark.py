@@ -229,7 +229,7 @@ def test_export_timeout_cancels_the_job_and_removes_the_output(spark, tmp_path):
 def test_master_follows_sparks_own_precedence(tmp_path):
     """--master, then --conf spark.master, then Spark's configuration (PYSPARK_SUBMIT_ARGS,
     spark-defaults.conf, $MASTER, in spark-submit's order), then local[2]."""
-    from kv.spark.runtime import resolve_master, session_settings
+    from kv.spark.runtime import resolve_master, session_settings, worker_python
 
     conf_dir = tmp_path / "conf"
     conf_dir.mkdir()
@@ -261,6 +261,10 @@ def test_master_follows_sparks_own_precedence(tmp_path):
     opts = settings["spark.driver.extraJavaOptions"]
     assert opts.startswith("-Dx=1 -Dlog4j2.configurationFile=file:") and os.path.isfile(opts.split("file:", 1)[1])
     assert "spark.driver.extraJavaOptions" not in session_settings("local[1]", "t", {}, quiet=False)[0]
+    # The executors run the driver's Python only when they are on this machine.
+    assert worker_python("local[2]", {}) == worker_python("local-cluster[2,1,1024]", {}) == sys.executable
+    assert worker_python("local[2]", {"spark.pyspark.python": "/opt/py"}) == "/opt/py"
+    assert worker_python("spark://head:7077", {}) is None and worker_python("yarn", {}) is None
     own = "-Dlog4j2.configurationFile=file:/etc/mine.properties"
     assert session_settings("local[1]", "t", {"spark.driver.extraJavaOptions": own})[0]["spark.driver.extraJavaOptions"] == own
 

@@ -165,6 +165,15 @@ def session_settings(master: str | None = None, app: str = "ledgerkv", conf: dic
     return settings, chosen, source
 
 
+def worker_python(master: str, settings: dict[str, str]) -> str | None:
+    """The executors' Python to set (as PYSPARK_PYTHON, unless set already): with a local
+    master this same one (or a --conf spark.pyspark.python); on a cluster None — the
+    driver's path need not exist on a worker, and Spark's own setting applies."""
+    if not is_local(master):
+        return None
+    return settings.get("spark.pyspark.python") or sys.executable
+
+
 def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, str] | None = None, *, quiet: bool = True, ship_package: bool = False):
     """A SparkSession for ledgerkv's pipeline.
 
@@ -177,8 +186,9 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
     from pyspark.sql import SparkSession
 
     settings, chosen, _ = session_settings(master, app, conf, quiet=quiet)
-    if is_local(chosen):  # a --conf spark.pyspark.python is the user's choice of this same machine
-        os.environ.setdefault("PYSPARK_PYTHON", settings.get("spark.pyspark.python") or sys.executable)
+    python = worker_python(chosen, settings)
+    if python:
+        os.environ.setdefault("PYSPARK_PYTHON", python)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if quiet:
         _launch_quiet_gateway(settings)
