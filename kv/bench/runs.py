@@ -332,10 +332,9 @@ async def bench_spark(args) -> list[dict]:
 
     rows = []
     with workdir(args.keep) as root:
-        from ..cli.refusal import debug_wanted
         from ..spark.runtime import parse_conf
 
-        sess = kvspark.session(args.master, "ledgerkv-bench", parse_conf(args.conf), quiet=not debug_wanted(getattr(args, "debug", False)))
+        sess = kvspark.session(args.master, "ledgerkv-bench", parse_conf(args.conf), quiet=getattr(args, "spark_quiet", True))
         master = sess.sparkContext.master
         try:
             with ServeCluster(os.path.join(root, "cluster"), 3) as c:

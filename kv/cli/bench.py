@@ -82,6 +82,9 @@ def run(args) -> int:
     if fn is None:
         print("kv bench: choose a benchmark; see kv bench --help", file=sys.stderr)
         return 2
+    from .refusal import debug_wanted
+
+    args.spark_quiet = not debug_wanted(getattr(args, "debug", False))  # kv bench spark: Spark's log with --debug
     rows = asyncio.run(fn(args))
     if args.json:
         with open(args.json, "w") as f:

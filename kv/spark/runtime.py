@@ -99,11 +99,11 @@ def spark_conf_dir(env=None) -> str:
         return env["SPARK_CONF_DIR"]
     home = env.get("SPARK_HOME")
     if not home:
-        try:
-            from pyspark.find_spark_home import _find_spark_home
+        try:  # a pip-installed pyspark is its own SPARK_HOME (bin/, jars/, conf/ if any)
+            import pyspark
 
-            home = _find_spark_home()
-        except Exception:  # no pyspark: there is no Spark configuration either
+            home = os.path.dirname(os.path.abspath(pyspark.__file__))
+        except ImportError:  # no pyspark: there is no Spark configuration either
             return ""
     return os.path.join(home, "conf")
 
