@@ -199,9 +199,13 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
     if quiet and "log4j2-quiet" in settings.get("spark.driver.extraJavaOptions", ""):
         s.sparkContext.setLogLevel("OFF")  # also when the JVM was already running
     if ship_package:
+        import atexit
+        import shutil
         import tempfile
 
-        s.sparkContext.addPyFile(package_zip(tempfile.mkdtemp(prefix="kv-ship-")))
+        where = tempfile.mkdtemp(prefix="kv-ship-")
+        atexit.register(shutil.rmtree, where, True)  # Spark serves the file from there until then
+        s.sparkContext.addPyFile(package_zip(where))
     return s
 
 
