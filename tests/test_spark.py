@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def spark():
-    s = kvspark.session("local[2]", "ledgerkv-tests")
-    s.sparkContext.setLogLevel("ERROR")
+    # local[2,2]: two cores, and a failed task is tried once more (local[2] gives up at the
+    # first failure), as on a cluster: test_a_retried_task_is_counted_once needs that.
+    s = kvspark.session("local[2,2]", "ledgerkv-tests")
     yield s
     s.stop()
 
@@ -73,6 +74,7 @@ def test_binary_columns_and_files(spark, cluster, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "imported 300 rows" in r.stdout
+    assert r.stderr == ""  # no JVM start-up chatter (log4j, NativeCodeLoader, incubator modules)
     code, body, _ = cluster.get(cluster.ids[0], "bin/7")
     assert code == 200 and body == bytes([7, 0, 255])
 
@@ -140,7 +142,7 @@ def test_change_feed_exports_a_committed_log_range_raw(spark, cluster, tmp_path)
         capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"exported {len(got)} rows" in r.stdout
+    assert f"exported {len(got)} rows from the log [{start}, {end}] of" in r.stdout  # the range read
     assert spark.read.parquet(out).filter("op = 'delete'").count() == 1
 
     with pytest.raises(BadRequest, match="start must be at least 1"):
@@ -219,3 +221,206 @@ def test_export_timeout_cancels_the_job_and_removes_the_output(spark, tmp_path):
     assert not out.exists()
     with _deadline(spark, argparse.Namespace(timeout=60.0, out=str(out))):  # in time: nothing happens
         assert spark.range(10).count() == 10
+
+
+# -- how Spark is started, errors, summaries --------------------------------------------------
+
+
+def test_master_follows_sparks_own_precedence(tmp_path):
+    """--master, then --conf spark.master, then Spark's configuration (PYSPARK_SUBMIT_ARGS,
+    spark-defaults.conf, $MASTER, in spark-submit's order), then local[2]."""
+    from kv.spark.runtime import resolve_master, session_settings, worker_python
+
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    env = {"SPARK_CONF_DIR": str(conf_dir)}
+    assert resolve_master(None, {}, env) == ("local[2]", "the default")
+    env["MASTER"] = "spark://env:7077"
+    assert resolve_master(None, {}, env) == ("spark://env:7077", "$MASTER")
+    (conf_dir / "spark-defaults.conf").write_text("# comment\nspark.executor.memory 2g\nspark.master   spark://defaults:7077\n")
+    assert resolve_master(None, {}, env)[0] == "spark://defaults:7077"
+    env["PYSPARK_SUBMIT_ARGS"] = "--conf spark.master=spark://submit-conf:7077 pyspark-shell"
+    assert resolve_master(None, {}, env)[0] == "spark://submit-conf:7077"
+    env["PYSPARK_SUBMIT_ARGS"] = "--master=spark://submit:7077 --conf spark.master=spark://submit-conf:7077 pyspark-shell"
+    assert resolve_master(None, {}, env)[0] == "spark://submit:7077"
+    assert resolve_master(None, {"spark.master": "yarn"}, env) == ("yarn", "--conf spark.master")
+    assert resolve_master("local[1]", {"spark.master": "yarn"}, env) == ("local[1]", "--master")
+    props = tmp_path / "my.conf"
+    props.write_text("spark.master=k8s://https://k:6443\n")
+    assert resolve_master(None, {}, {**env, "PYSPARK_SUBMIT_ARGS": f"--properties-file {props} pyspark-shell"})[0] == "k8s://https://k:6443"
+
+    # kv sets spark.master only when it chose it; Spark's configuration applies as Spark applies it.
+    settings, master, _ = session_settings(None, "t", {"spark.executor.memory": "4g", "spark.sql.execution.arrow.pyspark.enabled": "false"}, env=env)
+    assert master == "spark://submit:7077" and "spark.master" not in settings
+    assert settings["spark.executor.memory"] == "4g" and settings["spark.sql.execution.arrow.pyspark.enabled"] == "false"  # --conf wins
+    settings, master, _ = session_settings(None, "t", {}, env={"SPARK_CONF_DIR": str(tmp_path / "none")})
+    assert settings["spark.master"] == master == "local[2]"
+    # Quiet: this package's log4j2 file, after the user's own JVM options; not with --debug,
+    # nor when the user names a log4j configuration.
+    settings, _, _ = session_settings("local[1]", "t", {"spark.driver.extraJavaOptions": "-Dx=1"})
+    opts = settings["spark.driver.extraJavaOptions"]
+    assert opts.startswith("-Dx=1 -Dlog4j2.configurationFile=file:") and os.path.isfile(opts.split("file:", 1)[1])
+    assert "spark.driver.extraJavaOptions" not in session_settings("local[1]", "t", {}, quiet=False)[0]
+    # The executors run the driver's Python only when they are on this machine.
+    assert worker_python("local[2]", {}) == worker_python("local-cluster[2,1,1024]", {}) == sys.executable
+    assert worker_python("local[2]", {"spark.pyspark.python": "/opt/py"}) == "/opt/py"
+    assert worker_python("spark://head:7077", {}) is None and worker_python("yarn", {}) is None
+    own = "-Dlog4j2.configurationFile=file:/etc/mine.properties"
+    assert session_settings("local[1]", "t", {"spark.driver.extraJavaOptions": own})[0]["spark.driver.extraJavaOptions"] == own
+
+
+def test_conf_and_master_on_every_command_that_starts_spark():
+    from kv.cli import build_parser
+
+    from kv.spark.runtime import parse_conf
+
+    p = build_parser()
+    for argv in (["spark", "import", "x.csv"], ["spark", "export", "out"], ["spark", "export-log", "out"], ["bench", "spark"]):
+        a = p.parse_args([*argv, "--conf", "spark.a=1", "--conf", "spark.b=x=y"])
+        assert a.master is None and parse_conf(a.conf) == {"spark.a": "1", "spark.b": "x=y"}, argv
+    with pytest.raises(BadRequest, match="KEY=VALUE"):
+        parse_conf(["spark.a"])
+
+
+def test_a_retried_task_is_counted_once(spark, cluster, monkeypatch):
+    """The import summary comes from the tasks' own results: a task that wrote its rows and
+    then failed, and was run again, counts once (its second attempt finds them held)."""
+    import kv.spark.importer as importer
+
+    real = importer._write_task
+
+    def flaky(batches, s, last):
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        out = list(real(batches, s, last))  # every row of the partition written
+        if ctx.partitionId() == 0 and ctx.attemptNumber() == 0:
+            raise RuntimeError("injected: the task dies after its writes")
+        yield from out
+
+    monkeypatch.setattr(importer, "_write_task", flaky)
+    df = spark.range(2_000).selectExpr("concat('retry/', lpad(cast(id as string), 5, '0')) as key", "cast(id as string) as value")
+    report = kvspark.write(df, endpoints(cluster), partitions=2)
+    assert report.rows == 2_000 and not report.failures
+    assert report.skipped > 0 and report.written > 0  # partition 0 ran twice: its rows were held the second time
+    assert report.written + report.skipped == 2_000
+    with kv.Client(endpoints(cluster)) as c:
+        assert sum(1 for _ in c.scan("retry/")) == 2_000
+
+
+def _snapshot_file(path: str, n: int = 50) -> str:
+    from kv.snapshot.format import new_header
+    from kv.snapshot.store import SnapshotStore
+
+    snap = SnapshotStore(path).write(new_header(n, 1, b"[]", "default", "test"), ((b"k/%04d" % i, b"v", i + 1) for i in range(n)))
+    return snap.path
+
+
+def test_bad_py_files_is_one_line_with_its_cause(tmp_path):
+    snap = _snapshot_file(str(tmp_path / "snap"))
+    r = subprocess.run(
+        [sys.executable, "-m", "kv", "spark", "export", str(tmp_path / "out"), "--snapshot", snap, "--conf", "spark.submit.pyFiles=/nonexistent/deps.zip"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1, r.stderr[-3000:]  # one line: no JVM log, no stack
+    assert r.stderr.startswith("kv spark export: FileNotFoundException: File file:/nonexistent/deps.zip does not exist — check the paths given to --py-files"), r.stderr
+
+
+WORKER_WITHOUT_KV = """#!{python}
+# An executor's Python without ledgerkv: neither the checkout (working directory,
+# PYTHONPATH) nor the editable install can be imported; a zip added by addPyFile can.
+import os, runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+sys.path[:] = [p for p in sys.path if "__editable__" not in p and not os.path.isdir(os.path.join(p or ".", "kv"))]
+args = sys.argv[1:]
+while args[0] != "-m":
+    args.pop(0)
+sys.argv = [args[1]] + args[2:]
+runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+"""
+
+
+def test_executors_without_kv_one_line_then_ship_package(tmp_path):
+    """Executors that cannot import kv: the error names the ModuleNotFoundError and what to
+    do; --ship-package then gets the package there (and the run says nothing on stderr)."""
+    worker = tmp_path / "python-without-kv"
+    worker.write_text(WORKER_WITHOUT_KV.format(python=sys.executable))
+    worker.chmod(0o755)
+    snap = _snapshot_file(str(tmp_path / "snap"))
+    env = {**os.environ, "PYSPARK_PYTHON": str(worker)}
+    cmd = [sys.executable, "-m", "kv", "spark", "export", "--snapshot", snap]
+    # Both at once: each is mostly a JVM starting.
+    without = subprocess.Popen([*cmd, str(tmp_path / "out1")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    shipped = subprocess.Popen([*cmd, str(tmp_path / "out2"), "--ship-package"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    (_, err), (out2, err2) = without.communicate(timeout=300), shipped.communicate(timeout=300)
+    assert without.returncode == 1
+    assert err.count("\n") == 1, err[-3000:]
+    assert err.startswith("kv spark export: ModuleNotFoundError: No module named 'kv' — ") and "--ship-package" in err, err
+    assert shipped.returncode == 0 and err2 == "", err2[-3000:]
+    assert "exported 50 rows" in out2
+
+
+def test_package_zip_holds_the_mapped_sub_packages(tmp_path):
+    """The zip --ship-package adds imports as the installed package does, the folders that
+    pyproject.toml maps into kv included."""
+    import tomllib
+
+    from kv.spark.runtime import MAPPED_PACKAGES, package_zip
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml"), "rb") as f:
+        mapped = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    assert sorted(MAPPED_PACKAGES) == sorted(k.split(".", 1)[1] for k in mapped if k != "kv")
+    z = package_zip(str(tmp_path))
+    code = (
+        f"import sys; sys.path.insert(0, {z!r}); "
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]; "
+        "import kv, kv.raft.core, kv.statemachine.commands, kv.snapshot.format, kv.http.app, kv.v3api.proto.kv_pb2, kv.spark.runtime; "
+        "import importlib.resources as r; assert r.files('kv.http').joinpath('openapi.json').is_file(); "
+        "print(sorted({m.__file__.startswith(sys.path[0]) for n, m in list(sys.modules.items()) if n.split('.')[0] == 'kv' and getattr(m, '__file__', None)}))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[True]"  # every kv module from the zip
+
+
+def test_log_ranges_start_at_the_lowest_index_any_member_holds():
+    """export-log's default range does not depend on which node answers first: it starts at
+    the lowest index any member holds, and each piece is read from members holding it whole."""
+    import itertools
+
+    from kv.spark.export import plan_log_ranges
+
+    nodes = [("a", 50, 200), ("b", 1, 100), ("c", 120, 210)]
+    for order in itertools.permutations(nodes):
+        start, end, pieces = plan_log_ranges(list(order), None, None, 4)
+        assert (start, end) == (1, 210)
+        assert [lo for _, lo, _ in pieces] == [1] + [hi + 1 for _, _, hi in pieces[:-1]] and pieces[-1][2] == 210  # no gap, no overlap
+        for holders, lo, hi in pieces:
+            held = {ep: (f, last) for ep, f, last in order}
+            assert holders and all(held[ep][0] <= lo and hi <= held[ep][1] for ep in holders), (holders, lo, hi)
+        assert pieces[0][0] == ["b"]
+    assert plan_log_ranges(nodes, 60, 70, 1)[2] == [(["a", "b"], 60, 70)]
+    with pytest.raises(kv.Compacted, match="no member holds the log before index 5"):
+        plan_log_ranges([("a", 5, 10), ("b", 7, 12)], 2, None, 2)
+    with pytest.raises(kv.Compacted, match=r"no member holds the entries \[11, 19\]"):
+        plan_log_ranges([("a", 1, 10), ("b", 20, 30)], None, None, 2)
+    with pytest.raises(BadRequest, match="not applied on any member yet .* 12, on b"):
+        plan_log_ranges([("a", 5, 10), ("b", 7, 12)], None, 13, 2)
+    assert plan_log_ranges([("a", 11, 10)], None, None, 2) == (11, 10, [])  # everything compacted, nothing new: empty
+
+
+def test_root_cause_is_the_innermost_cause():
+    from kv.spark.runtime import root_cause
+
+    java = (
+        "An error occurred while calling o42.save.\n: org.apache.spark.SparkException: Job aborted.\n\tat org.apache.spark.Foo(Foo.scala:1)\n"
+        "Caused by: java.lang.RuntimeException: wrapped\n\tat x.Y(Y.java:2)\nCaused by: java.io.IOException: No space left on device\n\tat z.W(W.java:3)\n"
+    )
+    assert root_cause(Exception(java)) == "IOException: No space left on device (--debug shows Spark's log)"
+    python = (
+        "Job aborted due to stage failure: Task 0 in stage 1.0 failed 1 times\norg.apache.spark.api.python.PythonException: Traceback (most recent call last):\n"
+        '  File "/x/worker.py", line 1, in main\n    func()\n'
+        "kv.common.entry_stream.LogStreamError: log range [1, 9] from http://n1: the stream ended at index 4\n\tat org.apache.spark.api.python.BasePythonRunner(Py.scala:5)\n"
+    )
+    assert root_cause(Exception(python), debug_hint=False) == "kv.common.entry_stream.LogStreamError: log range [1, 9] from http://n1: the stream ended at index 4"

@@ -332,8 +332,10 @@ async def bench_spark(args) -> list[dict]:
 
     rows = []
     with workdir(args.keep) as root:
-        sess = kvspark.session(args.master, "ledgerkv-bench")
-        sess.sparkContext.setLogLevel("ERROR")
+        from ..spark.runtime import parse_conf
+
+        sess = kvspark.session(args.master, "ledgerkv-bench", parse_conf(args.conf), quiet=getattr(args, "spark_quiet", True))
+        master = sess.sparkContext.master
         try:
             with ServeCluster(os.path.join(root, "cluster"), 3) as c:
                 c.start()
@@ -350,7 +352,7 @@ async def bench_spark(args) -> list[dict]:
                     report = await loop.run_in_executor(None, lambda: kvspark.write(df, eps, **shape))
                     after = await loop.run_in_executor(None, lambda: live_endpoints(lead, None)[0][1]["ledger_end_index"])
                     rows.append({
-                        "what": f"{what}: {n_rows:,} flights into 3 nodes from {args.master} ({after - before} log entries)",
+                        "what": f"{what}: {n_rows:,} flights into 3 nodes from {master} ({after - before} log entries)",
                         "rows_per_s": report.rows / report.seconds, "seconds": report.seconds, "failures": len(report.failures),
                     })
                 out = os.path.join(root, "export.parquet")

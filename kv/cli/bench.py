@@ -49,7 +49,9 @@ def add_parser(sub) -> None:
     sk = common(bs.add_parser("spark", help="Spark import into a 3-node cluster and export from a snapshot (needs the spark extra)"))
     sk.add_argument("--rows", type=int, default=0, help="import the first ROWS flights (default: all 336,776)")
     sk.add_argument("--keys", type=int, default=1_000_000)
-    sk.add_argument("--master", default="local[2]")
+    from .spark import spark_options
+
+    spark_options(sk, ship=False)
     h = common(bs.add_parser("http", help="a kv serve cluster over HTTP: PUT, linearizable and stale GET"))
     h.add_argument("--nodes", type=int, default=3)
     h.add_argument("--value-bytes", type=int, default=100)
@@ -87,6 +89,9 @@ def run(args) -> int:
     if fn is None:
         print("kv bench: choose a benchmark; see kv bench --help", file=sys.stderr)
         return 2
+    from .refusal import debug_wanted
+
+    args.spark_quiet = not debug_wanted(getattr(args, "debug", False))  # kv bench spark: Spark's log with --debug
     rows = asyncio.run(fn(args))
     if args.json:
         with open(args.json, "w") as f:

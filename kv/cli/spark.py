@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     i.add_argument("--errors", metavar="PATH", help="write the rows that failed here, one JSON line each: {\"key\", \"error\"}")
     i.add_argument("--timeout", type=float, default=None, help="give up after this many seconds overall; rows not written by then fail")
     i.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
-    i.add_argument("--master", default="local[2]")
+    spark_options(i)
     e = sp.add_parser("export", help="write a cluster's (or a snapshot file's) records as Parquet (or any Spark format)")
     e.add_argument("out", help="output path (refused if it exists, unless --overwrite)")
     src = e.add_mutually_exclusive_group()
@@ -46,24 +46,44 @@ def add_parser(sub) -> None:
     e.add_argument("--value-type", choices=["binary", "string"], default="binary", help="the value column's type (default binary)")
     e.add_argument("--json-schema", help="explode JSON values into typed columns, a Spark DDL schema, e.g. 'year int, carrier string'")
     e.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
-    e.add_argument("--master", default="local[2]")
+    spark_options(e)
     e.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (the output is then removed)")
     g = sp.add_parser(
         "export-log",
         help="write the changes of the committed range [--from, --to] (what a watch saw; --raw: the log entries as proposed)",
     )
     g.add_argument("out", help="output path")
-    g.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster; the first that answers is read (default $KV_ENDPOINTS)")
-    g.add_argument("--from", dest="start", type=int, default=None, help="first index (default: the oldest the node still holds)")
-    g.add_argument("--to", dest="end", type=int, default=None, help="last index (default: the node's applied index)")
+    g.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster; each range is read from a member that holds it (default $KV_ENDPOINTS)")
+    g.add_argument("--from", dest="start", type=int, default=None, help="first index (default: the lowest any member still holds; every endpoint is asked)")
+    g.add_argument("--to", dest="end", type=int, default=None, help="last index (default: the highest applied index)")
     g.add_argument("--prefix", default="", help="only changes of keys under this prefix (not with --raw)")
     g.add_argument("--raw", action="store_true", help="the log entries as proposed (term, op, conditional, branch), for audit")
     g.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     g.add_argument("--partitions", type=int, default=None)
     g.add_argument("--overwrite", action="store_true", help="replace what is at the output path")
     g.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
-    g.add_argument("--master", default="local[2]")
+    spark_options(g)
     g.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (the output is then removed)")
+
+
+MASTER_HELP = (
+    "Spark's master URL (default: Spark's own configuration — PYSPARK_SUBMIT_ARGS, spark-defaults.conf, "
+    "$MASTER — and local[2] if it has none)"
+)
+
+
+def spark_options(p, ship: bool = True) -> None:
+    """--master, --conf (and --ship-package): how Spark is started, on every command that starts it."""
+    p.add_argument("--master", default=None, help=MASTER_HELP)
+    p.add_argument(
+        "--conf", action="append", default=[], metavar="K=V",
+        help="a Spark setting, e.g. --conf spark.executor.memory=4g (repeatable; as spark-submit's --conf)",
+    )
+    if ship:
+        p.add_argument(
+            "--ship-package", action="store_true",
+            help="add this ledgerkv to the executors' Python path (a zip of the installed package), for workers that do not have it installed",
+        )
 
 
 def _options(pairs: list[str]) -> dict[str, str]:
@@ -83,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     from pyspark.errors import PySparkException
     from py4j.protocol import Py4JError
 
-    from ..spark.importer import spark_error
+    from ..spark.runtime import root_cause
+    from .refusal import debug_wanted
 
     if args.spark_cmd not in ("import", "export", "export-log"):
         print("kv spark: choose import, export or export-log (kv spark --help)", file=sys.stderr)
@@ -91,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except (PySparkException, Py4JError) as e:
-        print(f"kv spark {args.spark_cmd}: {spark_error(e)}", file=sys.stderr)
+        if debug_wanted(args.debug):
+            raise
+        print(f"kv spark {args.spark_cmd}: {root_cause(e)}", file=sys.stderr)
         return 1
 
 
@@ -99,6 +122,8 @@ def _run(args: argparse.Namespace) -> int:
     from .. import spark as kvspark
     from ..errors import BadRequest
     from ..spark.importer import source_format
+    from ..spark.runtime import parse_conf
+    from .refusal import debug_wanted
 
     if not args.endpoints and not getattr(args, "snapshot", None):
         raise BadRequest("no cluster given: --endpoints URL,URL,... (or set KV_ENDPOINTS)")
@@ -107,7 +132,8 @@ def _run(args: argparse.Namespace) -> int:
         options = _options(args.option)
     if args.spark_cmd != "import" and os.path.exists(args.out) and not args.overwrite:
         raise BadRequest(f"{args.out} exists: choose another path, or replace it with --overwrite")
-    s = kvspark.session(args.master)
+    conf = parse_conf(args.conf)
+    s = kvspark.session(args.master, conf=conf, quiet=not debug_wanted(args.debug), ship_package=args.ship_package)
     try:
         if args.spark_cmd == "import":
             return _import(s, args, options)
@@ -160,13 +186,17 @@ def _export(kvspark, s, args: argparse.Namespace) -> int:
         )
         rows, source = meta["rows"], f"{meta['source']} as of index {meta['index']} (term {meta['term']})"
     else:
+        if args.raw and args.prefix:
+            raise BadRequest("--prefix selects changes; the raw log (--raw) is exported whole")
+        # Every member is asked: by default the range starts at the lowest index any holds.
+        start, end = kvspark.log_range(args.endpoints, args.start, args.end, args.token)
         if args.raw:
-            if args.prefix:
-                raise BadRequest("--prefix selects changes; the raw log (--raw) is exported whole")
-            df = kvspark.read_log(s, args.endpoints, args.start, args.end, partitions=args.partitions, token=args.token)
+            df = kvspark.read_log(s, args.endpoints, start, end, partitions=args.partitions, token=args.token)
         else:
-            df = kvspark.read_changes(s, args.endpoints, args.start, args.end, prefix=args.prefix, partitions=args.partitions, token=args.token)
-        source = f"the {'log' if args.raw else 'changes'} of {args.endpoints}"
+            df = kvspark.read_changes(s, args.endpoints, start, end, prefix=args.prefix, partitions=args.partitions, token=args.token)
+        whence = [] if args.start is not None else ["from the oldest entry any member holds"]
+        whence += [] if args.end is not None else ["to the highest applied index"]
+        source = f"the {'log' if args.raw else 'changes'} [{start}, {end}]" + (f" ({', '.join(whence)})" if whence else "") + f" of {args.endpoints}"
         df.write.mode("overwrite" if args.overwrite else "errorifexists").format(args.format).save(args.out)
         rows = s.read.format(args.format).load(args.out).count()
     took = time.monotonic() - t0

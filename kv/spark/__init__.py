@@ -27,7 +27,8 @@ The range is split into index ranges, and each task streams its own from the nod
 the snapshot for the state before them.
 """
 
-from .export import download_snapshot, export_snapshot, fetch_snapshot, read_changes, read_log, read_snapshot, session
+from .export import download_snapshot, export_snapshot, fetch_snapshot, log_range, read_changes, read_log, read_snapshot
+from .runtime import package_zip, root_cause, session
 from .importer import ImportReport, load, write
 
 __all__ = [
@@ -36,9 +37,12 @@ __all__ = [
     "export_snapshot",
     "fetch_snapshot",
     "load",
+    "log_range",
+    "package_zip",
     "read_changes",
     "read_log",
     "read_snapshot",
+    "root_cause",
     "session",
     "write",
 ]

@@ -9,6 +9,7 @@ import tempfile
 
 from ..errors import BadRequest, KVError
 from ..snapshot.format import read_header
+from .runtime import session  # noqa: F401  (kv.spark.session; it lived here)
 
 VALUE_TYPES = ("binary", "string")
 
@@ -192,41 +193,80 @@ def log_schema():
     )
 
 
-def log_bounds(endpoints: str, token: str | None = None) -> tuple[str, int, int]:
-    """(endpoint, first, last): the first node that answers, and the committed log range
-    its ledger holds."""
+def log_bounds(endpoints: str, token: str | None = None) -> list[tuple[str, int, int]]:
+    """(endpoint, first, last) of every node that answers: the committed log range its
+    ledger holds (from the oldest entry not compacted into a snapshot to its applied index)."""
     from ..client.blocking import Client
 
     with Client(endpoints, token=token) as c:
         answers = c.status_all()
-    for ep, s in answers:
-        if isinstance(s, dict):
-            return ep, s["ledger_begin_index"] + 1, s["applied_index"]
-    raise KVError("no node answered: " + "; ".join(f"{ep}: {s}" for ep, s in answers))
+    nodes = [(ep, s["ledger_begin_index"] + 1, s["applied_index"]) for ep, s in answers if isinstance(s, dict)]
+    if not nodes:
+        raise KVError("no node answered: " + "; ".join(f"{ep}: {s}" for ep, s in answers))
+    return nodes
 
 
-def _ranges(spark, endpoints: str, start: int | None, end: int | None, partitions: int | None, token: str | None):
-    """The committed range [start, end] (default: all the first node that answers still
-    holds), checked against that node, split into index ranges: (endpoint, lo, hi) each."""
+def log_range(endpoints: str, start: int | None = None, end: int | None = None, token: str | None = None) -> tuple[int, int]:
+    """The committed range [start, end] a change feed or log export reads: by default from
+    the lowest index any member still holds to the highest applied index (every endpoint is
+    asked); refused if no member holds it."""
+    start, end, _ = plan_log_ranges(log_bounds(endpoints, token), start, end, 1)
+    return start, end
+
+
+def plan_log_ranges(nodes: list[tuple[str, int, int]], start: int | None, end: int | None, n: int) -> tuple[int, int, list[tuple[list[str], int, int]]]:
+    """[start, end] (default: the lowest index any node holds, the highest applied index),
+    checked against the nodes (endpoint, first, last), split into about n index ranges, each
+    with the endpoints that hold all of it: (start, end, [(holders, lo, hi), ...])."""
     from ..errors import Compacted
 
-    ep, first, last = log_bounds(endpoints, token)
-    start = first if start is None else start
-    end = last if end is None else end
+    lowest = min(nodes, key=lambda x: x[1])
+    highest = max(nodes, key=lambda x: x[2])
+    start = lowest[1] if start is None else start
+    end = highest[2] if end is None else end
+    held = "; ".join(f"{ep} holds [{f}, {last}]" for ep, f, last in nodes)
     if start < 1:
         raise BadRequest("start must be at least 1 (log indexes start at 1)")
     if end < start - 1:
-        raise BadRequest(f"the range [{start}, {end}] is backwards; {ep} holds the committed log [{first}, {last}]")
-    if start < first:
-        raise Compacted(f"{ep} holds the log from index {first} (earlier entries were compacted into a snapshot); start at {first} or later, or export the snapshot")
-    if end > last:
-        raise BadRequest(f"index {end} is not applied on {ep} yet (its applied index is {last})")
+        raise BadRequest(f"the range [{start}, {end}] is backwards ({held})")
+    if start < lowest[1]:
+        raise Compacted(
+            f"no member holds the log before index {lowest[1]} ({held}; earlier entries were compacted into snapshots): "
+            f"start at {lowest[1]} or later, or export the snapshot"
+        )
+    if end > highest[2]:
+        raise BadRequest(f"index {end} is not applied on any member yet (the highest applied index is {highest[2]}, on {highest[0]})")
     count = end - start + 1
     if count == 0:  # nothing committed after start - 1 yet: an empty feed, not an error
-        return []
-    n = max(1, min(count, partitions or spark.sparkContext.defaultParallelism * 2))
-    bounds = [start + count * i // n for i in range(n + 1)]
-    return [(ep, bounds[i], bounds[i + 1] - 1) for i in range(n)]
+        return start, end, []
+    n = max(1, min(count, n))
+    # Cut at the even split and where a node's range begins or ends, so that every piece is
+    # held whole by some node; then slivers go back into their neighbour when one node
+    # holds both.
+    cuts = {start + count * i // n for i in range(n)} | {start, end + 1}
+    cuts |= {x for _, f, last in nodes for x in (f, last + 1) if start < x <= end}
+    edges = sorted(cuts)
+    pieces = []
+    for lo, nxt in zip(edges, edges[1:]):
+        hi = nxt - 1
+        holders = [ep for ep, f, last in nodes if f <= lo and hi <= last]
+        if not holders:
+            gap_end = min([f - 1 for _, f, _ in nodes if f > lo] + [end])
+            raise Compacted(f"no member holds the entries [{lo}, {gap_end}] ({held}): export a snapshot for that state")
+        if pieces:
+            plo, _, pholders = pieces[-1]
+            both = [ep for ep in pholders if ep in holders]
+            if both and (hi - lo + 1) * 2 * n < count:
+                pieces[-1] = (plo, hi, both)
+                continue
+        pieces.append((lo, hi, holders))
+    return start, end, [(holders, lo, hi) for lo, hi, holders in pieces]
+
+
+def _ranges(spark, endpoints: str, start: int | None, end: int | None, partitions: int | None, token: str | None):
+    """The committed range [start, end] split into index ranges: (holders, lo, hi) each."""
+    n = partitions or spark.sparkContext.defaultParallelism * 2
+    return plan_log_ranges(log_bounds(endpoints, token), start, end, n)[2]
 
 
 def _plan(spark, rows: list[tuple], schema: str):
@@ -237,10 +277,10 @@ def _plan(spark, rows: list[tuple], schema: str):
 
 def read_log(spark, endpoints: str, start: int | None = None, end: int | None = None, *, partitions: int | None = None, token: str | None = None):
     """A DataFrame of the committed log entries [start, end] as they were proposed (the raw
-    log: index, term, op, key, value, conditional, branch), read from the first node that
-    answers in parallel index ranges."""
+    log: index, term, op, key, value, conditional, branch), read in parallel index ranges,
+    each from a node that holds it (default: all any member still holds, log_range)."""
     ranges = _ranges(spark, endpoints, start, end, partitions, token)
-    plan = _plan(spark, [(ep, lo, hi, token or "") for ep, lo, hi in ranges], "endpoint string, lo long, hi long, token string")
+    plan = _plan(spark, [(holders[0], lo, hi, token or "") for holders, lo, hi in ranges], "endpoint string, lo long, hi long, token string")
     return plan.mapInArrow(_read_log_ranges, log_schema())
 
 
@@ -267,8 +307,8 @@ def read_changes(
     that changed nothing left out. After `export_snapshot` at index N, `read_changes(...,
     start=N + 1)` continues it with no gap and no repeat (a CDC bootstrap)."""
     ranges = _ranges(spark, endpoints, start, end, partitions, token)
-    # Each range is watched on the node that was planned first, on the others if it fails.
-    rows = [(",".join([ep] + [e for e in endpoints.split(",") if e.strip() and e.strip() != ep]), lo, hi, prefix, token or "") for ep, lo, hi in ranges]
+    # Each range is watched on a node that holds it, on the others that do if it fails.
+    rows = [(",".join(holders), lo, hi, prefix, token or "") for holders, lo, hi in ranges]
     plan = _plan(spark, rows, "endpoints string, lo long, hi long, prefix string, token string")
     return plan.mapInArrow(_read_change_ranges, changes_schema())
 
@@ -332,20 +372,3 @@ def _arrow(rows: list[tuple], schema):
 
     a = to_arrow_schema(schema)
     return pa.RecordBatch.from_arrays([pa.array(col, f.type) for col, f in zip(zip(*rows), a)], schema=a)
-
-
-def session(master: str = "local[2]", app: str = "ledgerkv"):
-    """A SparkSession for the CLI (the workers run this same Python)."""
-    import sys
-
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    return (
-        SparkSession.builder.master(master)
-        .appName(app)
-        .config("spark.ui.showConsoleProgress", str(sys.stderr.isatty()).lower())  # a progress bar on a terminal
-        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-        .getOrCreate()
-    )
