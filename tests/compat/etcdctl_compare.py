@@ -58,7 +58,12 @@ SESSION: list[tuple[list[str], str | None]] = [
 KNOWN: set[str] = set()
 # The second txn changes nothing: etcd's header then says the store's revision (that of the
 # last change); ledgerkv's revisions are log indexes, and the transaction has an entry.
-KNOWN_AT = {13: "a transaction that changes nothing has a revision of its own (its log index)"}
+# A compaction has an entry too, so a read after it is at a revision of its own (etcd's
+# header then says the last change's).
+KNOWN_AT = {
+    13: "a transaction that changes nothing has a revision of its own (its log index)",
+    26: "a compaction has a revision of its own (its log index)",
+}
 _PORT = re.compile(r"127\.0\.0\.1:(?!2379\b)\d+")
 _COMPACTED = re.compile(r"compacted revision \d+")
 _REV_AT = re.compile(r"\{rev@-(\d+)\}")
