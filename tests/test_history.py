@@ -152,3 +152,23 @@ def test_a_state_from_before_the_history_starts_it_at_the_next_entry(tmp_path):
         assert sm.get_at("a", 0) is None and sm.get_at("a", 1) == (1, b"1")
     finally:
         sm.close()
+
+
+def test_retention_by_revisions_and_by_time():
+    from kv.errors import BadRequest
+    from kv.server.compactor import Retention, parse_retention
+
+    assert parse_retention("0") == ("off", 0.0) and parse_retention("1h") == ("time", 3600.0) and parse_retention("250") == ("revisions", 250)
+    for bad in ("abc", "-5", "1.5", "10d"):
+        with pytest.raises(BadRequest, match="auto-compaction-retention"):
+            parse_retention(bad)
+    r = Retention("100")
+    assert r.target(True, 1, 0.0, 105, 0) is None  # less than a tenth over what it keeps
+    assert r.target(True, 1, 1.0, 110, 0) == 10
+    assert r.target(True, 1, 2.0, 115, 10) is None and r.target(False, 1, 3.0, 500, 10) is None  # only the leader
+    t = Retention("60s")
+    assert t.target(True, 2, 0.0, 10, 0) is None
+    assert t.target(True, 2, 30.0, 40, 0) is None
+    assert t.target(True, 2, 61.0, 70, 0) == 10  # what was applied a minute ago
+    assert t.target(True, 3, 62.0, 71, 10) is None  # a new term: its notes start anew
+    assert Retention("0").target(True, 1, 0.0, 10**6, 0) is None
