@@ -98,7 +98,11 @@ class Compactor:
         sm = self._state()
         if sm is None or getattr(sm, "incomplete", False):
             return
-        await self._purge(sm)
+        try:
+            await self._purge(sm)
+        except Exception as e:  # the state replaced under it (install-snapshot): the next step goes on
+            log.debug("history purge interrupted (%s: %s); trying again", type(e).__name__, e)
+            return
         leading, term, applied = self._view()
         target = self.retention.target(leading, term, now, applied, sm.compact_revision)
         if target is None:
