@@ -139,18 +139,22 @@ def change_of(db, raw: bytes, revision: int, n: int) -> tuple[KeyValue | None, P
         it.close()
 
 
-def purge(db, below: int, max_records: int) -> int:
-    """Drop the history records of revisions below `below`, at most max_records changes'
-    worth in one write; returns how many changes were dropped (0: none are left)."""
+def purge(db, start: bytes, below: int, max_records: int) -> tuple[int, bytes]:
+    """Drop the history records of revisions below `below`, from change record `start` on
+    (where the last call stopped: the records before it are gone, and skipping their
+    tombstones again would make each call slower than the last), at most max_records
+    changes' worth in one write. Returns how many changes were dropped (0: none are left)
+    and where the next call starts."""
     wb = db.write_batch()
     n = 0
-    with db.iterator(start=CHANGES, stop=change_key(below, 0)) as it:
+    with db.iterator(start=max(start, CHANGES), stop=change_key(below, 0)) as it:
         for k, v in it:
             rev, change = _REV_N.unpack_from(k, len(CHANGES))
             wb.delete(k)
             wb.delete(version_key(v[8:], rev, change))
+            start = k + b"\x00"
             n += 1
             if n >= max_records:
                 break
     wb.write()
-    return n
+    return n, start
