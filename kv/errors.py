@@ -254,15 +254,17 @@ class RevisionCompacted(Compacted):
 
 
 class WatchCompacted(Compacted):
-    """The changes asked for are no longer in this node's ledger (compacted into a
-    snapshot). Read the prefix, then watch from the index the read was at + 1."""
+    """The changes asked for are no longer kept on this node (its ledger was compacted into
+    a snapshot, or its history by a Compact). Read the prefix, then watch from the index
+    the read was at + 1. `oldest_index`: the first index a watch can start at here."""
 
-    def __init__(self, message: str, ledger_begin_index: int) -> None:
+    def __init__(self, message: str, ledger_begin_index: int, oldest_index: int | None = None) -> None:
         super().__init__(message)
         self.ledger_begin_index = ledger_begin_index
+        self.oldest_index = oldest_index if oldest_index is not None else ledger_begin_index + 1
 
     def details(self) -> dict:
-        return {"ledger_begin_index": self.ledger_begin_index}
+        return {"ledger_begin_index": self.ledger_begin_index, "oldest_index": self.oldest_index}
 
 
 class SlowWatcher(KVError):

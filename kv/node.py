@@ -421,12 +421,17 @@ class Node(AsyncRecipes):
         self, key: str, *, consistency: str = "linearizable", timeout: float | None = None, revision: int | None = None
     ) -> tuple[Item | None, int]:
         """get, and the applied index the read was at. `revision`: the key as it was then
-        (RevisionCompacted below what the history keeps, FutureRevision above the index)."""
+        (RevisionCompacted below what the history keeps, FutureRevision above the index),
+        and the index answered is it."""
         validate_key(key)
         index = await self.read_barrier(consistency, timeout)
         try:
             # no await since the barrier: the state is at `index`
-            got = self.sm.get(key) if revision is None else self.sm.get_at(key, self._past(revision, index))
+            if revision is None:
+                got = self.sm.get(key)
+            else:
+                index = self._past(revision, index)  # (read at it: the index it answers, as scan_page's)
+                got = self.sm.get_at(key, index)
         except StateCorrupt as e:
             raise public_error(e) from e
         return (Item(key, got[1], got[0]) if got else None), index
@@ -439,10 +444,11 @@ class Node(AsyncRecipes):
             raise FutureRevision(f"revision {revision} is ahead of this node's applied index {index}; read at {index} or earlier")
         oldest = self.sm.oldest_revision()
         if revision < oldest:
-            raise RevisionCompacted(
-                f"revision {revision} is compacted: the history here goes back to revision {oldest} "
-                "(--auto-compaction-retention, or a Compact); read at a later revision", oldest,
+            why = (
+                "compacted (--auto-compaction-retention, or a Compact)" if oldest == self.sm.compact_revision
+                else "from before this node's history began (data written by a version without it)"
             )
+            raise RevisionCompacted(f"revision {revision} is {why}: the history here goes back to revision {oldest}; read at a later revision", oldest)
         return revision
 
     def oldest_revision(self) -> int:
@@ -450,10 +456,14 @@ class Node(AsyncRecipes):
         its history began)."""
         return self.sm.oldest_revision() if self.sm is not None else 0
 
-    def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", timeout: float | None = None, page: int = 1000) -> Scan:
+    def scan(
+        self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", timeout: float | None = None,
+        page: int = 1000, revision: int | None = None,
+    ) -> Scan:
         """Every key under a prefix in key order (strictly after `after`; at most `limit`):
         `await node.scan(p)` gives a list, `async for item in node.scan(p)` streams pages.
-        The first page waits for `consistency`; the ones after it read on from there."""
+        The first page waits for `consistency`; the ones after it read on from there (as
+        the keys are then), or, with `revision`, every page as the keys were at it."""
         barrier = [consistency]
 
         async def fetch(after: str | None, n: int) -> tuple[list[Item], bool]:
@@ -461,7 +471,8 @@ class Node(AsyncRecipes):
                 await self.read_barrier(barrier.pop(), timeout)
             self._running()
             try:
-                rows = self.sm.scan(prefix, after, n)
+                at = None if revision is None else self._past(revision, self.sm.applied()[0])
+                rows = self.sm.scan(prefix, after, n, None, at)
             except StateCorrupt as e:
                 raise public_error(e) from e
             return [Item(k, v, m) for k, v, m in rows], len(rows) == n
@@ -604,6 +615,8 @@ class Node(AsyncRecipes):
         revision), FutureRevision if `revision` is ahead of the log."""
         if type(revision) is not int or revision < 1:
             raise BadRequest(f"revision must be a log index (an integer >= 1), not {revision!r}")
+        if self.sm is not None and revision <= self.sm.compact_revision:  # refused in any case: no entry for it
+            raise RevisionCompacted(f"revision {revision} is compacted already (the compact revision is {self.sm.compact_revision})", self.sm.compact_revision)
         r = raise_failed((await self.submit(cmds.Compact(revision), timeout)).result)
         if r.refused == "compacted":
             raise RevisionCompacted(f"revision {revision} is compacted already (the compact revision is {r.compact_revision})", r.compact_revision)

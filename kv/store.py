@@ -253,9 +253,16 @@ class Store:
             raise public_error(e, fix="close and reopen the store to rebuild it") from e
         return Item(key, got[1], got[0]) if got else None
 
-    def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", page: int = 1000) -> Iterator[Item]:
-        """Keys under prefix in key order, read `page` keys at a time (`limit` caps the total)."""
+    def scan(
+        self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", page: int = 1000,
+        revision: int | None = None,
+    ) -> Iterator[Item]:
+        """Keys under prefix in key order, read `page` keys at a time (`limit` caps the
+        total); `revision`: every page as the keys were then (one consistent cut)."""
         _check_consistency(consistency)
+        if revision is not None:
+            yield from self._scan_at(prefix, after, limit, page, revision)
+            return
         sm = self._sm()
         left = limit if limit is not None else float("inf")
         while left > 0:
@@ -269,6 +276,16 @@ class Store:
                 yield Item(k, v, m)
             left -= len(rows)
             after = rows[-1][0]
+
+    def _scan_at(self, prefix: str, after: str | None, limit: int | None, page: int, revision: int) -> Iterator[Item]:
+        left = limit if limit is not None else float("inf")
+        while left > 0:
+            items = self.scan_page(prefix, after=after, limit=int(min(left, page)), revision=revision).items
+            if not items:
+                return
+            yield from items
+            left -= len(items)
+            after = items[-1].key
 
     def scan_page(
         self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", revision: int | None = None

@@ -372,7 +372,7 @@ class LevelDBStateMachine:
         self.sessions.load(records)
         self.alarms = {(int(k[len(_ALARM) : len(_ALARM) + 16], 16), int(k[len(_ALARM) + 17 :])) for k, _, _ in records if k.startswith(_ALARM)}
         self.nospace = any(kind == ALARM_NOSPACE for _, kind in self.alarms)  # writes that add data are refused
-        self.compact_revision = next((_U64.unpack(v)[0] for k, _, v in records if k == _COMPACT), 0)
+        self.compact_revision, self.compacted_at = next(((_U64.unpack(v)[0], mod) for k, mod, v in records if k == _COMPACT), (0, 0))
         # A state from before the history: it starts with the next entry applied.
         self.history_from = next((_U64.unpack(v)[0] for k, _, v in records if k == history.HISTORY_FROM), None)
 
@@ -710,9 +710,9 @@ class LevelDBStateMachine:
     def _compact(self, revision: int, index: int, wb) -> CompactAnswer:
         if revision <= self.compact_revision:
             return CompactAnswer(self.compact_revision, "compacted")
-        if revision > index:
+        if revision >= index:  # (at most the index applied before this entry)
             return CompactAnswer(self.compact_revision, "future")
-        self.compact_revision = revision
+        self.compact_revision, self.compacted_at = revision, index
         wb.put(_DATA + _COMPACT, _U64.pack(index) + _U64.pack(revision))
         return CompactAnswer(revision, "")
 

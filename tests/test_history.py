@@ -116,8 +116,9 @@ def test_changes_of_past_revisions_carry_what_the_key_held_before(history):
 
 def test_compact_keeps_reads_at_and_after_it_and_purges_the_rest(history, tmp_path):
     sm, at = history
-    r = sm.apply([_entry(301, c.Compact(200))])[0]
-    assert r == c.CompactAnswer(200, "")
+    assert sm.apply([_entry(301, c.Compact(301))])[0] == c.CompactAnswer(0, "future")  # at most what was applied before it
+    r = sm.apply([_entry(302, c.Compact(200))])[0]
+    assert r == c.CompactAnswer(200, "") and sm.compacted_at == 302
     assert sm.oldest_revision() == 200
     left = sm.purge_history(max_changes=50)
     assert left == 50
@@ -136,6 +137,7 @@ def test_compact_keeps_reads_at_and_after_it_and_purges_the_rest(history, tmp_pa
         for rev in (200, 275):
             assert other.scan("", limit=100, revision=rev) == sm.scan("", limit=100, revision=rev)
         assert other.history_changes(200, "", 10_000) == sm.history_changes(200, "", 10_000)
+        assert other.compacted_at == 302
     finally:
         view.release()
         other.close()
@@ -172,3 +174,7 @@ def test_retention_by_revisions_and_by_time():
     assert t.target(True, 2, 61.0, 70, 0) == 10  # what was applied a minute ago
     assert t.target(True, 3, 62.0, 71, 10) is None  # a new term: its notes start anew
     assert Retention("0").target(True, 1, 0.0, 10**6, 0) is None
+    idle = Retention("5s")  # nothing written but its own compactions: it stops compacting
+    assert idle.target(True, 1, 0.0, 40, 30, 31) is None and idle.target(True, 1, 6.0, 40, 30, 31) == 40
+    idle = Retention("5s")
+    assert idle.target(True, 1, 0.0, 41, 40, 41) is None and idle.target(True, 1, 6.0, 41, 40, 41) is None

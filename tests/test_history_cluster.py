@@ -45,6 +45,26 @@ with open(out, "w") as f:
 """
 
 
+ERRORS = """
+import json, sys, kv
+endpoint, head = sys.argv[1], int(sys.argv[2])
+out = {}
+with kv.Client([endpoint]) as c:
+    try:
+        c.get("h/000000", revision=head - 1)
+    except kv.RevisionCompacted as e:
+        out["compacted"] = e.compact_revision
+    try:
+        c.scan_page("h/", revision=head + 10**9)
+    except kv.FutureRevision as e:
+        out["future"] = e.code
+    items = list(c.scan("h/", revision=head, page=7, limit=20))
+    out["scan"] = [[it.key, it.value.decode()] for it in items]
+    out["get"] = c.get("h/000003", revision=head).value.decode()
+print(json.dumps(out))
+"""
+
+
 def _python(code: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
@@ -134,6 +154,12 @@ def test_a_paged_list_at_one_revision_a_watch_from_far_behind_and_compact(tmp_pa
             assert status == 410 and json.loads(body)["error"]["code"] == "COMPACTED", (i, body)
             status, _, body = c.request(i, "GET", f"/v1/kv?prefix=h/&limit=1&consistency=stale&revision={head}")
             assert status == 200 and json.loads(body)["items"][0]["value"] == "three-0"
+        r = _python(ERRORS, c.url(follower), str(head))
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout) == {
+            "compacted": head, "future": "FUTURE_REVISION", "get": "three-3",
+            "scan": [[f"h/{i:06d}", f"three-{i}"] for i in range(20)],
+        }
         time.sleep(3)  # the purge runs in batches, once a second
         after_sizes = {i: _size(os.path.join(c.data_dir(i), "state")) for i in c.ids}
         print(f"state bytes before compaction {sizes}, after {after_sizes}")

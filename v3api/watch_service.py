@@ -82,7 +82,7 @@ class _Stream:
             w = node.watch(watch_prefix(start, req.range_end), req.start_revision or None, resume_when_behind=False, rich=True)
         except WatchCompacted as e:  # etcd: created, then canceled with the oldest revision it still has
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
-            self.out.put_nowait(_compacted(self.header(), wid, e.ledger_begin_index + 1))
+            self.out.put_nowait(_compacted(self.header(), wid, e.oldest_index))
             return
         except KVError as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=str(e)))
@@ -113,7 +113,7 @@ class _Stream:
                 elif not events and progress:
                     self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(through), watch_id=wid))
         except WatchCompacted as e:
-            self.out.put_nowait(_compacted(self.header(), wid, e.ledger_begin_index + 1))
+            self.out.put_nowait(_compacted(self.header(), wid, e.oldest_index))
         except SlowWatcher as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {e}"))
         except Exception as e:  # a bug: the client hears of it, the log says where

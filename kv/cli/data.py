@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
     a.add_argument("--prefix", action="store_true", help="KEY is a prefix: delete every key that starts with it, in one committed entry")
     a = client_command(sub, "scan", "list keys under a prefix", run)
     a.add_argument("prefix", nargs="?", default="")
-    a.add_argument("--limit", type=int, default=None)
+    a.add_argument("--limit", type=at_least(1), default=None, help="list at most this many keys (pages are fetched as needed)")
     a.add_argument("--rev", type=at_least(1), default=None, help="the keys as of this revision (log index), every page at that one cut")
     a = client_command(sub, "watch", "print every change under a prefix as it commits (Ctrl-C stops)", run)
     a.add_argument("prefix", nargs="?", default="")
@@ -76,7 +76,7 @@ async def _run(c, args: argparse.Namespace) -> int:
         text = f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}"
         report(args, {"key": args.key, "index": r.index, "term": r.term, "deleted": r.deleted}, text)
     elif cmd == "scan":
-        async for it in c.scan(args.prefix, limit=args.limit) if args.rev is None else _scan_at(c, args.prefix, args.limit, args.rev):
+        async for it in c.scan(args.prefix, limit=args.limit, revision=args.rev):
             report(args, _item(it), f"{it.key}\t{listing_text(it.value)}\t{it.mod_index}")
     elif cmd == "compact":
         done = await c.compact(args.revision)
@@ -84,18 +84,6 @@ async def _run(c, args: argparse.Namespace) -> int:
     elif cmd == "watch":
         await _watch(c, args)
     return 0
-
-
-async def _scan_at(c, prefix: str, limit: int | None, revision: int):
-    after, left = None, limit if limit is not None else float("inf")
-    while left > 0:
-        page = await c.scan_page(prefix, after=after, limit=int(min(left, 1000)), revision=revision)
-        if not page.items:
-            return
-        for it in page.items:
-            yield it
-        left -= len(page.items)
-        after = page.items[-1].key
 
 
 async def _watch(c, args: argparse.Namespace) -> None:

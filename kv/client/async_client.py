@@ -330,14 +330,21 @@ class AsyncClient(AsyncRecipes):
         d = await self._write_json("DELETE", "/v1/kv", params={"prefix": prefix})
         return PrefixDeleteResult(d["index"], d["term"], d["deleted"])
 
-    def scan(self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", page: int = 1000) -> Scan:
+    def scan(
+        self, prefix: str = "", *, after: str | None = None, limit: int | None = None, consistency: str = "linearizable", page: int = 1000,
+        revision: int | None = None,
+    ) -> Scan:
         """Every key under a prefix in key order (strictly after `after`; at most `limit`),
-        fetched `page` keys a request: `async for item in c.scan(p)`, or `await c.scan(p)`."""
+        fetched `page` keys a request: `async for item in c.scan(p)`, or `await c.scan(p)`.
+        Each page is read as the keys are then, or, with `revision`, as they were at it
+        (one consistent cut while writes go on)."""
 
         async def fetch(after: str | None, n: int) -> tuple[list[Item], bool]:
             params = {"prefix": prefix, "limit": str(n), "consistency": consistency}
             if after is not None:
                 params["after"] = after
+            if revision is not None:
+                params["revision"] = str(revision)
             d = await self._json("GET", "/v1/kv", params=params)
             return [Item(it["key"], value_from(it), it["mod_index"]) for it in d["items"]], d["next"] is not None
 

@@ -21,7 +21,7 @@ log = logging.getLogger("kv.client")
 DEFAULT_ENDPOINTS = ("http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003")
 
 # The server's error code picks the class where the status alone is ambiguous.
-_ERRORS_BY_CODE = {c.code: c for c in (errors.MemberExists, errors.NoQuorum, errors.Unavailable, errors.NotLeader)}
+_ERRORS_BY_CODE = {c.code: c for c in (errors.MemberExists, errors.NoQuorum, errors.Unavailable, errors.NotLeader, errors.FutureRevision)}
 _ERRORS = {
     400: errors.BadRequest,
     401: errors.Unauthorized,
@@ -93,6 +93,8 @@ def error_for(status: int, body: bytes, endpoint: str) -> errors.KVError:
         return errors.LeaseNotFound(int(err.get("lease") or 0), msg)
     if err.get("code") == errors.SessionExpired.code:
         return errors.SessionExpired(int(err.get("session") or 0), msg)
+    if err.get("code") == errors.RevisionCompacted.code and "compact_revision" in err:
+        return errors.RevisionCompacted(msg, int(err["compact_revision"] or 0))
     cls = _ERRORS_BY_CODE.get(err.get("code")) or _ERRORS.get(status)
     if cls is not None:
         return cls(msg)

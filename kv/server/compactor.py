@@ -58,7 +58,10 @@ class Retention:
         self._notes: collections.deque[tuple[float, int]] = collections.deque()
         self._term = -1
 
-    def target(self, leading: bool, term: int, now: float, applied: int, compacted: int) -> int | None:
+    def target(self, leading: bool, term: int, now: float, applied: int, compacted: int, compacted_at: int = 0) -> int | None:
+        """`compacted`: the compact revision; `compacted_at`: the index of the Compact entry
+        that set it (by time, a node with no other writes must not go on compacting its own
+        compactions)."""
         if not leading or self.mode == "off":
             self._notes.clear()
             self._term = -1
@@ -75,7 +78,7 @@ class Retention:
         cutoff = now - self.amount
         while len(notes) > 1 and notes[1][0] <= cutoff:
             notes.popleft()
-        if notes[0][0] <= cutoff and notes[0][1] > compacted:
+        if notes[0][0] <= cutoff and notes[0][1] > max(compacted, compacted_at):
             return notes[0][1]
         return None
 
@@ -105,7 +108,7 @@ class Compactor:
             log.debug("history purge interrupted (%s: %s); trying again", type(e).__name__, e)
             return
         leading, term, applied = self._view()
-        target = self.retention.target(leading, term, now, applied, sm.compact_revision)
+        target = self.retention.target(leading, term, now, applied, sm.compact_revision, sm.compacted_at)
         if target is None:
             return
         try:

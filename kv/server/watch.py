@@ -233,8 +233,8 @@ class WatchHub:
         if index < floor:
             raise WatchCompacted(
                 f"changes before index {floor} are no longer kept on this node (compacted); read the prefix "
-                "(GET /v1/kv?prefix=..., which answers the index it read at) and watch from that index + 1",
-                floor - 1,
+                "(scan_page, or GET /v1/kv?prefix=..., answers the index it read at) and watch from that index + 1",
+                self._log_range()[0] - 1, floor,
             )
 
     def catch_up(self, w: Watch) -> list[Event]:
