@@ -151,6 +151,16 @@ def _last_line(path: str) -> str:
     return lines[-1] if lines else ""
 
 
+def _restart_line(args: list[str]) -> str:
+    """The command that starts a node again as this one started it: its arguments, and the
+    KV_* settings it inherited from this shell (secrets named, not shown)."""
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("KV_") and k != "KV_ENDPOINTS"}
+    shown = [f"{k}={v}" for k, v in env.items() if not any(w in k for w in ("TOKEN", "SECRET"))]
+    hidden = [f"{k}=\"${k}\"" for k in env if any(w in k for w in ("TOKEN", "SECRET"))]
+    line = shlex.join([*(["env", *shown] if shown else []), *SERVE, *args])
+    return line.replace(shlex.join(SERVE), " ".join([*hidden, shlex.join(SERVE)]), 1) if hidden else line
+
+
 async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: dict[str, str]) -> list[str]:
     """Report leader changes and nodes that exit until `stop` is set or every node has
     exited; returns the ids of the nodes that exited on their own."""
@@ -167,7 +177,7 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                     last = _last_line(log_paths[nid])
                     _say(f"node {nid} exited with code {p.returncode}; its log is {log_paths[nid]}" + (f": {last}" if last else ""))
                     args = next(n["args"] for n in plan if n["id"] == nid)
-                    _say(f"  to bring {nid} back, in another shell: {shlex.join([*SERVE, *args])} >> {shlex.quote(log_paths[nid])} 2>&1")
+                    _say(f"  to bring {nid} back, in another shell: {_restart_line(args)} >> {shlex.quote(log_paths[nid])} 2>&1")
             seen = await statuses(s, {n["id"]: n["url"] for n in plan})
             leaders = {st["leader"] for st in seen.values() if st.get("leader")}
             now = next(iter(leaders)) if len(leaders) == 1 else None

@@ -99,14 +99,14 @@ def _emit_status(rows: list) -> int:
 
 
 def _print_status(rows: list) -> int:
-    cols = ("id", "role", "term", "leader", "commit_index", "applied_index", "ledger_begin_index", "ledger_end_index", "snapshot_index")
-    heads = ("ID", "ROLE", "TERM", "LEADER", "COMMIT", "APPLIED", "LEDGER_BEGIN", "LEDGER_END", "SNAPSHOT", "ENDPOINT")
+    cols = ("id", "role", "term", "leader", "commit_index", "applied_index", "ledger_begin_index", "ledger_end_index", "snapshot_index", "compact_revision")
+    heads = ("ID", "ROLE", "TERM", "LEADER", "COMMIT", "APPLIED", "LEDGER_BEGIN", "LEDGER_END", "SNAPSHOT", "COMPACT", "ENDPOINT")
     table = [heads]
     down = 0
     for ep, st in rows:
         if isinstance(st, Exception):
             down += 1
-            table.append(("?", "unreachable", "", "", "", "", "", "", "", ep))
+            table.append(("?", "unreachable", "", "", "", "", "", "", "", "", ep))
         else:
             table.append(tuple(str(st.get(k) if st.get(k) is not None else "-") for k in cols) + (ep,))
     print("\n".join(columns(table)))
