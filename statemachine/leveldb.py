@@ -177,6 +177,9 @@ class LevelDBStateMachine:
             self._start_history(self._db, self._applied[0] + 1)
         self._changes_at = self._changes_n = 0  # the entry whose changes _keep lists, and how many so far
         self._purge_from = history.CHANGES  # where purge_history goes on from
+        self.purged_below = 0  # every history record below this revision is gone (as far as this process knows)
+        if not hasattr(self, "purged"):  # (kept across reopen: a counter)
+            self.purged = 0  # changes whose history records purge_history dropped
         self._membership = self._db.get(_MEMBERSHIP) or b""
         self._removed = set(json.loads(self._db.get(_REMOVED) or b"[]"))
         if self._db.get(_EFFECTS_FROM) is not None:
@@ -346,7 +349,11 @@ class LevelDBStateMachine:
         """Drop up to max_changes changes' history records below the compact revision (no
         read can reach them), going on from where the last call stopped; returns how many
         went (0: none are left)."""
-        n, self._purge_from = history.purge(self._db, self._purge_from, self.compact_revision, max_changes)
+        below = self.compact_revision
+        n, self._purge_from = history.purge(self._db, self._purge_from, below, max_changes)
+        self.purged += n
+        if n < max_changes:
+            self.purged_below = below
         return n
 
     def compact_history_storage(self) -> None:

@@ -94,7 +94,6 @@ class Compactor:
     ) -> None:
         self.retention = Retention(retention)
         self._view, self._state, self._compact = view, state, compact
-        self._purged_below = 0  # every history record below this revision is gone
         self._sweep = Sweep(STEP_S, self._step, name)
         self.start, self.stop = self._sweep.start, self._sweep.stop
 
@@ -118,7 +117,7 @@ class Compactor:
 
     async def _purge(self, sm) -> None:
         below = sm.compact_revision
-        if below <= self._purged_below:
+        if below <= sm.purged_below:
             return
         purged = 0
         while True:
@@ -129,7 +128,6 @@ class Compactor:
             await asyncio.sleep(0)  # the node's other work goes on between batches
             if self._state() is not sm or sm.compact_revision != below:
                 return
-        self._purged_below = below
         if purged >= STORAGE_COMPACT_AFTER:
             # LevelDB would drop the purged records' tombstones in its own time; until then
             # reads at a revision step over them. Now, in a worker thread.

@@ -48,6 +48,10 @@ def state_machine_samples(sm: LevelDBStateMachine) -> Iterable[Sample]:
     yield gauge("kv_sessions", "Open client sessions (exactly-once writes), in the state machine.", len(sm.sessions))
     yield counter("kv_sessions_evicted", "Client sessions closed to open new ones beyond --max-sessions.", sm.sessions.evicted)
     yield counter("kv_session_copies", "Writes applied here that were copies of one applied before: answered with its result, not applied again.", sm.copies)
+    yield gauge("kv_compact_revision", "The revision of the last compaction applied here: reads below it and watches from before it are refused.", sm.compact_revision)
+    yield gauge("kv_history_oldest_revision", "The oldest revision a read can be at here (the compact revision, or where the history began).", sm.oldest_revision())
+    yield counter("kv_history_purged_changes", "Changes whose earlier versions were dropped from the history after a compaction.", sm.purged)
+    yield gauge("kv_history_purge_pending", "1 while history below the compact revision is still being dropped (in batches between the node's other work).", int(sm.compact_revision > sm.purged_below))
 
 
 def snapshot_samples(st: SnapshotStats) -> Iterable[Sample]:
