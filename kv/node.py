@@ -596,6 +596,18 @@ class Node(AsyncRecipes):
         await self.wait_applied(r.index, timeout=timeout if timeout is not None else self.config.write_timeout_s)
         return r
 
+    async def etcd_read_txn(self, txn: cmds.TxnReq, *, consistency: str = "linearizable", timeout: float | None = None) -> cmds.TxnResp:
+        """etcd's Txn of compares and ranges only (it writes nothing): evaluated on this
+        node's state after a read barrier, as etcd serves a read-only transaction; its
+        revision is the applied index it was read at. BadRequest if it writes."""
+        index = await self.read_barrier(consistency, timeout)
+        try:
+            return self.sm.read_txn(txn, index)
+        except cmds.CommandError as e:
+            raise BadRequest(str(e)) from None
+        except StateCorrupt as e:
+            raise public_error(e) from e
+
     async def set_alarm(self, member: int, alarm: int, active: bool, *, timeout: float | None = None) -> list[tuple[int, int]]:
         """Raise (active) or clear an alarm of a member (0: the cluster's), through the log:
         while a NOSPACE one is raised, every node refuses writes that add data (etcd's

@@ -861,6 +861,13 @@ class LevelDBStateMachine:
             return refused
         return self._txn_run(txn, iter(path), index, wb, overlay, changes, reads)
 
+    def read_txn(self, txn: TxnReq, index: int) -> TxnResp:
+        """A TxnReq that writes nothing, evaluated on the applied state (no entry): its
+        compares decide the branch, its ranges are read (up to the read budget)."""
+        path: list[bool] = []
+        self._txn_path(txn, {}, path)
+        return self._txn_run(txn, iter(path), index, None, {}, [], True, read_only=True)
+
     def _txn_path(self, txn: TxnReq, overlay: dict, path: list[bool]) -> None:
         ok = all(self._compare(c, overlay) for c in txn.compares)
         path.append(ok)
@@ -890,13 +897,15 @@ class LevelDBStateMachine:
                     return refused
         return None
 
-    def _txn_run(self, txn: TxnReq, path, index: int, wb, overlay: dict, changes: list, reads: bool) -> TxnResp:
+    def _txn_run(self, txn: TxnReq, path, index: int, wb, overlay: dict, changes: list, reads: bool, read_only: bool = False) -> TxnResp:
         ok = next(path)
         out = []
         for op in txn.success if ok else txn.failure:
             t = type(op)
             if t is RangeReq:
                 out.append(self._range(op, overlay, self.max_read_bytes) if reads else None)
+            elif read_only and t is not TxnReq:
+                raise CommandError("a read-only transaction puts or deletes nothing")
             elif t is PutReq:
                 prev = None
                 if op.prev_kv or op.ignore_value or op.ignore_lease:  # (the key's versions cost a read)
@@ -913,7 +922,7 @@ class LevelDBStateMachine:
                     self._delete(Delete(raw.decode()), index, wb, overlay, changes)
                 out.append(DeleteRangeResp(len(items), prevs))
             else:
-                out.append(self._txn_run(op, path, index, wb, overlay, changes, reads))
+                out.append(self._txn_run(op, path, index, wb, overlay, changes, reads, read_only))
         return TxnResp(index, ok, tuple(out))
 
     # -- snapshots -------------------------------------------------------------------------

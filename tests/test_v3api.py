@@ -147,6 +147,25 @@ def test_delete_range_counts_and_returns_what_it_deleted(etcd):
     assert get(etcd, b"v3d/a").kvs[0].version == 1  # a deleted key starts over
 
 
+def test_a_transaction_that_writes_nothing_is_a_read(etcd, cluster):
+    put(etcd, b"v3ro/k", b"v")
+    compare = rpc_pb2.Compare
+    txn = rpc_pb2.TxnRequest(
+        compare=[compare(key=b"v3ro/k", target=compare.VALUE, result=compare.EQUAL, value=b"v")],
+        success=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=b"v3ro/", range_end=b"v3ro0"))],
+        failure=[rpc_pb2.RequestOp(request_txn=rpc_pb2.TxnRequest())],
+    )
+    before = cluster.status(cluster.leader_id)["ledger_end_index"]
+    for _ in range(20):
+        r = etcd.kv.Txn(txn, timeout=10)
+    # read on the follower, not 20 entries through the log (a lease's expiry may add one)
+    assert cluster.status(cluster.leader_id)["ledger_end_index"] - before < 5
+    assert r.succeeded and [kv.value for kv in r.responses[0].response_range.kvs] == [b"v"] and r.header.revision >= before
+    txn.compare[0].value = b"other"
+    r = etcd.kv.Txn(txn, timeout=10)
+    assert not r.succeeded and r.responses[0].response_txn.succeeded  # the nested (empty) one ran
+
+
 def test_txn_compares_every_target_and_runs_one_branch_atomically(etcd):
     created = put(etcd, b"v3t/k", b"one").header.revision
     compare = rpc_pb2.Compare

@@ -43,9 +43,12 @@ class KVService(rpc_pb2_grpc.KVServicer):
             return rpc_pb2.DeleteRangeResponse(header=self.header(r.index), deleted=d.deleted, prev_kvs=[wire.kv_message(kv) for kv in d.prev_kvs])
 
     async def Txn(self, request, context):
-        async with self.access(context, "write", list(txn_keys(request))):
+        # A transaction that writes nothing is a read (etcd's read-only Txn): a read token
+        # may send it, and it is answered after a read barrier, not through the log.
+        reads_only = not _writes(request)
+        async with self.access(context, "read" if reads_only else "write", list(txn_keys(request))):
             txn = self.txn_req(request)
-            r = await self.node.etcd_txn(txn)
+            r = await (self.node.etcd_read_txn(txn) if reads_only else self.node.etcd_txn(txn))
             return txn_response(request, r, self.header)
 
     async def Compact(self, request, context):
@@ -126,6 +129,15 @@ def check_unique_writes(ops) -> tuple[set[bytes], list[tuple[bytes, bytes]]]:
         if op.WhichOneof("request") == "request_put":
             add(op.request_put.key)
     return puts, dels
+
+
+def _writes(request: rpc_pb2.TxnRequest) -> bool:
+    """Whether a transaction puts or deletes anything, in either branch, nested ones included."""
+    for op in list(request.success) + list(request.failure):
+        which = op.WhichOneof("request")
+        if which in ("request_put", "request_delete_range") or (which == "request_txn" and _writes(op.request_txn)):
+            return True
+    return False
 
 
 def txn_keys(request: rpc_pb2.TxnRequest):
