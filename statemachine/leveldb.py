@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import struct
-import threading
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
@@ -154,8 +153,6 @@ class LevelDBStateMachine:
         # The most a transaction's gets may return on the node answering it (None: no limit).
         self.max_read_bytes = max_read_bytes
         self._db = None
-        if not hasattr(self, "_storage"):  # (reopen runs __init__ again: the lock stays)
-            self._storage = threading.Lock()  # held while the database is compacted, closed or replaced
         if os.path.exists(os.path.join(path, DAMAGED_MARKER)):
             raise StateCorrupt(f"the state machine in {path} was found damaged while running")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -355,14 +352,6 @@ class LevelDBStateMachine:
         if n < max_changes:
             self.purged_below = below
         return n
-
-    def compact_history_storage(self) -> None:
-        """Have LevelDB rewrite the history's ranges now, dropping the purged records'
-        tombstones (until it does, reads at a revision step over them). Slow, so called
-        from a worker thread; the state cannot be closed or replaced meanwhile."""
-        with self._storage:
-            if self._db is not None and not self._db.closed:
-                self._db.compact_range(start=history.VERSIONS, stop=_HISTORY_END)
 
     def count(self) -> int:
         with self._db.iterator(start=_USER_DATA, stop=_DATA + b"\xff" * 8, include_value=False) as it:
@@ -935,13 +924,12 @@ class LevelDBStateMachine:
         """Replace everything with a snapshot's records; returns how many user keys were
         loaded (besides ledgerkv's own records). A marker makes a crash in the middle
         visible at the next start (`incomplete`)."""
-        with self._storage:
-            self._db.put(_RESTORING, b"1", sync=True)
-            self._db.close()
-            shutil.rmtree(self.path)
-            os.makedirs(self.path)
-            self._db = _open(self.path)
-            self._db.put(_RESTORING, b"1", sync=True)
+        self._db.put(_RESTORING, b"1", sync=True)
+        self._db.close()
+        shutil.rmtree(self.path)
+        os.makedirs(self.path)
+        self._db = _open(self.path)
+        self._db.put(_RESTORING, b"1", sync=True)
         self._purge_from = history.CHANGES
         n = own = 0
         wb = self._db.write_batch()
@@ -976,9 +964,8 @@ class LevelDBStateMachine:
         refuses every later one until then. What the failed batch changed in this object's
         tables is read back from disk, where none of it went."""
         on_changes, copies, rich = self.on_changes, self.copies, self.rich_changes
-        with self._storage:
-            if self._db is not None and not self._db.closed:
-                self._db.close()
+        if self._db is not None and not self._db.closed:
+            self._db.close()
         self.__init__(self.path, max_read_bytes=self.max_read_bytes)
         self.on_changes, self.copies, self.rich_changes = on_changes, copies, rich
 
@@ -994,12 +981,11 @@ class LevelDBStateMachine:
         self._membership = membership
 
     def close(self) -> None:
-        with self._storage:
-            if self._db is not None and not self._db.closed:
-                if not self.incomplete:
-                    with contextlib.suppress(plyvel.Error):  # a full disk: the restart replays them instead
-                        self.flush_sessions()  # a restart then has nothing to replay
-                self._db.close()
+        if self._db is not None and not self._db.closed:
+            if not self.incomplete:
+                with contextlib.suppress(plyvel.Error):  # a full disk: the restart replays them instead
+                    self.flush_sessions()  # a restart then has nothing to replay
+            self._db.close()
 
 
 class LevelDBView:

@@ -23,7 +23,6 @@ log = logging.getLogger("kv.compactor")
 DEFAULT_RETENTION = "100000"
 STEP_S = 1.0
 PURGE_BATCH = 1_000  # changes' records dropped per write (a few ms of the loop)
-STORAGE_COMPACT_AFTER = 10_000  # changes purged in one go after which LevelDB is asked to compact their ranges
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -119,16 +118,9 @@ class Compactor:
         below = sm.compact_revision
         if below <= sm.purged_below:
             return
-        purged = 0
-        while True:
-            n = sm.purge_history(PURGE_BATCH)  # a few ms: each batch goes on where the last stopped
-            purged += n
-            if n < PURGE_BATCH:
-                break
+        # (LevelDB drops the purged records' tombstones in its own compactions; until then
+        # reads at a revision over keys with many purged versions step over them.)
+        while sm.purge_history(PURGE_BATCH) >= PURGE_BATCH:  # a few ms: each batch goes on where the last stopped
             await asyncio.sleep(0)  # the node's other work goes on between batches
             if self._state() is not sm or sm.compact_revision != below:
                 return
-        if purged >= STORAGE_COMPACT_AFTER:
-            # LevelDB would drop the purged records' tombstones in its own time; until then
-            # reads at a revision step over them. Now, in a worker thread.
-            await asyncio.get_running_loop().run_in_executor(None, sm.compact_history_storage)
