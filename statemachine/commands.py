@@ -306,6 +306,12 @@ class KeyNotFound(NamedTuple):
     key: str
 
 
+def prefix_end(prefix: bytes) -> bytes:
+    """etcd's range_end for every key with the prefix (b"\\x00": every key, for b"" or all 0xFF)."""
+    stripped = prefix.rstrip(b"\xff")
+    return stripped[:-1] + bytes([stripped[-1] + 1]) if stripped else b"\x00"
+
+
 def in_range(k: bytes, key: bytes, range_end: bytes) -> bool:
     """Whether raw key k is in etcd's range (key, range_end)."""
     if not range_end:

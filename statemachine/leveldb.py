@@ -91,6 +91,7 @@ from .commands import (
     TxnReq,
     TxnResp,
     compare_holds,
+    prefix_end,
 )
 from . import history
 from .lease_table import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
@@ -119,12 +120,6 @@ _RESTORE_BATCH = 10_000
 
 # A change event for watchers: (index, key, value or None for a delete, mod_index).
 Change = tuple[int, str, bytes | None]
-
-
-def prefix_end(prefix: bytes) -> bytes:
-    """etcd's range_end for every key with the prefix (b"\\x00": every key, for b"")."""
-    stripped = prefix.rstrip(b"\xff")
-    return stripped[:-1] + bytes([stripped[-1] + 1]) if stripped else b"\x00"
 
 
 class StateCorrupt(KVError):
@@ -272,45 +267,40 @@ class LevelDBStateMachine:
     def get_at(self, key: str, revision: int) -> tuple[int, bytes] | None:
         """(mod_index, value) of a key as of a revision (see oldest_revision), or None."""
         raw = key.encode()
-        past = self._at(raw, revision)
-        if past is None:
-            return self.get(key)
-        return None if past.kv is None else (past.kv.mod_revision, past.kv.value)
+        kv = self._as_of(raw, self._at(raw, revision))
+        return None if kv is None else (kv.mod_revision, kv.value)
 
-    def _at(self, raw: bytes, revision: int) -> history.Past | None:
+    def _at(self, raw: bytes, revision: int) -> history.Past:
         try:
-            past = history.at(self._db, raw, revision)
+            return history.at(self._db, raw, revision)
         except plyvel.CorruptionError as e:
             raise self._damaged(e) from e
-        return past if past.found else None
+
+    def _as_of(self, raw: bytes, past: history.Past, cur: tuple[int, bytes] | None = None) -> KeyValue | None:
+        """The key a history record says, or, when the history has none (nothing changed it
+        since), its current record (`cur`, if read already)."""
+        if past.found:
+            return past.kv
+        cur = cur if cur is not None else self._current(_DATA + raw, {})
+        return self._kv(raw, cur, {}) if cur is not None else None
 
     def _items_at(self, key: bytes, end: bytes, revision: int) -> Iterator[tuple[bytes, KeyValue]]:
         """(raw key, KeyValue) of every key of etcd's range (key, end) as of a revision, in
         key order: the keys there now and the keys with history, merged."""
         if not end:
-            past = self._at(key, revision)
-            if past is not None:
-                if past.kv is not None:
-                    yield key, past.kv
-                return
-            for raw, cur in self._range_items(key, end, {}):
-                yield raw, self._kv(raw, cur, {})
-            return
-        now = self._range_items(key, end, {})
-        had = ((raw, None) for raw in history.keys_between(self._db, max(key, b"\x01"), None if end == b"\x00" else end))
+            keys = iter(((key, None),)) if key[:1] > RESERVED else iter(())
+        else:
+            now = self._range_items(key, end, {})
+            had = ((raw, None) for raw in history.keys_between(self._db, max(key, b"\x01"), None if end == b"\x00" else end))
+            keys = heapq.merge(now, had, key=lambda item: item[0])
         last = None
-        for raw, cur in heapq.merge(now, had, key=lambda item: item[0]):
+        for raw, cur in keys:
             if raw == last:
                 continue
             last = raw
-            past = self._at(raw, revision)
-            if past is not None:
-                if past.kv is not None:
-                    yield raw, past.kv
-                continue
-            cur = cur if cur is not None else self._current(_DATA + raw, {})
-            if cur is not None:
-                yield raw, self._kv(raw, cur, {})
+            kv = self._as_of(raw, self._at(raw, revision), cur)
+            if kv is not None:
+                yield raw, kv
 
     def watch_floor(self) -> int:
         """The oldest revision whose changes the history still holds."""
@@ -331,11 +321,7 @@ class LevelDBStateMachine:
                 continue
             prev, then = history.change_of(self._db, raw, rev, n)
             key = raw.decode()
-            if then.found:
-                kv = then.kv
-            else:
-                cur = self._current(_DATA + raw, {})
-                kv = self._kv(raw, cur, {}) if cur is not None else None
+            kv = self._as_of(raw, then)
             if kv is None:
                 out.append((rev, key, None, KeyValue(key, 0, rev, 0, b"", 0), prev))
             else:

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from tests.cluster import ProcCluster, free_port
+from kv.common.disk import dir_bytes
 from kv.v3api.proto import rpc_pb2, rpc_pb2_grpc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,7 +144,7 @@ def test_a_paged_list_at_one_revision_a_watch_from_far_behind_and_compact(tmp_pa
         assert events[0].kv.mod_revision > revision and events[-1].kv.mod_revision <= head
 
         # Compact at `head`: every node refuses a read below it; the history below is dropped.
-        sizes = {i: _size(os.path.join(c.data_dir(i), "state")) for i in c.ids}
+        sizes = {i: dir_bytes(os.path.join(c.data_dir(i), "state")) for i in c.ids}
         status, _, body = c.request(follower, "POST", "/v1/compact", json.dumps({"revision": head}).encode(), {"Content-Type": "application/json"})
         assert status == 200 and json.loads(body) == {"compact_revision": head}
         for i in c.ids:
@@ -161,7 +162,7 @@ def test_a_paged_list_at_one_revision_a_watch_from_far_behind_and_compact(tmp_pa
             "scan": [[f"h/{i:06d}", f"three-{i}"] for i in range(20)],
         }
         time.sleep(3)  # the purge runs in batches, once a second
-        after_sizes = {i: _size(os.path.join(c.data_dir(i), "state")) for i in c.ids}
+        after_sizes = {i: dir_bytes(os.path.join(c.data_dir(i), "state")) for i in c.ids}
         print(f"state bytes before compaction {sizes}, after {after_sizes}")
     finally:
         c.close()
@@ -169,7 +170,3 @@ def test_a_paged_list_at_one_revision_a_watch_from_far_behind_and_compact(tmp_pa
 
 def listed_mod(pages: list, key: str) -> int:
     return next(m for _, items in pages for k, _, m in items if k == key)
-
-
-def _size(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)

@@ -12,6 +12,7 @@ import grpc
 from kv import Forbidden, Unauthorized
 from kv.http.auth import Grant, grant_of
 from kv.server.samples import Sample, labelled
+from kv.statemachine.commands import prefix_end
 
 from . import wire
 
@@ -75,15 +76,7 @@ class Access:
                 raise Forbidden(f"a token scoped to {grant.prefix!r} manages leases over HTTP only")
             p = grant.prefix.encode()
             for key, end in ranges:
-                inside = key.startswith(p) and (not end or (end <= _prefix_end(p) and end != b"\x00"))
+                inside = key.startswith(p) and (not end or (end <= prefix_end(p) and end != b"\x00"))
                 if not inside:
                     raise Forbidden(f"this token reaches only keys under {grant.prefix!r}")
-
-
-def _prefix_end(p: bytes) -> bytes:
-    """The end of the range of keys starting with p."""
-    for i in range(len(p) - 1, -1, -1):
-        if p[i] < 0xFF:
-            return p[:i] + bytes((p[i] + 1,))
-    return b"\x00"
 

@@ -15,6 +15,7 @@ import grpc
 
 from kv.common.etcd_ids import etcd_id
 from kv.http.auth import grant_of
+from kv.common.disk import dir_bytes
 from kv.snapshot.format import ETCD_SUFFIX_ALIGN, ETCD_SUFFIX_HASH
 
 from . import wire
@@ -79,8 +80,8 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
             return rpc_pb2.StatusResponse(
                 header=self.header.now(),
                 version=wire.ETCD_VERSION,
-                dbSize=_dir_bytes(self.node.config.data_dir),
-                dbSizeInUse=_dir_bytes(self.node.config.state_path),
+                dbSize=dir_bytes(self.node.config.data_dir),
+                dbSizeInUse=dir_bytes(self.node.config.state_path),
                 leader=etcd_id(leader) if leader else 0,
                 raftIndex=s.get("commit_index", 0),
                 raftTerm=s.get("term", 0),
@@ -171,13 +172,3 @@ class AuthService(rpc_pb2_grpc.AuthServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_AUTH_FAILED)
         return rpc_pb2.AuthenticateResponse(header=self.header.now(), token=request.password)
 
-
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(root, f))
-            except OSError:
-                pass
-    return total

@@ -18,6 +18,8 @@ import os
 import threading
 import time
 
+from ..common.disk import dir_bytes
+from .harness import rss_mb
 from .measure import print_table, workdir
 
 
@@ -25,10 +27,6 @@ def add_arguments(p) -> None:
     p.add_argument("--versions", type=int, default=1_000_000, help="versions written into each store (default 1,000,000)")
     p.add_argument("--keys", type=int, default=10_000, help="keys they are spread over (default 10,000)")
     p.add_argument("--value-bytes", type=int, default=100)
-
-
-def _size(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
 def _compacted_size(path: str) -> int:
@@ -41,15 +39,7 @@ def _compacted_size(path: str) -> int:
         db.compact_range(start=b"\x00", stop=b"\xff" * 8)  # (without bounds plyvel's leaves most of it)
     finally:
         db.close()
-    return _size(os.path.join(path, "state"))
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return dir_bytes(os.path.join(path, "state"))
 
 
 def _write(db, versions: int, keys: int, values: list[bytes]) -> tuple[float, float]:
@@ -63,18 +53,19 @@ def _write(db, versions: int, keys: int, values: list[bytes]) -> tuple[float, fl
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def _purge_all(path: str) -> tuple[float, int]:
+def _purge_all(path: str) -> tuple[float, float]:
     """Purge every history record below the compact revision of the state at `path` (the
-    store closed), in the compactor's batches: (seconds, peak RSS growth in bytes)."""
+    store closed), in the compactor's batches: (seconds, peak RSS growth in MiB)."""
     from ..server.compactor import PURGE_BATCH
     from ..statemachine.leveldb import LevelDBStateMachine
 
     sm = LevelDBStateMachine(os.path.join(path, "state"))
-    peak, base, stop = [0], _rss(), threading.Event()
+    me = os.getpid()
+    peak, base, stop = [0.0], rss_mb(me), threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
-            peak[0] = max(peak[0], _rss() - base)
+            peak[0] = max(peak[0], rss_mb(me) - base)
             time.sleep(0.01)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -114,7 +105,7 @@ async def bench_history(args) -> list[dict]:
                     with kv.open(path, auto_compaction_retention=retention) as db:
                         db.compact(db.scan_page("hist/", limit=1).index)
                     purge_s, grew = _purge_all(path)
-                    row.update(purge_s=round(purge_s, 1), purge_rss_mib=round(grew / 2**20, 1))
+                    row.update(purge_s=round(purge_s, 1), purge_rss_mib=round(grew, 1))
                 rows.append(row)
             kept, compacted = rows[0]["state_mib"], rows[1]["state_mib"]
             rows.append({"what": "bytes per kept version", "versions": args.versions, "bytes": round((kept - compacted) * 2**20 / args.versions)})

@@ -306,7 +306,7 @@ class AsyncClient(AsyncRecipes):
     async def get(self, key: str, *, consistency: str = "linearizable", revision: int | None = None) -> Item | None:
         """The key's Item (value, mod_index), or None. consistency: linearizable (default),
         lease, or stale (the answering node's own state). revision: as it was then
-        (Compacted below what the nodes keep, BadRequest above their applied index)."""
+        (RevisionCompacted below what the nodes keep, FutureRevision above their applied index)."""
         params = {"consistency": consistency, **({"revision": str(revision)} if revision is not None else {})}
         status, headers, body = await self.request("GET", _key_path(key), params=params, ok=(200, 404))
         if status == 404:

@@ -5,12 +5,12 @@ beside the samples of its own parts."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 
 from ..raft.node import RaftMetrics
 from ..snapshot.manager import SnapshotStats
 from ..statemachine.leveldb import LevelDBStateMachine
+from ..common.disk import dir_bytes
 from .samples import Sample, counter, gauge, labelled
 
 ROLES = ("follower", "pre_candidate", "candidate", "leader")
@@ -66,16 +66,6 @@ def snapshot_samples(st: SnapshotStats) -> Iterable[Sample]:
 
 
 def disk_usage_samples(state_path: str, ledger_path: str) -> Iterable[Sample]:
-    yield gauge("kv_state_size_bytes", "Bytes of the state machine (LevelDB) on disk.", _dir_bytes(state_path))
-    yield gauge("kv_ledger_size_bytes", "Bytes of the ledger (LMDB) on disk.", _dir_bytes(ledger_path))
+    yield gauge("kv_state_size_bytes", "Bytes of the state machine (LevelDB) on disk.", dir_bytes(state_path))
+    yield gauge("kv_ledger_size_bytes", "Bytes of the ledger (LMDB) on disk.", dir_bytes(ledger_path))
 
-
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(root, f)).st_size
-            except OSError:  # removed while we walked (a compaction, a snapshot rotation)
-                pass
-    return total
