@@ -3,7 +3,8 @@ the leader is killed -9 again and again (the issue that sessions fix: a write re
 leader died could apply twice, and a committed compare-and-set could be answered 412).
 
 Every increment writes a value no other write has ("count|worker-attempt"). At the end the
-counter's whole history is read back through a watch from index 1: each value must appear
+counter's whole history is read back through a watch from index 1, and again from the
+history store (the counter at every revision), which must agree: each value must appear
 at most once, each acknowledged increment exactly once, no refused one, and every value's
 count must be its predecessor's plus one (no lost update, nothing applied twice). With no
 outcome left unknown, the counter ends at exactly workers x increments.
@@ -126,6 +127,7 @@ def counter_run(tmp, seed: int, workers: int = 4, increments: int = 100, kills: 
         st = c.status(lead)
         assert st["ledger_begin_index"] == 0, "the history must not be compacted"
         history = _counter_history(c.url(lead), st["applied_index"])
+        assert _counter_versions(c.url(lead), st["applied_index"]) == history, "the history store and the watch disagree"
         log = [entry for out in outs for entry in json.load(open(out))]
     finally:
         stop.set()
@@ -156,6 +158,21 @@ def _counter_history(url: str, end: int) -> list[str]:
 
     with kv.Client(url, timeout=60) as client:
         return [e.value.decode() for e in client.watch("counter", 1, end_index=end) if e.type == "put" and e.key == "counter"]
+
+
+def _counter_versions(url: str, end: int) -> list[str]:
+    """The same, read back from the history store: the counter at every revision, each
+    version (mod_index) once."""
+    import kv
+
+    out, last = [], None
+    with kv.Client(url, timeout=60) as client:
+        for rev in range(1, end + 1):
+            item = client.get("counter", revision=rev, consistency="stale")
+            if item is not None and item.mod_index != last:
+                out.append(item.value.decode())
+                last = item.mod_index
+    return out
 
 
 def check(r: dict, workers: int, increments: int) -> None:
