@@ -66,8 +66,8 @@ async def one_run(system: str, op: str, clients: int, seconds: float) -> dict:
     try:
         handle, endpoint, procs = await SYSTEMS[system](root)
         try:
-            if op != "put":  # the keys to read, outside the measured part
-                subprocess.run([TOOL, "-endpoints", endpoint, "-op", "put", "-clients", "64", "-seconds", "3"], check=True, capture_output=True)
+            if op != "put":  # every key the load reads, outside the measured part
+                subprocess.run([TOOL, "-endpoints", endpoint, "-op", "fill", "-clients", "64"], check=True, capture_output=True)
             before = procs.cpu_seconds()
             r = subprocess.run([TOOL, "-endpoints", endpoint, "-op", op, "-clients", str(clients), "-conns", str(min(clients, 16)), "-seconds", str(seconds)],
                                check=True, capture_output=True, text=True)

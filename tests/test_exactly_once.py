@@ -12,6 +12,13 @@ outcome left unknown, the counter ends at exactly workers x increments.
 `raw` workers send plain HTTP without a session and never resend a write that may have
 reached a node (today's semantics for such clients): their unknown outcomes are counted
 and nothing may apply twice, but the total is then not exact.
+
+`etcd` workers speak etcd's v3 API over gRPC (each call to the next node's --grpc port, as
+etcd's clients spread calls over their endpoints): an increment is a Txn comparing the
+counter's mod_revision. etcd's clients cannot resend a write whose outcome they do not know,
+so a call that fails is "unknown" — never "refused" — and may or may not have applied; an
+answer with succeeded=false must mean nothing was applied, and an answer of success that
+it was applied once, whatever the nodes forwarded and resent among themselves.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import time
 
 import pytest
 from cluster import ProcCluster
+
+from kv.bench.harness import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -53,31 +62,62 @@ def raw_cas(expected, value):
         return "unknown"
 
 
-with kv.Client(endpoints, timeout=30) as c:
-    done = attempt = 0
+def etcd_worker():
+    import grpc
+    from kv.v3api.proto import rpc_pb2, rpc_pb2_grpc
+
+    stubs = [rpc_pb2_grpc.KVStub(grpc.insecure_channel(t)) for t in endpoints.split(",")]
+    done = attempt = calls = 0
     while done < n:
+        calls += 1
+        stub = stubs[calls % len(stubs)]
         try:
-            item = c.get("counter")
-        except kv.KVError:
+            got = stub.Range(rpc_pb2.RangeRequest(key=b"counter"), timeout=10).kvs
+        except grpc.RpcError:
             time.sleep(0.05)
             continue
-        count = int(item.value.split(b"|")[0]) if item else 0
+        count = int(got[0].value.split(b"|")[0]) if got else 0
         attempt += 1
         value = f"{count + 1}|{name}-{attempt}".encode()
-        if mode == "raw":
-            outcome = raw_cas(item.mod_index if item else 0, value)
-        else:
-            try:
-                c.cas("counter", item.mod_index if item else 0, value)
-                outcome = "ok"
-            except kv.PreconditionFailed:
-                outcome = "refused"
-            except kv.Timeout:
-                outcome = "unknown"
-            except (kv.NotLeader, kv.Unavailable):
-                outcome = "refused"  # not carried out
+        same = rpc_pb2.Compare(key=b"counter", target=rpc_pb2.Compare.MOD, result=rpc_pb2.Compare.EQUAL, mod_revision=got[0].mod_revision if got else 0)
+        txn = rpc_pb2.TxnRequest(compare=[same], success=[rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=b"counter", value=value))])
+        try:
+            outcome = "ok" if stub.Txn(txn, timeout=10).succeeded else "refused"
+        except grpc.RpcError:
+            outcome = "unknown"
         log.append([value.decode(), outcome])
         done += outcome == "ok"
+
+
+def client_worker():
+    with kv.Client(endpoints, timeout=30) as c:
+        done = attempt = 0
+        while done < n:
+            try:
+                item = c.get("counter")
+            except kv.KVError:
+                time.sleep(0.05)
+                continue
+            count = int(item.value.split(b"|")[0]) if item else 0
+            attempt += 1
+            value = f"{count + 1}|{name}-{attempt}".encode()
+            if mode == "raw":
+                outcome = raw_cas(item.mod_index if item else 0, value)
+            else:
+                try:
+                    c.cas("counter", item.mod_index if item else 0, value)
+                    outcome = "ok"
+                except kv.PreconditionFailed:
+                    outcome = "refused"
+                except kv.Timeout:
+                    outcome = "unknown"
+                except (kv.NotLeader, kv.Unavailable):
+                    outcome = "refused"  # not carried out
+            log.append([value.decode(), outcome])
+            done += outcome == "ok"
+
+
+(etcd_worker if mode == "etcd" else client_worker)()
 with open(out, "w") as f:
     json.dump(log, f)
 """
@@ -100,11 +140,14 @@ def kill_leaders(c: ProcCluster, kills: int, stop: threading.Event, rng: random.
 
 def counter_run(tmp, seed: int, workers: int = 4, increments: int = 100, kills: int = 3, mode: str = "client") -> dict:
     c = ProcCluster(str(tmp), extra=NO_COMPACTION, env=WIDE_WINDOW)
+    grpc_ports = {i: f"127.0.0.1:{free_port()}" for i in c.ids}
+    for i in c.ids:
+        c.node_env[i]["KV_GRPC"] = grpc_ports[i]
     stop, killed = threading.Event(), []
     try:
         c.start()
         c.leader()
-        endpoints = ",".join(c.url(i) for i in c.ids)
+        endpoints = ",".join(grpc_ports[i] if mode == "etcd" else c.url(i) for i in c.ids)
         outs = [os.path.join(str(tmp), f"w{i}.json") for i in range(workers)]
         procs = [
             subprocess.Popen([sys.executable, "-c", WORKER, endpoints, f"w{i}", str(increments), outs[i], mode], stderr=subprocess.PIPE, text=True)
@@ -188,6 +231,13 @@ def test_four_processes_count_to_exactly_four_hundred_across_leader_kills(tmp_pa
     check(r, 4, 100)
     assert r["kills"] >= 2
     assert r["unknown"] == 0, r  # with sessions every write is resent until it is answered
+
+
+def test_etcd_api_transactions_apply_once_across_leader_kills(tmp_path):
+    """The same counter through etcd's v3 API (gRPC Txn, each call to the next node)."""
+    r = counter_run(tmp_path, 2, workers=4, increments=150, kills=3, mode="etcd")
+    check(r, 4, 150)
+    assert r["kills"] >= 2
 
 
 @pytest.mark.soak

@@ -16,6 +16,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/clientv3"
@@ -23,7 +24,7 @@ import (
 
 func main() {
 	endpoints := flag.String("endpoints", "127.0.0.1:2379", "comma-separated")
-	op := flag.String("op", "put", "put | range (linearizable) | range-serializable")
+	op := flag.String("op", "put", "put | range (linearizable) | range-serializable | fill (put every key once, then stop)")
 	clients := flag.Int("clients", 64, "concurrent requests in flight")
 	conns := flag.Int("conns", 8, "gRPC connections they share")
 	seconds := flag.Float64("seconds", 10, "how long")
@@ -43,13 +44,28 @@ func main() {
 		cs[i] = c
 	}
 	value := strings.Repeat("x", *valueSize)
-	if *op != "put" { // something to read
-		for k := 0; k < *keys; k += 1 {
-			if _, err := cs[0].Put(context.Background(), fmt.Sprintf("bench/%08d", k), value); err != nil {
-				fmt.Fprintln(os.Stderr, err)
-				os.Exit(1)
-			}
+	if *op == "fill" { // every key once, before a range load is measured
+		var next int64 = -1
+		var wg sync.WaitGroup
+		failed := int32(0)
+		for w := 0; w < *clients; w++ {
+			wg.Add(1)
+			go func(c *clientv3.Client) {
+				defer wg.Done()
+				for k := atomic.AddInt64(&next, 1); k < int64(*keys); k = atomic.AddInt64(&next, 1) {
+					if _, err := c.Put(context.Background(), fmt.Sprintf("bench/%08d", k), value); err != nil {
+						fmt.Fprintln(os.Stderr, err)
+						atomic.StoreInt32(&failed, 1)
+						return
+					}
+				}
+			}(cs[w%len(cs)])
 		}
+		wg.Wait()
+		if failed != 0 {
+			os.Exit(1)
+		}
+		return
 	}
 	deadline := time.Now().Add(time.Duration(*seconds * float64(time.Second)))
 	var mu sync.Mutex
