@@ -49,8 +49,6 @@ class Access:
         try:
             self.check(context, role, ranges)
             yield
-        except grpc.aio.AbortError:
-            raise
         except Exception as e:
             code, message = wire.status_of(e)
             errors = self.counts.errors

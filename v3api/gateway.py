@@ -47,12 +47,6 @@ HTTP_STATUS = {
 MAX_BODY = 4 << 20  # a request's JSON (its values base64-encoded)
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 class _Context:
     """What the services use of a gRPC call's context, for an HTTP request."""
 
@@ -64,7 +58,7 @@ class _Context:
         return [("authorization", auth)] if auth else []
 
     async def abort(self, code: grpc.StatusCode, message: str):
-        raise _Aborted(code, message)
+        raise wire.Abort(code, message)
 
 
 def _error(code: grpc.StatusCode, message: str) -> web.Response:
@@ -78,15 +72,15 @@ def _json(message) -> bytes:
 
 async def _parse(request: web.Request, cls):
     if request.content_length is not None and request.content_length > MAX_BODY:
-        raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
+        raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
     body = await request.content.read(MAX_BODY + 1)
     if len(body) > MAX_BODY:
-        raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
+        raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
     msg = cls()
     try:
         json_format.Parse(body or b"{}", msg, ignore_unknown_fields=True)  # as etcd's gateway
     except (json_format.ParseError, UnicodeDecodeError) as e:
-        raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not a {cls.__name__} in JSON: {e}") from None
+        raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not a {cls.__name__} in JSON: {e}") from None
     return msg
 
 
@@ -125,7 +119,7 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
             try:
                 msg = await _parse(request, cls)
                 return web.Response(body=_json(await call(msg, _Context(request))), content_type="application/json")
-            except _Aborted as e:
+            except wire.Abort as e:
                 return _error(e.code, e.message)
 
         return handler
@@ -134,7 +128,7 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
         async def handler(request: web.Request) -> web.StreamResponse:
             try:
                 msg = await _parse(request, cls)
-            except _Aborted as e:
+            except wire.Abort as e:
                 return _error(e.code, e.message)
 
             async def one():
@@ -147,7 +141,7 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
                     if not response.prepared:
                         await response.prepare(request)
                     await response.write(b'{"result":' + _json(out) + b"}\n")
-            except _Aborted as e:
+            except wire.Abort as e:
                 if not response.prepared:
                     return _error(e.code, e.message)
                 await response.write(orjson.dumps({"error": {"grpc_code": e.code.value[0], "http_code": HTTP_STATUS.get(e.code, 500), "message": e.message}}) + b"\n")

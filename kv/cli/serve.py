@@ -111,7 +111,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
                 tls_files = (config.tls_cert, config.tls_key) if config.tls_cert else None
                 grpc_server = await serve_grpc(node, host, port, grants=grants, tls=tls_files, counts=etcd_calls)
             except (OSError, RuntimeError) as e:
-                raise listen_error(OSError(str(e)), "--grpc ", config.grpc) from e
+                raise listen_error(e if isinstance(e, OSError) else OSError(str(e)), "--grpc ", config.grpc) from e
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

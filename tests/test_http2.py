@@ -1,0 +1,179 @@
+"""The etcd API's own HTTP/2 and gRPC framing (v3api/hpack.py, http2.py, rpc.py): HPACK
+against RFC 7541's examples, and a real `kv serve --grpc` against what a stranger on the
+port sends (not HTTP/2, frames too large, headers that do not decode, unknown methods,
+messages over the limit, a stream flood, a client that sends nothing): each gets a GOAWAY or
+a gRPC status and its connection closed, and the node goes on serving."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import grpc
+import pytest
+from cluster import ProcCluster
+
+from kv.bench.harness import free_port
+from kv.v3api import hpack, http2
+from kv.v3api.proto import rpc_pb2, rpc_pb2_grpc
+
+# -- HPACK (RFC 7541 Appendix C) -------------------------------------------------------------
+
+
+def test_hpack_decodes_the_rfcs_requests_with_and_without_huffman_and_keeps_its_table():
+    plain, huff = hpack.Decoder(), hpack.Decoder()
+    c3 = ["828684410f7777772e6578616d706c652e636f6d", "828684be58086e6f2d6361636865", "828785bf400a637573746f6d2d6b65790c637573746f6d2d76616c7565"]
+    c4 = ["828684418cf1e3c2e5f23a6ba0ab90f4ff", "828684be5886a8eb10649cbf", "828785bf408825a849e95ba97d7f8925a849e95bb8e8b4bf"]
+    want = [
+        [(":method", "GET"), (":scheme", "http"), (":path", "/"), (":authority", "www.example.com")],
+        [(":method", "GET"), (":scheme", "http"), (":path", "/"), (":authority", "www.example.com"), ("cache-control", "no-cache")],
+        [(":method", "GET"), (":scheme", "https"), (":path", "/index.html"), (":authority", "www.example.com"), ("custom-key", "custom-value")],
+    ]
+    for d, blocks in ((plain, c3), (huff, c4)):
+        for block, headers in zip(blocks, want):
+            assert d.decode(bytes.fromhex(block)) == headers
+        assert d.size == 164 and d.table[0] == ("custom-key", "custom-value")  # the RFC's table after the third
+
+
+def test_hpack_evicts_to_a_size_update_and_refuses_what_does_not_decode():
+    d = hpack.Decoder()
+    d.decode(bytes.fromhex("828684418cf1e3c2e5f23a6ba0ab90f4ff"))
+    d.decode(b"\x20")  # size update to 0 empties the table
+    assert d.table == [] and d.size == 0
+    for bad in (b"\x3f\xe2\x1f", b"\xff\xff\xff\xff\xff\xff\x7f", b"\xc0", b"\x40\x85\xff\xff\xff\xff\xff\x00", b"\x00\x83ab", b"\x41\x81\xfe"):
+        with pytest.raises(hpack.HpackError):
+            hpack.Decoder().decode(bad)  # table size over the limit, huge integer, no such index, EOS, short string, bad padding
+
+
+# -- a real node's gRPC port against hostile clients ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    c = ProcCluster(str(tmp_path_factory.mktemp("h2")), 1, proxies=False)
+    c.grpc = {"n1": f"127.0.0.1:{free_port()}"}
+    c.node_env["n1"]["KV_GRPC"] = c.grpc["n1"]
+    try:
+        c.start()
+        c.leader()
+        yield c
+    finally:
+        c.close()
+
+
+def _connect(node) -> socket.socket:
+    host, port = node.grpc["n1"].split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    return s
+
+
+def _frames_until_closed(s: socket.socket, timeout: float = 10.0) -> list[tuple[int, int, int, bytes]]:
+    """Every frame the server sends until it closes the connection."""
+    s.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            got = s.recv(65536)
+        except (ConnectionResetError, TimeoutError, socket.timeout):
+            break
+        if not got:
+            break
+        data += got
+    out, pos = [], 0
+    while len(data) - pos >= 9:
+        length = int.from_bytes(data[pos : pos + 3], "big")
+        out.append((data[pos + 3], data[pos + 4], int.from_bytes(data[pos + 5 : pos + 9], "big"), data[pos + 9 : pos + 9 + length]))
+        pos += 9 + length
+    return out
+
+
+def _goaway_code(frames) -> int | None:
+    codes = [struct.unpack(">II", p[:8])[1] for kind, _f, _s, p in frames if kind == http2.GOAWAY]
+    return codes[-1] if codes else None
+
+
+def _serves(node) -> None:
+    with grpc.insecure_channel(node.grpc["n1"]) as ch:
+        kv = rpc_pb2_grpc.KVStub(ch)
+        kv.Put(rpc_pb2.PutRequest(key=b"h2/alive", value=b"yes"), timeout=10)
+        assert kv.Range(rpc_pb2.RangeRequest(key=b"h2/alive"), timeout=10).kvs[0].value == b"yes"
+
+
+def test_what_is_not_http2_is_answered_with_goaway_and_closed(node):
+    s = _connect(node)
+    s.sendall(b"GET /v3/kv/range HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _goaway_code(_frames_until_closed(s)) == http2.PROTOCOL_ERROR
+    _serves(node)
+
+
+def test_broken_frames_and_headers_close_the_connection_with_their_error(node):
+    cases = [
+        (http2.frame(http2.DATA, 0, 1, b"x" * 20000), http2.FRAME_SIZE_ERROR),  # over the 16 KiB frame size
+        (http2.frame(http2.HEADERS, http2.END_HEADERS, 1, b"\xff\xff\xff\xff\xff\x7f"), http2.COMPRESSION_ERROR),
+        (http2.frame(http2.HEADERS, http2.END_HEADERS, 2, b"\x83"), http2.PROTOCOL_ERROR),  # an even stream id
+        (http2.frame(http2.HEADERS, 0, 1, b"\x83") + http2.frame(http2.DATA, 0, 1, b""), http2.PROTOCOL_ERROR),  # no CONTINUATION
+        (http2.frame(http2.PUSH_PROMISE, 0, 1, b"\0\0\0\2"), http2.PROTOCOL_ERROR),
+        (http2.frame(http2.WINDOW_UPDATE, 0, 0, b"\0"), http2.FRAME_SIZE_ERROR),
+    ]
+    for payload, code in cases:
+        s = _connect(node)
+        s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + payload)
+        assert _goaway_code(_frames_until_closed(s)) == code, payload[:20]
+        s.close()
+    _serves(node)
+
+
+def test_a_client_that_never_sends_the_preface_is_dropped(node):
+    s = _connect(node)
+    t0 = time.monotonic()
+    s.sendall(b"PRI * HTTP/2.0\r\n")  # half a preface, then nothing
+    _frames_until_closed(s, timeout=http2.PREFACE_TIMEOUT_S + 10)
+    assert time.monotonic() - t0 < http2.PREFACE_TIMEOUT_S + 5
+    _serves(node)
+
+
+def test_grpc_errors_for_unknown_methods_compression_and_messages_over_the_limit(node):
+    with grpc.insecure_channel(node.grpc["n1"]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/etcdserverpb.KV/Nope")(b"", timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "/etcdserverpb.KV/Nope" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            rpc_pb2_grpc.KVStub(ch).Put(rpc_pb2.PutRequest(key=b"h2/big", value=b"x" * (3 << 20)), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as e:
+            rpc_pb2_grpc.KVStub(ch).Range(rpc_pb2.RangeRequest(key=b"h2/big"), timeout=10, compression=grpc.Compression.Gzip)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/etcdserverpb.KV/Range")(b"\xff\xff", timeout=10)  # not a RangeRequest
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+        assert rpc_pb2_grpc.KVStub(ch).Range(rpc_pb2.RangeRequest(key=b"h2/big"), timeout=10).count == 0  # nothing written
+    _serves(node)
+
+
+def test_more_streams_than_allowed_are_refused_and_the_rest_answered(node):
+    """Streams opened past MAX_STREAMS (their requests never ended) get REFUSED_STREAM."""
+    s = _connect(node)
+    block = b"\x83\x86" + hpack.literal(":path", "/etcdserverpb.Watch/Watch") + hpack.literal("content-type", "application/grpc")
+    frames = [http2.PREFACE, http2.frame(http2.SETTINGS, 0, 0)]
+    n = http2.MAX_STREAMS + 5
+    frames += [http2.frame(http2.HEADERS, http2.END_HEADERS, 2 * i + 1, block) for i in range(n)]
+    s.sendall(b"".join(frames))
+    s.settimeout(5)
+    data = b""
+    deadline = time.monotonic() + 10
+    refused = 0
+    while time.monotonic() < deadline and refused < 5:
+        try:
+            data += s.recv(65536)
+        except socket.timeout:
+            break
+        refused, pos = 0, 0
+        while len(data) - pos >= 9:
+            length = int.from_bytes(data[pos : pos + 3], "big")
+            if data[pos + 3] == http2.RST_STREAM and len(data) - pos >= 13 and struct.unpack(">I", data[pos + 9 : pos + 13])[0] == http2.REFUSED_STREAM:
+                refused += 1
+            pos += 9 + length
+    assert refused == 5
+    s.close()
+    _serves(node)

@@ -1,0 +1,320 @@
+"""gRPC's HTTP/2 mapping (its PROTOCOL-HTTP2 document) on v3api/http2.py: calls routed by
+`:path` to the services' methods (the generated descriptors say which are streams), each
+message length-prefixed, the status in trailers, `grpc-timeout` as a deadline, a reset
+stream as the call's cancellation. The services see what they saw of grpc.aio: unary
+methods `async def M(request, context)`, streaming ones async generators over an async
+iterator of requests, and a context with invocation_metadata() and abort()."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import ssl
+import struct
+from dataclasses import dataclass
+from urllib.parse import quote
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from . import hpack
+from .http2 import NO_ERROR, WINDOW, Connection, Stream
+from .wire import Abort
+
+log = logging.getLogger("kv.v3api")
+
+MAX_MESSAGE = 2 * 1024 * 1024 + 64 * 1024  # etcd's 1.5 MiB request limit and some room
+_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_NOT_METADATA = frozenset(("content-type", "te", "user-agent", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding", "grpc-message-type"))
+_prefix = struct.Struct(">BI")
+_OK_TRAILERS = hpack.literal("grpc-status", "0")
+_END = object()
+
+
+@dataclass(frozen=True)
+class Method:
+    handler: object  # the bound method of a servicer
+    request: type  # its request message class
+    streaming_request: bool
+    streaming_response: bool
+
+
+def methods_of(descriptor, servicers: dict[str, object], messages) -> dict[str, Method]:
+    """`/package.Service/Method` → Method, for every method of the services a servicer is
+    given for (by the service's name); messages: the module of the request classes."""
+    out = {}
+    for service in descriptor.services_by_name.values():
+        servicer = servicers.get(service.name)
+        if servicer is None:
+            continue
+        for m in service.methods:
+            out[f"/{service.full_name}/{m.name}"] = Method(getattr(servicer, m.name), getattr(messages, m.input_type.name), m.client_streaming, m.server_streaming)
+    return out
+
+
+class CallContext:
+    """What a service uses of its call: the client's metadata, and abort."""
+
+    __slots__ = ("metadata",)
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    async def abort(self, code: grpc.StatusCode, message: str):
+        raise Abort(code, message)
+
+
+class Call:
+    __slots__ = ("stream", "method", "context", "buf", "request", "queue", "queued", "held", "task", "timer", "expired", "answered")
+
+    def __init__(self, stream: Stream, method: Method, context: CallContext) -> None:
+        self.stream, self.method, self.context = stream, method, context
+        self.buf = bytearray()
+        self.request: bytes | None = None
+        self.queue: asyncio.Queue | None = asyncio.Queue() if method.streaming_request else None
+        self.queued = self.held = 0  # bytes of messages the service has not read; bytes not credited for them
+        self.task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = self.answered = False
+
+    # -- answering -------------------------------------------------------------------------
+
+    def send(self, message) -> None:
+        body = message.SerializeToString()
+        if not self.answered:
+            self.answered = True
+            self.stream.send_headers(hpack.RESPONSE_HEADERS)
+        self.stream.send_data(_prefix.pack(0, len(body)) + body)
+
+    def finish(self, code: grpc.StatusCode = grpc.StatusCode.OK, message: str = "") -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        block = _OK_TRAILERS if code is grpc.StatusCode.OK else status_block(code, message)
+        if self.answered:
+            self.stream.send_trailers(block)
+        else:  # trailers-only: one header block ends the stream
+            self.answered = True
+            self.stream.send_headers(hpack.RESPONSE_HEADERS + block, end=True)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def take(self, data: bytes) -> None:
+        """The stream's data: whole messages become the request (unary) or queue up for
+        the service's request iterator (streams). Data is credited back to the client as it
+        arrives (a message is bounded by MAX_MESSAGE), except while more than a window's
+        worth of messages waits for the service: then as it reads them."""
+        if self.queued > WINDOW:
+            self.held += len(data)
+        else:
+            self.stream.consumed(len(data))
+        buf = self.buf
+        buf += data
+        while len(buf) >= 5:
+            compressed, n = _prefix.unpack_from(buf)
+            if compressed:
+                raise Abort(grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported (grpc-encoding identity only)")
+            if n > MAX_MESSAGE:
+                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a request message of {n} bytes (at most {MAX_MESSAGE})")
+            if len(buf) < 5 + n:
+                return
+            msg = bytes(buf[5 : 5 + n])
+            del buf[: 5 + n]
+            if self.queue is not None:
+                self.queued += len(msg)
+                self.queue.put_nowait(msg)
+            elif self.request is not None:
+                raise Abort(grpc.StatusCode.UNIMPLEMENTED, "more than one request message on a unary call")
+            else:
+                self.request = msg
+
+    async def requests(self):
+        cls = self.method.request
+        while (msg := await self.queue.get()) is not _END:
+            self.queued -= len(msg)
+            if self.held and self.queued <= WINDOW // 2:
+                self.stream.consumed(self.held)
+                self.held = 0
+            try:
+                yield cls.FromString(msg)
+            except DecodeError:
+                raise Abort(grpc.StatusCode.INTERNAL, f"grpc: error unmarshalling request: not a {cls.__name__}") from None
+
+
+def status_block(code: grpc.StatusCode, message: str) -> bytes:
+    # grpc-message is percent-encoded UTF-8 (PROTOCOL-HTTP2: printable ASCII but %)
+    return hpack.literal("grpc-status", str(code.value[0])) + hpack.literal("grpc-message", quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~"))
+
+
+def timeout_of(value: str) -> float | None:
+    try:
+        return int(value[:-1]) * _TIMEOUT_UNITS[value[-1]]
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+class RpcServer:
+    """The etcd API's gRPC server: `await RpcServer(methods).start(host, port, tls)`, then
+    `await server.stop(grace)`."""
+
+    def __init__(self, methods: dict[str, Method]) -> None:
+        self.methods = methods
+        self.connections: set[Connection] = set()
+        self.tasks: set[asyncio.Task] = set()
+        self.server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int, tls: tuple[str, str] | None = None) -> RpcServer:
+        ctx = None
+        if tls:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2  # (HTTP/2 asks for 1.2 at least)
+            ctx.load_cert_chain(tls[0], tls[1])
+            ctx.set_alpn_protocols(["h2"])
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: Connection(self, self.connections), host, port, ssl=ctx, reuse_address=True, backlog=1024)
+        return self
+
+    async def stop(self, grace: float) -> None:
+        """No new calls; calls running get `grace` seconds to finish, then are cancelled."""
+        if self.server is not None:
+            self.server.close()
+        for c in list(self.connections):
+            c.goaway(NO_ERROR)
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=grace)
+        for t in list(self.tasks):
+            t.cancel()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=1.0)
+        for c in list(self.connections):
+            if c.transport is not None:
+                c.transport.abort()
+        if self.server is not None:
+            await self.server.wait_closed()
+
+    # -- what http2.Connection calls -------------------------------------------------------
+
+    def open_stream(self, s: Stream) -> None:
+        path = ctype = encoding = deadline = None
+        metadata = []
+        for k, v in s.headers:
+            if k == ":path":
+                path = v
+            elif k == "content-type":
+                ctype = v
+            elif k == "grpc-encoding":
+                encoding = v
+            elif k == "grpc-timeout":
+                deadline = timeout_of(v)
+            elif k[0] != ":" and k not in _NOT_METADATA:
+                metadata.append((k, v))
+        if ctype is None or not ctype.startswith("application/grpc"):
+            s.send_headers(b"\x08\x03415", end=True)  # :status 415 (a literal with static name 8)
+            return
+        method = self.methods.get(path)
+        call = Call(s, method, CallContext(tuple(metadata))) if method is not None else None
+        if call is None:
+            _refuse(s, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {path}")
+            return
+        if encoding not in (None, "identity"):
+            _refuse(s, grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported (identity only)")
+            return
+        s.call = call
+        if deadline is not None:
+            call.timer = asyncio.get_running_loop().call_later(deadline, self._expire, call)
+        if method.streaming_request:
+            self._run(call)
+
+    def data_received(self, s: Stream, data: bytes) -> None:
+        call = s.call
+        if call is None:
+            s.consumed(len(data))
+            return
+        try:
+            call.take(data)
+        except Abort as e:
+            self._fail(call, e.code, e.message)
+
+    def end_received(self, s: Stream) -> None:
+        call = s.call
+        if call is None:
+            return
+        if call.queue is not None:
+            call.queue.put_nowait(_END)
+        elif call.buf or call.request is None:
+            self._fail(call, grpc.StatusCode.INTERNAL, "grpc: the request ended without a whole message")
+        else:
+            self._run(call)
+
+    def stream_reset(self, s: Stream) -> None:
+        call = s.call
+        if call is not None:
+            if call.timer is not None:
+                call.timer.cancel()
+            if call.task is not None:
+                call.task.cancel()
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def _run(self, call: Call) -> None:
+        task = asyncio.ensure_future(self._serve(call))
+        call.task = task
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _expire(self, call: Call) -> None:
+        call.expired = True
+        if call.task is not None:
+            call.task.cancel()
+        else:
+            self._fail(call, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def _fail(self, call: Call, code: grpc.StatusCode, message: str) -> None:
+        if call.task is not None:
+            call.task.cancel()
+        if not call.stream.closed:
+            call.finish(code, message)
+            if not call.stream.remote_done:  # answered: the client need not send the rest
+                call.stream.reset(NO_ERROR)
+
+    async def _serve(self, call: Call) -> None:
+        m, stream = call.method, call.stream
+        try:
+            if m.streaming_request:
+                result = m.handler(call.requests(), call.context)
+            else:
+                try:
+                    request = m.request.FromString(call.request)
+                except DecodeError:
+                    raise Abort(grpc.StatusCode.INTERNAL, f"grpc: error unmarshalling request: not a {m.request.__name__}") from None
+                result = m.handler(request, call.context)
+            if inspect.isasyncgen(result):
+                async for response in result:
+                    call.send(response)
+                    await stream.writable()
+                    if stream.closed:
+                        await result.aclose()
+                        return
+            else:
+                call.send(await result)
+            call.finish()
+        except Abort as e:
+            call.finish(e.code, e.message)
+        except asyncio.CancelledError:
+            if call.expired:
+                call.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            elif not stream.closed:
+                call.finish(grpc.StatusCode.CANCELLED, "the call was cancelled (the server is stopping)")
+        except Exception as e:
+            log.exception("etcd API call %s failed", m.handler.__qualname__)
+            call.finish(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+        finally:
+            if call.timer is not None:
+                call.timer.cancel()
+
+
+def _refuse(s: Stream, code: grpc.StatusCode, message: str) -> None:
+    s.send_headers(hpack.RESPONSE_HEADERS + status_block(code, message), end=True)
