@@ -28,12 +28,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ETCDCTL = shutil.which("etcdctl")
 
 
+READ_BUDGET = 100_000  # --max-txn-read-bytes: what one range may return
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = ProcCluster(str(tmp_path_factory.mktemp("v3")), 3)
     c.grpc = {i: f"127.0.0.1:{free_port()}" for i in c.ids}
     for i in c.ids:
-        c.node_env[i]["KV_GRPC"] = c.grpc[i]
+        c.node_env[i].update(KV_GRPC=c.grpc[i], KV_MAX_TXN_READ_BYTES=str(READ_BUDGET))
     try:
         c.start(*c.ids)
         c.leader_id = c.leader()
@@ -122,6 +125,30 @@ def test_range_limits_sorts_counts_and_filters(etcd):
     assert [kv.key for kv in newer.kvs] == [b"v3r/3", b"v3r/4"]
     from_key = get(etcd, b"v3r/3", range_end=b"\x00")
     assert [kv.key for kv in from_key.kvs][:2] == [b"v3r/3", b"v3r/4"]
+
+
+def test_a_range_over_the_read_budget_is_refused_not_cut_short(etcd, cluster):
+    """etcd answers every key asked for, and etcdctl prints what comes without paging on
+    `more`: a range the node would cut short at --max-txn-read-bytes is refused, saying
+    what to do; pages within it are answered, and so is a count."""
+    value = b"b" * 5000
+    etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3big/%02d" % i, value) for i in range(30)]), timeout=10)  # 150 kB
+    for req in (rpc_pb2.RangeRequest(key=b"v3big/", range_end=b"v3big0"),
+                rpc_pb2.RangeRequest(key=b"v3big/", range_end=b"v3big0", sort_order=rpc_pb2.RangeRequest.DESCEND, limit=25)):
+        with pytest.raises(grpc.RpcError) as e:
+            etcd.kv.Range(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-txn-read-bytes" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # a read-only transaction's range alike
+        etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=b"v3big/", range_end=b"v3big0"))]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    page = get(etcd, b"v3big/", range_end=b"v3big0", limit=10)
+    assert len(page.kvs) == 10 and page.more and page.count == 30
+    assert get(etcd, b"v3big/", range_end=b"v3big0", keys_only=True).count == 30
+    assert (get(etcd, b"v3big/", range_end=b"v3big0", count_only=True).count) == 30
+    r = subprocess.run(["etcdctl", "--endpoints", cluster.grpc[cluster.follower], "get", "--prefix", "v3big/"], capture_output=True, text=True,
+                       env={**os.environ, "ETCDCTL_API": "3"}, timeout=30) if shutil.which("etcdctl") else None
+    if r is not None:
+        assert r.returncode != 0 and "--max-txn-read-bytes" in r.stderr and r.stdout == ""
 
 
 def test_revisions_outside_what_the_node_holds_get_etcds_errors(etcd):

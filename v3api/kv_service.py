@@ -28,6 +28,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
             req = wire.range_req(request)
             consistency = "stale" if request.serializable else "linearizable"
             got, index = await self.node.etcd_range(req, consistency=consistency, revision=request.revision if request.revision > 0 else None)
+            self.check_whole(req, got)
             return wire.finish_range(request, got, self.header(index))
 
     async def Put(self, request, context):
@@ -49,6 +50,8 @@ class KVService(rpc_pb2_grpc.KVServicer):
         async with self.access(context, "read" if reads_only else "write", list(txn_keys(request))):
             txn = self.txn_req(request)
             r = await (self.node.etcd_read_txn(txn) if reads_only else self.node.etcd_txn(txn))
+            if reads_only:
+                self._check_reads(txn, r)
             return txn_response(request, r, self.header)
 
     async def Compact(self, request, context):
@@ -59,6 +62,25 @@ class KVService(rpc_pb2_grpc.KVServicer):
                 raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED)
             await self.node.compact(request.revision)
             return rpc_pb2.CompactionResponse(header=self.header.now())
+
+    def check_whole(self, req: cmds.RangeReq, got: cmds.RangeResp) -> None:
+        """Refuse a range the node cut short at --max-txn-read-bytes: etcd answers every key
+        asked for, and its clients (etcdctl get --prefix) print what they get without paging
+        on `more`, so a partial answer would pass for the whole range. (A transaction that
+        writes keeps its cut-short ranges, marked `more`: it has been committed by then.)"""
+        if not req.count_only and len(got.kvs) < (min(req.limit, got.count) if req.limit else got.count):
+            raise Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"etcdserver: the range holds more than {self.node.config.max_txn_read_bytes} bytes of keys and values, "
+                "this node's --max-txn-read-bytes: read it in pages (--limit, or a smaller range), or raise the limit",
+            )
+
+    def _check_reads(self, txn: cmds.TxnReq, r: cmds.TxnResp) -> None:
+        for op, got in zip(txn.success if r.succeeded else txn.failure, r.responses):
+            if type(op) is cmds.RangeReq:
+                self.check_whole(op, got)
+            elif type(op) is cmds.TxnReq:
+                self._check_reads(op, got)
 
     def txn_req(self, request: rpc_pb2.TxnRequest) -> cmds.TxnReq:
         """The transaction to propose, checked as etcd checks it: at most --max-txn-ops
