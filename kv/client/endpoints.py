@@ -215,6 +215,10 @@ class Rotation:
                 return ep
         return min(order, key=self._failed.__getitem__)
 
+    def prefer(self, ep: str) -> None:
+        """Start with ep (say, the leader, where writes need no forwarding)."""
+        self.turn = self.endpoints.index(ep)
+
     def current(self) -> str:
         """The endpoint whose turn it is, failed or not (a watch goes round them all)."""
         return self.endpoints[self.turn % len(self.endpoints)]

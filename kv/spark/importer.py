@@ -259,13 +259,17 @@ def write(
     if batch_rows < 1 or batch_bytes < 1 or concurrency < 1 or (partitions is not None and partitions < 1):
         raise BadRequest("batch sizes, concurrency and partitions must be at least 1")
     t0 = time.monotonic()
-    live = [ep for ep, _ in live_endpoints(endpoints, token)]
+    answers = live_endpoints(endpoints, token)
+    live = [ep for ep, _ in answers]
+    # Rows found holding their value, changed after this index, were put there by this import
+    # (an attempt of a task that failed after writing them): they count as written.
+    began = max(st.get("commit_index", 0) for _, st in answers)
     kv = shape(df, key_col=key_col, value_col=value_col, key_expr=key_expr, value_expr=value_expr)
     n = partitions or df.sparkSession.sparkContext.defaultParallelism * 2
     rows, checked = check(kv, max_value_bytes=max_value_bytes, on_duplicate=on_duplicate, partitions=n)
     report = ImportReport(rows=rows)
     try:
-        s = Settings(live, token, batch_rows, batch_bytes, concurrency, deadline=time.time() + timeout - (time.monotonic() - t0) if timeout else 0.0)
+        s = Settings(live, token, batch_rows, batch_bytes, concurrency, deadline=time.time() + timeout - (time.monotonic() - t0) if timeout else 0.0, began=began)
         last = on_duplicate == "last"
         for r in checked.mapInArrow(lambda batches: _write_task(batches, s, last), "outcome binary").collect():
             _add(report, r.outcome)
