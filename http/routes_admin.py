@@ -57,7 +57,16 @@ async def take_snapshot(request: web.Request) -> Answer:
 
 
 async def get_snapshot(request: web.Request) -> web.StreamResponse:
-    snap = ctx(request).node.snapshots.newest_meta()
+    """The newest snapshot, or with `index=N` that one while the node keeps it (so that
+    byte ranges read one after another, as Spark's executors read theirs, are of one file)."""
+    snaps = ctx(request).node.snapshots
+    if "index" in request.query:
+        at = index_param(request, "index", 0)
+        snap = snaps.file_at(at)
+        if snap is None or not os.path.exists(snap.path):
+            raise NotFound(f"this node no longer keeps the snapshot at index {at} (newer ones replaced it, --snapshot-keep): take another")
+    else:
+        snap = snaps.newest_meta()
     if snap is None or not os.path.exists(snap.path):
         raise NotFound("this node has no snapshot yet: POST /v1/snapshot takes one")
     return web.FileResponse(

@@ -143,6 +143,10 @@ class SnapshotManager:
     def newest_meta(self) -> SnapshotFile | None:
         return self._newest
 
+    def file_at(self, index: int) -> SnapshotFile | None:
+        """The snapshot of this index, while this node keeps it."""
+        return next((s for s in self.store.list() if s.index == index), None)
+
     def after_apply(self, applied: int) -> None:
         """The FSM caller's hook: take a snapshot once enough was applied since the last."""
         base = self._newest.index if self._newest else 0

@@ -1,18 +1,21 @@
 """The Spark pipeline on a standalone Spark cluster started by the test (a master and one
 worker of one core, as `spark-class ...deploy.master.Master` / `...deploy.worker.Worker`
 start them), not local mode: `kv spark import --master spark://...` with the worker
-killed -9 mid-import and a new one started, then `kv spark export` of the cluster. Every
-row arrives once with its exact value, the summary counts every row as written (the
+killed -9 mid-import and a new one started, then `kv spark export` of the cluster, whose executors read the
+snapshot's blocks from the node by HTTP byte ranges (no folder shared with the driver).
+Every row arrives once with its exact value, the summary counts every row as written (the
 retried tasks' rows too), and the export matches the source."""
 
 from __future__ import annotations
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 from cluster import ProcCluster
@@ -118,6 +121,13 @@ def test_import_survives_a_killed_worker_and_exports_match_on_a_standalone_clust
         r = subprocess.run([sys.executable, "-m", "kv", "spark", "export", str(exported), "--master", standalone.url, "--prefix", "sa/", "--value-type", "string"],
                            capture_output=True, text=True, env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
+        # The executors read the snapshot's blocks from the node by byte ranges (no file
+        # shared with the driver): many requests for parts of it, where a download is one.
+        ranges = 0
+        for i in c.ids:
+            with urllib.request.urlopen(c.url(i) + "/metrics", timeout=10) as resp:
+                ranges += sum(float(m.group(1)) for m in re.finditer(r'kv_http_request_duration_seconds_count\{route="snapshot_get",status="\d+"\} (\S+)', resp.read().decode()))
+        assert ranges >= 4, "the export did not read the snapshot from the node by byte ranges"
         import pyarrow.parquet as pq
 
         table = pq.read_table(str(exported)).to_pydict()

@@ -17,7 +17,10 @@ import sys
 import time
 from collections.abc import Callable
 
-SERVE = [sys.executable, "-m", "kv", "serve"]
+# -P: not the current directory first on sys.path. `kv cluster up` prints this as the way to
+# start a node again; run from a folder that holds another `kv` (an old checkout, say), the
+# node would otherwise run that folder's code.
+SERVE = [sys.executable, "-P", "-m", "kv", "serve"]
 
 _handed: set[int] = set()
 

@@ -10,6 +10,7 @@ import tempfile
 from ..errors import BadRequest, KVError
 from ..snapshot.format import read_header
 from .runtime import session  # noqa: F401  (kv.spark.session; it lived here)
+from .snapshot_http import open_snapshot
 
 VALUE_TYPES = ("binary", "string")
 
@@ -49,6 +50,24 @@ def download_snapshot(endpoints: str, token: str | None, directory: str | None =
     raise KVError("no node gave a snapshot: " + "; ".join(errors))
 
 
+def take_snapshot(endpoints: str, token: str | None) -> dict:
+    """Take a snapshot on the leader (or, failing that, the next node that answers):
+    {"url" (where its bytes are read, by ranges), "index", "term", "endpoint"}. Taken on
+    the leader, it holds every write acknowledged before the call."""
+    from ..client.blocking import Client
+    from .importer import live_endpoints
+
+    errors = []
+    with Client(endpoints, token=token) as c:
+        for ep, _ in live_endpoints(endpoints, token):
+            try:
+                got = c.take_snapshot(ep)
+                return {"url": f"{ep}/v1/snapshot?index={got['index']}", "index": got["index"], "term": got["term"], "endpoint": ep}
+            except KVError as e:  # the next node, then
+                errors.append(f"{ep}: {e}")
+    raise KVError("no node gave a snapshot: " + "; ".join(errors))
+
+
 def export_snapshot(
     spark,
     out: str,
@@ -65,28 +84,23 @@ def export_snapshot(
 ) -> dict:
     """Write the records of a snapshot file, or of a fresh snapshot of a cluster, to `out`;
     returns {"rows", "index", "term", "source"}, which also goes to out/_ledgerkv.json.
-    `out` must not exist unless overwrite; the downloaded snapshot is removed, also on failure."""
-    import shutil
+    `out` must not exist unless overwrite. A cluster's snapshot is read from the node that
+    took it, each executor its own blocks (`GET /v1/snapshot?index=N` by byte ranges); a
+    snapshot file must be at a path every executor can open."""
 
     if value_type not in VALUE_TYPES:
         raise BadRequest(f"--value-type must be one of {', '.join(VALUE_TYPES)}")
     if os.path.exists(out) and not overwrite:
         raise BadRequest(f"{out} exists: choose another path, or replace it with --overwrite")
-    tmp = None
-    try:
-        if snapshot is None:
-            tmp = tempfile.mkdtemp(prefix="kv-export-")
-            got = download_snapshot(endpoints, token, tmp)
-            path, source = got["path"], got["endpoint"]
-        else:
-            path, source = snapshot, snapshot
-        with open(path, "rb") as f:
-            header, _ = read_header(f)
-        df = with_value_type(read_snapshot(spark, path, prefix=prefix, partitions=partitions), value_type, json_schema)
-        df.write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    if snapshot is None:  # the executors read it from the node, by byte ranges: no shared folder needed
+        taken = take_snapshot(endpoints, token)
+        path, source = taken["url"], taken["endpoint"]
+    else:
+        path, source = snapshot, snapshot
+    with open_snapshot(path, token) as f:
+        header, _ = read_header(f)
+    df = with_value_type(read_snapshot(spark, path, prefix=prefix, partitions=partitions, token=token), value_type, json_schema)
+    df.write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
     meta = {"rows": spark.read.format(fmt).load(out).count(), "index": header.index, "term": header.term, "source": source, "prefix": prefix}
     if os.path.isdir(out):
         with open(os.path.join(out, "_ledgerkv.json"), "w") as f:  # Spark readers skip "_" files
@@ -111,12 +125,14 @@ def with_value_type(df, value_type: str, json_schema: str | None):
     return df.withColumn("value", F.col("value").cast("string")) if value_type == "string" else df
 
 
-def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: int | None = None):
-    """A DataFrame (key string, value binary, mod_index long) of a snapshot file's records
-    (those under `prefix`, if given), split into partitions by byte ranges."""
+def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: int | None = None, token: str | None = None):
+    """A DataFrame (key string, value binary, mod_index long) of a snapshot's records (those
+    under `prefix`, if given), split into partitions by byte ranges. `path`: a snapshot file
+    every executor can open, or a node's snapshot URL (`.../v1/snapshot?index=N`, read by
+    byte ranges; `token` if the node wants one)."""
     from ..snapshot.format import block_offsets, read_header, read_trailer
 
-    with open(path, "rb") as f:
+    with open_snapshot(path, token) as f:
         read_header(f)  # a clear error now if it is not a snapshot
         trailer = read_trailer(f)
         offsets = block_offsets(f, trailer)
@@ -133,13 +149,13 @@ def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: in
             start, acc = i + 1, 0
     if start < len(offsets):
         tasks.append((offsets[start], len(offsets) - start))
-    abspath = os.path.abspath(path)
-    plan = spark.createDataFrame([(abspath, o, c, prefix or "") for o, c in tasks], "path string, offset long, blocks long, prefix string")
+    where = path if path.startswith(("http://", "https://")) else os.path.abspath(path)
+    plan = spark.createDataFrame([(where, o, c, prefix or "") for o, c in tasks], "path string, offset long, blocks long, prefix string")
     plan = plan.repartition(len(tasks) or 1)
-    return plan.mapInArrow(_read_blocks, snapshot_schema())
+    return plan.mapInArrow(lambda batches: _read_blocks(batches, token), snapshot_schema())
 
 
-def _read_blocks(batches):
+def _read_blocks(batches, token: str | None = None):
     """mapInArrow: each input row names a run of blocks; yields their records, one Arrow
     batch per block, built straight from the block's columnar buffers."""
     import pyarrow as pa
@@ -149,7 +165,7 @@ def _read_blocks(batches):
 
     for plan in batches:
         for path, offset, count, prefix in zip(*(plan.column(i).to_pylist() for i in range(4))):
-            with open(path, "rb") as f:
+            with open_snapshot(path, token) as f:
                 for n, (records, payload) in enumerate(iter_blocks(f, offset)):
                     if n >= count:
                         break
