@@ -134,13 +134,22 @@ def test_a_range_over_the_read_budget_is_refused_not_cut_short(etcd, cluster):
     value = b"b" * 5000
     etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3big/%02d" % i, value) for i in range(30)]), timeout=10)  # 150 kB
     for req in (rpc_pb2.RangeRequest(key=b"v3big/", range_end=b"v3big0"),
-                rpc_pb2.RangeRequest(key=b"v3big/", range_end=b"v3big0", sort_order=rpc_pb2.RangeRequest.DESCEND, limit=25)):
+                rpc_pb2.RangeRequest(key=b"v3big/", range_end=b"v3big0", sort_order=rpc_pb2.RangeRequest.DESCEND, limit=25),  # 25 values: 125 kB
+                rpc_pb2.RangeRequest(key=b"v3big/", range_end=b"v3big0", sort_target=rpc_pb2.RangeRequest.VALUE, limit=1)):  # a sort by value reads them all
         with pytest.raises(grpc.RpcError) as e:
             etcd.kv.Range(req, timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-txn-read-bytes" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:  # a read-only transaction's range alike
         etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=b"v3big/", range_end=b"v3big0"))]), timeout=10)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A few keys by a sort: their revisions are read first, then only their values.
+    etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3big/%02d" % i, value) for i in range(29)]), timeout=10)  # all but 29 change again
+    oldest = get(etcd, b"v3big/", range_end=b"v3big0", sort_target=rpc_pb2.RangeRequest.MOD, limit=1)  # no order: ascending, as etcd
+    assert [kv.key for kv in oldest.kvs] == [b"v3big/29"] and oldest.kvs[0].value == value and oldest.more and oldest.count == 30
+    last = get(etcd, b"v3big/", range_end=b"v3big0", sort_order=rpc_pb2.RangeRequest.DESCEND, limit=3)
+    assert [kv.key for kv in last.kvs] == [b"v3big/29", b"v3big/28", b"v3big/27"] and all(kv.value == value for kv in last.kvs)
+    before = get(etcd, b"v3big/", range_end=b"v3big0", sort_order=rpc_pb2.RangeRequest.DESCEND, limit=2, revision=oldest.kvs[0].mod_revision)
+    assert [kv.mod_revision for kv in before.kvs] == [oldest.kvs[0].mod_revision] * 2  # at a past revision, values and all
     page = get(etcd, b"v3big/", range_end=b"v3big0", limit=10)
     assert len(page.kvs) == 10 and page.more and page.count == 30
     assert get(etcd, b"v3big/", range_end=b"v3big0", keys_only=True).count == 30

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import struct
 
 from kv import KVError
@@ -42,7 +43,8 @@ NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, STREAM_CLOSED, FRA
 )
 S_HEADER_TABLE_SIZE, S_ENABLE_PUSH, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = range(1, 7)
 
-_frame_head = struct.Struct(">I B I")  # 24-bit length in the first word, with the type's byte
+_frame_head = struct.Struct(">I B I")
+_HTTP1 = re.compile(rb"[A-Z]{3,7} \S")  # an HTTP/1 request line's start  # 24-bit length in the first word, with the type's byte
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -145,6 +147,11 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.connections.add(self)
+        self.preface_timer = asyncio.get_running_loop().call_later(PREFACE_TIMEOUT_S, self._no_preface)
+
+    def _settings_out(self) -> None:
+        """This side's preface, once the client's has come (so that an HTTP/1 request can
+        still be answered in HTTP/1)."""
         settings = struct.pack(
             ">HIHIHIHI",
             S_MAX_CONCURRENT_STREAMS, MAX_STREAMS,
@@ -153,7 +160,6 @@ class Connection(asyncio.Protocol):
             S_ENABLE_PUSH, 0,
         )
         self.write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", CONN_WINDOW - DEFAULT_WINDOW)))
-        self.preface_timer = asyncio.get_running_loop().call_later(PREFACE_TIMEOUT_S, self._no_preface)
 
     def _no_preface(self) -> None:
         if not self.preface and self.transport is not None:
@@ -172,15 +178,18 @@ class Connection(asyncio.Protocol):
         self.buf += data
         try:
             if not self.preface:
-                if len(self.buf) < len(PREFACE):
-                    if not PREFACE.startswith(bytes(self.buf)):
-                        raise ProtocolError(PROTOCOL_ERROR, "not HTTP/2 (gRPC needs the HTTP/2 client preface)")
-                    return
-                if bytes(self.buf[: len(PREFACE)]) != PREFACE:
+                head = bytes(self.buf[: len(PREFACE)])
+                if not PREFACE.startswith(head):
+                    if _HTTP1.match(head):
+                        self._answer_http1()
+                        return
                     raise ProtocolError(PROTOCOL_ERROR, "not HTTP/2 (gRPC needs the HTTP/2 client preface)")
+                if len(head) < len(PREFACE):
+                    return
                 del self.buf[: len(PREFACE)]
                 self.preface = True
                 self.preface_timer.cancel()
+                self._settings_out()
             buf, pos = self.buf, 0
             while len(buf) - pos >= 9:
                 word, flags, sid = _frame_head.unpack_from(buf, pos)
@@ -199,6 +208,12 @@ class Connection(asyncio.Protocol):
             self.goaway(e.code, str(e))
         except HpackError as e:
             self.goaway(COMPRESSION_ERROR, str(e))
+
+    def _answer_http1(self) -> None:
+        body = (b"this port speaks gRPC (HTTP/2): etcd's clients (etcdctl, python-etcd3, clientv3) use it. "
+                b"ledgerkv's HTTP API and etcd's JSON gateway (/v3/...) are on the node's --http port.\n")
+        self.transport.write(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
 
     def pause_writing(self) -> None:
         pass  # streams bound themselves with Stream.writable; unary answers are small

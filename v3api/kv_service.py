@@ -27,9 +27,29 @@ class KVService(rpc_pb2_grpc.KVServicer):
         async with self.access(context, "read", [(request.key, request.range_end)]):
             req = wire.range_req(request)
             consistency = "stale" if request.serializable else "linearizable"
-            got, index = await self.node.etcd_range(req, consistency=consistency, revision=request.revision if request.revision > 0 else None)
+            revision = request.revision if request.revision > 0 else None
+            if request.limit and wire.reads_whole(request) and not (request.keys_only or request.count_only) and request.sort_target != rpc_pb2.RangeRequest.VALUE:
+                return await self._sorted_page(request, req, consistency, revision)
+            got, index = await self.node.etcd_range(req, consistency=consistency, revision=revision)
             self.check_whole(req, got)
             return wire.finish_range(request, got, self.header(index))
+
+    async def _sorted_page(self, request, req: cmds.RangeReq, consistency: str, revision: int | None) -> rpc_pb2.RangeResponse:
+        """A limited range sorted (by anything but the value) or filtered: every key's
+        revisions first, without values (the read budget counts the keys alone), then the
+        values of the keys chosen, read at the same revision: "the 10 keys changed last"
+        under a prefix of gigabytes costs its keys and 10 values."""
+        got, index = await self.node.etcd_range(req._replace(keys_only=True), consistency=consistency, revision=revision)
+        self.check_whole(req, got)
+        chosen, more = wire.select(request, got.kvs, got.more)
+        kvs, budget = [], self.node.config.max_txn_read_bytes
+        for kv in chosen:
+            full, _ = await self.node.etcd_range(cmds.RangeReq(kv.key.encode()), consistency="stale", revision=revision or index)
+            kvs += full.kvs
+            budget -= len(kv.key) + sum(len(x.value) for x in full.kvs)
+            if budget < 0:
+                raise self._over_budget()
+        return rpc_pb2.RangeResponse(header=self.header(index), kvs=[wire.kv_message(kv) for kv in kvs], more=more, count=got.count)
 
     async def Put(self, request, context):
         async with self.access(context, "write", [(request.key, b"")]):
@@ -69,11 +89,14 @@ class KVService(rpc_pb2_grpc.KVServicer):
         on `more`, so a partial answer would pass for the whole range. (A transaction that
         writes keeps its cut-short ranges, marked `more`: it has been committed by then.)"""
         if not req.count_only and len(got.kvs) < (min(req.limit, got.count) if req.limit else got.count):
-            raise Abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"etcdserver: the range holds more than {self.node.config.max_txn_read_bytes} bytes of keys and values, "
-                "this node's --max-txn-read-bytes: read it in pages (--limit, or a smaller range), or raise the limit",
-            )
+            raise self._over_budget()
+
+    def _over_budget(self) -> Abort:
+        return Abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"etcdserver: the range holds more than {self.node.config.max_txn_read_bytes} bytes of keys and values, "
+            "this node's --max-txn-read-bytes: read it in pages (--limit, or a smaller range), or raise the limit",
+        )
 
     def _check_reads(self, txn: cmds.TxnReq, r: cmds.TxnResp) -> None:
         for op, got in zip(txn.success if r.succeeded else txn.failure, r.responses):

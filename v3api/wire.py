@@ -149,18 +149,29 @@ def kv_message(kv: cmds.KeyValue) -> kv_pb2.KeyValue:
 
 def range_req(r: rpc_pb2.RangeRequest) -> cmds.RangeReq:
     """The state machine's part of a Range (sorting, revision filters and the limit after
-    a sort are the front's: see kv_service.finish_range)."""
-    sorted_ = r.sort_order != rpc_pb2.RangeRequest.NONE and not (r.sort_target == rpc_pb2.RangeRequest.KEY and r.sort_order == rpc_pb2.RangeRequest.ASCEND)
-    filtered = r.min_mod_revision or r.max_mod_revision or r.min_create_revision or r.max_create_revision
+    a sort are the front's: see select)."""
     if r.limit < 0:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: a range's limit is 0 or more")
-    limit = 0 if (sorted_ or filtered) else r.limit
-    return cmds.RangeReq(range_start(r.key, r.range_end), r.range_end, limit, r.keys_only, r.count_only)
+    return cmds.RangeReq(range_start(r.key, r.range_end), r.range_end, 0 if reads_whole(r) else r.limit, r.keys_only, r.count_only)
 
 
-def finish_range(r: rpc_pb2.RangeRequest, got: cmds.RangeResp, header) -> rpc_pb2.RangeResponse:
-    """etcd's RangeResponse: revision filters, then the sort, then the limit."""
-    kvs = list(got.kvs)
+def _order(r: rpc_pb2.RangeRequest) -> int:
+    if r.sort_order == rpc_pb2.RangeRequest.NONE and r.sort_target != rpc_pb2.RangeRequest.KEY:
+        return rpc_pb2.RangeRequest.ASCEND  # etcd: a target without an order sorts ascending
+    return r.sort_order
+
+
+def reads_whole(r: rpc_pb2.RangeRequest) -> bool:
+    """Whether the limit applies only after every key of the range is read: a sort other
+    than by key ascending, or revision filters."""
+    order = _order(r)
+    sorted_ = order != rpc_pb2.RangeRequest.NONE and not (r.sort_target == rpc_pb2.RangeRequest.KEY and order == rpc_pb2.RangeRequest.ASCEND)
+    return bool(sorted_ or r.min_mod_revision or r.max_mod_revision or r.min_create_revision or r.max_create_revision)
+
+
+def select(r: rpc_pb2.RangeRequest, kvs, more: bool) -> tuple[list[cmds.KeyValue], bool]:
+    """The front's part of a Range: revision filters, then the sort, then the limit."""
+    kvs = list(kvs)
     if r.min_mod_revision or r.max_mod_revision or r.min_create_revision or r.max_create_revision:
         kvs = [
             kv for kv in kvs
@@ -169,9 +180,7 @@ def finish_range(r: rpc_pb2.RangeRequest, got: cmds.RangeResp, header) -> rpc_pb
             and (not r.min_create_revision or kv.create_revision >= r.min_create_revision)
             and (not r.max_create_revision or kv.create_revision <= r.max_create_revision)
         ]
-    order = r.sort_order
-    if order == rpc_pb2.RangeRequest.NONE and r.sort_target != rpc_pb2.RangeRequest.KEY:
-        order = rpc_pb2.RangeRequest.ASCEND  # etcd: a target without an order sorts ascending
+    order = _order(r)
     if order != rpc_pb2.RangeRequest.NONE:
         field = {
             rpc_pb2.RangeRequest.KEY: lambda kv: kv.key.encode(),
@@ -181,7 +190,12 @@ def finish_range(r: rpc_pb2.RangeRequest, got: cmds.RangeResp, header) -> rpc_pb
             rpc_pb2.RangeRequest.VALUE: lambda kv: kv.value,
         }[r.sort_target]
         kvs.sort(key=field, reverse=order == rpc_pb2.RangeRequest.DESCEND)
-    more = got.more
     if r.limit and len(kvs) > r.limit:
         kvs, more = kvs[: r.limit], True
+    return kvs, more
+
+
+def finish_range(r: rpc_pb2.RangeRequest, got: cmds.RangeResp, header) -> rpc_pb2.RangeResponse:
+    """etcd's RangeResponse from the state machine's answer (see select)."""
+    kvs, more = select(r, got.kvs, got.more)
     return rpc_pb2.RangeResponse(header=header, kvs=[kv_message(kv) for kv in kvs], more=more, count=got.count)
