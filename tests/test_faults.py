@@ -35,7 +35,9 @@ def one_run(tmp, seconds: float, seed: int, faults=ALL_FAULTS, extra=EXTRA, env=
 @pytest.mark.parametrize("seed, faults", [(1, ALL_FAULTS), (2, ["kill-leader", "isolate-leader", "pause-leader", "hold-back-follower"])])
 def test_nemesis_run(tmp_path, seed, faults):
     r = one_run(tmp_path, 25, seed, faults)
-    assert r.ok > 100 and sum(r.faults.values()) >= 5  # the run did something
+    # the run did something: five faults at least, a rolling restart counting as the three
+    # kill-and-restarts it is (on a loaded machine two of them can fill half the 25 s)
+    assert r.ok > 100 and sum(r.faults.values()) + 2 * r.faults["rolling-restart"] >= 5
     assert r.converged, "nodes did not converge after healing"
     assert r.linearizable, f"history of {r.bad_key!r} is not linearizable"
     assert r.set_lost == [], f"acknowledged writes lost: {r.set_lost[:10]}"

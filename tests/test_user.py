@@ -241,8 +241,8 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         command = line.split("in another shell: ", 1)[1]
         # Runnable as printed, in a shell where the venv is not active (the same
         # interpreter `kv cluster up` started the node with; after `env KV_...=...` for the
-        # settings it inherited, if any).
-        assert command.split(" -m kv serve --id n3 ")[0].endswith(shlex.quote(sys.executable))
+        # settings it inherited, if any), with -P: not whatever `kv` folder the shell is in.
+        assert command.split(" -P -m kv serve --id n3 ")[0].endswith(shlex.quote(sys.executable))
         assert kv_cli("put", "while-down", "2", "--endpoints", endpoints).returncode == 0
         back = subprocess.Popen(["bash", "-c", f"exec {command}"], env={"PATH": "/usr/bin:/bin"})
         n3_url = f"http://127.0.0.1:{base + 2}"
