@@ -49,11 +49,14 @@ def test_hpack_evicts_to_a_size_update_and_refuses_what_does_not_decode():
 # -- a real node's gRPC port against hostile clients ------------------------------------------
 
 
+UNREAD_LIMIT = 24 << 20  # --http-unread-bytes: answers held for clients that do not read them
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     c = ProcCluster(str(tmp_path_factory.mktemp("h2")), 1, proxies=False)
     c.grpc = {"n1": f"127.0.0.1:{free_port()}"}
-    c.node_env["n1"]["KV_GRPC"] = c.grpc["n1"]
+    c.node_env["n1"].update(KV_GRPC=c.grpc["n1"], KV_HTTP_UNREAD_BYTES=str(UNREAD_LIMIT))
     try:
         c.start()
         c.leader()
@@ -184,3 +187,48 @@ def test_more_streams_than_allowed_are_refused_and_the_rest_answered(node):
     assert refused == 5
     s.close()
     _serves(node)
+
+
+def _range_request(stream_id: int, key: bytes) -> bytes:
+    block = b"\x83\x86" + hpack.literal(":path", "/etcdserverpb.KV/Range") + hpack.literal("content-type", "application/grpc")
+    body = rpc_pb2.RangeRequest(key=key, serializable=True).SerializeToString()
+    return http2.frame(http2.HEADERS, http2.END_HEADERS, stream_id, block) + http2.frame(http2.DATA, http2.END_STREAM, stream_id, struct.pack(">BI", 0, len(body)) + body)
+
+
+def test_a_client_that_does_not_read_its_answers_pins_bounded_memory(node):
+    """It grants itself all the window there is, asks for a 900 kB value 200 times (180 MB
+    of answers) and reads none: the node stops reading its requests once its answers pile
+    up, refuses large answers while --http-unread-bytes are held, and serves on."""
+    from kv.bench.harness import rss_mb
+
+    with grpc.insecure_channel(node.grpc["n1"]) as ch:
+        rpc_pb2_grpc.KVStub(ch).Put(rpc_pb2.PutRequest(key=b"h2/large", value=b"L" * 900_000), timeout=10)
+    pid = node.procs["n1"].pid
+    before = rss_mb(pid)
+    s = _connect(node)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    grant = struct.pack(">HI", http2.S_INITIAL_WINDOW_SIZE, 0x7FFFFFFF)
+    s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0, grant) + http2.frame(http2.WINDOW_UPDATE, 0, 0, struct.pack(">I", 0x7FFFFFFF - 65535)))
+    s.setblocking(False)
+    sent = 0
+    for batch in range(20):
+        data = b"".join(_range_request(2 * (batch * 10 + i) + 1, b"h2/large") for i in range(10))
+        try:
+            sent += s.send(data)  # (the node stops reading: this side's send buffer fills, and the rest is dropped)
+        except BlockingIOError:
+            break
+        time.sleep(0.1)
+    time.sleep(2)
+    grown = rss_mb(pid) - before
+    assert sent > 0 and grown < (UNREAD_LIMIT >> 20) + 40, f"the node grew {grown:.0f} MB for a client that reads nothing"
+    _serves(node)
+    s.close()
+    deadline = time.monotonic() + 20
+    while True:  # once that client is gone, large answers go out again
+        with grpc.insecure_channel(node.grpc["n1"]) as ch:
+            try:
+                assert len(rpc_pb2_grpc.KVStub(ch).Range(rpc_pb2.RangeRequest(key=b"h2/large"), timeout=10).kvs[0].value) == 900_000
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, e
+                time.sleep(0.5)

@@ -11,8 +11,9 @@ Bounded for a stranger: a connection must open with the client preface within
 PREFACE_TIMEOUT_S; at most MAX_STREAMS open streams (more are refused with REFUSED_STREAM);
 a header block of at most MAX_HEADER_BLOCK bytes; the peer never has more than its windows
 in flight, which this side credits back only as the gRPC layer consumes data; whatever
-breaks the protocol gets GOAWAY with its error code and the connection closed. Writes are
-gathered and sent once per turn of the event loop."""
+breaks the protocol gets GOAWAY with its error code and the connection closed; a client
+that stops reading its answers is not read from either once WRITE_BUFFER of them wait.
+Writes are gathered and sent once per turn of the event loop."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ MAX_HEADER_BLOCK = 64 * 1024
 MAX_FRAME = 16384  # the protocol's default, what this side accepts and sends
 WINDOW = 1 << 20  # what this side lets a peer send ahead, per stream
 CONN_WINDOW = 16 << 20  # and per connection
+WRITE_BUFFER = 4 << 20  # answers waiting for a client to read them, beyond which its requests wait
 DEFAULT_WINDOW = 65535
 
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
@@ -98,9 +100,10 @@ class Stream:
             self.send_headers(block, end=True)
 
     async def writable(self, limit: int = 1 << 20) -> None:
-        """Wait while more than `limit` bytes wait for the peer's windows (a stream's
-        producer stops there instead of buffering without bound)."""
-        while len(self.pending) > limit and not self.closed:
+        """Wait while more than `limit` bytes wait for the peer's windows, or while the
+        client does not read what was sent (a stream's producer stops there instead of
+        buffering without bound)."""
+        while (len(self.pending) > limit or self.conn.paused) and not self.closed:
             self.drained = asyncio.get_running_loop().create_future()
             await self.drained
 
@@ -139,13 +142,14 @@ class Connection(asyncio.Protocol):
         self.headers_in: tuple[int, int, bytearray] | None = None  # (stream, flags, block) until END_HEADERS
         self.out: list[bytes] = []
         self.flush_scheduled = False
-        self.closing = False
+        self.closing = self.paused = False
         self.preface_timer: asyncio.TimerHandle | None = None
 
     # -- the transport's side ---------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        transport.set_write_buffer_limits(high=WRITE_BUFFER)
         self.connections.add(self)
         self.preface_timer = asyncio.get_running_loop().call_later(PREFACE_TIMEOUT_S, self._no_preface)
 
@@ -216,10 +220,22 @@ class Connection(asyncio.Protocol):
         self.transport.close()
 
     def pause_writing(self) -> None:
-        pass  # streams bound themselves with Stream.writable; unary answers are small
+        # The client is not reading what it is sent: take no more of its requests until it
+        # does, or answers would pile up here without bound (the windows it grants are its own).
+        self.paused = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        pass
+        self.paused = False
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+        for s in list(self.streams.values()):
+            s._wake()
+
+    def unread(self) -> int:
+        """Bytes sent to this client and not read by it yet (as far as this side holds them)."""
+        return self.transport.get_write_buffer_size() if self.transport is not None else 0
 
     # -- frames ----------------------------------------------------------------------------
 

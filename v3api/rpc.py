@@ -25,6 +25,7 @@ from .wire import Abort
 log = logging.getLogger("kv.v3api")
 
 MAX_MESSAGE = 2 * 1024 * 1024 + 64 * 1024  # etcd's 1.5 MiB request limit and some room
+LARGE_ANSWER = 64 << 10  # an answer this large needs room under --http-unread-bytes (RpcServer.room_for)
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 _NOT_METADATA = frozenset(("content-type", "te", "user-agent", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding", "grpc-message-type"))
 _prefix = struct.Struct(">BI")
@@ -85,6 +86,8 @@ class Call:
 
     def send(self, message) -> None:
         body = message.SerializeToString()
+        if len(body) > LARGE_ANSWER:
+            self.stream.conn.server.room_for(len(body))
         if not self.answered:
             self.answered = True
             self.stream.send_headers(hpack.RESPONSE_HEADERS)
@@ -160,8 +163,8 @@ class RpcServer:
     """The etcd API's gRPC server: `await RpcServer(methods).start(host, port, tls)`, then
     `await server.stop(grace)`."""
 
-    def __init__(self, methods: dict[str, Method]) -> None:
-        self.methods = methods
+    def __init__(self, methods: dict[str, Method], unread_limit: int = 256 << 20) -> None:
+        self.methods, self.unread_limit = methods, unread_limit
         self.connections: set[Connection] = set()
         self.tasks: set[asyncio.Task] = set()
         self.server: asyncio.Server | None = None
@@ -194,6 +197,17 @@ class RpcServer:
                 c.transport.abort()
         if self.server is not None:
             await self.server.wait_closed()
+
+    def room_for(self, answer_bytes: int) -> None:
+        """Refuse a large answer while clients that do not read hold --http-unread-bytes of
+        answers (the HTTP front's limit, counted for this port on its own): it would pin as
+        much again. (Small answers are bounded by not reading such a client's requests.)"""
+        held = sum(c.unread() for c in self.connections)
+        if held + answer_bytes > self.unread_limit:
+            raise Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this node holds {held >> 20} MiB of answers its clients have not read (--http-unread-bytes): try again later",
+            )
 
     # -- what http2.Connection calls -------------------------------------------------------
 
@@ -292,12 +306,14 @@ class RpcServer:
                     raise Abort(grpc.StatusCode.INTERNAL, f"grpc: error unmarshalling request: not a {m.request.__name__}") from None
                 result = m.handler(request, call.context)
             if inspect.isasyncgen(result):
-                async for response in result:
-                    call.send(response)
-                    await stream.writable()
-                    if stream.closed:
-                        await result.aclose()
-                        return
+                try:
+                    async for response in result:
+                        call.send(response)
+                        await stream.writable()
+                        if stream.closed:
+                            return
+                finally:
+                    await result.aclose()  # (at once, whatever ended the stream)
             else:
                 call.send(await result)
             call.finish()

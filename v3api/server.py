@@ -27,4 +27,4 @@ async def serve_grpc(node, host: str, port: int, *, grants=None, tls: tuple[str,
         "Maintenance": MaintenanceService(node, access),
         "Auth": AuthService(node, access),
     }
-    return await RpcServer(methods_of(rpc_pb2.DESCRIPTOR, servicers, rpc_pb2)).start(host, port, tls)
+    return await RpcServer(methods_of(rpc_pb2.DESCRIPTOR, servicers, rpc_pb2), node.config.http_unread_bytes).start(host, port, tls)
