@@ -223,7 +223,7 @@ class RpcServer:
                 encoding = v
             elif k == "grpc-timeout":
                 deadline = timeout_of(v)
-            elif k[0] != ":" and k not in _NOT_METADATA:
+            elif k[:1] != ":" and k not in _NOT_METADATA:
                 metadata.append((k, v))
         if ctype is None or not ctype.startswith("application/grpc"):
             s.send_headers(b"\x08\x03415", end=True)  # :status 415 (a literal with static name 8)
