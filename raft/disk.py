@@ -10,6 +10,7 @@ import errno
 import os
 
 DISK_RETRY_S = 1.0  # a write that found the disk full is tried again this often
+EIO_AFTER_FULL_S = 30.0  # how long after a full disk an EIO is still taken for it (raft/node.py)
 
 
 def free_bytes(path: str) -> int:
@@ -18,19 +19,33 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def is_disk_full(exc: BaseException, path: str) -> bool:
-    """Whether exc (or what caused it) is the disk at path being full."""
+def _chain(exc: BaseException):
+    """exc and what caused it, in turn."""
     seen = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        text = str(e)
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in text:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _eio(e: BaseException) -> bool:
+    return getattr(e, "errno", None) == errno.EIO or "Input/output error" in str(e)
+
+
+def is_io_error(exc: BaseException) -> bool:
+    """Whether exc (or what caused it) is EIO."""
+    return any(_eio(e) for e in _chain(exc))
+
+
+def is_disk_full(exc: BaseException, path: str) -> bool:
+    """Whether exc (or what caused it) is the disk at path being full."""
+    for e in _chain(exc):
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
             return True
-        if getattr(e, "errno", None) == errno.EIO or "Input/output error" in text:
+        if _eio(e):
             try:
                 return free_bytes(path) < 1 << 20  # EIO where nothing is left: a full tmpfs
             except OSError:
                 return False
-        e = e.__cause__ or e.__context__
     return False

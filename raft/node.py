@@ -43,7 +43,7 @@ from .committed import CommittedFeed
 from .config import CoreConfig
 from .core import RaftCore, Ready
 from .deadlines import AllOf, Deadlines
-from .disk import DISK_RETRY_S, is_disk_full
+from .disk import DISK_RETRY_S, EIO_AFTER_FULL_S, is_disk_full, is_io_error
 from .errors import LeaderChanged, MemberRemoved, NoSpace, NotLeader, RaftError, TransferInProgress
 from .ledger import Ledger, LedgerWrite
 from .membership import Membership
@@ -221,6 +221,7 @@ class RaftNode:
         self._observe_fsync, self._observe_rtt = observe_fsync, observe_rtt
         self._no_space = no_space
         self.write_stalled: BaseException | None = None  # the ledger write waiting for disk space
+        self._stalled_at = 0.0  # since when
         self._installed: set[int] = set()  # the Readies of the batch being written whose snapshot is installed
         self._removed_by: dict[str, float] = {}  # peer -> when it last refused this node as removed
         self._heartbeat_sent: dict[str, float] = {}  # peer -> when the oldest unanswered heartbeat left
@@ -743,12 +744,18 @@ class RaftNode:
 
     def _written(self, batch: list[Ready], fut: asyncio.Future) -> None:
         exc = fut.exception()
-        if exc is not None and is_disk_full(exc, self.ledger.path):
+        # EIO tells a full tmpfs from a failing disk only by the free space, read after the
+        # write failed: once the operator has made room, the retry's EIO can still be the
+        # full disk's (LMDB's next commit after one that failed). For a while after a stall
+        # it is taken as such; a disk that keeps failing with room stops the node after that.
+        after_full = self.write_stalled is not None and time.monotonic() - self._stalled_at < EIO_AFTER_FULL_S and is_io_error(exc)
+        if exc is not None and (is_disk_full(exc, self.ledger.path) or after_full):
             # Wait for space and write the same batch again (nothing of it was written, and
             # nothing after it goes first): the node stays up, serving reads, and its acks
             # and proposals wait. kv/server/diskguard.py refuses new writes meanwhile.
             if self.write_stalled is None:
                 log.error("node %s: the disk is full (%s); the ledger write waits for space and is tried again every second", self.id, exc)
+                self._stalled_at = time.monotonic()
             self.write_stalled = exc
             self.loop.call_later(DISK_RETRY_S, self._write_again, batch)
             return
