@@ -742,14 +742,18 @@ class RaftNode:
             if self._observe_fsync is not None:
                 self._observe_fsync(time.perf_counter() - t0)
 
-    def _written(self, batch: list[Ready], fut: asyncio.Future) -> None:
-        exc = fut.exception()
+    def _disk_full(self, exc: BaseException) -> bool:
         # EIO tells a full tmpfs from a failing disk only by the free space, read after the
         # write failed: once the operator has made room, the retry's EIO can still be the
-        # full disk's (LMDB's next commit after one that failed). For a while after a stall
-        # it is taken as such; a disk that keeps failing with room stops the node after that.
-        after_full = self.write_stalled is not None and time.monotonic() - self._stalled_at < EIO_AFTER_FULL_S and is_io_error(exc)
-        if exc is not None and (is_disk_full(exc, self.ledger.path) or after_full):
+        # full disk's. For a while after a stall it is taken as such; a disk that keeps
+        # failing with room stops the node after that.
+        if is_disk_full(exc, self.ledger.path):
+            return True
+        return self.write_stalled is not None and time.monotonic() - self._stalled_at < EIO_AFTER_FULL_S and is_io_error(exc)
+
+    def _written(self, batch: list[Ready], fut: asyncio.Future) -> None:
+        exc = fut.exception()
+        if exc is not None and self._disk_full(exc):
             # Wait for space and write the same batch again (nothing of it was written, and
             # nothing after it goes first): the node stays up, serving reads, and its acks
             # and proposals wait. kv/server/diskguard.py refuses new writes meanwhile.

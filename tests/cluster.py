@@ -130,6 +130,19 @@ class ProcCluster:
     def alive(self, i: str) -> bool:
         return self.procs.alive(i)
 
+    def serve_etcd_api(self) -> dict[str, str]:
+        """Give every node an etcd API port (--grpc, as KV_GRPC): self.grpc, id -> HOST:PORT."""
+        self.grpc = {i: f"127.0.0.1:{free_port()}" for i in self.ids}
+        for i in self.ids:
+            self.node_env[i]["KV_GRPC"] = self.grpc[i]
+        return self.grpc
+
+    def __enter__(self) -> ProcCluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         self.stop()
         if self.ploop is not None:

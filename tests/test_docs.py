@@ -116,13 +116,9 @@ def test_the_etcd_page_example_runs_with_python_etcd3_against_a_follower(tmp_pat
     from cluster import ProcCluster
     from python_etcd3 import suite
 
-    from kv.bench.harness import free_port
-
     python, _ = suite()
     c = ProcCluster(str(tmp_path / "cluster"), proxies=False)
-    grpc = {i: f"127.0.0.1:{free_port()}" for i in c.ids}
-    for i in c.ids:
-        c.node_env[i]["KV_GRPC"] = grpc[i]
+    grpc = c.serve_etcd_api()
     try:
         c.start()
         follower = next(i for i in c.ids if i != c.leader())

@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from tests.cluster import ProcCluster, free_port
+from cluster import ProcCluster
 from kv.common.disk import dir_bytes
 from kv.v3api.proto import rpc_pb2, rpc_pb2_grpc
 
@@ -77,9 +77,7 @@ def keys(request) -> int:
 
 def test_a_paged_list_at_one_revision_a_watch_from_far_behind_and_compact(tmp_path, keys):
     c = ProcCluster(str(tmp_path), 3, extra=["--snapshot-threshold", "100", "--snapshot-trailing", "10", "--auto-compaction-retention", "0"], proxies=False)
-    grpc_addr = {i: f"127.0.0.1:{free_port()}" for i in c.ids}
-    for i in c.ids:
-        c.node_env[i]["KV_GRPC"] = grpc_addr[i]
+    grpc_addr = c.serve_etcd_api()
     try:
         c.start()
         leader = c.leader()

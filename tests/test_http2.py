@@ -15,7 +15,6 @@ import grpc
 import pytest
 from cluster import ProcCluster
 
-from kv.bench.harness import free_port
 from kv.v3api import hpack, http2
 from kv.v3api.proto import rpc_pb2, rpc_pb2_grpc
 
@@ -55,15 +54,12 @@ UNREAD_LIMIT = 24 << 20  # --http-unread-bytes: answers held for clients that do
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    c = ProcCluster(str(tmp_path_factory.mktemp("h2")), 1, proxies=False)
-    c.grpc = {"n1": f"127.0.0.1:{free_port()}"}
-    c.node_env["n1"].update(KV_GRPC=c.grpc["n1"], KV_HTTP_UNREAD_BYTES=str(UNREAD_LIMIT))
-    try:
+    with ProcCluster(str(tmp_path_factory.mktemp("h2")), 1, proxies=False) as c:
+        c.serve_etcd_api()
+        c.node_env["n1"]["KV_HTTP_UNREAD_BYTES"] = str(UNREAD_LIMIT)
         c.start()
         c.leader()
         yield c
-    finally:
-        c.close()
 
 
 def _connect(node) -> socket.socket:

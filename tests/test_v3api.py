@@ -34,9 +34,9 @@ READ_BUDGET = 100_000  # --max-txn-read-bytes: what one range may return
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     c = ProcCluster(str(tmp_path_factory.mktemp("v3")), 3)
-    c.grpc = {i: f"127.0.0.1:{free_port()}" for i in c.ids}
+    c.serve_etcd_api()
     for i in c.ids:
-        c.node_env[i].update(KV_GRPC=c.grpc[i], KV_MAX_TXN_READ_BYTES=str(READ_BUDGET))
+        c.node_env[i]["KV_MAX_TXN_READ_BYTES"] = str(READ_BUDGET)
     try:
         c.start(*c.ids)
         c.leader_id = c.leader()
@@ -594,9 +594,9 @@ def test_compact_through_the_log_refuses_reads_and_watches_below_it(etcd, cluste
 def single(tmp_path_factory):
     """One node with a token and a short ledger (snapshots every 50 entries, 10 kept)."""
     c = ProcCluster(str(tmp_path_factory.mktemp("v3one")), 1, extra=["--snapshot-threshold", "50", "--snapshot-trailing", "10"], proxies=False)
-    c.grpc = {"n1": f"127.0.0.1:{free_port()}"}
+    c.serve_etcd_api()
     c.token = "t-0123456789abcdef"
-    c.node_env["n1"].update(KV_GRPC=c.grpc["n1"], KV_TOKEN=c.token)
+    c.node_env["n1"]["KV_TOKEN"] = c.token
     try:
         c.start()  # (its status needs the token: the first write waits for its leadership)
         yield c

@@ -164,18 +164,13 @@ MACHINE, ENDS = _huffman_machine()
 def huffman_decode(data: bytes) -> bytes:
     state, out, machine = 0, [], MACHINE
     for byte in data:
-        step = machine[state * 16 + (byte >> 4)]
-        if step is None:
-            raise HpackError("a Huffman string holds EOS or an invalid code")
-        state, got = step
-        if got:
-            out.append(got)
-        step = machine[state * 16 + (byte & 15)]
-        if step is None:
-            raise HpackError("a Huffman string holds EOS or an invalid code")
-        state, got = step
-        if got:
-            out.append(got)
+        for nibble in (byte >> 4, byte & 15):
+            step = machine[state * 16 + nibble]
+            if step is None:
+                raise HpackError("a Huffman string holds EOS or an invalid code")
+            state, got = step
+            if got:
+                out.append(got)
     if state not in ENDS:
         raise HpackError("a Huffman string ends in padding that is not a prefix of EOS")
     return b"".join(out)

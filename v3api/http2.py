@@ -40,13 +40,11 @@ DEFAULT_WINDOW = 65535
 
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR, STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = (
-    0x0, 0x1, 0x2, 0x3, 0x5, 0x6, 0x7, 0x8, 0x9,
-)
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x0, 0x1, 0x3, 0x6, 0x7, 0x8, 0x9
 S_HEADER_TABLE_SIZE, S_ENABLE_PUSH, S_MAX_CONCURRENT_STREAMS, S_INITIAL_WINDOW_SIZE, S_MAX_FRAME_SIZE, S_MAX_HEADER_LIST_SIZE = range(1, 7)
 
-_frame_head = struct.Struct(">I B I")
-_HTTP1 = re.compile(rb"[A-Z]{3,7} \S")  # an HTTP/1 request line's start  # 24-bit length in the first word, with the type's byte
+_frame_head = struct.Struct(">I B I")  # 24-bit length in the first word, with the type's byte
+_HTTP1 = re.compile(rb"[A-Z]{3,7} \S")  # an HTTP/1 request line's start
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:

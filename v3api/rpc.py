@@ -8,7 +8,6 @@ iterator of requests, and a context with invocation_metadata() and abort()."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import ssl
 import struct
@@ -99,9 +98,9 @@ class Call:
         block = _OK_TRAILERS if code is grpc.StatusCode.OK else status_block(code, message)
         if self.answered:
             self.stream.send_trailers(block)
-        else:  # trailers-only: one header block ends the stream
+        else:
             self.answered = True
-            self.stream.send_headers(hpack.RESPONSE_HEADERS + block, end=True)
+            _trailers_only(self.stream, block)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -229,14 +228,13 @@ class RpcServer:
             s.send_headers(b"\x08\x03415", end=True)  # :status 415 (a literal with static name 8)
             return
         method = self.methods.get(path)
-        call = Call(s, method, CallContext(tuple(metadata))) if method is not None else None
-        if call is None:
-            _refuse(s, grpc.StatusCode.UNIMPLEMENTED, f"unknown method {path}")
+        if method is None:
+            _trailers_only(s, status_block(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {path}"))
             return
         if encoding not in (None, "identity"):
-            _refuse(s, grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported (identity only)")
+            _trailers_only(s, status_block(grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported (identity only)"))
             return
-        s.call = call
+        s.call = call = Call(s, method, CallContext(tuple(metadata)))
         if deadline is not None:
             call.timer = asyncio.get_running_loop().call_later(deadline, self._expire, call)
         if method.streaming_request:
@@ -305,7 +303,7 @@ class RpcServer:
                 except DecodeError:
                     raise Abort(grpc.StatusCode.INTERNAL, f"grpc: error unmarshalling request: not a {m.request.__name__}") from None
                 result = m.handler(request, call.context)
-            if inspect.isasyncgen(result):
+            if m.streaming_response:
                 try:
                     async for response in result:
                         call.send(response)
@@ -332,5 +330,6 @@ class RpcServer:
                 call.timer.cancel()
 
 
-def _refuse(s: Stream, code: grpc.StatusCode, message: str) -> None:
-    s.send_headers(hpack.RESPONSE_HEADERS + status_block(code, message), end=True)
+def _trailers_only(s: Stream, status: bytes) -> None:
+    """An answer without messages: one header block, the status in it, ends the stream."""
+    s.send_headers(hpack.RESPONSE_HEADERS + status, end=True)

@@ -10,7 +10,7 @@ import tempfile
 from ..errors import BadRequest, KVError
 from ..snapshot.format import read_header
 from .runtime import session  # noqa: F401  (kv.spark.session; it lived here)
-from .snapshot_http import open_snapshot
+from .snapshot_http import is_url, open_snapshot
 
 VALUE_TYPES = ("binary", "string")
 
@@ -34,26 +34,30 @@ def download_snapshot(endpoints: str, token: str | None, directory: str | None =
     """Take a snapshot on the leader (or, failing that, the next node that answers) and
     download it: {"path", "index", "term", "endpoint"}. Taken on the leader, it holds every
     write acknowledged before the call."""
-    from ..client.blocking import Client
-    from .importer import live_endpoints
-
     path = os.path.join(directory or tempfile.mkdtemp(prefix="kv-export-"), "snapshot.lkvs")
-    errors = []
-    with Client(endpoints, token=token) as c:
-        for ep, _ in live_endpoints(endpoints, token):
-            try:
-                if fresh:
-                    c.take_snapshot(ep)
-                return {**c.download_snapshot(path, endpoint=ep), "path": path}
-            except KVError as e:  # the next node, then
-                errors.append(f"{ep}: {e}")
-    raise KVError("no node gave a snapshot: " + "; ".join(errors))
+
+    def download(c, ep: str) -> dict:
+        if fresh:
+            c.take_snapshot(ep)
+        return {**c.download_snapshot(path, endpoint=ep), "path": path}
+
+    return _first_node(endpoints, token, download)
 
 
 def take_snapshot(endpoints: str, token: str | None) -> dict:
     """Take a snapshot on the leader (or, failing that, the next node that answers):
     {"url" (where its bytes are read, by ranges), "index", "term", "endpoint"}. Taken on
     the leader, it holds every write acknowledged before the call."""
+
+    def take(c, ep: str) -> dict:
+        got = c.take_snapshot(ep)
+        return {"url": f"{ep}/v1/snapshot?index={got['index']}", "index": got["index"], "term": got["term"], "endpoint": ep}
+
+    return _first_node(endpoints, token, take)
+
+
+def _first_node(endpoints: str, token: str | None, do):
+    """do(client, endpoint) on the nodes that answer, leader first, until one succeeds."""
     from ..client.blocking import Client
     from .importer import live_endpoints
 
@@ -61,8 +65,7 @@ def take_snapshot(endpoints: str, token: str | None) -> dict:
     with Client(endpoints, token=token) as c:
         for ep, _ in live_endpoints(endpoints, token):
             try:
-                got = c.take_snapshot(ep)
-                return {"url": f"{ep}/v1/snapshot?index={got['index']}", "index": got["index"], "term": got["term"], "endpoint": ep}
+                return do(c, ep)
             except KVError as e:  # the next node, then
                 errors.append(f"{ep}: {e}")
     raise KVError("no node gave a snapshot: " + "; ".join(errors))
@@ -94,14 +97,14 @@ def export_snapshot(
         raise BadRequest(f"{out} exists: choose another path, or replace it with --overwrite")
     if snapshot is None:  # the executors read it from the node, by byte ranges: no shared folder needed
         taken = take_snapshot(endpoints, token)
-        path, source = taken["url"], taken["endpoint"]
+        path, source, index, term = taken["url"], taken["endpoint"], taken["index"], taken["term"]
     else:
-        path, source = snapshot, snapshot
-    with open_snapshot(path, token) as f:
-        header, _ = read_header(f)
+        with open(snapshot, "rb") as f:
+            header, _ = read_header(f)
+        path, source, index, term = snapshot, snapshot, header.index, header.term
     df = with_value_type(read_snapshot(spark, path, prefix=prefix, partitions=partitions, token=token), value_type, json_schema)
     df.write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
-    meta = {"rows": spark.read.format(fmt).load(out).count(), "index": header.index, "term": header.term, "source": source, "prefix": prefix}
+    meta = {"rows": spark.read.format(fmt).load(out).count(), "index": index, "term": term, "source": source, "prefix": prefix}
     if os.path.isdir(out):
         with open(os.path.join(out, "_ledgerkv.json"), "w") as f:  # Spark readers skip "_" files
             json.dump(meta, f)
@@ -149,7 +152,7 @@ def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: in
             start, acc = i + 1, 0
     if start < len(offsets):
         tasks.append((offsets[start], len(offsets) - start))
-    where = path if path.startswith(("http://", "https://")) else os.path.abspath(path)
+    where = path if is_url(path) else os.path.abspath(path)
     plan = spark.createDataFrame([(where, o, c, prefix or "") for o, c in tasks], "path string, offset long, blocks long, prefix string")
     plan = plan.repartition(len(tasks) or 1)
     return plan.mapInArrow(lambda batches: _read_blocks(batches, token), snapshot_schema())

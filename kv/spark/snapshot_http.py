@@ -24,16 +24,18 @@ class SnapshotGone(KVError):
 
 
 class HttpSnapshot(io.RawIOBase):
+    """Reads are served from the last range fetched, READ_AHEAD bytes at a time; the size
+    comes with the first answer (an executor's first read is at its own blocks)."""
+
     def __init__(self, url: str, token: str | None = None, timeout: float = 60.0) -> None:
         super().__init__()
         self.url, self.timeout = url, timeout
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.pos = self.size = 0
+        self.pos, self.size = 0, None
         self.buf_start, self.buf = 0, b""
-        self.size = self._fetch(0, 0)[1]
 
-    def _fetch(self, start: int, end: int) -> tuple[bytes, int]:
-        """Bytes [start, end] (inclusive, as HTTP counts) and the file's size."""
+    def _fetch(self, start: int, end: int) -> bytes:
+        """Bytes [start, end] (inclusive, as HTTP counts; fewer at the end of the file)."""
         req = urllib.request.Request(self.url, headers={**self.headers, "Range": f"bytes={start}-{end}"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
@@ -41,15 +43,21 @@ class HttpSnapshot(io.RawIOBase):
                 m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
                 if resp.status != 206 or m is None:
                     raise KVError(f"{self.url} did not answer a byte range (HTTP {resp.status}): is it a ledgerkv node?")
-                return body, int(m.group(3))
+                self.size = int(m.group(3))
+                return body
         except urllib.error.HTTPError as e:
             if e.code == 404:
                 raise SnapshotGone(f"{self.url}: the node no longer has this snapshot (newer ones replaced it): run the export again") from None
             if e.code == 416:  # asked past the end
-                return b"", self.size
+                return b""
             raise KVError(f"{self.url}: HTTP {e.code} {e.read()[:300]!r}") from None
         except OSError as e:
             raise KVError(f"{self.url}: {e}") from None
+
+    def _size(self) -> int:
+        if self.size is None:
+            self._fetch(0, 0)
+        return self.size
 
     def readable(self) -> bool:
         return True
@@ -61,27 +69,26 @@ class HttpSnapshot(io.RawIOBase):
         return self.pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence] + offset
+        self.pos = (self._size() if whence == io.SEEK_END else self.pos if whence == io.SEEK_CUR else 0) + offset
         return self.pos
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
-            n = self.size - self.pos
-        n = min(n, max(0, self.size - self.pos))
-        if n == 0:
-            return b""
+            n = self._size() - self.pos
         lo = self.pos - self.buf_start
-        if not (0 <= lo and lo + n <= len(self.buf)):
-            want = max(n, READ_AHEAD)
-            self.buf, _ = self._fetch(self.pos, min(self.size, self.pos + want) - 1)
-            self.buf_start, lo = self.pos, 0
-        out = self.buf[lo : lo + n]
+        if n > 0 and not (0 <= lo and lo + n <= len(self.buf)):
+            self.buf, self.buf_start, lo = self._fetch(self.pos, self.pos + max(n, READ_AHEAD) - 1), self.pos, 0
+        out = self.buf[lo : lo + n] if n > 0 else b""
         self.pos += len(out)
         return out
 
 
+def is_url(location: str) -> bool:
+    return location.startswith(("http://", "https://"))
+
+
 def open_snapshot(location: str, token: str | None = None):
     """A snapshot to read: a node's (an http(s) URL) or a file's (a path)."""
-    if location.startswith(("http://", "https://")):
+    if is_url(location):
         return HttpSnapshot(location, token)
     return open(location, "rb")
