@@ -31,7 +31,7 @@ from aiohttp import web
 
 from kv import BadRequest, Forbidden, Unauthorized
 
-from .keys import key_from_raw_path
+from .keys import key_from_raw_path, key_param
 
 ROLES = ("read", "write", "admin")
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # answered without a token
@@ -120,7 +120,7 @@ def authorize(request: web.Request, grants: dict[str, Grant]) -> None:
         if request.path.startswith("/v1/kv/"):
             check_keys(request, [key_from_raw_path(request.raw_path, "/v1/kv/")])
         elif request.path in _PREFIX_PATHS:
-            prefix = request.query.get("prefix", "")
+            prefix = key_param(request, "prefix", "")
             if not prefix.startswith(grant.prefix):
                 raise Forbidden(f"this token reaches only keys under {grant.prefix!r}: ask for ?prefix= starting with it, not {prefix!r}")
 

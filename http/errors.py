@@ -8,6 +8,7 @@ import orjson
 from aiohttp import web
 
 from kv import KVError
+from kv.common.wire import key_fields
 
 from .answer import Answer
 
@@ -19,7 +20,10 @@ def json_response(data, status: int = 200, headers: dict | None = None) -> Answe
 
 
 def error_response(status: int, code: str, message: str, details: dict | None = None) -> Answer:
-    return json_response({"error": {"code": code, "message": message, **(details or {})}}, status)
+    details = details or {}
+    if "key" in details:  # (412's) spelled as answers spell keys: base64 when not UTF-8
+        details = {**details, **key_fields(details["key"])}
+    return json_response({"error": {"code": code, "message": message, **details}}, status)
 
 
 _HTTP_CODES = {400: "BAD_REQUEST", 401: "UNAUTHORIZED", 403: "FORBIDDEN", 404: "NOT_FOUND", 408: "REQUEST_TIMEOUT", 405: "METHOD_NOT_ALLOWED", 413: "VALUE_TOO_LARGE"}

@@ -1,11 +1,15 @@
-"""Keys in URL paths: percent-encoded UTF-8, '/' allowed, decoded strictly (aiohttp and yarl
-decode leniently, which would turn a bad escape into a different key)."""
+"""Keys in URL paths and query strings: percent-encoded bytes, '/' allowed in a path, decoded
+strictly (aiohttp and yarl decode leniently, which would turn a bad escape into a different
+key, and bytes that are not UTF-8 into U+FFFD). Bytes that are not UTF-8 come back as
+commands.key_text holds them."""
 
 from __future__ import annotations
 
 import re
+from urllib.parse import parse_qsl
 
 from kv import BadRequest
+from kv.common.wire import key_text
 
 _HEX = re.compile(rb"%[0-9A-Fa-f]{2}")
 
@@ -31,7 +35,17 @@ def key_from_raw_path(raw_path: str, prefix: str) -> str:
         else:
             out.append(c)
             i += 1
-    try:
-        return out.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"the key is not valid UTF-8 once percent-decoded: {e.reason}") from None
+    return key_text(bytes(out))
+
+
+def key_param(request, name: str, default: str | None = None) -> str | None:
+    """A key or prefix in the query string (?prefix=, ?after=), any bytes percent-encoded."""
+    value = request.query.get(name)
+    if value is None:
+        return default
+    if "\ufffd" not in value:
+        return value
+    for k, v in parse_qsl(request.raw_path.partition("?")[2], keep_blank_values=True, errors="surrogateescape"):
+        if k == name:
+            return v
+    return value

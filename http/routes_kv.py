@@ -8,13 +8,13 @@ import orjson
 from aiohttp import web
 
 from kv import BadRequest, Cond, Delete, Get, LeaseNotFound, NotFound, PreconditionFailed, Put, ReadsOmitted
-from kv.common.wire import value_fields, value_from
+from kv.common.wire import key_bytes, key_fields, key_from, value_fields, value_from
 
 from .answer import Answer
 from .auth import check_keys, hidden_leases
 from .context import ctx
 from .errors import json_response
-from .keys import key_from_raw_path
+from .keys import key_from_raw_path, key_param
 from .params import MAX_INDEX, read_body, read_timeout, request_id, revision_param, write_timeout
 
 KV_PREFIX = "/v1/kv/"
@@ -97,7 +97,7 @@ async def delete_prefix(request: web.Request) -> Answer:
     c = ctx(request)
     if "prefix" not in request.query:
         raise BadRequest("give ?prefix=P to delete every key under P (?prefix= with nothing after it deletes every key)")
-    r = await c.node.delete_prefix(request.query["prefix"], timeout=write_timeout(request), request_id=request_id(request))
+    r = await c.node.delete_prefix(key_param(request, "prefix"), timeout=write_timeout(request), request_id=request_id(request))
     return json_response({"index": r.index, "term": r.term, "deleted": r.deleted})
 
 
@@ -115,15 +115,15 @@ async def list_keys(request: web.Request) -> Answer:
     # 10,000 values of 1 MiB would otherwise be one answer of 13 GiB built in memory.
     cap = c.node.config.max_txn_read_bytes
     items, index = await c.node.scan_page(
-        q.get("prefix", ""), after=q.get("after"), limit=limit + 1, consistency=_consistency(request), timeout=read_timeout(request),
+        key_param(request, "prefix", ""), after=key_param(request, "after"), limit=limit + 1, consistency=_consistency(request), timeout=read_timeout(request),
         max_bytes=cap, revision=revision_param(request),
     )
-    size = sum(len(it.key.encode()) + len(it.value) for it in items)  # as the state machine counts
+    size = sum(len(key_bytes(it.key)) + len(it.value) for it in items)  # as the state machine counts
     more = len(items) > limit or size >= cap  # cut short by its size: the client reads on from `next`
     items = items[:limit]
     c.room_for(size)
-    out = [{"key": it.key, **value_fields(it.value, force_b64), "mod_index": it.mod_index} for it in items]
-    return json_response({"items": out, "next": items[-1].key if more else None, "index": index})
+    out = [{**key_fields(it.key), **value_fields(it.value, force_b64), "mod_index": it.mod_index} for it in items]
+    return json_response({"items": out, **(key_fields(items[-1].key, "next") if more else {"next": None}), "index": index})
 
 
 # -- transactions -----------------------------------------------------------------------------
@@ -145,7 +145,11 @@ def _key_of(d, where: str) -> str:
         raise BadRequest(f"{where} must be an object")
     k = d.get("key")
     if not isinstance(k, str) or not k:
-        raise BadRequest(f'{where} needs "key", a non-empty string')
+        raise BadRequest(f'{where} needs "key", a non-empty string (base64 with "key_encoding": "base64" for bytes that are not UTF-8)')
+    if "key_encoding" in d:
+        if d["key_encoding"] != "base64":
+            raise BadRequest(f'{where}: "key_encoding" must be "base64" (or left out for UTF-8 text)')
+        return key_from(d)
     return k
 
 
@@ -155,7 +159,7 @@ _VALUE_FIELDS = {"value", "encoding", "value_base64"}
 
 def _parse_cond(d, where: str) -> Cond:
     key = _key_of(d, where)
-    _fields(d, where, {"key"} | _COND_FIELDS)
+    _fields(d, where, {"key", "key_encoding"} | _COND_FIELDS)
     if len({"value" if f in _VALUE_FIELDS else f for f in _COND_FIELDS & set(d)}) != 1:
         raise BadRequest(f'{where}: compare on exactly one of "mod_index", "exists" or "value"')
     if "mod_index" in d:
@@ -176,10 +180,10 @@ def _parse_op(d, where: str):
     key = _key_of(d, where)
     op = d.get("op")
     if op == "put":
-        _fields(d, where, {"op", "key"} | _VALUE_FIELDS)
+        _fields(d, where, {"op", "key", "key_encoding"} | _VALUE_FIELDS)
         return Put(key, value_from(d, where))
     if op in ("delete", "get"):
-        _fields(d, where, {"op", "key"})
+        _fields(d, where, {"op", "key", "key_encoding"})
         return Delete(key) if op == "delete" else Get(key)
     raise BadRequest(f'{where}: "op" must be "put", "delete" or "get"')
 
@@ -199,7 +203,7 @@ def _op_result(r, force_b64: bool):
     if hasattr(r, "deleted"):
         return {"index": r.index, "deleted": r.deleted}
     if hasattr(r, "value"):
-        return {"found": True, "key": r.key, **value_fields(r.value, force_b64), "mod_index": r.mod_index}
+        return {"found": True, **key_fields(r.key), **value_fields(r.value, force_b64), "mod_index": r.mod_index}
     return {"index": r.index}
 
 
@@ -234,7 +238,7 @@ async def txn(request: web.Request) -> Answer:
         "index": r.index,
         "term": r.term,
         "results": [
-            {"omitted": True, "key": op.key} if omitted is not None and type(op) is Get and x is None else _op_result(x, force_b64)
+            {"omitted": True, **key_fields(op.key)} if omitted is not None and type(op) is Get and x is None else _op_result(x, force_b64)
             for op, x in zip(branch, r.results)
         ],
     }

@@ -23,9 +23,10 @@ import orjson
 from aiohttp import web
 
 from kv import BadRequest, KVError, SlowWatcher
-from kv.common.wire import value_fields
+from kv.common.wire import key_fields, value_fields
 
 from .context import CONTEXT, ctx
+from .keys import key_param
 from .params import index_param
 
 
@@ -47,9 +48,9 @@ def event_line(ev, force_b64: bool) -> bytes:
     if line is not None:
         return line
     if ev.value is None:
-        d = {"type": "delete", "key": ev.key, "mod_index": ev.index, "index": ev.index}
+        d = {"type": "delete", **key_fields(ev.key), "mod_index": ev.index, "index": ev.index}
     else:
-        d = {"type": "put", "key": ev.key, **value_fields(ev.value, force_b64), "mod_index": ev.index, "index": ev.index}
+        d = {"type": "put", **key_fields(ev.key), **value_fields(ev.value, force_b64), "mod_index": ev.index, "index": ev.index}
     line = orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE)
     if len(line) <= LINE_CACHE_BYTES:
         if len(_lines) >= LINE_CACHE:
@@ -66,7 +67,7 @@ async def watch(request: web.Request) -> web.StreamResponse:
     if end is not None and start is not None and end < start - 1:
         raise BadRequest(f"to ({end}) is before from ({start}): the range is empty")
     force_b64 = request.query.get("encoding") == "base64"
-    w = node.watch(request.query.get("prefix", ""), start_index=start, resume_when_behind=False)  # 410 before any byte
+    w = node.watch(key_param(request, "prefix", ""), start_index=start, resume_when_behind=False)  # 410 before any byte
     c.watch_streams.add(w)
     progress_s = node.config.watch_progress_ms / 1000
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-store"})

@@ -299,7 +299,7 @@ def _slices(offsets: bytes, data: bytes, n: int) -> list[bytes]:
 
 
 def _check_records(keys: list[bytes], mods: list[int], last_key: bytes | None, index: int) -> bytes | None:
-    """Keys are valid UTF-8 within the key limit (ledgerkv's own records, the reserved keys
+    """Keys are within the key limit (any bytes: see commands.key_bytes; ledgerkv's own records, the reserved keys
     starting with NUL, are bytes, at most twice as long plus some: a history record holds a
     key), strictly increasing; mod_indexes are in [1, the snapshot's index]. Returns the last key."""
     for k, mod in zip(keys, mods):
@@ -308,11 +308,6 @@ def _check_records(keys: list[bytes], mods: list[int], last_key: bytes | None, i
                 raise SnapshotFormatError(f"snapshot record: a reserved key of {len(k)} bytes (at most {_MAX_RESERVED_KEY_BYTES})")
         elif not 0 < len(k) <= MAX_KEY_BYTES:
             raise SnapshotFormatError(f"snapshot record: a key of {len(k)} bytes (keys are 1 to {MAX_KEY_BYTES})")
-        else:
-            try:
-                k.decode("utf-8")
-            except UnicodeDecodeError:
-                raise SnapshotFormatError(f"snapshot record: key {k[:60]!r} is not UTF-8") from None
         if last_key is not None and k <= last_key:
             raise SnapshotFormatError(f"snapshot record: key {k[:60]!r} is out of order")
         if not 0 < mod <= index:

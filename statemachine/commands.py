@@ -461,12 +461,30 @@ class GetOmitted(NamedTuple):
 # -- encoding ---------------------------------------------------------------------------------
 
 
+def key_bytes(key: str) -> bytes:
+    """A key's bytes. Keys are str; bytes of a key that are not UTF-8 (etcd's clients may
+    write any) are held the way Python holds undecodable file names (PEP 383's
+    surrogateescape): each one as a lone surrogate U+DC80..U+DCFF."""
+    return key.encode("utf-8", "surrogateescape")
+
+
+def key_text(raw: bytes) -> str:
+    """The key of stored bytes (see key_bytes): any bytes are a key."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
 def check_key(key: str) -> bytes:
     if not isinstance(key, str) or not key:
         raise CommandError("a key is a non-empty string")
     if key[0] == "\x00":
         raise CommandError("keys starting with a NUL character are reserved for ledgerkv's own records (leases)")
-    raw = key.encode("utf-8")
+    try:
+        raw = key_bytes(key)
+    except UnicodeEncodeError:
+        raise CommandError("a key holds a lone surrogate that stands for no byte (only U+DC80..U+DCFF stand for bytes that are not UTF-8)") from None
+    if not key.isascii() and key_text(raw) != key:
+        # "\udcc3\udca9" would be stored as the bytes of "é", and read back as "é"
+        raise CommandError(f"a key's escaped bytes spell UTF-8 text: write the key as {key_text(raw)!r}")
     if len(raw) > MAX_KEY_BYTES:
         raise CommandError(f"key is {len(raw)} bytes long; the limit is {MAX_KEY_BYTES}")
     return raw
@@ -498,9 +516,9 @@ def _ops(ops, parts: list) -> None:
     pack16, pack32 = _U16.pack, _U32.pack
     for op in ops:
         if type(op) is Put and op.cond is None and not op.lease and type(op.key) is str and type(op.value) is bytes:
-            raw = op.key.encode()
-            if not raw or raw[0] == 0 or len(raw) > MAX_KEY_BYTES:
-                check_key(op.key)  # raises with the reason
+            raw = op.key.encode("utf-8", "replace")
+            if not raw or raw[0] == 0 or len(raw) > MAX_KEY_BYTES or not op.key.isascii():
+                raw = check_key(op.key)  # raises with the reason, or the bytes of a key that is not ASCII
             parts.append(_PUT_OPCODE + pack16(len(raw)) + raw + pack32(len(op.value)))
             parts.append(op.value)
             parts.append(b"\x00")
@@ -614,7 +632,7 @@ class _Reader:
         return _U32.unpack(self.take(4))[0]
 
     def key(self) -> str:
-        return self.take(self.u16()).decode("utf-8")
+        return key_text(self.take(self.u16()))
 
     def cond(self) -> Cond | None:
         kind = self.byte()
@@ -637,7 +655,7 @@ class _Reader:
             for _ in range(n):
                 code = b[o]
                 (kl,) = unpack_u16(b, o + 1)
-                key = b[o + 3 : o + 3 + kl].decode()
+                key = key_text(b[o + 3 : o + 3 + kl])
                 o += 3 + kl
                 if code == _OP_PUT:
                     (vl,) = unpack_u32(b, o)
@@ -818,10 +836,7 @@ def _req_key(key: bytes, range_end: bytes) -> bytes:
     if type(key) is not bytes or type(range_end) is not bytes:
         raise CommandError("keys and range ends of the v3 API are bytes")
     if not range_end:
-        try:
-            check_key(key.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise CommandError("a key is UTF-8 in ledgerkv (this key is not)") from None
+        check_key(key_text(key))
     return _bytes16(key) + _bytes16(range_end)
 
 

@@ -25,7 +25,7 @@ import struct
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from .commands import KeyValue
+from .commands import KeyValue, key_text
 from .lease_table import RESERVED
 
 _DATA = b"k"
@@ -84,7 +84,7 @@ def at(db, raw: bytes, revision: int) -> Past:
     it = db.iterator(start=head + _REV_N.pack(revision + 1, 0), stop=head + _ALL_ONES)
     try:
         for k, v in it:
-            return Past(True, _version_of(raw.decode(), v))
+            return Past(True, _version_of(key_text(raw), v))
     finally:
         it.close()
     return Past(False, None)
@@ -124,7 +124,7 @@ def changes_from(db, revision: int, upto: int, max_changes: int) -> list[tuple[i
 def change_of(db, raw: bytes, revision: int, n: int) -> tuple[KeyValue | None, Past]:
     """What the n-th change at `revision`, of `raw`, found (prev_kv) and what it left: the
     key's next history record, or (found False) its current record."""
-    key = raw.decode()
+    key = key_text(raw)
     head = VERSIONS + escaped(raw)
     it = db.iterator(start=head + _REV_N.pack(revision, n), stop=head + _ALL_ONES)
     try:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable
 
+from .commands import key_text
+
 RESERVED = b"\x00"  # the first byte of every reserved key
 LEASE_RECORD = b"\x00lease/"
 ATTACH_RECORD = b"\x00lkey/"
@@ -50,7 +52,7 @@ class LeaseTable:
                     self.owner[lease] = value[8:].decode()
                 self.keys.setdefault(lease, set())
             elif key.startswith(ATTACH_RECORD):
-                attached.append((key[len(ATTACH_RECORD) :].decode(), _U64.unpack(value)[0]))
+                attached.append((key_text(key[len(ATTACH_RECORD) :]), _U64.unpack(value)[0]))
         for key, lease in attached:
             if lease in self.ttl_ms:
                 self.attach_in_memory(key, lease)

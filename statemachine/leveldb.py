@@ -91,6 +91,8 @@ from .commands import (
     TxnReq,
     TxnResp,
     compare_holds,
+    key_bytes,
+    key_text,
     prefix_end,
 )
 from . import history
@@ -209,7 +211,7 @@ class LevelDBStateMachine:
     def get(self, key: str) -> tuple[int, bytes] | None:
         """(mod_index, value) of a key, or None."""
         try:
-            raw = self._db.get(_DATA + key.encode(), verify_checksums=True)
+            raw = self._db.get(_DATA + key_bytes(key), verify_checksums=True)
         except plyvel.CorruptionError as e:
             raise self._damaged(e) from e
         if raw is None:
@@ -224,8 +226,8 @@ class LevelDBStateMachine:
         (the one that reaches it included, so a page always holds a key when one is left).
         `revision`: as of that revision (see oldest_revision), not as of now."""
         if revision is not None:
-            pre = prefix.encode()
-            start = after.encode() + b"\x00" if after is not None else pre
+            pre = key_bytes(prefix)
+            start = key_bytes(after) + b"\x00" if after is not None else pre
             items = ((kv.key, kv.value, kv.mod_revision) for _, kv in self._items_at(max(start, pre), prefix_end(pre), revision))
         else:
             items = self._scan_now(prefix, after)
@@ -239,14 +241,14 @@ class LevelDBStateMachine:
         return out
 
     def _scan_now(self, prefix: str, after: str | None) -> Iterator[tuple[str, bytes, int]]:
-        pre = _DATA + prefix.encode()
-        start = _DATA + after.encode() + b"\x00" if after is not None else pre
+        pre = _DATA + key_bytes(prefix)
+        start = _DATA + key_bytes(after) + b"\x00" if after is not None else pre
         it = self._db.iterator(start=max(start, pre, _USER_DATA), prefix=None, verify_checksums=True)
         try:
             for k, v in it:
                 if not k.startswith(pre):
                     break
-                yield k[1:].decode(), v[8:], _U64.unpack_from(v)[0]
+                yield key_text(k[1:]), v[8:], _U64.unpack_from(v)[0]
         except plyvel.CorruptionError as e:
             raise self._damaged(e) from e
         finally:
@@ -266,7 +268,7 @@ class LevelDBStateMachine:
 
     def get_at(self, key: str, revision: int) -> tuple[int, bytes] | None:
         """(mod_index, value) of a key as of a revision (see oldest_revision), or None."""
-        raw = key.encode()
+        raw = key_bytes(key)
         kv = self._as_of(raw, self._at(raw, revision))
         return None if kv is None else (kv.mod_revision, kv.value)
 
@@ -314,13 +316,13 @@ class LevelDBStateMachine:
         upto = self._applied[0]
         listed = history.changes_from(self._db, start, upto, max_changes)
         after = listed[-1][0] + 1 if len(listed) >= max_changes else upto + 1
-        pre = prefix.encode()
+        pre = key_bytes(prefix)
         out = []
         for rev, n, raw in listed:
             if not raw.startswith(pre):
                 continue
             prev, then = history.change_of(self._db, raw, rev, n)
-            key = raw.decode()
+            key = key_text(raw)
             kv = self._as_of(raw, then)
             if kv is None:
                 out.append((rev, key, None, KeyValue(key, 0, rev, 0, b"", 0), prev))
@@ -402,26 +404,22 @@ class LevelDBStateMachine:
                 end = o + 4 + ((d[o + 2] << 8) | d[o + 3])
                 if len(d) > end and d[end] == 0:
                     raw = d[o + 4 : end]
-                    try:
-                        key = raw.decode()
-                    except UnicodeDecodeError:
-                        key = None  # the slow path rejects it with a reason
-                    if key is not None:
-                        k = _DATA + raw
-                        value = d[end + 1 :]
-                        self._stamp(key, raw, e.index, wb, overlay, value, 0, changes)
-                        overlay[k] = (e.index, value)
-                        wb.put(k, pack(e.index) + value)
-                        if key in attached:
-                            self._detach(key, wb)
-                        result = PutResult(e.index)
-                        if session:  # its answer is PutResult(this index): the record can wait (sessions.py)
-                            s = sessions.pop(session)
-                            s[0], s[1], s[2], s[3] = seq, e.index, False, fp
-                            sessions[session] = s
-                            self.sessions.dirty.add(session)
-                            results.append(result)
-                            continue
+                    key = key_text(raw)
+                    k = _DATA + raw
+                    value = d[end + 1 :]
+                    self._stamp(key, raw, e.index, wb, overlay, value, 0, changes)
+                    overlay[k] = (e.index, value)
+                    wb.put(k, pack(e.index) + value)
+                    if key in attached:
+                        self._detach(key, wb)
+                    result = PutResult(e.index)
+                    if session:  # its answer is PutResult(this index): the record can wait (sessions.py)
+                        s = sessions.pop(session)
+                        s[0], s[1], s[2], s[3] = seq, e.index, False, fp
+                        sessions[session] = s
+                        self.sessions.dirty.add(session)
+                        results.append(result)
+                        continue
             if result is None:
                 try:
                     cmd = decode(d[o:] if o else d)
@@ -557,7 +555,7 @@ class LevelDBStateMachine:
     def _check(self, cond: Cond | None, overlay: dict) -> ConditionFailed | None:
         if cond is None:
             return None
-        cur = self._current(_DATA + cond.key.encode(), overlay)
+        cur = self._current(_DATA + key_bytes(cond.key), overlay)
         if cond.holds(cur):
             return None
         return ConditionFailed(cond.key, cur[0] if cur else 0)
@@ -595,7 +593,7 @@ class LevelDBStateMachine:
     def _delete_prefix(self, prefix: str, index: int, wb, overlay: dict, changes: list | None) -> PrefixDeleted:
         """Every key under the prefix, as this batch leaves them (its own earlier writes
         included), deleted at this index; watchers see a delete per key."""
-        pre = _DATA + prefix.encode()
+        pre = _DATA + key_bytes(prefix)
         keys = set()
         with self._db.iterator(start=max(pre, _USER_DATA), prefix=None, include_value=False) as it:
             for k in it:
@@ -607,7 +605,7 @@ class LevelDBStateMachine:
         for k in sorted(keys):
             if self._current(k, overlay) is None:
                 continue
-            key = k[1:].decode()
+            key = key_text(k[1:])
             self._delete(Delete(key), index, wb, overlay, changes)
             deleted.append(key)
         return PrefixDeleted(index, tuple(deleted))
@@ -623,7 +621,7 @@ class LevelDBStateMachine:
         for op in cmd.ops if ok else cmd.else_ops:
             t = type(op)
             if t is Put:
-                k = _DATA + op.key.encode()
+                k = _DATA + key_bytes(op.key)
                 self._stamp(op.key, k[1:], index, wb, overlay, op.value, 0, changes)
                 overlay[k] = (index, op.value)
                 wb.put(k, pack_index + op.value)
@@ -637,7 +635,7 @@ class LevelDBStateMachine:
                 if budget < 0:
                     out.append(GetOmitted(op.key))
                     continue
-                cur = self._current(_DATA + op.key.encode(), overlay)
+                cur = self._current(_DATA + key_bytes(op.key), overlay)
                 budget -= len(cur[1]) if cur else 0
                 out.append(GetResult(op.key, cur[1] if cur else None, cur[0] if cur else 0) if budget >= 0 else GetOmitted(op.key))
             else:
@@ -645,7 +643,7 @@ class LevelDBStateMachine:
         return TxnApplied(index, ok, tuple(out))
 
     def _put(self, op: Put, index: int, wb, overlay: dict, changes: list | None) -> PutResult:
-        k = _DATA + op.key.encode()
+        k = _DATA + key_bytes(op.key)
         self._stamp(op.key, k[1:], index, wb, overlay, op.value, op.lease, changes)
         overlay[k] = (index, op.value)
         wb.put(k, _U64.pack(index) + op.value)
@@ -655,11 +653,11 @@ class LevelDBStateMachine:
                 self._detach(op.key, wb)
             if op.lease:
                 self.leases.attach_in_memory(op.key, op.lease)
-                wb.put(_DATA + ATTACH_RECORD + op.key.encode(), _U64.pack(index) + _U64.pack(op.lease))
+                wb.put(_DATA + ATTACH_RECORD + key_bytes(op.key), _U64.pack(index) + _U64.pack(op.lease))
         return PutResult(index)
 
     def _delete(self, op: Delete, index: int, wb, overlay: dict, changes: list | None) -> DeleteApplied:
-        k = _DATA + op.key.encode()
+        k = _DATA + key_bytes(op.key)
         cur = self._current(k, overlay)
         overlay[k] = None
         if cur is not None:
@@ -671,7 +669,7 @@ class LevelDBStateMachine:
 
     def _detach(self, key: str, wb) -> None:
         self.leases.detach_in_memory(key)
-        wb.delete(_DATA + ATTACH_RECORD + key.encode())
+        wb.delete(_DATA + ATTACH_RECORD + key_bytes(key))
 
     def _revoke(self, lease: int, index: int, wb, overlay: dict, changes: list | None) -> LeaseRevoked | NoSuchLease:
         """End a lease and delete its keys, at this entry's index (watchers see deletes)."""
@@ -680,7 +678,7 @@ class LevelDBStateMachine:
         keys = self.leases.revoke(lease)
         wb.delete(_DATA + lease_record(lease))
         for key in keys:
-            raw = key.encode()
+            raw = key_bytes(key)
             cur = self._current(_DATA + raw, overlay)
             wb.delete(_DATA + ATTACH_RECORD + raw)
             wb.delete(_DATA + raw)
@@ -764,7 +762,7 @@ class LevelDBStateMachine:
         wb.put(history.change_key(index, n), _U64.pack(index) + raw)
 
     def _kv(self, raw: bytes, cur: tuple[int, bytes], overlay: dict) -> KeyValue:
-        key = raw.decode()
+        key = key_text(raw)
         meta = self._current(_META + raw, overlay)
         create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (cur[0], 1)
         return KeyValue(key, create, cur[0], version, cur[1], self.leases.attached.get(key, 0))
@@ -865,7 +863,7 @@ class LevelDBStateMachine:
                 if op.lease and op.lease not in self.leases.ttl_ms:
                     return NoSuchLease(op.lease)
                 if (op.ignore_value or op.ignore_lease) and self._current(_DATA + op.key, overlay) is None:
-                    return KeyNotFound(op.key.decode())
+                    return KeyNotFound(key_text(op.key))
             elif t is TxnReq:
                 refused = self._txn_check(op, path, overlay)
                 if refused is not None:
@@ -888,13 +886,13 @@ class LevelDBStateMachine:
                     prev = self._kv(op.key, cur, overlay) if cur is not None else None
                 value = prev.value if op.ignore_value else op.value
                 lease = prev.lease if op.ignore_lease else op.lease
-                self._put(Put(op.key.decode(), value, None, lease), index, wb, overlay, changes)
+                self._put(Put(key_text(op.key), value, None, lease), index, wb, overlay, changes)
                 out.append(PutResp(prev if op.prev_kv else None))
             elif t is DeleteRangeReq:
                 items = list(self._range_items(op.key, op.range_end, overlay))
                 prevs = tuple(self._kv(raw, cur, overlay) for raw, cur in items) if op.prev_kv else ()
                 for raw, _ in items:
-                    self._delete(Delete(raw.decode()), index, wb, overlay, changes)
+                    self._delete(Delete(key_text(raw)), index, wb, overlay, changes)
                 out.append(DeleteRangeResp(len(items), prevs))
             else:
                 out.append(self._txn_run(op, path, index, wb, overlay, changes, reads, read_only))

@@ -155,15 +155,11 @@ def fingerprint(data: bytes, start: int) -> int:
 def plain_put_in_session(data: bytes) -> tuple[int, int] | None:
     """(session, seq) of an entry that is an unconditional put sent in a session, else None
     (the state machine's hot path, LevelDBStateMachine.apply: a put without a condition or
-    a lease, with a UTF-8 key)."""
+    a lease)."""
     h = SESSION_HEAD_BYTES
     if data[:2] != IN_SESSION or len(data) < h + 4 or data[h : h + 2] != PUT_HEAD:
         return None
     end = h + 4 + ((data[h + 2] << 8) | data[h + 3])
     if len(data) <= end or data[end] != 0:
         return None
-    try:
-        data[h + 4 : end].decode()
-    except UnicodeDecodeError:
-        return None  # refused when it was applied
     return SESSION_IDS.unpack_from(data, 2)

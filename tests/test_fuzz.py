@@ -63,8 +63,8 @@ def bad_request(rng: random.Random) -> tuple[bytes, set[int]]:
     if kind == 0:  # a broken percent-escape
         path = f"/v1/kv/{key}%{rng.choice(['', 'G', 'Z9', '%'])}"
         return f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx".encode(), {400}
-    if kind == 1:  # an escape that is not UTF-8
-        return b"PUT /v1/kv/a%C3%28 HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx", {400}
+    if kind == 1:  # a key in ledgerkv's reserved space (a NUL first)
+        return b"PUT /v1/kv/%00a HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx", {400}
     if kind == 2:  # a value over --max-value-bytes
         n = rng.randrange(4097, 100_000)
         return f"PUT /v1/kv/big HTTP/1.1\r\nHost: x\r\nContent-Length: {n}\r\n\r\n".encode() + b"x" * min(n, 5000), {413}

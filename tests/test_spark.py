@@ -426,3 +426,18 @@ def test_root_cause_is_the_innermost_cause():
         "kv.common.entry_stream.LogStreamError: log range [1, 9] from http://n1: the stream ended at index 4\n\tat org.apache.spark.api.python.BasePythonRunner(Py.scala:5)\n"
     )
     assert root_cause(Exception(python), debug_hint=False) == "kv.common.entry_stream.LogStreamError: log range [1, 9] from http://n1: the stream ended at index 4"
+
+
+def test_an_export_names_a_key_that_is_not_utf8_instead_of_altering_it():
+    import pyarrow as pa
+
+    from kv.spark import export
+
+    assert export._text_keys(pa.array([b"a", "é".encode()], pa.binary())).to_pylist() == ["a", "é"]
+    with pytest.raises(BadRequest, match=r"key b'v3/\\xff' is not UTF-8.*--prefix"):
+        export._text_keys(pa.array([b"a", b"v3/\xff"], pa.binary()))
+    from kv.spark.export import _arrow, log_schema
+
+    assert _arrow([(5, 1, "put", "é", b"v", False, None)], log_schema()).num_rows == 1
+    with pytest.raises(BadRequest, match=r"entry 5 writes key b'ok\\xff', which is not UTF-8"):
+        _arrow([(4, 1, "put", "ok", b"v", False, None), (5, 1, "put", "ok\udcff", b"v", False, None)], log_schema())

@@ -141,11 +141,37 @@ def test_capture_is_a_frozen_view_and_restore_replaces_everything(sm, tmp_path):
     other.close()
 
 
-def test_a_put_whose_key_is_not_utf8_is_rejected_not_fatal(sm):
-    bad = bytes((c.COMMAND_FORMAT, 1, 0, 2)) + b"\xff\xfe" + b"\x00" + b"value"
-    res = sm.apply([Entry(1, 1, EntryKind.NORMAL, bad), normal(2, c.Put("ok", b"1"))])
-    assert isinstance(res[0], c.CommandError) and res[1] == c.PutResult(2)
-    assert sm.applied() == (2, 1)
+def test_keys_that_are_not_utf8_are_stored_as_their_bytes(sm, tmp_path):
+    """etcd's clients may write any bytes as a key: held as lone surrogates (key_text), stored,
+    ranged, ordered, watched and carried by a snapshot as the bytes they are."""
+    odd = b"\xff\xfe"
+    hot = bytes((c.COMMAND_FORMAT, 1, 0, 2)) + odd + b"\x00" + b"value"  # the apply hot path
+    txn = c.TxnReq(success=(c.PutReq(b"k\x80", b"t"), c.PutReq("é".encode(), b"e")))
+    res = sm.apply([Entry(1, 1, EntryKind.NORMAL, hot), normal(2, c.Put("ok", b"1")), normal(3, txn)])
+    assert res[0] == c.PutResult(1) and res[1] == c.PutResult(2)
+    key = c.key_text(odd)
+    assert key == "\udcff\udcfe" and sm.get(key) == (1, b"value")
+    assert sm.range(c.RangeReq(odd)).kvs == (c.KeyValue(key, 1, 1, 1, b"value", 0),)
+    # in the order of their bytes: "k\x80" sorts before "ok", "é" (c3 a9) before \xff
+    assert [k for k, _, _ in sm.scan("")] == ["k\udc80", "ok", "é", key]
+    assert [k for k, _, _ in sm.scan("", after="é")] == [key]
+    assert c.decode(c.encode(c.Put(key, b"v"))) == c.Put(key, b"v")
+    view = sm.capture()
+    items = list(view.items())
+    view.release()
+    other = LevelDBStateMachine(str(tmp_path / "other"))
+    assert other.restore(view.index, 1, b"[]", iter(items)) == 4  # the keys
+    assert other.get(key) == (1, b"value") and other.get("k\udc80") == (3, b"t")
+    other.close()
+
+
+def test_a_key_of_lone_surrogates_that_stand_for_no_bytes_or_for_text_is_refused():
+    with pytest.raises(c.CommandError, match="stands for no byte"):
+        c.encode(c.Put("a\ud800", b""))
+    with pytest.raises(c.CommandError, match="write the key as 'é'"):
+        c.encode(c.Put("\udcc3\udca9", b""))  # the bytes of "é": it would read back as "é"
+    with pytest.raises(c.CommandError, match="write the key as"):
+        c.encode(c.Txn(ops=(c.Put("\udcc3\udca9", b""),)))
 
 
 def test_the_leveldb_machine_implements_the_protocol_as_written(tmp_path):

@@ -47,6 +47,19 @@ def test_bad_input_is_refused(db):
     assert db.get("k") is None
 
 
+def test_a_key_of_bytes_that_are_not_utf8_is_a_str_with_lone_surrogates(db):
+    """As Python holds undecodable file names (PEP 383); what etcd's clients may write."""
+    raw = b"bin/\xff\x00"
+    key = raw.decode("utf-8", "surrogateescape")
+    w = db.put(key, b"v")
+    assert db.get(key) == kv.Item(key, b"v", w.index)
+    assert [(i.key, i.key.encode("utf-8", "surrogateescape")) for i in db.scan("bin/")] == [(key, raw)]
+    with pytest.raises(kv.BadRequest, match="stands for no byte"):
+        db.put("bin/\ud800", b"x")
+    with pytest.raises(kv.BadRequest, match="write the key as 'bin/é'"):
+        db.put("bin/\udcc3\udca9", b"x")
+
+
 def test_concurrent_writers_share_fsyncs(db):
     before = db._node.raft.stats["writes"]
 

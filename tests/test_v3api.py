@@ -361,6 +361,66 @@ def test_watch_many_on_one_stream_with_prev_kv_filters_progress_and_cancel(etcd)
         s.close()
 
 
+def test_keys_of_any_bytes_as_etcd_holds_them(etcd, cluster):
+    """Keys that are not UTF-8 (etcdctl check perf writes random bytes): written, compared,
+    ranged in byte order, watched, attached to a lease and deleted through the etcd API, and
+    read by ledgerkv's own client from another process, which holds them as Python holds
+    undecodable file names (lone surrogates)."""
+    odd, low = b"v3b/\xff\x00\x01", b"v3b/\x80"
+    after = put(etcd, b"v3b/a", b"0").header.revision + 1
+    s = WatchStream(etcd)
+    try:
+        s.send(rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"v3b/", range_end=b"v3b0", prev_kv=True, start_revision=after)))
+        s.wait(lambda rs: any(r.created for r in rs))
+        lease = etcd.lease.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=60), timeout=10).ID
+        first = put(etcd, odd, b"1", lease=lease)
+        put(etcd, low, b"2")
+        txn = etcd.kv.Txn(
+            rpc_pb2.TxnRequest(
+                compare=[rpc_pb2.Compare(key=odd, target=rpc_pb2.Compare.VERSION, result=rpc_pb2.Compare.EQUAL, version=1)],
+                success=[op_put(odd, b"3", prev_kv=True, lease=lease)],
+            ),
+            timeout=10,
+        )
+        assert txn.succeeded and txn.responses[0].response_put.prev_kv.key == odd
+        got = get(etcd, b"v3b/", range_end=b"v3b0")
+        assert [(kv.key, kv.value, kv.version) for kv in got.kvs] == [(b"v3b/a", b"0", 1), (low, b"2", 1), (odd, b"3", 2)]
+        assert got.kvs[2].create_revision == first.header.revision
+        ttl = etcd.lease.LeaseTimeToLive(rpc_pb2.LeaseTimeToLiveRequest(ID=lease, keys=True), timeout=10)
+        assert list(ttl.keys) == [odd]
+        rs = s.wait(lambda rs: sum(len(r.events) for r in rs) >= 3)
+        events = [e for r in rs for e in r.events]
+        assert [(e.kv.key, e.kv.value) for e in events] == [(odd, b"1"), (low, b"2"), (odd, b"3")]
+        assert events[2].prev_kv.key == odd and events[2].prev_kv.value == b"1"
+        script = (
+            "import kv, sys\n"
+            "with kv.Client(sys.argv[1]) as c:\n"
+            "    got = [(it.key, it.value) for it in c.scan('v3b/')]\n"
+            "    assert got == [('v3b/a', b'0'), ('v3b/\\udc80', b'2'), ('v3b/\\udcff\\x00\\x01', b'3')], got\n"
+            "    assert c.get('v3b/\\udc80').value == b'2'\n"
+            "    c.put('v3b/\\udcfe', b'4')\n"
+            "    print('ok')\n"
+        )
+        r = subprocess.run([sys.executable, "-c", script, cluster.http[cluster.leader_id]], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+        assert get(etcd, b"v3b/\xfe").kvs[0].value == b"4"
+        # the CLI: argv's bytes are the key (Python reads argv as it reads file names)
+        kv_cli = [sys.executable, "-m", "kv"]
+        ep = ["--endpoints", cluster.http[cluster.follower]]
+        r = subprocess.run([*kv_cli, "put", b"v3b/\xfd\t", "5", *ep], capture_output=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert get(etcd, b"v3b/\xfd\t").kvs[0].value == b"5"
+        r = subprocess.run([*kv_cli, "scan", "v3b/", *ep], capture_output=True, timeout=60)
+        assert r.returncode == 0 and b"v3b/\\xfd\\t\t5\t" in r.stdout, (r.stdout, r.stderr)  # escaped, on its line
+        r = subprocess.run([*kv_cli, "scan", "v3b/", "-o", "json", *ep], capture_output=True, timeout=60)
+        docs = [json.loads(line) for line in r.stdout.splitlines()]
+        assert {"key": base64.b64encode(b"v3b/\xfd\t").decode(), "key_encoding": "base64", "value": "5"}.items() <= docs[2].items(), docs
+        deleted = etcd.kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=b"v3b/\x80", range_end=b"v3b0", prev_kv=True), timeout=10)
+        assert [kv.key for kv in deleted.prev_kvs] == [low, b"v3b/\xfd\t", b"v3b/\xfe", odd]
+    finally:
+        s.close()
+
+
 def test_watch_from_a_past_revision_replays_the_transaction_whole(etcd):
     r = etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3h/a", b"1"), op_put(b"v3h/b", b"2")]), timeout=10)
     put(etcd, b"v3h/a", b"3")

@@ -17,6 +17,7 @@ from kv.common.etcd_ids import etcd_id
 from kv.http.auth import grant_of
 from kv.common.disk import dir_bytes
 from kv.snapshot.format import ETCD_SUFFIX_ALIGN, ETCD_SUFFIX_HASH
+from kv.statemachine import commands as cmds
 
 from . import wire
 from .access import Access
@@ -130,7 +131,7 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
             page = await self.node.scan_page("", after=after, limit=1000, consistency="stale" if index else "linearizable")
             index = index or page.index
             for item in page.items:
-                h = zlib.crc32(item.value, zlib.crc32(item.key.encode(), h))
+                h = zlib.crc32(item.value, zlib.crc32(cmds.key_bytes(item.key), h))
             if len(page.items) < 1000:
                 return h, index
             after = page.items[-1].key

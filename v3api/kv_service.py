@@ -44,7 +44,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         chosen, more = wire.select(request, got.kvs, got.more)
         kvs, budget = [], self.node.config.max_txn_read_bytes
         for kv in chosen:
-            full, _ = await self.node.etcd_range(cmds.RangeReq(kv.key.encode()), consistency="stale", revision=revision or index)
+            full, _ = await self.node.etcd_range(cmds.RangeReq(cmds.key_bytes(kv.key)), consistency="stale", revision=revision or index)
             kvs += full.kvs
             budget -= len(kv.key) + sum(len(x.value) for x in full.kvs)
             if budget < 0:

@@ -100,7 +100,7 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
                 got = await self.node.lease_info(request.ID)
             except LeaseNotFound:  # etcd answers TTL -1 for a lease it does not have
                 return rpc_pb2.LeaseTimeToLiveResponse(header=self.header.now(), ID=request.ID, TTL=-1)
-            keys = [k.encode() for k in got.keys] if request.keys else []
+            keys = [cmds.key_bytes(k) for k in got.keys] if request.keys else []
             return rpc_pb2.LeaseTimeToLiveResponse(
                 header=self.header.now(), ID=got.id, TTL=max(0, math.ceil(got.remaining)), grantedTTL=round(got.ttl), keys=keys
             )

@@ -101,7 +101,7 @@ class _Stream:
                 events, through = got
                 out = []
                 for ev in events:
-                    raw = ev.key.encode()
+                    raw = cmds.key_bytes(ev.key)
                     if not cmds.in_range(raw, key, range_end):
                         continue
                     deleted = ev.value is None

@@ -101,13 +101,10 @@ def _logged(e: Exception, code: grpc.StatusCode, text: str) -> tuple[grpc.Status
 
 
 def key_of(raw: bytes) -> str:
-    """A key of one key (not a range's start): ledgerkv's keys are UTF-8."""
+    """A key of one key (not a range's start), as kv.Node takes keys (cmds.key_text)."""
     if not raw:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, ERR_EMPTY_KEY)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: ledgerkv keys are UTF-8 (this key is not)") from None
+    return cmds.key_text(raw)
 
 
 def range_start(key: bytes, range_end: bytes) -> bytes:
@@ -143,7 +140,7 @@ class Headers:
 
 def kv_message(kv: cmds.KeyValue) -> kv_pb2.KeyValue:
     return kv_pb2.KeyValue(
-        key=kv.key.encode(), create_revision=kv.create_revision, mod_revision=kv.mod_revision, version=kv.version, value=kv.value, lease=kv.lease
+        key=cmds.key_bytes(kv.key), create_revision=kv.create_revision, mod_revision=kv.mod_revision, version=kv.version, value=kv.value, lease=kv.lease
     )
 
 

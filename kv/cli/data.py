@@ -7,9 +7,11 @@ import sys
 
 import orjson
 
+from ..common.wire import key_fields, value_fields
 from ..errors import BadRequest, NotFound
+from ..statemachine.commands import key_bytes
 from .options import at_least, client_command, with_client
-from .output import emit, listing_text, report, value_fields, wants_json
+from .output import emit, listing_text, report, wants_json
 
 
 def add_parser(sub) -> None:
@@ -49,7 +51,7 @@ def _out(data: bytes) -> None:
 
 
 def _item(it) -> dict:
-    return {"key": it.key, **value_fields(it.value), "mod_index": it.mod_index}
+    return {**key_fields(it.key), **value_fields(it.value), "mod_index": it.mod_index}
 
 
 async def _run(c, args: argparse.Namespace) -> int:
@@ -57,7 +59,7 @@ async def _run(c, args: argparse.Namespace) -> int:
     if cmd == "put":
         value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()
         r = await c.put(args.key, value, if_mod_index=args.if_match, lease=args.lease)
-        report(args, {"key": args.key, "index": r.index, "term": r.term}, f"OK index={r.index} term={r.term}")
+        report(args, {**key_fields(args.key), "index": r.index, "term": r.term}, f"OK index={r.index} term={r.term}")
     elif cmd == "get":
         item = await c.get(args.key, consistency="stale" if args.stale else "linearizable", revision=args.rev)
         if item is None:
@@ -70,14 +72,14 @@ async def _run(c, args: argparse.Namespace) -> int:
         if args.if_match is not None:
             raise BadRequest("--if-match applies to one key, not to --prefix")
         r = await c.delete_prefix(args.key)
-        report(args, {"prefix": args.key, "index": r.index, "term": r.term, "deleted": r.deleted}, f"OK index={r.index} deleted={r.deleted} key(s) under {args.key!r}")
+        report(args, {**key_fields(args.key, "prefix"), "index": r.index, "term": r.term, "deleted": r.deleted}, f"OK index={r.index} deleted={r.deleted} key(s) under {args.key!r}")
     elif cmd == "del":
         r = await c.delete(args.key, if_mod_index=args.if_match)
         text = f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}"
-        report(args, {"key": args.key, "index": r.index, "term": r.term, "deleted": r.deleted}, text)
+        report(args, {**key_fields(args.key), "index": r.index, "term": r.term, "deleted": r.deleted}, text)
     elif cmd == "scan":
         async for it in c.scan(args.prefix, limit=args.limit, revision=args.rev):
-            report(args, _item(it), f"{it.key}\t{listing_text(it.value)}\t{it.mod_index}")
+            report(args, _item(it), f"{listing_text(key_bytes(it.key))}\t{listing_text(it.value)}\t{it.mod_index}")
     elif cmd == "compact":
         done = await c.compact(args.revision)
         report(args, {"compact_revision": done}, f"OK compact_revision={done}")
@@ -90,11 +92,11 @@ async def _watch(c, args: argparse.Namespace) -> None:
     out = sys.stdout.buffer
     async for ev in c.watch(args.prefix, args.from_index):
         if args.output == "json":
-            d = {"type": ev.type, "key": ev.key, "mod_index": ev.mod_index, "index": ev.index}
+            d = {"type": ev.type, **key_fields(ev.key), "mod_index": ev.mod_index, "index": ev.index}
             if ev.value is not None:
                 d.update(value_fields(ev.value))
             out.write(orjson.dumps(d, option=orjson.OPT_APPEND_NEWLINE))
         else:
             value = "" if ev.value is None else listing_text(ev.value)
-            out.write(f"{ev.index}\t{ev.type}\t{ev.key}\t{value}\n".encode())
+            out.write(f"{ev.index}\t{ev.type}\t{listing_text(key_bytes(ev.key))}\t{value}\n".encode())
         out.flush()

@@ -9,7 +9,6 @@ document per line (NDJSON). Values appear as in the HTTP API: UTF-8 text, or bas
 from __future__ import annotations
 
 import argparse
-import base64
 import sys
 
 import orjson
@@ -42,18 +41,11 @@ def report(args: argparse.Namespace, doc: object, text: str) -> None:
         print(text, flush=True)
 
 
-def value_fields(value: bytes) -> dict:
-    """{"value": text} when the bytes are UTF-8, else {"value": base64, "encoding": "base64"}."""
-    try:
-        return {"value": value.decode("utf-8")}
-    except UnicodeDecodeError:
-        return {"value": base64.b64encode(value).decode(), "encoding": "base64"}
-
-
 def listing_text(value: bytes) -> str:
-    """A value on one line of a tab-separated listing (kv scan, kv watch): bytes that are
-    not UTF-8 as \\xNN, and control characters (NUL, tab, newline...) escaped the same way,
-    so that a value never breaks the line or writes raw control bytes to a terminal."""
+    """A value (or a key's bytes) on one line of a tab-separated listing (kv scan, kv
+    watch): bytes that are not UTF-8 as \\xNN, and control characters (NUL, tab, newline...)
+    escaped the same way, so that it never breaks the line or writes raw control bytes to a
+    terminal."""
     text = value.decode(errors="backslashreplace")
     if text.isprintable():
         return text

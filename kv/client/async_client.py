@@ -35,7 +35,7 @@ from ..common.results import DeleteResult, Event, Item, LeaseStatus, Page, Prefi
 from ..common.scan import Scan
 from ..common.sessions import RequestId, SessionPool
 from ..common.tls import client_context
-from ..common.wire import cond_fields, op_fields, value_from
+from ..common.wire import cond_fields, key_from, op_fields, value_from
 from ..raft.backoff import Backoff
 from ..raft.messages import Entry
 from ..statemachine.commands import Cond, Put
@@ -53,6 +53,7 @@ from .endpoints import (
     is_ours,
     margin,
     parse_endpoints,
+    with_query,
     raise_for,
     unreachable_hint,
 )
@@ -67,7 +68,7 @@ _JSON = {"Content-Type": "application/json"}
 def _key_path(key: str) -> str:
     if not isinstance(key, str) or not key:
         raise errors.BadRequest("a key is a non-empty string")
-    return "/v1/kv/" + quote(key, safe="/")
+    return "/v1/kv/" + quote(key, safe="/", errors="surrogateescape")
 
 
 class AsyncClient(AsyncRecipes):
@@ -185,7 +186,7 @@ class AsyncClient(AsyncRecipes):
                 async with self._sess().request(
                     # encoded: the path is quoted already, and yarl would drop "." and ".."
                     # segments of a key (dd/x/../y is a key, not the path dd/y)
-                    method, URL(ep + path, encoded=True), data=data, headers=sent, params=params, timeout=aiohttp.ClientTimeout(total=left)
+                    method, URL(with_query(ep + path, params), encoded=True), data=data, headers=sent, timeout=aiohttp.ClientTimeout(total=left)
                 ) as resp:
                     body = await resp.read()
                     if resp.status == 404 and not is_ours(body):
@@ -346,7 +347,7 @@ class AsyncClient(AsyncRecipes):
             if revision is not None:
                 params["revision"] = str(revision)
             d = await self._json("GET", "/v1/kv", params=params)
-            return [Item(it["key"], value_from(it), it["mod_index"]) for it in d["items"]], d["next"] is not None
+            return [Item(key_from(it), value_from(it), it["mod_index"]) for it in d["items"]], d["next"] is not None
 
         return Scan(fetch, after=after, limit=limit, page=page)
 
@@ -363,7 +364,7 @@ class AsyncClient(AsyncRecipes):
         if revision is not None:
             params["revision"] = str(revision)
         d = await self._json("GET", "/v1/kv", params=params)
-        return Page([Item(it["key"], value_from(it), it["mod_index"]) for it in d["items"]], d["index"])
+        return Page([Item(key_from(it), value_from(it), it["mod_index"]) for it in d["items"]], d["index"])
 
     def watch(self, prefix: str = "", start_index: int | None = None, *, end_index: int | None = None, idle_timeout: float = 15.0) -> AsyncIterator[Event]:
         """Every change under prefix from start_index (default: the next commit), as kv.Event;
@@ -384,9 +385,9 @@ class AsyncClient(AsyncRecipes):
             if "deleted" in r:
                 results.append(DeleteResult(r["index"], d["term"], r["deleted"]))
             elif "found" in r:
-                results.append(Item(r["key"], value_from(r), r["mod_index"]) if r["found"] else None)
+                results.append(Item(key_from(r), value_from(r), r["mod_index"]) if r["found"] else None)
             elif r.get("omitted"):
-                omitted.append(r["key"])
+                omitted.append(key_from(r))
                 results.append(None)
             else:
                 results.append(WriteResult(r["index"], d["term"]))

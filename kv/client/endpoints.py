@@ -9,12 +9,13 @@ import random
 import socket
 import time
 from collections.abc import Sequence
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import aiohttp
 import orjson
 
 from .. import errors
+from ..common.wire import key_from
 
 log = logging.getLogger("kv.client")
 
@@ -71,6 +72,13 @@ def is_ours(body: bytes) -> bool:
         return False
 
 
+def with_query(url: str, params: dict | None) -> str:
+    """url?params, percent-encoded here: a key whose bytes are not UTF-8 (held as lone
+    surrogates, see kv.statemachine.commands.key_bytes) goes as those bytes, where yarl would
+    refuse it."""
+    return f"{url}?{urlencode(params, quote_via=quote, errors='surrogateescape')}" if params else url
+
+
 def raise_for(status: int, body: bytes, endpoint: str):
     raise error_for(status, body, endpoint)
 
@@ -88,7 +96,7 @@ def error_for(status: int, body: bytes, endpoint: str) -> errors.KVError:
     if status == 401:  # the server's words are for HTTP; say where a client's token goes
         msg += " — with kv: --token or $KV_TOKEN, or kv.Client(token=...)"
     if status == 412:
-        return errors.PreconditionFailed(str(err.get("key", "")), int(err.get("mod_index") or 0), msg)
+        return errors.PreconditionFailed(key_from(err) if "key" in err else "", int(err.get("mod_index") or 0), msg)
     if err.get("code") == errors.LeaseNotFound.code:
         return errors.LeaseNotFound(int(err.get("lease") or 0), msg)
     if err.get("code") == errors.SessionExpired.code:

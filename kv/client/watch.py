@@ -15,12 +15,13 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import orjson
+from yarl import URL
 
 from .. import errors
 from ..common.results import Event
-from ..common.wire import value_from
+from ..common.wire import key_from, value_from
 from ..raft.backoff import Backoff
-from .endpoints import Rotation, Unreachable, describe, raise_for, unreachable_hint
+from .endpoints import Rotation, Unreachable, describe, raise_for, unreachable_hint, with_query
 
 
 class _Position:
@@ -60,8 +61,8 @@ class _Position:
 
 def _event(d: dict) -> Event:
     if d["type"] == "delete":
-        return Event(d["index"], d["key"], None)
-    return Event(d["index"], d["key"], value_from(d))
+        return Event(d["index"], key_from(d), None)
+    return Event(d["index"], key_from(d), value_from(d))
 
 
 async def watch(
@@ -84,7 +85,7 @@ async def watch(
         ep = rotation.current()
         params = {"prefix": prefix, **pos.resume(), **bound}
         try:
-            async with session().get(ep + "/v1/watch", params=params, timeout=stream_timeout) as resp:
+            async with session().get(URL(with_query(ep + "/v1/watch", params), encoded=True), timeout=stream_timeout) as resp:
                 if resp.status == 410:
                     compacted.add(ep)
                     last_error = errors.Compacted(f"{ep}: {(await resp.read())[:500].decode(errors='replace')}")

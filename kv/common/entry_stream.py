@@ -151,10 +151,10 @@ def _txn_req_rows(e: Entry, txn: cmds.TxnReq) -> Iterator[Row]:
                 kind = type(op)
                 if kind is cmds.PutReq:
                     wrote = True
-                    yield (e.index, e.term, "put", op.key.decode(), None if op.ignore_value else op.value, conditional, branch)
+                    yield (e.index, e.term, "put", cmds.key_text(op.key), None if op.ignore_value else op.value, conditional, branch)
                 elif kind is cmds.DeleteRangeReq:
                     wrote = True
-                    yield (e.index, e.term, "delete_range" if op.range_end else "delete", op.key.decode(errors="replace"), None, conditional, branch)
+                    yield (e.index, e.term, "delete_range" if op.range_end else "delete", cmds.key_text(op.key), None, conditional, branch)
                 elif kind is cmds.TxnReq:
                     stack.append((op, branch or "then"))
     if not wrote:

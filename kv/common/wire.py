@@ -1,6 +1,8 @@
-"""Values in JSON, as the HTTP API spells them on every route and the clients read and write
-them: UTF-8 text as `"value": text`, any other bytes as `"value": base64` with
-`"encoding": "base64"` (and `"value_base64"`, the deprecated spelling, accepted on input)."""
+"""Values and keys in JSON, as the HTTP API spells them on every route and the clients read
+and write them: UTF-8 text as `"value": text`, any other bytes as `"value": base64` with
+`"encoding": "base64"` (and `"value_base64"`, the deprecated spelling, accepted on input).
+A key is `"key": text`; a key whose bytes are not UTF-8 (etcd's clients may write one) is
+`"key": base64` with `"key_encoding": "base64"` (likewise `"next"` of a page)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import base64
 import binascii
 
 from ..errors import BadRequest
-from ..statemachine.commands import Cond, Delete, Get, Put
+from ..statemachine.commands import Cond, Delete, Get, Put, key_bytes, key_text
 from .arguments import value_bytes
 
 
@@ -21,6 +23,24 @@ def value_fields(value: bytes, base64_always: bool = False) -> dict:
         except UnicodeDecodeError:
             pass
     return {"value": base64.b64encode(value).decode(), "encoding": "base64"}
+
+
+def key_fields(key: str, name: str = "key") -> dict:
+    """{name: key}, or {name: base64, name_encoding: "base64"} for a key whose bytes are not
+    UTF-8 (held as lone surrogates, see commands.key_bytes)."""
+    if not key.isascii():
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            return {name: base64.b64encode(key_bytes(key)).decode(), f"{name}_encoding": "base64"}
+    return {name: key}
+
+
+def key_from(d: dict, name: str = "key") -> str:
+    """The key key_fields spelled."""
+    if d.get(f"{name}_encoding") == "base64":
+        return key_text(_base64(d[name], f"{name}"))
+    return d[name]
 
 
 def value_from(d: dict, where: str = "the value") -> bytes:
@@ -50,18 +70,18 @@ def _base64(text, what: str) -> bytes:
 def cond_fields(c: Cond) -> dict:
     """A transaction's condition as POST /v1/txn takes it."""
     if c.kind == "mod":
-        return {"key": c.key, "mod_index": c.arg}
+        return {**key_fields(c.key), "mod_index": c.arg}
     if c.kind == "exists":
-        return {"key": c.key, "exists": bool(c.arg)}
-    return {"key": c.key, **value_fields(value_bytes(c.arg))}
+        return {**key_fields(c.key), "exists": bool(c.arg)}
+    return {**key_fields(c.key), **value_fields(value_bytes(c.arg))}
 
 
 def op_fields(o) -> dict:
     """A transaction's operation (kv.Put, kv.Delete, kv.Get) as POST /v1/txn takes it."""
     if isinstance(o, Put):
-        return {"op": "put", "key": o.key, **value_fields(value_bytes(o.value))}
+        return {"op": "put", **key_fields(o.key), **value_fields(value_bytes(o.value))}
     if isinstance(o, Delete):
-        return {"op": "delete", "key": o.key}
+        return {"op": "delete", **key_fields(o.key)}
     if isinstance(o, Get):
-        return {"op": "get", "key": o.key}
+        return {"op": "get", **key_fields(o.key)}
     raise BadRequest(f"not a transaction operation: {o!r}")

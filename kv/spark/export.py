@@ -185,12 +185,35 @@ def _read_blocks(batches, token: str | None = None):
                         starts = memoryview(ko).cast("i")
                         own = next((i for i in range(records) if kb[starts[i] : starts[i] + 1] != b"\x00"), records)
                         batch = batch.slice(own)
-                    batch = batch.set_column(0, "key", batch.column(0).cast(pa.string()))  # checks the keys are UTF-8
                     if prefix:
                         batch = batch.filter(pc.starts_with(batch.column(0), prefix))
                     if batch.num_rows == 0:
                         continue
+                    batch = batch.set_column(0, "key", _text_keys(batch.column(0)))
                     yield batch
+
+
+def _text_keys(keys):
+    """The key column as text: a key that is not UTF-8 (etcd's clients may write one) stops
+    the export, named, rather than being altered."""
+    import pyarrow as pa
+
+    try:
+        return keys.cast(pa.string())
+    except pa.ArrowInvalid:
+        bad = next(k for k in keys.to_pylist() if not _is_utf8(k))
+        raise BadRequest(
+            f"key {bad[:80]!r} is not UTF-8 (written through etcd's API) and the export's key column is text: "
+            "export a --prefix that leaves it out, or rename the key"
+        ) from None
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 # -- change feed ------------------------------------------------------------------------------
@@ -390,4 +413,12 @@ def _arrow(rows: list[tuple], schema):
     from pyspark.sql.pandas.types import to_arrow_schema
 
     a = to_arrow_schema(schema)
-    return pa.RecordBatch.from_arrays([pa.array(col, f.type) for col, f in zip(zip(*rows), a)], schema=a)
+    try:
+        return pa.RecordBatch.from_arrays([pa.array(col, f.type) for col, f in zip(zip(*rows), a)], schema=a)
+    except UnicodeEncodeError:
+        # a key of bytes that are not UTF-8 (cmds.key_text holds them as lone surrogates)
+        index, key = next((r[0], r[3]) for r in rows if isinstance(r[3], str) and not _is_utf8(r[3].encode("utf-8", "surrogateescape")))
+        raise BadRequest(
+            f"entry {index} writes key {key.encode('utf-8', 'surrogateescape')[:80]!r}, which is not UTF-8 (written through etcd's API), "
+            "and the change feed's key column is text: export a range of the log without it (start, end)"
+        ) from None
