@@ -743,14 +743,15 @@ class _Key(_Field):
 
 
 class _Text(_Field):
-    """A string that is not a key (a prefix, an owner): u16 length, UTF-8."""
+    """A string that is not a key (a prefix, an owner; bytes as key_bytes spells them): u16
+    length, UTF-8."""
 
     def pack(self, value) -> bytes:
-        raw = value.encode()
+        raw = key_bytes(value)
         return _U16.pack(len(raw)) + raw
 
     def read(self, r: _Reader):
-        return r.take(r.u16()).decode("utf-8")
+        return key_text(r.take(r.u16()))
 
 
 class _Cond(_Field):
@@ -984,9 +985,17 @@ def _query_check(lease) -> None:
         _lease_id(lease)
 
 
-_owner_check = _check(lambda v: type(v) is str and len(v.encode()) <= MAX_KEY_BYTES, f"a lease's owner is a key prefix of at most {MAX_KEY_BYTES} bytes")
+def _prefix_bytes(v) -> int:
+    """The length of a key prefix's bytes (key_bytes); more than any limit when it has none."""
+    try:
+        return len(key_bytes(v)) if type(v) is str else MAX_KEY_BYTES + 1
+    except UnicodeEncodeError:
+        return MAX_KEY_BYTES + 1
+
+
+_owner_check = _check(lambda v: _prefix_bytes(v) <= MAX_KEY_BYTES, f"a lease's owner is a key prefix of at most {MAX_KEY_BYTES} bytes")
 _prefix_check = _check(
-    lambda v: type(v) is str and len(v.encode()) <= MAX_KEY_BYTES and not v.startswith("\x00"),
+    lambda v: _prefix_bytes(v) <= MAX_KEY_BYTES and not v.startswith("\x00"),
     f"a prefix is a string of at most {MAX_KEY_BYTES} bytes, not starting with NUL",
 )
 

@@ -285,6 +285,9 @@ async def test_a_key_whose_bytes_are_not_utf8_is_addressed_by_percent_escapes_an
     assert r.status == 412 and {k: err[k] for k in spelled} == spelled, err
     r = await api.post("/v1/txn", json={"compare": [{"key": "k", "key_encoding": "hex", "exists": False}], "success": []})
     assert r.status == 400 and "key_encoding" in (await r.json())["error"]["message"]
+    r = await api.delete(URL("/v1/kv?prefix=half%C3", encoded=True))
+    assert r.status == 200 and (await r.json())["deleted"] == 1
+    assert (await api.get(URL("/v1/kv/half%C3", encoded=True))).status == 404
 
 
 async def test_oversized_value_is_refused_before_it_is_read(api):
