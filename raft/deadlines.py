@@ -26,32 +26,40 @@ class Deadlines:
     def __init__(self, make_error: Callable[[], BaseException]) -> None:
         # make_error gives each expired waiter its own exception instance
         self._make_error = make_error
-        self._buckets: dict[int, list] = {}
+        self._buckets: dict[int, dict] = {}  # (dicts: discard() takes one out)
         self._due: list[int] = []  # heap of the buckets' numbers (deadline * PER_S, rounded up)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0
         self._closed = False
 
-    def add(self, deadline: float, fut) -> None:
+    def add(self, deadline: float, fut) -> int | None:
         """Fail fut at `deadline` (loop.time()) unless it is done by then. After close(),
-        nothing is filed (and no timer armed): the owner fails what it still holds."""
+        nothing is filed (and no timer armed): the owner fails what it still holds.
+        Returns the bucket it is filed in, for discard (None: not filed)."""
         if self._closed:
-            return
+            return None
         if not math.isfinite(deadline):
             if deadline > 0 or deadline != deadline:
-                return  # an infinite timeout: never due
+                return None  # an infinite timeout: never due
             deadline = 0.0
         n = math.ceil(deadline * PER_S)
         if n / PER_S < deadline:  # the product was rounded down
             n += 1
         bucket = self._buckets.get(n)
         if bucket is not None:
-            bucket.append(fut)
-            return
-        self._buckets[n] = [fut]
+            bucket[fut] = None
+            return n
+        self._buckets[n] = {fut: None}
         heapq.heappush(self._due, n)
         if self._timer is None or n < self._timer_at:
             self._arm(0.0)
+        return n
+
+    def discard(self, bucket: int, fut) -> None:
+        """Forget fut, done long before its deadline (what it holds need not live until then)."""
+        b = self._buckets.get(bucket)
+        if b is not None:
+            b.pop(fut, None)
 
     def _arm(self, not_before: float) -> None:
         if self._timer is not None:

@@ -123,3 +123,39 @@ async def test_a_batch_under_one_deadline_fails_only_its_unanswered_members_and_
     assert d._timer is None and not d._buckets
     await asyncio.sleep(0.05)
     assert not late.done()
+
+
+@_loops()
+def test_a_discarded_request_is_let_go_at_once_and_never_failed(loop_factory):
+    """discard: what is done long before its deadline is not held until then."""
+    import gc
+    import weakref
+
+    class Request:
+        def __init__(self) -> None:
+            self.failed = False
+
+        def done(self) -> bool:
+            return False  # (it would be failed, were it still filed)
+
+        def set_exception(self, exc) -> None:
+            self.failed = True
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        d = Deadlines(lambda: Expired(loop.time()))
+        kept, let_go = Request(), Request()
+        at = loop.time() + 0.05
+        bucket = d.add(at, kept)
+        assert d.add(at, let_go) == bucket is not None
+        gone = weakref.ref(let_go)
+        d.discard(bucket, let_go)
+        del let_go
+        gc.collect()
+        assert gone() is None  # no longer referenced by the deadlines
+        await asyncio.sleep(0.05 + LATE_S)
+        assert kept.failed
+        d.discard(bucket, kept)  # (after its bucket fired: nothing to do)
+        d.close()
+
+    _run(loop_factory, main())

@@ -234,6 +234,50 @@ def test_a_client_that_does_not_read_its_answers_pins_bounded_memory(node):
 # -- the framing in process, against seeded random input --------------------------------------
 
 
+def test_a_call_past_its_grpc_timeout_is_ended_by_the_server_with_deadline_exceeded():
+    """grpc-timeout is the server's to keep too (a client that does not cancel still gets
+    its answer): a handler still running at the deadline is cancelled and the call ends
+    with DEADLINE_EXCEEDED, within the deadlines' 10 ms buckets of it."""
+    import asyncio
+
+    from kv.v3api.rpc import Method, RpcServer
+
+    cancelled = []
+
+    async def slow(request, context):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    async def main() -> tuple[list[tuple[str, str]], float]:
+        server = await RpcServer({"/etcdserverpb.KV/Range": Method(slow, rpc_pb2.RangeRequest, False, False)}).start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.server.sockets[0].getsockname()[1])
+            block = b"\x83\x86" + hpack.literal(":path", "/etcdserverpb.KV/Range") + hpack.literal("content-type", "application/grpc")
+            body = rpc_pb2.RangeRequest(key=b"k").SerializeToString()
+            writer.write(
+                http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, block + hpack.literal("grpc-timeout", "300m"))
+                + http2.frame(http2.DATA, http2.END_STREAM, 1, struct.pack(">BI", 0, len(body)) + body)
+            )
+            sent, decoder = time.monotonic(), hpack.Decoder()
+            while True:
+                head = await asyncio.wait_for(reader.readexactly(9), 10)
+                payload = await reader.readexactly(int.from_bytes(head[:3], "big"))
+                if head[3] == http2.HEADERS and int.from_bytes(head[5:9], "big") == 1:
+                    fields = decoder.decode(payload)
+                    if head[4] & http2.END_STREAM:
+                        writer.close()
+                        return fields, time.monotonic() - sent
+        finally:
+            await server.stop(1)
+
+    fields, took = asyncio.run(main())
+    assert ("grpc-status", str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])) in fields, fields
+    assert 0.3 <= took < 3 and cancelled == [True]
+
+
 class _Transport:
     """What a Connection uses of its asyncio transport."""
 
