@@ -441,3 +441,37 @@ def test_an_export_names_a_key_that_is_not_utf8_instead_of_altering_it():
     assert _arrow([(5, 1, "put", "é", b"v", False, None)], log_schema()).num_rows == 1
     with pytest.raises(BadRequest, match=r"entry 5 writes key b'ok\\xff', which is not UTF-8"):
         _arrow([(4, 1, "put", "ok", b"v", False, None), (5, 1, "put", "ok\udcff", b"v", False, None)], log_schema())
+
+
+def test_the_progress_line_sums_what_the_tasks_report_and_ignores_strangers():
+    """kv spark import/export on a terminal: rows, rows/s and the time left, from the UDP
+    datagrams the tasks send (kv/spark/progress.py)."""
+    import io
+    import socket
+    import time
+    from types import SimpleNamespace
+
+    from kv.spark.progress import ProgressLine, Reporter
+
+    out = io.StringIO()
+    spark = SimpleNamespace(sparkContext=SimpleNamespace(master="local[2]"))
+    with ProgressLine(spark, 1000, "imported", out=out) as line:
+        assert line.address[0] == "127.0.0.1"
+        tasks = [Reporter(line.address) for _ in range(3)]
+        for r in tasks:
+            r.add(100, 100)
+        stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        stranger.sendto(b"x" * 8 + (10**6).to_bytes(8, "big") * 2, line.address[:2])  # not this run's tag
+        stranger.sendto(b"garbage", line.address[:2])
+        deadline = time.monotonic() + 10
+        while line.rows < 300 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # (the stranger's datagrams, sent before the last task's, are read by now)
+        assert (line.rows, line.units) == (300, 300)
+        assert line.line(10.0) == "imported 300 rows (30%), 30 rows/s, 0:23 left"
+        for r in tasks:
+            r.close()
+        stranger.close()
+        time.sleep(0.6)
+    assert "imported 300 rows (30%)" in out.getvalue() and out.getvalue().endswith("\r\x1b[K")
+    assert Reporter(None).add(5, 5) is None  # no line: nothing sent

@@ -133,6 +133,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.spark_cmd != "import" and os.path.exists(args.out) and not args.overwrite:
         raise BadRequest(f"{args.out} exists: choose another path, or replace it with --overwrite")
     conf = parse_conf(args.conf)
+    if args.spark_cmd != "export-log":  # their own progress line (rows, rows/s, time left) instead of Spark's stages
+        conf.setdefault("spark.ui.showConsoleProgress", "false")
     s = kvspark.session(args.master, conf=conf, quiet=not debug_wanted(args.debug), ship_package=args.ship_package)
     try:
         if args.spark_cmd == "import":
@@ -183,6 +185,7 @@ def _export(kvspark, s, args: argparse.Namespace) -> int:
         meta = kvspark.export_snapshot(
             s, args.out, endpoints=args.endpoints, snapshot=args.snapshot, token=args.token, prefix=args.prefix, fmt=args.format,
             partitions=args.partitions, overwrite=args.overwrite, value_type=args.value_type, json_schema=args.json_schema,
+            progress=sys.stderr.isatty(),
         )
         rows, source = meta["rows"], f"{meta['source']} as of index {meta['index']} (term {meta['term']})"
     else:
@@ -212,6 +215,7 @@ def _import(s, args: argparse.Namespace, options: dict[str, str]) -> int:
         df, args.endpoints, key_col=args.key_col, value_col=args.value_col, key_expr=args.key_expr, value_expr=args.value_expr,
         on_duplicate=args.on_duplicate, max_value_bytes=args.max_value_bytes, partitions=args.partitions, batch_rows=args.batch,
         batch_bytes=args.batch_bytes, concurrency=args.concurrency, token=args.token, timeout=args.timeout,
+        progress=sys.stderr.isatty(),
     )
     print(report.summary())
     if args.errors:

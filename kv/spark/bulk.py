@@ -29,6 +29,7 @@ import orjson
 from ..client.async_client import AsyncClient
 from ..common.wire import value_fields, value_from
 from ..errors import BadRequest, KVError, Timeout, ValueTooLarge
+from .progress import Reporter
 
 JSON_OVERHEAD = 112  # bytes per row of the transaction document besides key and value
 
@@ -42,6 +43,7 @@ class Settings:
     concurrency: int = 4
     deadline: float = 0.0  # time.time() after which nothing more is sent (0: none)
     began: int = 0  # the cluster's commit index when the import began: a row found holding its value since then was written by it
+    progress: tuple | None = None  # where the driver's progress line listens (progress.Reporter)
     request_timeout: float = 30.0
 
 
@@ -86,11 +88,16 @@ def lower_bound(key: str) -> str | None:
 async def write_chunks(chunks, s: Settings) -> Outcome:
     """Write an iterable of chunks, each a list of (key str, value bytes) sorted by key."""
     out = Outcome()
-    async with AsyncClient(s.endpoints, token=s.token, timeout=s.request_timeout, connections=s.concurrency + 1) as c:
-        c.rotation.prefer(c.endpoints[0])  # the leader (live_endpoints' first): a follower would forward every write to it
-        w = _Writer(c, s, out)
-        for chunk in chunks:
-            await w.chunk(chunk)
+    reporter = Reporter(s.progress)
+    try:
+        async with AsyncClient(s.endpoints, token=s.token, timeout=s.request_timeout, connections=s.concurrency + 1) as c:
+            c.rotation.prefer(c.endpoints[0])  # the leader (live_endpoints' first): a follower would forward every write to it
+            w = _Writer(c, s, out)
+            for chunk in chunks:
+                await w.chunk(chunk)
+                reporter.add(len(chunk), len(chunk))
+    finally:
+        reporter.close()
     return out
 
 

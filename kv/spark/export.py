@@ -3,6 +3,7 @@ half of kv.spark that reads; kv/spark/__init__.py has the whole story)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -84,12 +85,15 @@ def export_snapshot(
     overwrite: bool = False,
     value_type: str = "binary",
     json_schema: str | None = None,
+    progress: bool = False,
 ) -> dict:
     """Write the records of a snapshot file, or of a fresh snapshot of a cluster, to `out`;
     returns {"rows", "index", "term", "source"}, which also goes to out/_ledgerkv.json.
     `out` must not exist unless overwrite. A cluster's snapshot is read from the node that
     took it, each executor its own blocks (`GET /v1/snapshot?index=N` by byte ranges); a
-    snapshot file must be at a path every executor can open."""
+    snapshot file must be at a path every executor can open. `progress`: a progress line on
+    stderr while the records are read and written."""
+    from .progress import ProgressLine
 
     if value_type not in VALUE_TYPES:
         raise BadRequest(f"--value-type must be one of {', '.join(VALUE_TYPES)}")
@@ -102,8 +106,9 @@ def export_snapshot(
         with open(snapshot, "rb") as f:
             header, _ = read_header(f)
         path, source, index, term = snapshot, snapshot, header.index, header.term
-    df = with_value_type(read_snapshot(spark, path, prefix=prefix, partitions=partitions, token=token), value_type, json_schema)
-    df.write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
+    with ProgressLine(spark, 0, "exported") if progress else contextlib.nullcontext() as line:
+        df = with_value_type(read_snapshot(spark, path, prefix=prefix, partitions=partitions, token=token, progress=line), value_type, json_schema)
+        df.write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
     meta = {"rows": spark.read.format(fmt).load(out).count(), "index": index, "term": term, "source": source, "prefix": prefix}
     if os.path.isdir(out):
         with open(os.path.join(out, "_ledgerkv.json"), "w") as f:  # Spark readers skip "_" files
@@ -128,11 +133,12 @@ def with_value_type(df, value_type: str, json_schema: str | None):
     return df.withColumn("value", F.col("value").cast("string")) if value_type == "string" else df
 
 
-def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: int | None = None, token: str | None = None):
+def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: int | None = None, token: str | None = None, progress=None):
     """A DataFrame (key string, value binary, mod_index long) of a snapshot's records (those
     under `prefix`, if given), split into partitions by byte ranges. `path`: a snapshot file
     every executor can open, or a node's snapshot URL (`.../v1/snapshot?index=N`, read by
-    byte ranges; `token` if the node wants one)."""
+    byte ranges; `token` if the node wants one). `progress`: a progress.ProgressLine the
+    tasks report their blocks to."""
     from ..snapshot.format import block_offsets, read_header, read_trailer
 
     with open_snapshot(path, token) as f:
@@ -155,12 +161,26 @@ def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: in
     where = path if is_url(path) else os.path.abspath(path)
     plan = spark.createDataFrame([(where, o, c, prefix or "") for o, c in tasks], "path string, offset long, blocks long, prefix string")
     plan = plan.repartition(len(tasks) or 1)
-    return plan.mapInArrow(lambda batches: _read_blocks(batches, token), snapshot_schema())
+    if progress is not None:
+        progress.total = len(offsets)
+    to = progress and progress.address
+    return plan.mapInArrow(lambda batches: _read_blocks(batches, token, to), snapshot_schema())
 
 
-def _read_blocks(batches, token: str | None = None):
+def _read_blocks(batches, token: str | None = None, progress_to: tuple | None = None):
     """mapInArrow: each input row names a run of blocks; yields their records, one Arrow
-    batch per block, built straight from the block's columnar buffers."""
+    batch per block, built straight from the block's columnar buffers (each block done is
+    reported to the driver's progress line, if it has one)."""
+    from .progress import Reporter
+
+    reporter = Reporter(progress_to)
+    try:
+        yield from _blocks_of(batches, token, reporter)
+    finally:
+        reporter.close()
+
+
+def _blocks_of(batches, token, reporter):
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -187,6 +207,7 @@ def _read_blocks(batches, token: str | None = None):
                         batch = batch.slice(own)
                     if prefix:
                         batch = batch.filter(pc.starts_with(batch.column(0), prefix))
+                    reporter.add(batch.num_rows, 1)
                     if batch.num_rows == 0:
                         continue
                     batch = batch.set_column(0, "key", _text_keys(batch.column(0)))

@@ -15,6 +15,7 @@ cluster and proposes only what differs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import os
 import time
@@ -251,10 +252,12 @@ def write(
     concurrency: int = 4,
     token: str | None = None,
     timeout: float | None = None,
+    progress: bool = False,
 ) -> ImportReport:
     """Check, then write df's rows into the cluster; returns the report (every row is
-    written, skipped or failed)."""
+    written, skipped or failed). `progress`: a progress line on stderr while writing."""
     from .bulk import Settings
+    from .progress import ProgressLine
 
     if batch_rows < 1 or batch_bytes < 1 or concurrency < 1 or (partitions is not None and partitions < 1):
         raise BadRequest("batch sizes, concurrency and partitions must be at least 1")
@@ -269,10 +272,12 @@ def write(
     rows, checked = check(kv, max_value_bytes=max_value_bytes, on_duplicate=on_duplicate, partitions=n)
     report = ImportReport(rows=rows)
     try:
-        s = Settings(live, token, batch_rows, batch_bytes, concurrency, deadline=time.time() + timeout - (time.monotonic() - t0) if timeout else 0.0, began=began)
-        last = on_duplicate == "last"
-        for r in checked.mapInArrow(lambda batches: _write_task(batches, s, last), "outcome binary").collect():
-            _add(report, r.outcome)
+        with ProgressLine(df.sparkSession, rows, "imported") if progress else contextlib.nullcontext() as line:
+            deadline = time.time() + timeout - (time.monotonic() - t0) if timeout else 0.0
+            s = Settings(live, token, batch_rows, batch_bytes, concurrency, deadline=deadline, began=began, progress=line and line.address)
+            last = on_duplicate == "last"
+            for r in checked.mapInArrow(lambda batches: _write_task(batches, s, last), "outcome binary").collect():
+                _add(report, r.outcome)
     finally:
         checked.unpersist()
     report.seconds = time.monotonic() - t0
