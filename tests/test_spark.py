@@ -475,3 +475,16 @@ def test_the_progress_line_sums_what_the_tasks_report_and_ignores_strangers():
         time.sleep(0.6)
     assert "imported 300 rows (30%)" in out.getvalue() and out.getvalue().endswith("\r\x1b[K")
     assert Reporter(None).add(5, 5) is None  # no line: nothing sent
+
+
+def test_a_small_input_is_imported_as_one_task(spark, tmp_path):
+    """Range-partitioning into more samples the input first (a Spark job of its own)."""
+    import kv.spark
+    from kv.spark.importer import SMALL_INPUT_BYTES, default_partitions
+
+    (tmp_path / "small.csv").write_text("key,value\n" + "".join(f"k{i},v\n" for i in range(100)))
+    assert default_partitions(kv.spark.load(spark, str(tmp_path / "small.csv"))) == 1
+    unknown = spark.createDataFrame([("k", "v")], "key string, value string")  # (Python data: no estimate)
+    assert default_partitions(unknown) == spark.sparkContext.defaultParallelism * 2
+    big = spark.range(SMALL_INPUT_BYTES).selectExpr("cast(id as string) as key", "'v' as value")  # ~8M rows: estimated far above
+    assert default_partitions(big) == spark.sparkContext.defaultParallelism * 2

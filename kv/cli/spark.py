@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     i.add_argument("--value-expr", help="the value as a Spark SQL expression, e.g. 'to_json(struct(*))'")
     i.add_argument("--on-duplicate", choices=["refuse", "last"], default="refuse", help="a key that occurs more than once: refuse the import (default) or keep its last row")
     i.add_argument("--max-value-bytes", type=int, default=1 << 20, help="the cluster's --max-value-bytes (default 1048576): larger values are refused before writing")
-    i.add_argument("--partitions", type=int, default=None, help="write tasks (default: 2 per core)")
+    i.add_argument("--partitions", type=int, default=None, help="write tasks (default: 2 per core; 1 for an input under 8 MB)")
     i.add_argument("--batch", type=int, default=128, help="rows per transaction at most: no more than the cluster's --max-txn-ops (default 128)")
     i.add_argument("--batch-bytes", type=int, default=1 << 20, help="bytes per transaction on the wire at most (default 1 MiB)")
     i.add_argument("--concurrency", type=int, default=4, help="transactions in flight per task (default 4)")

@@ -153,6 +153,9 @@ def session_settings(master: str | None = None, app: str = "ledgerkv", conf: dic
     settings = {
         "spark.app.name": app,
         "spark.ui.showConsoleProgress": str(sys.stderr.isatty()).lower(),  # a progress bar on a terminal
+        # No web UI: a command needs none, and Spark's listens on every interface (port 4040
+        # up) for as long as the command runs; it also costs the start a few tenths of a second.
+        "spark.ui.enabled": "false",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
     }
     settings.update(conf)
