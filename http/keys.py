@@ -6,7 +6,6 @@ commands.key_text holds them."""
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qsl
 
 from kv import BadRequest
 from kv.common.wire import key_text
@@ -22,30 +21,37 @@ def key_from_raw_path(raw_path: str, prefix: str) -> str:
     key = path[len(prefix) :]
     if "%" not in key and key.isascii():
         return key  # nothing to decode (the common case)
-    raw = key.encode()
+    return key_text(_unescape(key, "the key"))
+
+
+def key_param(request, name: str, default: str | None = None) -> str | None:
+    """A key or prefix in the query string (?prefix=, ?after=), any bytes percent-encoded
+    ("+" a space, as aiohttp reads it), decoded strictly."""
+    value = request.query.get(name)
+    if value is None:
+        return default
+    query = request.raw_path.partition("?")[2]
+    if "%" not in query:
+        return value  # nothing escaped (the common case)
+    for part in query.split("&"):
+        k, _, v = part.partition("=")
+        if k == name:
+            return key_text(_unescape(v.replace("+", " "), f"?{name}="))
+    return value
+
+
+def _unescape(text: str, what: str) -> bytes:
+    raw = text.encode()
     out = bytearray()
     i = 0
     while i < len(raw):
         c = raw[i]
         if c == 0x25:  # '%'
             if not _HEX.match(raw, i):
-                raise BadRequest(f"bad percent-encoding in the key at position {i}: '%' must be followed by two hex digits")
+                raise BadRequest(f"bad percent-encoding in {what} at position {i}: '%' must be followed by two hex digits")
             out.append(int(raw[i + 1 : i + 3], 16))
             i += 3
         else:
             out.append(c)
             i += 1
-    return key_text(bytes(out))
-
-
-def key_param(request, name: str, default: str | None = None) -> str | None:
-    """A key or prefix in the query string (?prefix=, ?after=), any bytes percent-encoded."""
-    value = request.query.get(name)
-    if value is None:
-        return default
-    if "\ufffd" not in value:
-        return value
-    for k, v in parse_qsl(request.raw_path.partition("?")[2], keep_blank_values=True, errors="surrogateescape"):
-        if k == name:
-            return v
-    return value
+    return bytes(out)

@@ -8,7 +8,7 @@ import orjson
 from aiohttp import web
 
 from kv import BadRequest, Cond, Delete, Get, LeaseNotFound, NotFound, PreconditionFailed, Put, ReadsOmitted
-from kv.common.wire import key_bytes, key_fields, key_from, value_fields, value_from
+from kv.common.wire import key_bytes, key_fields, key_from, shown_key, value_fields, value_from
 
 from .answer import Answer
 from .auth import check_keys, hidden_leases
@@ -75,7 +75,7 @@ async def get_key(request: web.Request) -> Answer:
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
     item, index = await c.node.get_at(key, consistency=_consistency(request), timeout=read_timeout(request), revision=revision_param(request))
     if item is None:
-        raise NotFound(f"key {key!r} does not exist")
+        raise NotFound(f"key {shown_key(key)} does not exist")
     c.room_for(len(item.value))
     return Answer(item.value, 200, "application/octet-stream", {"ETag": f'"{item.mod_index}"', "X-Kv-Index": str(index)})
 
@@ -149,7 +149,7 @@ def _key_of(d, where: str) -> str:
     if "key_encoding" in d:
         if d["key_encoding"] != "base64":
             raise BadRequest(f'{where}: "key_encoding" must be "base64" (or left out for UTF-8 text)')
-        return key_from(d)
+        return key_from(d, where=where)
     return k
 
 

@@ -32,6 +32,7 @@ import os
 
 from .raft.errors import KVError, NoSpace, NotLeader
 from .snapshot.format import SnapshotError
+from .statemachine.commands import shown_key
 
 __all__ = [
     "BadRequest",
@@ -105,7 +106,7 @@ class KeyNotFound(NotFound):
 
     def __init__(self, key: str) -> None:
         self.key = key
-        super().__init__(f"key {key!r} does not exist: a put that keeps its value or lease needs the key; write it in full")
+        super().__init__(f"key {shown_key(key)} does not exist: a put that keeps its value or lease needs the key; write it in full")
 
 
 class LeaseExists(KVError):
@@ -126,7 +127,7 @@ class PreconditionFailed(KVError):
     def __init__(self, key: str, mod_index: int, message: str | None = None) -> None:
         self.key, self.mod_index = key, mod_index
         now = f"its mod_index is now {mod_index}" if mod_index else "it does not exist"
-        super().__init__(message or f"the condition on key {key!r} did not hold ({now}); read it again and retry")
+        super().__init__(message or f"the condition on key {shown_key(key)} did not hold ({now}); read it again and retry")
 
     def details(self) -> dict:
         return {"key": self.key, "mod_index": self.mod_index}

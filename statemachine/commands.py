@@ -468,6 +468,21 @@ def key_bytes(key: str) -> bytes:
     return key.encode("utf-8", "surrogateescape")
 
 
+NO_BYTE = "a key holds a lone surrogate that stands for no byte (only U+DC80..U+DCFF stand for bytes that are not UTF-8)"
+
+
+def shown_key(key: str) -> str:
+    """A key in a message: repr of the text, or of its bytes when they are not UTF-8."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            return repr(key_bytes(key))
+        except UnicodeEncodeError:
+            pass
+    return repr(key)
+
+
 def key_text(raw: bytes) -> str:
     """The key of stored bytes (see key_bytes): any bytes are a key."""
     return raw.decode("utf-8", "surrogateescape")
@@ -481,7 +496,7 @@ def check_key(key: str) -> bytes:
     try:
         raw = key_bytes(key)
     except UnicodeEncodeError:
-        raise CommandError("a key holds a lone surrogate that stands for no byte (only U+DC80..U+DCFF stand for bytes that are not UTF-8)") from None
+        raise CommandError(NO_BYTE) from None
     if not key.isascii() and key_text(raw) != key:
         # "\udcc3\udca9" would be stored as the bytes of "é", and read back as "é"
         raise CommandError(f"a key's escaped bytes spell UTF-8 text: write the key as {key_text(raw)!r}")

@@ -17,6 +17,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 from served import FRONTS, ServedNode
 
+import kv
 from kv import Cond, Get, Node, NodeConfig, Put
 from kv.bench.harness import poll
 
@@ -285,9 +286,25 @@ async def test_a_key_whose_bytes_are_not_utf8_is_addressed_by_percent_escapes_an
     assert r.status == 412 and {k: err[k] for k in spelled} == spelled, err
     r = await api.post("/v1/txn", json={"compare": [{"key": "k", "key_encoding": "hex", "exists": False}], "success": []})
     assert r.status == 400 and "key_encoding" in (await r.json())["error"]["message"]
+    for method, bad in (("GET", "/v1/kv?prefix=a%ZZ"), ("GET", "/v1/kv?limit=5&after=b%Z"), ("DELETE", "/v1/kv?prefix=a%ZZ"), ("GET", "/v1/watch?prefix=a%")):
+        r = await api.request(method, URL(bad, encoded=True))
+        assert r.status == 400 and "bad percent-encoding in ?" in (await r.json())["error"]["message"], bad
     r = await api.delete(URL("/v1/kv?prefix=half%C3", encoded=True))
     assert r.status == 200 and (await r.json())["deleted"] == 1
     assert (await api.get(URL("/v1/kv/half%C3", encoded=True))).status == 404
+
+
+def test_the_client_refuses_a_key_whose_surrogates_stand_for_no_byte():
+    """kv.Client as kv.open: BadRequest, before anything is sent (U+DC80..U+DCFF are bytes)."""
+    from kv.client.async_client import _key_path
+    from kv.client.endpoints import with_query
+    from kv.common.wire import op_fields
+
+    assert _key_path("a/\udcff é") == "/v1/kv/a/%FF%20%C3%A9"
+    assert with_query("http://n/v1/kv", {"prefix": "a\udcff+", "limit": "5"}) == "http://n/v1/kv?prefix=a%FF%2B&limit=5"
+    for call in (lambda: _key_path("x\udc01"), lambda: with_query("http://n/v1/kv", {"prefix": "x\ud800"}), lambda: op_fields(kv.Put("x\udc01", b""))):
+        with pytest.raises(kv.BadRequest, match="stands for no byte"):
+            call()
 
 
 async def test_oversized_value_is_refused_before_it_is_read(api):

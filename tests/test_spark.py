@@ -488,3 +488,15 @@ def test_a_small_input_is_imported_as_one_task(spark, tmp_path):
     assert default_partitions(unknown) == spark.sparkContext.defaultParallelism * 2
     big = spark.range(SMALL_INPUT_BYTES).selectExpr("cast(id as string) as key", "'v' as value")  # ~8M rows: estimated far above
     assert default_partitions(big) == spark.sparkContext.defaultParallelism * 2
+
+
+def test_an_export_that_fails_leaves_no_folder_behind(spark, tmp_path):
+    """A second try would otherwise be refused: the folder exists."""
+    from kv.spark.export import save
+
+    out = str(tmp_path / "out.parquet")
+    with pytest.raises(Exception, match="boom"):
+        save(spark.range(10).selectExpr("if(id = 7, raise_error('boom'), id) as id"), out, "parquet", False)
+    assert not os.path.exists(out)
+    save(spark.range(3), out, "parquet", False)
+    assert spark.read.parquet(out).count() == 3

@@ -9,7 +9,7 @@ import orjson
 
 from ..common.wire import key_fields, value_fields
 from ..errors import BadRequest, NotFound
-from ..statemachine.commands import key_bytes
+from ..statemachine.commands import key_bytes, shown_key
 from .options import at_least, client_command, with_client
 from .output import emit, listing_text, report, wants_json
 
@@ -63,7 +63,7 @@ async def _run(c, args: argparse.Namespace) -> int:
     elif cmd == "get":
         item = await c.get(args.key, consistency="stale" if args.stale else "linearizable", revision=args.rev)
         if item is None:
-            raise NotFound(f"key {args.key!r} does not exist")
+            raise NotFound(f"key {shown_key(args.key)} does not exist")
         if wants_json(args):
             emit(_item(item))
         else:
@@ -72,7 +72,7 @@ async def _run(c, args: argparse.Namespace) -> int:
         if args.if_match is not None:
             raise BadRequest("--if-match applies to one key, not to --prefix")
         r = await c.delete_prefix(args.key)
-        report(args, {**key_fields(args.key, "prefix"), "index": r.index, "term": r.term, "deleted": r.deleted}, f"OK index={r.index} deleted={r.deleted} key(s) under {args.key!r}")
+        report(args, {**key_fields(args.key, "prefix"), "index": r.index, "term": r.term, "deleted": r.deleted}, f"OK index={r.index} deleted={r.deleted} key(s) under {shown_key(args.key)}")
     elif cmd == "del":
         r = await c.delete(args.key, if_mod_index=args.if_match)
         text = f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}"

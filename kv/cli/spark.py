@@ -179,6 +179,7 @@ def _deadline(s, args: argparse.Namespace):
 
 def _export(kvspark, s, args: argparse.Namespace) -> int:
     from ..errors import BadRequest
+    from ..spark.export import save
 
     t0 = time.monotonic()
     if args.spark_cmd == "export":
@@ -200,7 +201,7 @@ def _export(kvspark, s, args: argparse.Namespace) -> int:
         whence = [] if args.start is not None else ["from the oldest entry any member holds"]
         whence += [] if args.end is not None else ["to the highest applied index"]
         source = f"the {'log' if args.raw else 'changes'} [{start}, {end}]" + (f" ({', '.join(whence)})" if whence else "") + f" of {args.endpoints}"
-        df.write.mode("overwrite" if args.overwrite else "errorifexists").format(args.format).save(args.out)
+        save(df, args.out, args.format, args.overwrite)
         rows = s.read.format(args.format).load(args.out).count()
     took = time.monotonic() - t0
     print(f"exported {rows} rows from {source} to {args.out} ({args.format}) in {took:.1f}s ({rows / took:,.0f} rows/s)")

@@ -35,7 +35,7 @@ from ..common.results import DeleteResult, Event, Item, LeaseStatus, Page, Prefi
 from ..common.scan import Scan
 from ..common.sessions import RequestId, SessionPool
 from ..common.tls import client_context
-from ..common.wire import cond_fields, key_from, op_fields, value_from
+from ..common.wire import checked_key_bytes, cond_fields, key_from, op_fields, value_from
 from ..raft.backoff import Backoff
 from ..raft.messages import Entry
 from ..statemachine.commands import Cond, Put
@@ -68,7 +68,7 @@ _JSON = {"Content-Type": "application/json"}
 def _key_path(key: str) -> str:
     if not isinstance(key, str) or not key:
         raise errors.BadRequest("a key is a non-empty string")
-    return "/v1/kv/" + quote(key, safe="/", errors="surrogateescape")
+    return "/v1/kv/" + quote(checked_key_bytes(key), safe="/")
 
 
 class AsyncClient(AsyncRecipes):

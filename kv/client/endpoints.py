@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 
 from .. import errors
-from ..common.wire import key_from
+from ..common.wire import checked_key_bytes, key_from
 
 log = logging.getLogger("kv.client")
 
@@ -76,7 +76,9 @@ def with_query(url: str, params: dict | None) -> str:
     """url?params, percent-encoded here: a key whose bytes are not UTF-8 (held as lone
     surrogates, see kv.statemachine.commands.key_bytes) goes as those bytes, where yarl would
     refuse it."""
-    return f"{url}?{urlencode(params, quote_via=quote, errors='surrogateescape')}" if params else url
+    if not params:
+        return url
+    return url + "?" + urlencode({k: checked_key_bytes(v) if isinstance(v, str) else v for k, v in params.items()}, quote_via=quote)
 
 
 def raise_for(status: int, body: bytes, endpoint: str):

@@ -10,7 +10,7 @@ import base64
 import binascii
 
 from ..errors import BadRequest
-from ..statemachine.commands import Cond, Delete, Get, Put, key_bytes, key_text
+from ..statemachine.commands import NO_BYTE, Cond, Delete, Get, Put, key_bytes, key_text, shown_key  # noqa: F401  (shown_key: for http/)
 from .arguments import value_bytes
 
 
@@ -32,14 +32,22 @@ def key_fields(key: str, name: str = "key") -> dict:
         try:
             key.encode("utf-8")
         except UnicodeEncodeError:
-            return {name: base64.b64encode(key_bytes(key)).decode(), f"{name}_encoding": "base64"}
+            return {name: base64.b64encode(checked_key_bytes(key)).decode(), f"{name}_encoding": "base64"}
     return {name: key}
 
 
-def key_from(d: dict, name: str = "key") -> str:
-    """The key key_fields spelled."""
+def checked_key_bytes(key: str) -> bytes:
+    """key_bytes, or BadRequest for a key whose lone surrogates stand for no byte."""
+    try:
+        return key_bytes(key)
+    except UnicodeEncodeError:
+        raise BadRequest(NO_BYTE) from None
+
+
+def key_from(d: dict, name: str = "key", where: str = "") -> str:
+    """The key key_fields spelled (`where`: the part of the request it came from)."""
     if d.get(f"{name}_encoding") == "base64":
-        return key_text(_base64(d[name], f"{name}"))
+        return key_text(_base64(d[name], f"{where}: {name}" if where else name))
     return d[name]
 
 

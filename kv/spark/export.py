@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 
 from ..errors import BadRequest, KVError
@@ -106,14 +107,27 @@ def export_snapshot(
         with open(snapshot, "rb") as f:
             header, _ = read_header(f)
         path, source, index, term = snapshot, snapshot, header.index, header.term
-    with ProgressLine(spark, 0, "exported") if progress else contextlib.nullcontext() as line:
+    # (its share is of the snapshot's blocks: with a prefix, most rows may be in a few)
+    with ProgressLine(spark, 0, "exported", of=" of the snapshot read") if progress else contextlib.nullcontext() as line:
         df = with_value_type(read_snapshot(spark, path, prefix=prefix, partitions=partitions, token=token, progress=line), value_type, json_schema)
-        df.write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
+        save(df, out, fmt, overwrite)
     meta = {"rows": spark.read.format(fmt).load(out).count(), "index": index, "term": term, "source": source, "prefix": prefix}
     if os.path.isdir(out):
         with open(os.path.join(out, "_ledgerkv.json"), "w") as f:  # Spark readers skip "_" files
             json.dump(meta, f)
     return meta
+
+
+def save(df, out: str, fmt: str, overwrite: bool) -> None:
+    """Write df to `out`; a write that fails leaves no folder behind where there was none
+    (a second try would be refused: `out` exists)."""
+    existed = os.path.exists(out)
+    try:
+        df.write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
+    except BaseException:
+        if not existed and "://" not in out:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def with_value_type(df, value_type: str, json_schema: str | None):
@@ -224,7 +238,7 @@ def _text_keys(keys):
     except pa.ArrowInvalid:
         bad = next(k for k in keys.to_pylist() if not _is_utf8(k))
         raise BadRequest(
-            f"key {bad[:80]!r} is not UTF-8 (written through etcd's API) and the export's key column is text: "
+            f"key {bad[:80]!r} is not UTF-8 and the export's key column is text: "
             "export a --prefix that leaves it out, or rename the key"
         ) from None
 
@@ -440,6 +454,6 @@ def _arrow(rows: list[tuple], schema):
         # a key of bytes that are not UTF-8 (cmds.key_text holds them as lone surrogates)
         index, key = next((r[0], r[3]) for r in rows if isinstance(r[3], str) and not _is_utf8(r[3].encode("utf-8", "surrogateescape")))
         raise BadRequest(
-            f"entry {index} writes key {key.encode('utf-8', 'surrogateescape')[:80]!r}, which is not UTF-8 (written through etcd's API), "
+            f"entry {index} writes key {key.encode('utf-8', 'surrogateescape')[:80]!r}, which is not UTF-8, "
             "and the change feed's key column is text: export a range of the log without it (start, end)"
         ) from None

@@ -26,8 +26,10 @@ class ProgressLine:
     """The driver's side: `with ProgressLine(spark, total, "imported") as p:` and hand
     `p.address` to the tasks (a Reporter each)."""
 
-    def __init__(self, spark, total: int, verb: str, out=None) -> None:
-        self.total, self.verb, self.out = total, verb, out or sys.stderr  # (total: may be set once known)
+    def __init__(self, spark, total: int, verb: str, out=None, of: str = "") -> None:
+        # total: in units, which may be rows or not (`of` says what the share is of); it may
+        # be set once known
+        self.total, self.verb, self.out, self.of = total, verb, out or sys.stderr, of
         self.rows = self.units = 0
         self.tag = os.urandom(8)
         master = spark.sparkContext.master
@@ -73,7 +75,7 @@ class ProgressLine:
         done = min(self.units / self.total, 1.0) if self.total > 0 else 0.0
         rate = self.rows / elapsed if elapsed > 0 else 0.0
         left = f"{_clock(elapsed * (1 - done) / done)} left" if done > 0 else "time left not known yet"
-        return f"{self.verb} {self.rows:,} rows ({done:.0%}), {rate:,.0f} rows/s, {left}"
+        return f"{self.verb} {self.rows:,} rows ({done:.0%}{self.of}), {rate:,.0f} rows/s, {left}"
 
 
 def _clock(seconds: float) -> str:
