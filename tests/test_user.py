@@ -250,6 +250,7 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
             lambda: kv_cli("get", "while-down", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 60, "n3 back and caught up"
         )
         assert up.poll() is None  # the others went on
+        wait_until(lambda: "n3 answers again (restarted by hand); 3/3 nodes answering" in up_out.read_text(), 30, "cluster up seeing n3 back")
         # Its own nodes all gone, but n3 (started by hand) answers: not "every node has exited".
         for nid in ("n1", "n2"):
             os.kill(pid_of(nid), signal.SIGKILL)

@@ -168,6 +168,7 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
 
     leader = None
     exited: list[str] = []
+    back: set[str] = set()  # of those, the ones answering again
     told_restarted = False
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
         while not stop.is_set():
@@ -179,6 +180,12 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                     args = next(n["args"] for n in plan if n["id"] == nid)
                     _say(f"  to bring {nid} back, in another shell: {_restart_line(args)} >> {shlex.quote(log_paths[nid])} 2>&1")
             seen = await statuses(s, {n["id"]: n["url"] for n in plan})
+            for nid in exited:  # brought back by hand, as the hint says
+                if nid in seen and nid not in back:
+                    back.add(nid)
+                    _say(f"{nid} answers again (restarted by hand); {len(seen)}/{len(plan)} nodes answering")
+                elif nid not in seen:
+                    back.discard(nid)
             leaders = {st["leader"] for st in seen.values() if st.get("leader")}
             now = next(iter(leaders)) if len(leaders) == 1 else None
             if now != leader:
