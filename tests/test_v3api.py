@@ -386,6 +386,8 @@ def test_keys_of_any_bytes_as_etcd_holds_them(etcd, cluster):
         got = get(etcd, b"v3b/", range_end=b"v3b0")
         assert [(kv.key, kv.value, kv.version) for kv in got.kvs] == [(b"v3b/a", b"0", 1), (low, b"2", 1), (odd, b"3", 2)]
         assert got.kvs[2].create_revision == first.header.revision
+        by_key = get(etcd, b"v3b/", range_end=b"v3b0", sort_target=rpc_pb2.RangeRequest.KEY, sort_order=rpc_pb2.RangeRequest.DESCEND, limit=2)
+        assert [kv.key for kv in by_key.kvs] == [odd, low] and by_key.more
         ttl = etcd.lease.LeaseTimeToLive(rpc_pb2.LeaseTimeToLiveRequest(ID=lease, keys=True), timeout=10)
         assert list(ttl.keys) == [odd]
         rs = s.wait(lambda rs: sum(len(r.events) for r in rs) >= 3)

@@ -180,7 +180,7 @@ def select(r: rpc_pb2.RangeRequest, kvs, more: bool) -> tuple[list[cmds.KeyValue
     order = _order(r)
     if order != rpc_pb2.RangeRequest.NONE:
         field = {
-            rpc_pb2.RangeRequest.KEY: lambda kv: kv.key.encode(),
+            rpc_pb2.RangeRequest.KEY: lambda kv: cmds.key_bytes(kv.key),
             rpc_pb2.RangeRequest.VERSION: lambda kv: kv.version,
             rpc_pb2.RangeRequest.CREATE: lambda kv: kv.create_revision,
             rpc_pb2.RangeRequest.MOD: lambda kv: kv.mod_revision,
