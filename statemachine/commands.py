@@ -531,9 +531,9 @@ def _ops(ops, parts: list) -> None:
     pack16, pack32 = _U16.pack, _U32.pack
     for op in ops:
         if type(op) is Put and op.cond is None and not op.lease and type(op.key) is str and type(op.value) is bytes:
-            raw = op.key.encode("utf-8", "replace")
-            if not raw or raw[0] == 0 or len(raw) > MAX_KEY_BYTES or not op.key.isascii():
-                raw = check_key(op.key)  # raises with the reason, or the bytes of a key that is not ASCII
+            raw = op.key.encode() if op.key.isascii() else b""  # (any other key: check_key's bytes)
+            if not raw or raw[0] == 0 or len(raw) > MAX_KEY_BYTES:
+                raw = check_key(op.key)  # raises with the reason, or gives the bytes
             parts.append(_PUT_OPCODE + pack16(len(raw)) + raw + pack32(len(op.value)))
             parts.append(op.value)
             parts.append(b"\x00")

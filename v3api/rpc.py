@@ -71,7 +71,7 @@ class CallContext:
 
 
 class Call:
-    __slots__ = ("stream", "method", "context", "buf", "request", "queue", "queued", "held", "task", "expired", "answered", "finished", "due")
+    __slots__ = ("stream", "method", "context", "buf", "request", "queue", "queued", "held", "task", "expired", "answered", "due")
 
     def __init__(self, stream: Stream, method: Method, context: CallContext) -> None:
         self.stream, self.method, self.context = stream, method, context
@@ -80,13 +80,13 @@ class Call:
         self.queue: asyncio.Queue | None = asyncio.Queue() if method.streaming_request else None
         self.queued = self.held = 0  # bytes of messages the service has not read; bytes not credited for them
         self.task: asyncio.Task | None = None
-        self.expired = self.answered = self.finished = False
+        self.expired = self.answered = False
         self.due: int | None = None  # its deadline's bucket in the server's Deadlines
 
     # -- its deadline: the server's Deadlines files a call as it would a future -----------
 
-    def done(self) -> bool:
-        return self.finished or self.stream.closed
+    def done(self) -> bool:  # (a finished call is no longer filed: finish() takes it out)
+        return self.stream.closed
 
     def set_exception(self, _: object) -> None:
         self.stream.conn.server.expire(self)
@@ -108,7 +108,6 @@ class Call:
         self.stream.send_data(_prefix.pack(0, len(body)) + body)
 
     def finish(self, code: grpc.StatusCode = grpc.StatusCode.OK, message: str = "") -> None:
-        self.finished = True
         self.forget_deadline()
         block = _OK_TRAILERS if code is grpc.StatusCode.OK else status_block(code, message)
         if self.answered:
