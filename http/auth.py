@@ -99,7 +99,7 @@ def _needed(request: web.Request) -> str:
         return "read" if request.method in ("GET", "HEAD") else "write"
     if path in _READ_PATHS:
         return "read" if request.method in ("GET", "HEAD") else "write"  # DELETE /v1/kv?prefix= writes
-    if path in ("/v1/txn", "/v1/leases", "/v1/sessions") or path.startswith("/v1/leases/"):
+    if path in ("/v1/txn", "/v1/bulk", "/v1/leases", "/v1/sessions") or path.startswith("/v1/leases/"):
         return "write"
     return "admin"  # membership, leadership, snapshots, the log, metrics, and any new route
 

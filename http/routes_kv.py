@@ -1,4 +1,4 @@
-"""The key-value routes: /v1/kv/{key}, /v1/kv (listing) and /v1/txn."""
+"""The key-value routes: /v1/kv/{key}, /v1/kv (listing), /v1/txn and /v1/bulk."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kv import BadRequest, Cond, Delete, Get, LeaseNotFound, NotFound, Precondit
 from kv.common.wire import key_bytes, key_fields, key_from, shown_key, value_fields, value_from
 
 from .answer import Answer
-from .auth import check_keys, hidden_leases
+from .auth import check_keys, hidden_leases, lease_prefix
 from .context import ctx
 from .errors import json_response
 from .keys import key_from_raw_path, key_param
@@ -250,6 +250,21 @@ async def txn(request: web.Request) -> Answer:
     return json_response(body)
 
 
+async def bulk(request: web.Request) -> Answer:
+    """Many puts in one entry: the body is rows in kv/statemachine/rows.py's columnar
+    format, each with its own condition; 200 with the rows whose condition did not hold
+    (nothing written for them), each with what its key holds."""
+    c = ctx(request)
+    data = await read_body(request, c.node.config.max_request_bytes, "the bulk body", "--max-request-bytes")
+    r = await c.node.bulk_put(data, within=lease_prefix(request), timeout=write_timeout(request), request_id=request_id(request))
+    return json_response({
+        "index": r.index,
+        "term": r.term,
+        "written": r.written,
+        "refused": [{"row": x.row, **key_fields(x.key), "mod_index": x.mod_index, "held": x.held} for x in r.refused],
+    })
+
+
 ANY = r"[\s\S]+"  # a key is any text, newlines too (".+" would not match them)
 ROUTES = (  # method, path, handler, name (http/fastpath.py serves some of these too)
     ("PUT", f"/v1/kv/{{key:{ANY}}}", put_key, "kv_put"),
@@ -258,6 +273,7 @@ ROUTES = (  # method, path, handler, name (http/fastpath.py serves some of these
     ("GET", "/v1/kv", list_keys, "kv_list"),
     ("DELETE", "/v1/kv", delete_prefix, "kv_delete_prefix"),
     ("POST", "/v1/txn", txn, "txn"),
+    ("POST", "/v1/bulk", bulk, "bulk"),
 )
 
 

@@ -63,7 +63,7 @@ from .errors import (  # noqa: E402
     Unavailable,
     ValueTooLarge,
 )
-from .common.results import DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult  # noqa: E402
+from .common.results import BulkRefusal, BulkResult, DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult  # noqa: E402
 from .common.sessions import RequestId  # noqa: E402
 from .errors import SlowWatcher, WatchCompacted  # noqa: E402
 from .statemachine.commands import Cond, Delete, Get, Put  # noqa: E402
@@ -71,6 +71,8 @@ from .statemachine.commands import Cond, Delete, Get, Put  # noqa: E402
 __all__ = [
     "AsyncClient",
     "BadRequest",
+    "BulkRefusal",
+    "BulkResult",
     "Client",
     "Compacted",
     "Cond",

@@ -11,15 +11,16 @@ import asyncio
 import collections
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from .common.results import DeleteResult, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
+from .common.results import BulkResult, DeleteResult, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
 from .common.arguments import lease_id, ttl_ms
 from .common.etcd_ids import etcd_id
 from .common.scan import Scan
 from .common.sessions import RequestId
+from .common.wire import bulk_body
 from .client.recipes import AsyncRecipes
-from .errors import BadRequest, Compacted, FutureRevision, KeyNotFound, LeaseExists, NotLeader, RevisionCompacted, Unavailable
+from .errors import BadRequest, Compacted, Forbidden, FutureRevision, KeyNotFound, LeaseExists, NotLeader, RevisionCompacted, Unavailable
 from .raft.ledger import Ledger
 from .raft.membership import Membership
 from .raft.messages import Role
@@ -27,6 +28,7 @@ from .raft.node import Applied, CoreConfig, RaftNode
 from .raft.transport_protocol import Transport
 from .server import eventlog, layer_metrics, limits, reads, tls
 from .server.answers import (
+    bulk_result,
     condition,
     delete_result,
     lease_status,
@@ -503,6 +505,38 @@ class Node(AsyncRecipes):
         --max-request-bytes encoded: split a larger batch, or use kv.spark.bulk)."""
         pairs = items.items() if isinstance(items, dict) else items
         return await self.txn(ops=[cmds.Put(k, v) for k, v in pairs], timeout=timeout)
+
+    async def bulk_put(
+        self, rows: bytes | Iterable[tuple[str, bytes] | tuple[str, bytes, int | None]], *, within: str = "",
+        timeout: float | None = None, request_id: RequestId | None = None,
+    ) -> BulkResult:
+        """Put many keys in one committed entry (POST /v1/bulk; kv.spark's import): rows
+        (key, value) or (key, value, if_mod_index) — None: no condition, 0: the key must
+        not exist — or a body in kv/statemachine/rows.py's format. Bounded by
+        --max-request-bytes, not --max-txn-ops. Atomic: every row whose condition holds
+        is written at one index; the others are refused, each named in the answer with
+        what its key holds, and nothing is written for them. `within`: a key prefix every
+        row's key must have (a token's scope; Forbidden otherwise)."""
+        cmd = self._bulk_command(bulk_body(rows), within)
+        return bulk_result(await self.submit(cmd, timeout, request_id=request_id), cmd)
+
+    def _bulk_command(self, body: bytes, within: str = "") -> cmds.Bulk:
+        """A Bulk of a body in rows.py's format, checked against the format and this node's
+        limits (BadRequest, ValueTooLarge naming the row)."""
+        c = self.config
+        limits.check_request_bytes(body, c.max_request_bytes)
+        try:
+            cmd = cmds.bulk(body)
+        except cmds.CommandError as e:
+            raise BadRequest(str(e)) from None
+        limits.check_bulk_values(cmd.rows, c.max_value_bytes)
+        if within:
+            # The keys are in byte order: every key between two with the prefix has it too.
+            pre, rows = cmds.key_bytes(within), cmd.rows
+            for i, raw in ((0, rows.key(0)), (rows.n - 1, rows.key(rows.n - 1))):
+                if not raw.startswith(pre):
+                    raise Forbidden(f"row {i}: this token reaches only keys under {within!r}, not {cmds.shown_key(cmds.key_text(raw))[:200]}")
+        return cmd
 
     # -- leases ----------------------------------------------------------------------------
 

@@ -29,6 +29,8 @@ Commands:
                              while a NOSPACE one is raised, writes that add data are refused
 - Compact(revision)          etcd's Compact: no read or watch at or below `revision` is
                              served from now on (ledgerkv keeps no older versions to drop)
+- Bulk(rows)                 put many keys at one index, each only if its own condition
+                             holds (a mod_index, or none); rows.py holds the columnar format
 
 A Put with `lease` attaches the key to that lease (refused with NoSuchLease when the lease
 does not exist); a Put without one, or a Delete, detaches it. Two more commands never enter
@@ -45,11 +47,13 @@ import struct
 from typing import NamedTuple
 
 from ..raft.errors import KVError
+from . import rows as bulk_rows
 
 COMMAND_FORMAT = 1
 MAX_KEY_BYTES = 4096
 MAX_CONDS = 0xFFFF  # the condition count is a u16
 MAX_INDEX = (1 << 63) - 1  # log indexes (and so mod_index) fit a signed 64-bit integer
+MAX_BULK_ROWS = 1 << 24  # more than a bulk put of any allowed size holds (a row is at least 15 bytes)
 
 _OP_PUT, _OP_DELETE, _OP_TXN, _OP_GET = 1, 2, 3, 4
 _OP_PUT_LEASE, _OP_LEASE_GRANT, _OP_LEASE_REVOKE, _OP_LEASE_KEEPALIVE, _OP_LEASE_QUERY = 5, 6, 7, 8, 9
@@ -60,6 +64,7 @@ _OP_DELETE_PREFIX = 15
 _OP_TXN_REQ = 16  # etcd's v3 transaction (TxnReq)
 _OP_ALARM = 17  # raise or clear an alarm (etcd's Maintenance.Alarm)
 _OP_COMPACT = 18  # etcd's Compact: the revision below which no read or watch is served
+_OP_BULK = 19  # many puts, each with its own condition (rows.py)
 OP_IN_SESSION = _OP_SESSION
 MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
 MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
@@ -347,7 +352,36 @@ def txn_ops(txn: TxnReq):
             yield from txn_ops(op)
 
 
-Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire | TxnReq | AlarmSet | Compact
+class Bulk(NamedTuple):
+    """Put every row at one index, atomically; a row whose condition does not hold is
+    left out (and named in the answer), the others are written."""
+
+    rows: bulk_rows.Rows
+
+
+class BulkApplied(NamedTuple):
+    """What a Bulk did: every row was written except `refused` (row numbers, whose
+    condition did not hold); for each of those, its key's mod_index and whether the key
+    holds the row's value already (1) or another (0)."""
+
+    index: int
+    refused: tuple[int, ...]
+    mod_indexes: tuple[int, ...]
+    held: tuple[int, ...]
+
+
+def bulk(data: bytes) -> Bulk:
+    """A Bulk command of a body in rows.py's format, checked as every replica checks it
+    (no value limit here: that one is a request limit, kv.server.limits)."""
+    try:
+        r = bulk_rows.Rows(data, MAX_KEY_BYTES)
+        r.check(MAX_INDEX)
+    except bulk_rows.RowsError as e:
+        raise CommandError(str(e)) from e
+    return Bulk(r)
+
+
+Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire | TxnReq | AlarmSet | Compact | Bulk
 LocalCommand = LeaseKeepAlive | LeaseKeepAlives | LeaseQuery  # what a follower forwards but nobody logs
 
 
@@ -556,6 +590,7 @@ def _op(op: Put | Delete | Get) -> bytes:
 
 
 _HEAD = bytes((COMMAND_FORMAT,))
+_BULK_HEAD = bytes((COMMAND_FORMAT, _OP_BULK))
 PUT_HEAD = _PUT_HEAD = bytes((COMMAND_FORMAT, _OP_PUT))  # a put without a lease (the state machine's hot path)
 _PUT_OPCODE = bytes((_OP_PUT,))
 
@@ -809,14 +844,18 @@ class _Value(_Field):
 
 
 class _Ints(_Field):
-    """A u32 count, then each as a u64."""
+    """A u32 count (at most `most`), then each as a u64."""
+
+    def __init__(self, name: str, most: int = MAX_CONDS) -> None:
+        super().__init__(name)
+        self.most = most
 
     def pack(self, value) -> bytes:
         return _U32.pack(len(value)) + b"".join(_U64.pack(v) for v in value)
 
     def read(self, r: _Reader):
         n = r.u32()
-        if n > MAX_CONDS:
+        if n > self.most:
             raise CommandError(f"a list of {n} numbers is longer than any this format holds")
         return struct.unpack(f">{n}Q", r.take(8 * n))
 
@@ -1058,6 +1097,7 @@ RESULTS: dict[bytes, tuple[type, tuple[_Field, ...]]] = {
     b"a": (Alarms, (_Ints("members"), _Ints("kinds"))),
     b"n": (SpaceExceeded, ()),
     b"c": (CompactAnswer, (_Int64("compact_revision"), _Text("refused"))),
+    b"b": (BulkApplied, (_Int64("index"), _Ints("refused", MAX_BULK_ROWS), _Ints("mod_indexes", MAX_BULK_ROWS), _Ints("held", MAX_BULK_ROWS))),
 }
 _TAG_OF = {cls: tag for tag, (cls, _) in RESULTS.items()}
 
@@ -1079,6 +1119,8 @@ def encode(cmd: Command | LocalCommand) -> bytes:
         return _PUT_HEAD + _key(cmd.key) + _cond(cmd.cond) + bytes(cmd.value)
     if kind is InSession:
         return in_session(cmd.session, cmd.seq, encode(cmd.cmd))
+    if kind is Bulk:  # checked when it was made (bulk())
+        return _BULK_HEAD + cmd.rows.data
     if kind is TxnReq:
         try:
             return bytes((COMMAND_FORMAT, _OP_TXN_REQ)) + _TxnReqBody("txn").encode(cmd)
@@ -1126,6 +1168,8 @@ def decode(data: bytes) -> Command | LocalCommand:
                 raise CommandError("a session carries a put, delete, transaction or lease grant or revoke")
             check_request_id(session, seq)
             return InSession(session, seq, decode(inner))
+        if code == _OP_BULK:
+            return bulk(data[2:])
         if code == _OP_TXN:
             conds = tuple(r.cond() for _ in range(r.u16()))
             ops = r.ops(r.u32())
@@ -1152,7 +1196,7 @@ def adds_data(cmd) -> bool:
         return any(type(op) is PutReq for op in txn_ops(cmd))
     if type(cmd) is Txn:
         return any(type(op) is Put for _, ops in txn_branches(cmd) for op in ops)
-    return type(cmd) in (Put, LeaseGrant)
+    return type(cmd) in (Put, LeaseGrant, Bulk)
 
 
 def is_local(payload: bytes) -> bool:
@@ -1161,7 +1205,7 @@ def is_local(payload: bytes) -> bool:
 
 
 # The opcodes (as one byte) of the commands sent in a session: the writes that are logged.
-SESSION_OPCODES = frozenset(bytes((op,)) for op in (_OP_PUT, _OP_PUT_LEASE, _OP_DELETE, _OP_DELETE_PREFIX, _OP_TXN, _OP_LEASE_GRANT, _OP_LEASE_GRANT_ID, _OP_LEASE_REVOKE, _OP_TXN_REQ))
+SESSION_OPCODES = frozenset(bytes((op,)) for op in (_OP_PUT, _OP_PUT_LEASE, _OP_DELETE, _OP_DELETE_PREFIX, _OP_TXN, _OP_LEASE_GRANT, _OP_LEASE_GRANT_ID, _OP_LEASE_REVOKE, _OP_TXN_REQ, _OP_BULK))
 
 
 # -- results on the wire (a leader answers a forwarded command) --------------------------------

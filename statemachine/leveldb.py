@@ -72,6 +72,8 @@ from .commands import (
     TxnApplied,
     ALARM_NOSPACE,
     AlarmSet,
+    Bulk,
+    BulkApplied,
     Compact,
     CompactAnswer,
     Alarms,
@@ -96,6 +98,7 @@ from .commands import (
     prefix_end,
 )
 from . import history
+from .rows import ANY
 from .lease_table import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
 from .sessions import RESULT_AT, SESSION_RESULT_MAX, SessionTable, fingerprint, record_value, session_record
 
@@ -588,6 +591,8 @@ class LevelDBStateMachine:
             return self._set_alarm(cmd, index, wb)
         if isinstance(cmd, Compact):
             return self._compact(cmd.revision, index, wb)
+        if isinstance(cmd, Bulk):
+            return self._bulk(cmd, index, wb, overlay, changes)
         raise CommandError(f"unknown command {cmd!r}")
 
     def _delete_prefix(self, prefix: str, index: int, wb, overlay: dict, changes: list | None) -> PrefixDeleted:
@@ -641,6 +646,29 @@ class LevelDBStateMachine:
             else:
                 out.append(self._delete(op, index, wb, overlay, changes))
         return TxnApplied(index, ok, tuple(out))
+
+    def _bulk(self, cmd: Bulk, index: int, wb, overlay: dict, changes: list | None) -> BulkApplied:
+        """Put each row whose condition holds, as a put without a lease does."""
+        rows = cmd.rows
+        refused, mods, held = [], [], []
+        pack_index = _U64.pack(index)
+        attached = self.leases.attached
+        for i, (raw, value, cond) in enumerate(rows):
+            k = _DATA + raw
+            cur = self._current(k, overlay)
+            if cond != ANY and (cur[0] if cur else 0) != cond:
+                refused.append(i)
+                mods.append(cur[0] if cur else 0)
+                held.append(1 if cur is not None and cur[1] == value else 0)
+                continue
+            overlay[k] = cur  # read once: _stamp finds it here (None: absent, as it is)
+            key = key_text(raw)
+            self._stamp(key, raw, index, wb, overlay, value, 0, changes)
+            overlay[k] = (index, value)
+            wb.put(k, pack_index + value)
+            if key in attached:
+                self._detach(key, wb)
+        return BulkApplied(index, tuple(refused), tuple(mods), tuple(held))
 
     def _put(self, op: Put, index: int, wb, overlay: dict, changes: list | None) -> PutResult:
         k = _DATA + key_bytes(op.key)

@@ -15,6 +15,7 @@ from cluster import ProcCluster
 
 from kv.raft import codec
 from kv.raft.messages import HeartbeatRequest, PushRequest, PushType, VoteRequest
+from kv.statemachine import rows
 from kv.raft.transport import auth_frame, hello_frame
 
 pytestmark = pytest.mark.slow
@@ -59,7 +60,7 @@ def raw_http(addr: str, data: bytes, timeout: float = 5.0) -> bytes:
 def bad_request(rng: random.Random) -> tuple[bytes, set[int]]:
     """A request that is wrong in at least one way, and the statuses it may get."""
     key = "".join(rng.choice("abc/%-_~é") for _ in range(rng.randrange(1, 12)))
-    kind = rng.randrange(11)
+    kind = rng.randrange(12)
     if kind == 0:  # a broken percent-escape
         path = f"/v1/kv/{key}%{rng.choice(['', 'G', 'Z9', '%'])}"
         return f"PUT {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx".encode(), {400}
@@ -86,6 +87,11 @@ def bad_request(rng: random.Random) -> tuple[bytes, set[int]]:
         return f"GET /v1/kv?{q} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), {400}
     if kind == 9:  # a key too long
         return b"PUT /v1/kv/" + b"k" * 5000 + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nx", {400}
+    if kind == 10:  # a bulk put that breaks its format: garbage, cut short, out of order, reserved
+        good = rows.pack([(b"a", b"1", 0), (b"b", b"2", rows.ANY)])
+        body = rng.choice([os.urandom(rng.randrange(0, 60)), good[: rng.randrange(len(good))], good + b"x",
+                           good.replace(b"ab12", b"ba12"), rows.pack([(b"\x00x", b"1", 0)]), rows.pack([(b"a", b"1", 1 << 63)])])
+        return b"POST /v1/bulk HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body), {400}
     return os.urandom(rng.randrange(1, 200)) + b"\r\n\r\n", {400, 0}  # not HTTP: 400 or hang up
 
 

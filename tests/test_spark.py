@@ -120,7 +120,7 @@ def test_change_feed_exports_a_committed_log_range_raw(spark, cluster, tmp_path)
     assert cluster.request(lead, "PUT", "/v1/kv/feed/a", b"2", {"If-Match": f'"{first["index"]}"'})[0] == 200
     assert cluster.request(lead, "DELETE", "/v1/kv/feed/a")[0] == 200
     rows = spark.range(5_000).selectExpr("concat('feed/', cast(id as string)) as key", "cast(id as string) as value")
-    assert not kvspark.write(rows, endpoints(cluster), batch_rows=125).failures  # 40 transactions
+    assert not kvspark.write(rows, endpoints(cluster), batch_rows=125).failures  # 40 bulk puts
     cluster.wait_converged()
     end = cluster.status(cluster.ids[0])["applied_index"]
     start = first["index"]
@@ -132,8 +132,9 @@ def test_change_feed_exports_a_committed_log_range_raw(spark, cluster, tmp_path)
     head = [(r["op"], r["key"], r["value"] and bytes(r["value"]), r["conditional"], r["branch"]) for r in got[:3]]
     assert head == [("put", "feed/a", b"1", False, None), ("put", "feed/a", b"2", True, None), ("delete", "feed/a", None, False, None)]
     imported = [r for r in got if r["key"] and r["key"].startswith("feed/") and r["key"] != "feed/a"]
-    # An import batch is a transaction: each key compared on its mod_index, then the puts.
-    assert len(imported) == 5_000 and {(r["op"], r["conditional"], r["branch"]) for r in imported} == {("put", True, "then")}
+    # An import batch is a bulk put: each row conditional on its key's mod_index.
+    assert len(imported) == 5_000 and {(r["op"], r["conditional"], r["branch"]) for r in imported} == {("put", True, None)}
+    assert len({r["index"] for r in imported}) == 40
     assert {r["key"]: bytes(r["value"]) for r in imported}["feed/4321"] == b"4321"
 
     out = str(tmp_path / "feed.parquet")

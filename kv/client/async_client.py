@@ -31,11 +31,11 @@ from yarl import URL
 from .. import errors
 from ..common.arguments import lease_id, ttl_ms, value_bytes
 from ..common.entry_stream import RecordReader
-from ..common.results import DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
+from ..common.results import BulkRefusal, BulkResult, DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
 from ..common.scan import Scan
 from ..common.sessions import RequestId, SessionPool
 from ..common.tls import client_context
-from ..common.wire import checked_key_bytes, cond_fields, key_from, op_fields, value_from
+from ..common.wire import bulk_body, checked_key_bytes, cond_fields, key_from, op_fields, value_from
 from ..raft.backoff import Backoff
 from ..raft.messages import Entry
 from ..statemachine.commands import Cond, Put
@@ -400,6 +400,16 @@ class AsyncClient(AsyncRecipes):
         default 128, and --max-request-bytes, default 1.5 MiB: 400/413 beyond)."""
         pairs = items.items() if isinstance(items, dict) else items
         return await self.txn(ops=[Put(k, v) for k, v in pairs])
+
+    async def bulk_put(self, rows) -> BulkResult:
+        """Put many keys in one committed entry (POST /v1/bulk): rows (key, value) or (key,
+        value, if_mod_index) — None: no condition, 0: the key must not exist. Bounded by
+        the cluster's --max-request-bytes (1.5 MiB by default), not --max-txn-ops. The rows
+        whose condition holds are written at one index; the others are listed in `refused`
+        with what their key holds, and nothing is written for them."""
+        d = await self._write_json("POST", "/v1/bulk", data=bulk_body(rows), headers={"Content-Type": "application/octet-stream"})
+        refused = tuple(BulkRefusal(x["row"], key_from(x), x["mod_index"], x["held"]) for x in d["refused"])
+        return BulkResult(d["index"], d["term"], d["written"], refused)
 
     # -- leases ----------------------------------------------------------------------------
 

@@ -84,6 +84,7 @@ class Client:
     scan = _blocking_iter(AsyncClient.scan)
     txn = _blocking(AsyncClient.txn)
     put_many = _blocking(AsyncClient.put_many)
+    bulk_put = _blocking(AsyncClient.bulk_put)
     status = _blocking(AsyncClient.status)
     status_all = _blocking(AsyncClient.status_all)
     transfer_leader = _blocking(AsyncClient.transfer_leader)

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from ..errors import KVError
 from ..raft.messages import Entry, EntryKind
 from ..statemachine import commands as cmds
+from ..statemachine.rows import ANY
 
 RECORD = struct.Struct(">QQBI")
 END_OK, END_ERROR = 0, 1
@@ -124,6 +125,10 @@ def entry_rows(e: Entry) -> Iterator[Row]:
         return
     if type(cmd) is cmds.TxnReq:
         yield from _txn_req_rows(e, cmd)
+        return
+    if type(cmd) is cmds.Bulk:  # each row conditional on its key's mod_index, or not
+        for raw, value, cond in cmd.rows:
+            yield (e.index, e.term, "put", cmds.key_text(raw), value, cond != ANY, None)
         return
     if isinstance(cmd, cmds.Txn):
         wrote = False

@@ -36,6 +36,22 @@ class TxnResult(NamedTuple):
     results: tuple  # per op: WriteResult, DeleteResult or Item|None for a get
 
 
+class BulkRefusal(NamedTuple):
+    """A row of a bulk put that was not written: its condition did not hold."""
+
+    row: int  # its place among the rows, in key order
+    key: str
+    mod_index: int  # what the key holds now (0: absent)
+    held: bool  # the key holds this row's value already
+
+
+class BulkResult(NamedTuple):
+    index: int
+    term: int
+    written: int  # rows written (all but the refused)
+    refused: tuple[BulkRefusal, ...]
+
+
 class LeaseStatus(NamedTuple):
     """A lease: its ttl and the seconds left on the leader's clock (the full ttl right
     after a grant), and the keys attached to it."""

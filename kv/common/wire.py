@@ -10,7 +10,8 @@ import base64
 import binascii
 
 from ..errors import BadRequest
-from ..statemachine.commands import NO_BYTE, Cond, Delete, Get, Put, key_bytes, key_text, shown_key  # noqa: F401  (shown_key: for http/)
+from ..statemachine import rows
+from ..statemachine.commands import MAX_INDEX, NO_BYTE, CommandError, Cond, Delete, Get, Put, check_key, key_bytes, key_text, shown_key  # noqa: F401  (shown_key: for http/)
 from .arguments import value_bytes
 
 
@@ -42,6 +43,30 @@ def checked_key_bytes(key: str) -> bytes:
         return key_bytes(key)
     except UnicodeEncodeError:
         raise BadRequest(NO_BYTE) from None
+
+
+def bulk_body(items) -> bytes:
+    """A bulk put's body (kv/statemachine/rows.py) from (key, value) or (key, value,
+    if_mod_index) rows — None: no condition, 0: the key must not exist — or the body
+    itself; BadRequest for a row no node would take."""
+    if isinstance(items, (bytes, bytearray, memoryview)):
+        return bytes(items)
+    out = []
+    for i, row in enumerate(items):
+        key, value, cond = (*row, None) if len(row) == 2 else row
+        try:
+            raw = check_key(key)
+        except CommandError as e:
+            raise BadRequest(f"row {i}: {e}") from None
+        if cond is not None and (type(cond) is not int or not 0 <= cond <= MAX_INDEX):
+            raise BadRequest(f"row {i}: if_mod_index is a log index (0: the key must not exist) or None, not {cond!r}")
+        out.append((raw, value_bytes(value), rows.ANY if cond is None else cond))
+    if not out:
+        raise BadRequest("a bulk put holds at least one row")
+    try:
+        return rows.pack(out)
+    except rows.RowsError as e:
+        raise BadRequest(str(e)) from None
 
 
 def key_from(d: dict, name: str = "key", where: str = "") -> str:

@@ -4,7 +4,7 @@ the public ones (kv/errors.py), and the state machine's results into the store A
 
 from __future__ import annotations
 
-from ..common.results import DeleteResult, Item, LeaseStatus, PrefixDeleteResult, TxnResult, WriteResult
+from ..common.results import BulkRefusal, BulkResult, DeleteResult, Item, LeaseStatus, PrefixDeleteResult, TxnResult, WriteResult
 from ..errors import BadRequest, Conflict, KVError, LeaseNotFound, NoSpace, PreconditionFailed, ReadsOmitted, SessionExpired, Timeout, Unavailable
 from ..raft.errors import ConfigChangeRefused, TransferInProgress
 from ..raft.node import Applied, DeadlineExceeded, NodeStopped, OutcomeUnknown, Overloaded
@@ -96,6 +96,13 @@ def prefix_delete_result(applied: Applied) -> PrefixDeleteResult:
 
 def write_result(applied: Applied) -> WriteResult:
     return WriteResult(raise_failed(applied.result).index, applied.term)
+
+
+def bulk_result(applied: Applied, cmd: cmds.Bulk) -> BulkResult:
+    r = raise_failed(applied.result)
+    keys = cmd.rows.keys() if r.refused else ()
+    refused = tuple(BulkRefusal(i, cmds.key_text(keys[i]), m, bool(h)) for i, m, h in zip(r.refused, r.mod_indexes, r.held))
+    return BulkResult(r.index, applied.term, cmd.rows.n - len(refused), refused)
 
 
 def delete_result(applied: Applied) -> DeleteResult:

@@ -64,6 +64,14 @@ def _branch_reads(branch: Sequence, stored_size: Callable[[str], int]) -> int:
     return total
 
 
+def check_bulk_values(rows, max_value_bytes: int) -> None:
+    """Every value of a bulk put (statemachine/rows.py) at most --max-value-bytes."""
+    lens = rows.value_lens
+    if max(lens) > max_value_bytes:
+        i = max(range(rows.n), key=lens.__getitem__)
+        raise ValueTooLarge(f"row {i}: the value is {lens[i]} bytes; the limit is {max_value_bytes} (--max-value-bytes)")
+
+
 def check_value(value, max_value_bytes: int) -> bytes:
     """A value as bytes (a bytearray or memoryview is copied), at most --max-value-bytes."""
     value = value_bytes(value)

@@ -1,44 +1,41 @@
 """Bulk writes of (key, value) rows into a running cluster: what each import task runs.
 
-Rows arrive sorted by key, in chunks. For each chunk the writer first reads what the
-cluster holds over the chunk's key range (a linearizable scan, page by page) and keeps only
+Rows arrive as Arrow batches sorted by key. For each batch the writer first reads what the
+cluster holds over the batch's key range (a linearizable scan, page by page) and keeps only
 the rows whose value differs: re-importing unchanged data proposes nothing and appends
-nothing to the log. The rest go out as transactions sized by bytes on the wire, each row
-compared on the mod_index it was read at (0: absent), so a key another writer changed in
-between is never overwritten blindly. Values travel as base64 (`"value"` with
-`"encoding": "base64"`, as POST /v1/txn documents it), so 1 MB of any bytes is about 1.33 MB on the wire; as JSON text,
-control bytes would grow six-fold.
+nothing to the log. The rest go out as bulk puts (POST /v1/bulk) of at most `batch_bytes`
+each, in the columnar format of kv/statemachine/rows.py, built from the Arrow buffers with
+numpy: no Python object per row is made on the way out. Each row is conditional on the
+mod_index it was read at (0: absent), so a key another writer changed in between is never
+overwritten blindly: the node answers which rows it refused and what their keys hold, and
+the entry writes the others. Values travel as they are (no base64, no JSON).
 
-Failures are per row: a transaction the cluster refuses (400, 413) is split in halves until
-the row at fault fails alone; a comparison that no longer holds (412) is resolved from the
-transaction's `failure` branch, which reads every key back (rows that already hold their
-value are skipped, rows another writer changed fail, the others are sent again). A write
-whose outcome is unknown (504) is sent once more, which the comparisons make safe. When the
-cluster stops answering, or the deadline passes, the remaining rows fail at once with the
-reason instead of being retried batch after batch.
+Failures are per row: a request the cluster refuses (400, 413) is split in halves until the
+row at fault fails alone; a refused row whose key holds its value already is skipped (or
+counted as written, when an earlier attempt of this import wrote it), one another writer
+changed fails. A write whose outcome is unknown (504) is sent once more, which the
+conditions make safe. When the cluster stops answering, or the deadline passes, the
+remaining rows fail at once with the reason instead of being retried batch after batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 
-import orjson
-
 from ..client.async_client import AsyncClient
-from ..common.wire import value_fields, value_from
+from ..common.wire import key_text
 from ..errors import BadRequest, KVError, Timeout, ValueTooLarge
 from .progress import Reporter
-
-JSON_OVERHEAD = 112  # bytes per row of the transaction document besides key and value
 
 
 @dataclass
 class Settings:
     endpoints: list[str]
     token: str | None = None
-    batch_rows: int = 128  # the cluster's default --max-txn-ops (compares per transaction)
+    batch_rows: int = 0  # rows per request at most (0: as many as batch_bytes holds)
     batch_bytes: int = 1 << 20
     concurrency: int = 4
     deadline: float = 0.0  # time.time() after which nothing more is sent (0: none)
@@ -54,7 +51,7 @@ class Outcome:
     written: int = 0
     skipped: int = 0
     failed: list[tuple[str, str]] = field(default_factory=list)  # (key, reason)
-    transactions: int = 0
+    transactions: int = 0  # requests sent (each one log entry)
     wire_bytes: int = 0
 
     def add(self, other: Outcome) -> None:
@@ -65,19 +62,8 @@ class Outcome:
         self.wire_bytes += other.wire_bytes
 
 
-@dataclass
-class _Row:
-    key: str
-    value: bytes
-    mod_index: int  # what the key held when it was read (0: absent)
-
-
 class _Stop(Exception):
     """The cluster is out of reach or the deadline passed: fail what is left."""
-
-
-def wire_size(key: str, value: bytes) -> int:
-    return 2 * len(key.encode()) + (len(value) + 2) // 3 * 4 + JSON_OVERHEAD
 
 
 def lower_bound(key: str) -> str | None:
@@ -85,17 +71,77 @@ def lower_bound(key: str) -> str | None:
     return key[:-1] if len(key) > 1 else None
 
 
+class Rows:
+    """Some rows as Arrow binary columns, with each row's condition (numpy uint64)."""
+
+    def __init__(self, keys, values, conds) -> None:
+        self.keys, self.values, self.conds = keys, values, conds
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def slice(self, start: int, end: int) -> Rows:
+        return Rows(self.keys.slice(start, end - start), self.values.slice(start, end - start), self.conds[start:end])
+
+    def key(self, i: int) -> str:
+        return key_text(self.keys[i].as_py())
+
+    def sizes(self):
+        """Each row's bytes in a bulk body."""
+        import numpy as np
+
+        return _lengths(self.keys).astype(np.int64) + _lengths(self.values) + 14
+
+    def body(self) -> bytes:
+        """The rows in kv/statemachine/rows.py's format, from the Arrow buffers."""
+        n = len(self.keys)
+        return b"".join((
+            n.to_bytes(4, "big"),
+            _lengths(self.keys).astype(">u2").tobytes(),
+            _lengths(self.values).astype(">u4").tobytes(),
+            self.conds.astype(">u8").tobytes(),
+            _data(self.keys),
+            _data(self.values),
+        ))
+
+
+def _offsets(a):
+    import numpy as np
+
+    return np.frombuffer(a.buffers()[1], dtype=np.int32)[a.offset : a.offset + len(a) + 1]
+
+
+def _lengths(a):
+    import numpy as np
+
+    return np.diff(_offsets(a))
+
+
+def _data(a) -> memoryview | bytes:
+    o = _offsets(a)
+    return memoryview(a.buffers()[2])[o[0] : o[-1]] if len(a) else b""
+
+
+def binary(column):
+    """An Arrow column (string or binary) as a binary array with 32-bit offsets, no nulls."""
+    import pyarrow as pa
+
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    return column if column.type == pa.binary() else column.cast(pa.binary())
+
+
 async def write_chunks(chunks, s: Settings) -> Outcome:
-    """Write an iterable of chunks, each a list of (key str, value bytes) sorted by key."""
+    """Write an iterable of chunks, each (keys, values) Arrow arrays sorted by key."""
     out = Outcome()
     reporter = Reporter(s.progress)
     try:
         async with AsyncClient(s.endpoints, token=s.token, timeout=s.request_timeout, connections=s.concurrency + 1) as c:
             c.rotation.prefer(c.endpoints[0])  # the leader (live_endpoints' first): a follower would forward every write to it
             w = _Writer(c, s, out)
-            for chunk in chunks:
-                await w.chunk(chunk)
-                reporter.add(len(chunk), len(chunk))
+            for keys, values in chunks:
+                await w.chunk(binary(keys), binary(values))
+                reporter.add(len(keys), len(keys))
+            await w.drain()
     finally:
         reporter.close()
     return out
@@ -105,15 +151,17 @@ class _Writer:
     def __init__(self, client, s: Settings, out: Outcome) -> None:
         self.c, self.s, self.out = client, s, out
         self.stopped: str | None = None  # why nothing more is sent
+        self.gate = asyncio.Semaphore(s.concurrency)
+        self.sending: set[asyncio.Task] = set()
 
-    def _held(self, mod_index: int) -> None:
-        """A row whose key holds its value already: written by this import (by an attempt
+    def _held(self, mod_index: int, n: int = 1) -> None:
+        """Rows whose key holds their value already: written by this import (by an attempt
         of this task that failed afterwards, and Spark ran it again) if it changed after
         the import began, else skipped."""
         if self.s.began and mod_index > self.s.began:
-            self.out.written += 1
+            self.out.written += n
         else:
-            self.out.skipped += 1
+            self.out.skipped += n
 
     def _budget(self) -> None:
         """Each request gets what is left of the overall deadline."""
@@ -126,116 +174,122 @@ class _Writer:
                 raise _Stop(self.stopped)
             self.c.timeout = min(self.s.request_timeout, left)
 
-    async def chunk(self, items: list[tuple[str, bytes]]) -> None:
+    def _fail(self, rows: Rows, reason: str) -> None:
+        self.out.failed += [(key_text(k), reason) for k in rows.keys.to_pylist()]
+
+    async def chunk(self, keys, values) -> None:
+        """Read the cluster over the chunk's keys, then send what differs; the sends run on
+        while the next chunk is read (at most `concurrency` at a time)."""
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
         try:
             self._budget()
-            held = await self._read(items[0][0], items[-1][0])
+            held_keys, held_values, held_mods = await self._read(key_text(keys[0].as_py()), key_text(keys[-1].as_py()))
         except _Stop as e:
-            self.out.failed += [(k, str(e)) for k, _ in items]
-            return
+            return self._fail(Rows(keys, values, None), str(e))
         except KVError as e:
             self.stopped = f"not written: the cluster could not be read ({e})"
-            self.out.failed += [(k, self.stopped) for k, _ in items]
-            return
-        todo = []
-        for key, value in items:
-            cur = held.get(key)
-            if cur is not None and cur[0] == value:
-                self._held(cur[1])
-            else:
-                todo.append(_Row(key, value, cur[1] if cur is not None else 0))
-        gate = asyncio.Semaphore(self.s.concurrency)
+            return self._fail(Rows(keys, values, None), self.stopped)
+        conds = np.zeros(len(keys), dtype=np.uint64)
+        if len(held_keys):
+            at = pc.index_in(keys, value_set=held_keys)
+            found = at.is_valid()
+            same = pc.and_(found, pc.fill_null(pc.equal(values, held_values.take(at)), False))
+            mods = pc.fill_null(held_mods.take(at), 0).to_numpy(zero_copy_only=False)
+            same_np = same.to_numpy(zero_copy_only=False)
+            if same_np.any():
+                held_mod = mods[same_np]
+                newer = int((held_mod > self.s.began).sum()) if self.s.began else 0
+                self.out.written += newer
+                self.out.skipped += len(held_mod) - newer
+                keep = pa.array(~same_np)
+                keys, values, mods = keys.filter(keep), values.filter(keep), mods[~same_np]
+            conds = mods.astype(np.uint64)
+        for part in self._parts(Rows(keys, values, conds)):
+            await self.gate.acquire()
+            t = asyncio.create_task(self._send_released(part))
+            self.sending.add(t)
+            t.add_done_callback(self.sending.discard)
 
-        async def run(batch):
-            async with gate:
-                await self._send(batch, unknown=False)
+    async def drain(self) -> None:
+        while self.sending:
+            await asyncio.gather(*list(self.sending))
 
-        await asyncio.gather(*(run(b) for b in self._batches(todo)))
+    async def _read(self, first: str, last: str):
+        """(keys, values, mod_indexes) the cluster holds from first to last, as Arrow arrays."""
+        import pyarrow as pa
 
-    async def _read(self, first: str, last: str) -> dict[str, tuple[bytes, int]]:
-        held = {}
-        async for it in self.c.scan("", after=lower_bound(first), page=5000):
+        keys, values, mods = [], [], []
+        # Under the keys' common prefix: the scan stops at its end, not at a page of the
+        # keys that follow (another task's range, written meanwhile).
+        under = os.path.commonprefix([first, last])
+        async for it in self.c.scan(under, after=lower_bound(first), page=5000):
             if it.key > last:
                 break
-            held[it.key] = (it.value, it.mod_index)
-        return held
+            keys.append(it.key.encode("utf-8", "surrogateescape"))
+            values.append(it.value)
+            mods.append(it.mod_index)
+        return pa.array(keys, pa.binary()), pa.array(values, pa.binary()), pa.array(mods, pa.uint64())
 
-    def _batches(self, rows: list[_Row]):
-        batch, size = [], 0
-        for r in rows:
-            n = wire_size(r.key, r.value)
-            if batch and (len(batch) >= self.s.batch_rows or size + n > self.s.batch_bytes):
-                yield batch
-                batch, size = [], 0
-            batch.append(r)
-            size += n
-        if batch:
-            yield batch
+    def _parts(self, rows: Rows):
+        """The rows cut into requests of at most batch_bytes (and batch_rows) each."""
+        import numpy as np
 
-    async def _send(self, rows: list[_Row], unknown: bool) -> None:
-        """Propose rows as one transaction; settles every row as written, skipped or failed."""
-        while rows:
+        if not len(rows):
+            return
+        ends = np.cumsum(rows.sizes())
+        start, base = 0, 0
+        while start < len(rows):
+            end = int(np.searchsorted(ends, base + self.s.batch_bytes, side="right"))
+            end = max(end, start + 1)
+            if self.s.batch_rows:
+                end = min(end, start + self.s.batch_rows)
+            yield rows.slice(start, end)
+            base = int(ends[end - 1])
+            start = end
+
+    async def _send_released(self, rows: Rows) -> None:
+        try:
+            await self._send(rows, unknown=False)
+        finally:
+            self.gate.release()
+
+    async def _send(self, rows: Rows, unknown: bool) -> None:
+        """Propose rows as one bulk put; settles every row as written, skipped or failed."""
+        while True:
             try:
                 self._budget()
-                status, body = await self._txn(rows)
+                body = rows.body()
+                self.out.transactions += 1
+                self.out.wire_bytes += len(body)
+                r = await self.c.bulk_put(body)
             except _Stop as e:
-                self.out.failed += [(r.key, str(e)) for r in rows]
-                return
+                return self._fail(rows, str(e))
             except (BadRequest, ValueTooLarge) as e:
                 if len(rows) == 1:
-                    self.out.failed.append((rows[0].key, str(e)))
+                    self.out.failed.append((rows.key(0), str(e)))
                     return
                 half = len(rows) // 2  # find the row at fault; the others go through
-                await self._send(rows[:half], unknown)
-                await self._send(rows[half:], unknown)
+                await self._send(rows.slice(0, half), unknown)
+                await self._send(rows.slice(half, len(rows)), unknown)
                 return
             except Timeout as e:
                 if unknown:  # a second unknown outcome in a row: report it, do not storm
-                    self.out.failed += [(r.key, f"outcome unknown: {e}") for r in rows]
-                    return
-                unknown = True  # sent again below: the comparisons make that safe
+                    return self._fail(rows, f"outcome unknown: {e}")
+                unknown = True  # sent again below: the conditions make that safe
                 continue
             except KVError as e:
                 self.stopped = f"not written: {e}"
-                self.out.failed += [(r.key, self.stopped) for r in rows]
-                return
-            if status == 200:
-                self.out.written += len(rows)
-                return
-            again = self._settle(rows, orjson.loads(body)["results"], unknown)
-            if len(again) == len(rows):  # a 412 that no key explains: report, do not loop
-                self.out.failed += [(r.key, "the cluster refused the comparison on mod_index (412) though the key was unchanged") for r in rows]
-                return
-            rows = again
-
-    def _settle(self, rows: list[_Row], results: list[dict], unknown: bool) -> list[_Row]:
-        """After a 412: what each key holds now decides its row; returns the rows to resend."""
-        again = []
-        for r, now in zip(rows, results):
-            mod = now["mod_index"] if now.get("found") else 0
-            if mod == r.mod_index:
-                again.append(r)
-                continue
-            value = value_from(now) if now.get("found") else None
-            if value == r.value:  # holds it already (a previous attempt of ours, or anyone's)
-                if unknown:
+                return self._fail(rows, self.stopped)
+            self.out.written += r.written
+            for x in r.refused:
+                if not x.held:
+                    was = int(rows.conds[x.row])
+                    self.out.failed.append((x.key, f"changed by another writer during the import (mod_index {was} -> {x.mod_index}); not overwritten"))
+                elif unknown:  # the first copy wrote it
                     self.out.written += 1
                 else:
-                    self._held(mod)
-            else:
-                self.out.failed.append((r.key, f"changed by another writer during the import (mod_index {r.mod_index} -> {mod}); not overwritten"))
-        return again
-
-    async def _txn(self, rows: list[_Row]) -> tuple[int, bytes]:
-        doc = {
-            "compare": [{"key": r.key, "mod_index": r.mod_index} for r in rows],
-            "success": [{"op": "put", "key": r.key, **value_fields(r.value, base64_always=True)} for r in rows],
-            "failure": [{"op": "get", "key": r.key} for r in rows],  # on a 412: what each key holds
-        }
-        data = orjson.dumps(doc)
-        self.out.transactions += 1
-        self.out.wire_bytes += len(data)
-        status, _, body = await self.c.request(
-            "POST", "/v1/txn", data=data, params={"encoding": "base64"}, headers={"Content-Type": "application/json"}, ok=(200, 412)
-        )
-        return status, body
+                    self._held(x.mod_index)
+            return

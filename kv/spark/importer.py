@@ -261,7 +261,7 @@ def write(
     on_duplicate: str = "refuse",
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
     partitions: int | None = None,
-    batch_rows: int = 128,
+    batch_rows: int = 0,
     batch_bytes: int = 1 << 20,
     concurrency: int = 4,
     token: str | None = None,
@@ -273,8 +273,8 @@ def write(
     from .bulk import Settings
     from .progress import ProgressLine
 
-    if batch_rows < 1 or batch_bytes < 1 or concurrency < 1 or (partitions is not None and partitions < 1):
-        raise BadRequest("batch sizes, concurrency and partitions must be at least 1")
+    if batch_rows < 0 or batch_bytes < 1 or concurrency < 1 or (partitions is not None and partitions < 1):
+        raise BadRequest("batch_bytes, concurrency and partitions must be at least 1 (batch_rows at least 0: no limit)")
     t0 = time.monotonic()
     answers = live_endpoints(endpoints, token)
     live = [ep for ep, _ in answers]
@@ -310,29 +310,34 @@ def _add(report: ImportReport, blob: bytes) -> None:
 def _write_task(batches, s, last: bool):
     """mapInArrow: write this partition's rows (sorted by key); yields one row, the outcome.
     With `last`, a key's rows are adjacent in the source's order and the last one wins."""
+    import numpy as np
     import pyarrow as pa
+    import pyarrow.compute as pc
 
-    from .bulk import write_chunks
+    from .bulk import binary, write_chunks
 
     superseded = 0
 
     def chunks():
         nonlocal superseded
-        carry = []  # with `last`: the final row of a batch, which the next may supersede
+        carry = None  # with `last`: the final row of a batch, which the next may supersede
         for b in batches:
-            values = b.column(1)
-            if values.type != pa.binary():
-                values = values.cast(pa.binary())  # the UTF-8 bytes, no copy
-            rows = list(zip(b.column(0).to_pylist(), values.to_pylist()))
+            keys, values = binary(b.column(0)), binary(b.column(1))
             if last:
-                rows, n = carry + rows, len(carry) + len(rows)
-                rows = [r for i, r in enumerate(rows) if i + 1 == len(rows) or rows[i + 1][0] != r[0]]
-                superseded += n - len(rows)
-                carry = rows[-1:]
-                rows = rows[:-1]
-            if rows:
-                yield rows
-        if carry:
+                if carry is not None:
+                    keys, values = pa.concat_arrays([carry[0], keys]), pa.concat_arrays([carry[1], values])
+                n = len(keys)
+                if not n:
+                    continue
+                keep = np.append(pc.not_equal(keys.slice(1), keys.slice(0, n - 1)).to_numpy(zero_copy_only=False), True)
+                superseded += n - int(keep.sum())
+                mask = pa.array(keep)
+                keys, values = keys.filter(mask), values.filter(mask)
+                carry = (keys.slice(len(keys) - 1), values.slice(len(values) - 1))
+                keys, values = keys.slice(0, len(keys) - 1), values.slice(0, len(values) - 1)
+            if len(keys):
+                yield keys, values
+        if carry is not None:
             yield carry
 
     out = asyncio.run(write_chunks(chunks(), s))

@@ -1,0 +1,210 @@
+"""Bulk puts (Node.bulk_put, POST /v1/bulk): many rows in one entry, each with its own
+condition; the columnar row format (statemachine/rows.py) and what every replica refuses."""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp.test_utils import TestClient
+from inproc import InprocCluster
+from served import FRONTS, ServedNode
+
+import kv
+from kv.http.auth import Grant
+from kv.raft.messages import Entry, EntryKind
+from kv.statemachine import commands as c
+from kv.statemachine import rows as R
+from kv.statemachine.leveldb import LevelDBStateMachine
+
+
+def body(*rows) -> bytes:
+    return R.pack(rows)
+
+
+# -- the format and the state machine (pure) ---------------------------------------------------
+
+
+def test_the_format_round_trips_and_sorts_by_key():
+    data = body((b"b", b"2", R.ANY), (b"a", b"", 0), (b"\xff\x00", b"x" * 300, 7))
+    rows = R.Rows(data, c.MAX_KEY_BYTES)
+    assert list(rows) == [(b"a", b"", 0), (b"b", b"2", R.ANY), (b"\xff\x00", b"x" * 300, 7)]
+    cmd = c.decode(c.encode(c.bulk(data)))
+    assert type(cmd) is c.Bulk and cmd.rows.data == data
+    in_session = c.decode(c.encode(c.InSession(5, 1, c.bulk(data))))
+    assert in_session.cmd.rows.data == data
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "starts with its row count"),
+        (b"\x00\x00\x00\x00", "at least one row"),
+        (R.pack([(b"a", b"1", 0)])[:-1], "add up to"),
+        (R.pack([(b"a", b"1", 0)]) + b"x", "add up to"),
+        (b"\x00\x00\x00\x05" + b"\x00" * 20, "cannot hold the 5 rows"),
+        (R.pack([(b"\x00lease", b"1", 0)]), "reserved"),
+        (R.pack([(b"a" * (c.MAX_KEY_BYTES + 1), b"1", 0)]), "limit is 4096"),
+        (R.pack([(b"a", b"1", 1 << 63)]), "a condition is a mod_index"),
+    ],
+)
+def test_what_the_format_refuses(data, message):
+    with pytest.raises(c.CommandError, match=message):
+        c.bulk(data)
+    # A replica given such an entry refuses it, the same on each (it never reaches one:
+    # the leader refuses the request).
+    with pytest.raises(c.CommandError, match=message):
+        c.decode(bytes((c.COMMAND_FORMAT, 19)) + data)
+
+
+def test_keys_out_of_order_or_twice_are_refused_with_the_row():
+    ordered = R.pack([(b"a", b"1", 0), (b"b", b"2", 0)])
+    n = 2
+    head = 4 + n * R.ROW_OVERHEAD
+    swapped = ordered[:head] + b"ba" + ordered[head + 2 :]
+    with pytest.raises(c.CommandError, match="row 1: the keys are not in strictly increasing"):
+        c.bulk(swapped)
+    with pytest.raises(R.RowsError, match="given twice"):
+        R.pack([(b"a", b"1", 0), (b"a", b"2", 0)])
+
+
+def normal(index: int, cmd) -> Entry:
+    return Entry(index, 1, EntryKind.NORMAL, c.encode(cmd))
+
+
+def test_each_row_is_written_only_if_its_condition_holds(tmp_path):
+    sm = LevelDBStateMachine(str(tmp_path / "sm"))
+    sm.apply([normal(1, c.Put("held", b"same")), normal(2, c.Put("other", b"old")), normal(3, c.Put("cas", b"v0"))])
+    rows = body(
+        (b"cas", b"v1", 3),  # holds: written
+        (b"held", b"same", 0),  # must be absent, holds this value already
+        (b"new", b"n", 0),  # absent: written
+        (b"other", b"new", 0),  # must be absent, holds another value
+        (b"plain", b"p", R.ANY),  # no condition
+    )
+    (res,) = sm.apply([normal(4, c.bulk(rows))])
+    assert res == c.BulkApplied(4, (1, 3), (1, 2), (1, 0))
+    assert c.decode_result(c.encode_result(res)) == res
+    assert sm.get("cas") == (4, b"v1") and sm.get("new") == (4, b"n") and sm.get("plain") == (4, b"p")
+    assert sm.get("held") == (1, b"same") and sm.get("other") == (2, b"old")
+    # etcd's per-key stamps move on as for any put: versions count, history holds the old value
+    kv_cas = sm.range(c.RangeReq(b"cas")).kvs[0]
+    assert (kv_cas.create_revision, kv_cas.version, kv_cas.mod_revision) == (3, 2, 4)
+    sm.close()
+
+
+def test_a_raised_nospace_alarm_refuses_a_bulk_put(tmp_path):
+    sm = LevelDBStateMachine(str(tmp_path / "sm"))
+    sm.apply([normal(1, c.AlarmSet(0, c.ALARM_NOSPACE, True))])
+    (res,) = sm.apply([normal(2, c.bulk(body((b"a", b"1", R.ANY))))])
+    assert type(res) is c.SpaceExceeded and sm.get("a") is None
+    sm.close()
+
+
+# -- kv.Node on a cluster ----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def cluster(tmp_path):
+    cl = InprocCluster(str(tmp_path))
+    await cl.start()
+    yield cl
+    await cl.stop()
+
+
+async def test_a_bulk_put_through_a_follower_reaches_every_replica_at_one_index(cluster):
+    f1, _ = await cluster.followers()
+    rows = [(f"k/{i:05d}", b"v%d" % i) for i in range(5000)]  # far over --max-txn-ops (128)
+    r = await f1.bulk_put(rows)
+    assert r.written == 5000 and r.refused == ()
+    await cluster.wait_applied(r.index)
+    for nid in cluster.nodes:
+        page = await cluster.nodes[nid].scan("k/", consistency="stale")
+        assert [(i.key, i.value, i.mod_index) for i in page] == [(k, v, r.index) for k, v in rows]
+    # Again with conditions on what was read: nothing changes, every row is named as held.
+    again = await f1.bulk_put([(k, v, 0) for k, v in rows[:3]] + [("k/zz", b"new", 0)])
+    assert again.written == 1
+    assert again.refused == tuple(kv.BulkRefusal(i, rows[i][0], r.index, True) for i in range(3))
+
+
+async def test_a_watch_sees_every_row_and_limits_name_the_row(cluster):
+    lead = await cluster.leader()
+    w = lead.watch("w/")
+    r = await lead.bulk_put([("w/a", b"1"), ("w/b", b"2")])
+    events = [await w.__anext__() for _ in range(2)]
+    assert [(e.key, e.value, e.index) for e in events] == [("w/a", b"1", r.index), ("w/b", b"2", r.index)]
+    w.close()
+    with pytest.raises(kv.ValueTooLarge, match="row 1: the value is"):
+        await lead.bulk_put([("a", b"x"), ("b", b"x" * (lead.config.max_value_bytes + 1))])
+    with pytest.raises(kv.BadRequest, match="given twice"):
+        await lead.bulk_put([("a", b"x"), ("a", b"y")])
+    with pytest.raises(kv.BadRequest, match="reserved"):
+        await lead.bulk_put([("\x00x", b"x")])
+    with pytest.raises(kv.ValueTooLarge, match="--max-request-bytes"):
+        await lead.bulk_put([(f"big/{i}", b"x" * 1000) for i in range(lead.config.max_request_bytes // 1000 + 1)])
+
+
+# -- POST /v1/bulk and kv.Client ----------------------------------------------------------------
+
+
+@pytest.fixture(params=FRONTS)
+async def http(tmp_path, request):
+    node = kv.Node(kv.NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), max_value_bytes=1000))
+    await node.start()
+    await node.wait_leader(timeout=10)
+    grants = {"w": Grant("write", "app/"), "r": Grant("read"), "a": Grant("admin")}
+    client = TestClient(ServedNode(node, request.param, tokens=grants))
+    await client.start_server()
+    yield node, client
+    await client.close()
+    await node.stop()
+
+
+async def test_post_bulk_over_http(http):
+    node, client = http
+    admin, app = {"Authorization": "Bearer a"}, {"Authorization": "Bearer w"}
+    old = await node.put("app/b", b"old")
+    rows = body((b"app/a", b"1", R.ANY), (b"app/b", b"2", 0), (b"app/\xff", b"3", 0))
+    r = await client.post("/v1/bulk", data=rows, headers=app)
+    d = await r.json()
+    assert r.status == 200, d
+    assert d["written"] == 2 and d["refused"] == [{"row": 1, "key": "app/b", "mod_index": old.index, "held": False}]
+    item = await node.get("app/\udcff")
+    assert item.value == b"3" and item.mod_index == d["index"]
+    # A token scoped to app/ reaches no key outside it, wherever it is among the rows.
+    for outside in ((b"apo", b"x", R.ANY), (b"zzz", b"x", R.ANY)):
+        r = await client.post("/v1/bulk", data=body((b"app/c", b"x", R.ANY), outside), headers=app)
+        assert r.status == 403, await r.text()
+        assert "reaches only keys under 'app/'" in (await r.json())["error"]["message"]
+    assert (await client.post("/v1/bulk", data=rows, headers={"Authorization": "Bearer r"})).status == 403
+    # What is wrong names the row; nothing is proposed.
+    before = node.raft.core.log.last_index()
+    for data, status, says in (
+        (b"junk", 400, "cannot hold"),
+        (body((b"k1", b"x" * 1001, R.ANY)), 413, "row 0: the value is 1001 bytes"),
+        (b"\x00" * (2 << 20), 413, "--max-request-bytes"),
+    ):
+        r = await client.post("/v1/bulk", data=data, headers=admin)
+        assert r.status == status and says in (await r.json())["error"]["message"], await r.text()
+    assert node.raft.core.log.last_index() == before
+
+
+def test_kv_client_bulk_put_from_another_process(tmp_path):
+    """The CLI's cluster, kv.Client in this process: rows of any bytes, conditions, refusals."""
+    from kv.bench.harness import ServeCluster
+
+    with ServeCluster(str(tmp_path / "c"), 1) as c:
+        c.start()
+        with kv.Client(c.url(c.ids[0]), timeout=10) as cl:
+            cl.put("b", b"held")
+            r = cl.bulk_put([("c", b"3"), ("a", b"1", 0), ("b", b"held", 0), ("\udcfe", b"4")])
+            assert r.written == 3
+            assert r.refused == (kv.BulkRefusal(1, "b", cl.get("b").mod_index, True),)
+            assert [(i.key, i.value) for i in cl.scan("")] == [("a", b"1"), ("b", b"held"), ("c", b"3"), ("\udcfe", b"4")]
+            with pytest.raises(kv.BadRequest, match="row 0: .*given twice|given twice"):
+                cl.bulk_put([("a", b"1"), ("a", b"2")])
+
+
+def test_the_raw_log_lists_each_row_of_a_bulk_put():
+    from kv.common.entry_stream import entry_rows
+
+    e = normal(9, c.InSession(3, 1, c.bulk(body((b"b", b"2", 5), (b"a\xff", b"1", R.ANY)))))
+    assert list(entry_rows(e)) == [(9, 1, "put", "a\udcff", b"1", False, None), (9, 1, "put", "b", b"2", True, None)]
