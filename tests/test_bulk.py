@@ -208,3 +208,23 @@ def test_the_raw_log_lists_each_row_of_a_bulk_put():
 
     e = normal(9, c.InSession(3, 1, c.bulk(body((b"b", b"2", 5), (b"a\xff", b"1", R.ANY)))))
     assert list(entry_rows(e)) == [(9, 1, "put", "a\udcff", b"1", False, None), (9, 1, "put", "b", b"2", True, None)]
+
+
+def test_the_import_check_counts_keys_given_twice_across_arrow_batches():
+    pa = pytest.importorskip("pyarrow")
+    import orjson
+
+    from kv.spark.importer import _check_task
+
+    def batch(*keys):
+        return pa.RecordBatch.from_arrays([pa.array(keys, pa.string()), pa.array([b"v"] * len(keys), pa.binary())], names=["key", "value"])
+
+    def stats(*batches):
+        (out,) = _check_task(iter(batches), 100)
+        return orjson.loads(out.column(0)[0].as_py())
+
+    clean = stats(batch("a", "b"), batch("c"), batch("d", "e"))
+    assert (clean["rows"], clean["dup_keys"], clean["dup_rows"]) == (5, 0, 0)
+    # "c" ends one batch and begins the next two; "e" twice inside one; "f" alone.
+    st = stats(batch("a", "b", "c"), batch("c"), batch("c", "d", "e", "e"), batch("f"))
+    assert (st["rows"], st["dup_keys"], st["dup_rows"], st["dup_examples"]) == (9, 2, 3, [["c", 3], ["e", 2]])

@@ -211,7 +211,18 @@ def _check_task(batches, limit: int):
             st.big += pc.sum(big).as_py()
             st.big_examples += [list(x) for x in zip(pc.filter(keys, big).slice(0, 3).to_pylist(), pc.filter(lengths, big).slice(0, 3).to_pylist())]
         st.empty_keys += pc.sum(pc.equal(pc.binary_length(keys), 0)).as_py() or 0
-        for k in keys.to_pylist():  # sorted: a key's rows are adjacent
+        n = len(keys)
+        if not n:
+            continue
+        # Sorted: a key's rows are adjacent. Walk the rows one by one only in a batch that
+        # has a key twice (or goes on with the last key of the one before): the rare case.
+        twice = n > 1 and pc.any(pc.equal(keys.slice(1), keys.slice(0, n - 1))).as_py()
+        first = keys[0].as_py()
+        if not twice and (prev is None or first != prev):
+            close_run()
+            prev, run = keys[n - 1].as_py(), 1
+            continue
+        for k in keys.to_pylist():
             if k is not None and k == prev:
                 run += 1
                 continue
