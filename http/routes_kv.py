@@ -8,7 +8,7 @@ import orjson
 from aiohttp import web
 
 from kv import BadRequest, Cond, Delete, Get, LeaseNotFound, NotFound, PreconditionFailed, Put, ReadsOmitted
-from kv.common.wire import key_bytes, key_fields, key_from, shown_key, value_fields, value_from
+from kv.common.wire import key_bytes, key_fields, key_from, rows_body, shown_key, value_fields, value_from
 
 from .answer import Answer
 from .auth import check_keys, hidden_leases, lease_prefix
@@ -111,6 +111,9 @@ async def list_keys(request: web.Request) -> Answer:
     if not 0 < limit <= MAX_LIST:
         raise BadRequest(f"limit must be between 1 and {MAX_LIST}")
     force_b64 = q.get("encoding") == "base64"
+    fmt = q.get("format", "json")
+    if fmt not in ("json", "rows"):
+        raise BadRequest(f"format is json (the default) or rows (binary: the bulk format), not {fmt!r}")
     # A page holds at most --max-txn-read-bytes of keys and values (with one key at least):
     # 10,000 values of 1 MiB would otherwise be one answer of 13 GiB built in memory.
     cap = c.node.config.max_txn_read_bytes
@@ -122,6 +125,8 @@ async def list_keys(request: web.Request) -> Answer:
     more = len(items) > limit or size >= cap  # cut short by its size: the client reads on from `next`
     items = items[:limit]
     c.room_for(size)
+    if fmt == "rows":  # for bulk readers: no JSON, no base64 (kv.spark's import reads back this way)
+        return Answer(rows_body(items), 200, "application/octet-stream", {"X-Kv-Index": str(index), "X-Kv-More": "true" if more else "false"})
     out = [{**key_fields(it.key), **value_fields(it.value, force_b64), "mod_index": it.mod_index} for it in items]
     return json_response({"items": out, **(key_fields(items[-1].key, "next") if more else {"next": None}), "index": index})
 

@@ -169,6 +169,14 @@ async def test_post_bulk_over_http(http):
     assert d["written"] == 2 and d["refused"] == [{"row": 1, "key": "app/b", "mod_index": old.index, "held": False}]
     item = await node.get("app/\udcff")
     assert item.value == b"3" and item.mod_index == d["index"]
+    # A scan in the same format (what an import reads back): each key's mod_index in the
+    # condition column; X-Kv-More says whether to read on after the last key.
+    r = await client.get("/v1/kv", params={"prefix": "app/", "format": "rows", "limit": "2"}, headers=admin)
+    assert r.status == 200 and r.headers["X-Kv-More"] == "true" and int(r.headers["X-Kv-Index"]) >= d["index"]
+    assert list(R.Rows(await r.read(), c.MAX_KEY_BYTES)) == [(b"app/a", b"1", d["index"]), (b"app/b", b"old", old.index)]
+    r = await client.get("/v1/kv", params={"prefix": "app/", "format": "rows", "after": "app/b"}, headers=admin)
+    assert r.headers["X-Kv-More"] == "false" and list(R.Rows(await r.read(), c.MAX_KEY_BYTES)) == [(b"app/\xff", b"3", d["index"])]
+    assert (await client.get("/v1/kv", params={"format": "xml"}, headers=admin)).status == 400
     # A token scoped to app/ reaches no key outside it, wherever it is among the rows.
     for outside in ((b"apo", b"x", R.ANY), (b"zzz", b"x", R.ANY)):
         r = await client.post("/v1/bulk", data=body((b"app/c", b"x", R.ANY), outside), headers=app)

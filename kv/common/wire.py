@@ -69,6 +69,12 @@ def bulk_body(items) -> bytes:
         raise BadRequest(str(e)) from None
 
 
+def rows_body(items) -> bytes:
+    """Scanned items in the bulk format (kv/statemachine/rows.py), each key's mod_index in
+    the condition column: a scan's answer with ?format=rows."""
+    return rows.pack([(key_bytes(it.key), it.value, it.mod_index) for it in items])
+
+
 def key_from(d: dict, name: str = "key", where: str = "") -> str:
     """The key key_fields spelled (`where`: the part of the request it came from)."""
     if d.get(f"{name}_encoding") == "base64":

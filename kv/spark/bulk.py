@@ -122,6 +122,25 @@ def _data(a) -> memoryview | bytes:
     return memoryview(a.buffers()[2])[o[0] : o[-1]] if len(a) else b""
 
 
+def arrays(body: bytes):
+    """A body in kv/statemachine/rows.py's format as Arrow arrays: keys and values (binary)
+    and the condition column (uint64; a scan's answer puts each key's mod_index there)."""
+    import numpy as np
+    import pyarrow as pa
+
+    n = int.from_bytes(body[:4], "big")
+    key_lens = np.frombuffer(body, ">u2", n, 4)
+    value_lens = np.frombuffer(body, ">u4", n, 4 + 2 * n)
+    conds = np.frombuffer(body, ">u8", n, 4 + 6 * n).astype(np.uint64)
+    key_at, value_at = (np.concatenate(([0], np.cumsum(lens, dtype=np.int64))).astype(np.int32) for lens in (key_lens, value_lens))
+    head = 4 + 14 * n
+    data = memoryview(body)
+    keys = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(key_at), pa.py_buffer(data[head : head + int(key_at[-1])])])
+    at = head + int(key_at[-1])
+    values = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(value_at), pa.py_buffer(data[at : at + int(value_at[-1])])])
+    return keys, values, pa.array(conds, pa.uint64())
+
+
 def binary(column):
     """An Arrow column (string or binary) as a binary array with 32-bit offsets, no nulls."""
     import pyarrow as pa
@@ -218,20 +237,29 @@ class _Writer:
             await asyncio.gather(*list(self.sending))
 
     async def _read(self, first: str, last: str):
-        """(keys, values, mod_indexes) the cluster holds from first to last, as Arrow arrays."""
+        """(keys, values, mod_indexes) the cluster holds from first to last, as Arrow arrays,
+        read in the bulk format (GET /v1/kv?format=rows: no JSON, no base64)."""
         import pyarrow as pa
+        import pyarrow.compute as pc
 
-        keys, values, mods = [], [], []
         # Under the keys' common prefix: the scan stops at its end, not at a page of the
         # keys that follow (another task's range, written meanwhile).
-        under = os.path.commonprefix([first, last])
-        async for it in self.c.scan(under, after=lower_bound(first), page=5000):
-            if it.key > last:
+        params = {"prefix": os.path.commonprefix([first, last]), "limit": "10000", "format": "rows"}
+        after = lower_bound(first)
+        end = pa.scalar(last.encode("utf-8", "surrogateescape"), pa.binary())
+        parts = []
+        while True:
+            if after is not None:
+                params["after"] = after
+            _, headers, body = await self.c.request("GET", "/v1/kv", params=params)
+            page = arrays(body)
+            parts.append(page)
+            if headers.get("X-Kv-More") != "true" or not len(page[0]) or pc.greater(page[0][-1], end).as_py():
                 break
-            keys.append(it.key.encode("utf-8", "surrogateescape"))
-            values.append(it.value)
-            mods.append(it.mod_index)
-        return pa.array(keys, pa.binary()), pa.array(values, pa.binary()), pa.array(mods, pa.uint64())
+            after = key_text(page[0][-1].as_py())
+        keys, values, mods = (pa.concat_arrays([p[i] for p in parts]) for i in range(3))
+        within = pc.less_equal(keys, end)
+        return keys.filter(within), values.filter(within), mods.filter(within)
 
     def _parts(self, rows: Rows):
         """The rows cut into requests of at most batch_bytes (and batch_rows) each."""
