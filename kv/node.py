@@ -517,10 +517,10 @@ class Node(AsyncRecipes):
         is written at one index; the others are refused, each named in the answer with
         what its key holds, and nothing is written for them. `within`: a key prefix every
         row's key must have (a token's scope; Forbidden otherwise)."""
-        cmd = self._bulk_command(bulk_body(rows), within)
+        cmd = self.bulk_command(bulk_body(rows), within)
         return bulk_result(await self.submit(cmd, timeout, request_id=request_id), cmd)
 
-    def _bulk_command(self, body: bytes, within: str = "") -> cmds.Bulk:
+    def bulk_command(self, body: bytes, within: str = "") -> cmds.Bulk:
         """A Bulk of a body in rows.py's format, checked against the format and this node's
         limits (BadRequest, ValueTooLarge naming the row)."""
         c = self.config

@@ -18,11 +18,12 @@ from collections.abc import Iterator, Sequence
 
 from .client.recipes import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
 from .common.loop import LoopThread
-from .common.results import DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
+from .common.results import BulkResult, DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
+from .common.wire import bulk_body
 from .errors import BadRequest, NotLeader, SessionExpired, Unavailable
 from .node import Node
 from .raft.node import DeadlineExceeded, NeverCommitted, NodeStopped, OutcomeUnknown
-from .server.answers import delete_result, prefix_delete_result, public_error, txn_result, validate_key, write_result
+from .server.answers import bulk_result, delete_result, prefix_delete_result, public_error, txn_result, validate_key, write_result
 from .server.config import NodeConfig
 from .server.reads import CONSISTENCY
 from .statemachine import commands as cmds
@@ -200,6 +201,12 @@ class Store:
         """Write many keys in one atomic, fsynced transaction."""
         pairs = items.items() if isinstance(items, dict) else items
         return self.txn(ops=[cmds.Put(k, v) for k, v in pairs])
+
+    def bulk_put(self, rows) -> BulkResult:
+        """Many keys in one fsynced entry, each row (key, value) or (key, value,
+        if_mod_index) with its own condition: see kv.Node.bulk_put."""
+        cmd = self._node.bulk_command(bulk_body(rows))
+        return bulk_result(self._submit(cmd), cmd)
 
     # -- leases (kv.Node's, blocking) --------------------------------------------------------
 

@@ -236,3 +236,12 @@ def test_the_import_check_counts_keys_given_twice_across_arrow_batches():
     # "c" ends one batch and begins the next two; "e" twice inside one; "f" alone.
     st = stats(batch("a", "b", "c"), batch("c"), batch("c", "d", "e", "e"), batch("f"))
     assert (st["rows"], st["dup_keys"], st["dup_rows"], st["dup_examples"]) == (9, 2, 3, [["c", 3], ["e", 2]])
+
+
+def test_kv_open_bulk_put(tmp_path):
+    with kv.open(str(tmp_path / "db")) as db:
+        r = db.bulk_put([(f"k/{i:04d}", b"v") for i in range(3000)])
+        assert r.written == 3000 and db.get("k/2999").mod_index == r.index
+        again = db.bulk_put([("k/0000", b"w", r.index), ("k/0001", b"w", 1)])
+        assert again.written == 1 and again.refused == (kv.BulkRefusal(1, "k/0001", r.index, False),)
+        assert db.get("k/0000").value == b"w" and db.get("k/0001").value == b"v"

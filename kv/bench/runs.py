@@ -349,11 +349,14 @@ async def bench_spark(args) -> list[dict]:
                 shape = {"key_expr": FLIGHT_KEY, "value_expr": "to_json(struct(*))"}
                 for what in ("import", "re-import of unchanged data"):
                     before = await loop.run_in_executor(None, lambda: live_endpoints(lead, None)[0][1]["ledger_end_index"])
+                    cpu = sum(c.procs.cpu_seconds().values())
                     report = await loop.run_in_executor(None, lambda: kvspark.write(df, eps, **shape))
+                    cpu = sum(c.procs.cpu_seconds().values()) - cpu
                     after = await loop.run_in_executor(None, lambda: live_endpoints(lead, None)[0][1]["ledger_end_index"])
                     rows.append({
                         "what": f"{what}: {n_rows:,} flights into 3 nodes from {master} ({after - before} log entries)",
                         "rows_per_s": report.rows / report.seconds, "seconds": report.seconds, "failures": len(report.failures),
+                        "cluster_cpu_us_per_row": cpu / n_rows * 1e6,
                     })
                 out = os.path.join(root, "export.parquet")
                 t0 = time.perf_counter()
@@ -384,7 +387,7 @@ async def bench_spark(args) -> list[dict]:
                 rows.append({"what": f"export it to Parquet ({codec}, median of 3)", "rows_per_s": n / took, "seconds": took, "failures": 0})
         finally:
             sess.stop()
-    print_table("Spark pipeline (local mode, fsync on)", rows, ["what", "rows_per_s", "seconds", "failures"])
+    print_table("Spark pipeline (local mode, fsync on)", rows, ["what", "rows_per_s", "seconds", "failures", "cluster_cpu_us_per_row"])
     return rows
 
 
