@@ -20,7 +20,7 @@ from .common.scan import Scan
 from .common.sessions import RequestId
 from .common.wire import bulk_body
 from .client.recipes import AsyncRecipes
-from .errors import BadRequest, Compacted, Forbidden, FutureRevision, KeyNotFound, LeaseExists, NotLeader, RevisionCompacted, Unavailable
+from .errors import BadRequest, Compacted, Forbidden, FutureRevision, KeyNotFound, KVError, LeaseExists, NotLeader, RevisionCompacted, Unavailable
 from .raft.ledger import Ledger
 from .raft.membership import Membership
 from .raft.messages import Role
@@ -511,14 +511,20 @@ class Node(AsyncRecipes):
         timeout: float | None = None, request_id: RequestId | None = None,
     ) -> BulkResult:
         """Put many keys in one committed entry (POST /v1/bulk; kv.spark's import): rows
-        (key, value) or (key, value, if_mod_index) — None: no condition, 0: the key must
-        not exist — or a body in kv/statemachine/rows.py's format. Bounded by
+        (key, value) or (key, value, if_mod_index) — a key str (or bytes), a value bytes,
+        if_mod_index None (no condition) or the mod_index the key must have (0: absent) —
+        or a body in kv/statemachine/rows.py's format; `row` in answers and errors is the
+        row's place among `rows`. Bounded by
         --max-request-bytes, not --max-txn-ops. Atomic: every row whose condition holds
         is written at one index; the others are refused, each named in the answer with
         what its key holds, and nothing is written for them. `within`: a key prefix every
         row's key must have (a token's scope; Forbidden otherwise)."""
-        cmd = self.bulk_command(bulk_body(rows), within)
-        return bulk_result(await self.submit(cmd, timeout, request_id=request_id), cmd)
+        body = bulk_body(rows)
+        try:
+            cmd = self.bulk_command(body.data, within)
+        except KVError as e:
+            raise body.renumbered(e) from None
+        return body.result(bulk_result(await self.submit(cmd, timeout, request_id=request_id), cmd))
 
     def bulk_command(self, body: bytes, within: str = "") -> cmds.Bulk:
         """A Bulk of a body in rows.py's format, checked against the format and this node's

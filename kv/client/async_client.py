@@ -403,13 +403,18 @@ class AsyncClient(AsyncRecipes):
 
     async def bulk_put(self, rows) -> BulkResult:
         """Put many keys in one committed entry (POST /v1/bulk): rows (key, value) or (key,
-        value, if_mod_index) — None: no condition, 0: the key must not exist. Bounded by
+        value, if_mod_index) — values are bytes; None: no condition, 0: the key must not
+        exist; `row` in answers and errors is the row's place in `rows`. Bounded by
         the cluster's --max-request-bytes (1.5 MiB by default), not --max-txn-ops. The rows
         whose condition holds are written at one index; the others are listed in `refused`
         with what their key holds, and nothing is written for them."""
-        d = await self._write_json("POST", "/v1/bulk", data=bulk_body(rows), headers={"Content-Type": "application/octet-stream"})
+        body = bulk_body(rows)
+        try:
+            d = await self._write_json("POST", "/v1/bulk", data=body.data, headers={"Content-Type": "application/octet-stream"})
+        except errors.KVError as e:
+            raise body.renumbered(e) from None
         refused = tuple(BulkRefusal(x["row"], key_from(x), x["mod_index"], x["held"]) for x in d["refused"])
-        return BulkResult(d["index"], d["term"], d["written"], refused)
+        return body.result(BulkResult(d["index"], d["term"], d["written"], refused))
 
     # -- leases ----------------------------------------------------------------------------
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
+from typing import NamedTuple
 
-from ..errors import BadRequest
+from ..errors import BadRequest, Forbidden, KVError, ValueTooLarge
+from .results import BulkResult
 from ..statemachine import rows
 from ..statemachine.commands import MAX_INDEX, NO_BYTE, CommandError, Cond, Delete, Get, Put, check_key, key_bytes, key_text, shown_key  # noqa: F401  (shown_key: for http/)
 from .arguments import value_bytes
@@ -45,26 +48,59 @@ def checked_key_bytes(key: str) -> bytes:
         raise BadRequest(NO_BYTE) from None
 
 
-def bulk_body(items) -> bytes:
-    """A bulk put's body (kv/statemachine/rows.py) from (key, value) or (key, value,
-    if_mod_index) rows — None: no condition, 0: the key must not exist — or the body
-    itself; BadRequest for a row no node would take."""
+class BulkBody(NamedTuple):
+    """A bulk put's body, and where each of its rows (sorted by key) was among the caller's."""
+
+    data: bytes
+    order: list[int] | None  # the caller's place of each row of data (None: the caller gave data)
+
+    def row(self, i: int) -> int:
+        return self.order[i] if self.order is not None else i
+
+    def renumbered(self, e: KVError) -> KVError:
+        """An error that names a row of the body ("row N: ..."), naming the caller's row."""
+        text = str(e)
+        m = re.search(r"\brow (\d+): ", text)  # (a client's message starts with the endpoint)
+        if self.order is None or m is None or not isinstance(e, (BadRequest, ValueTooLarge, Forbidden)):
+            return e
+        return type(e)(f"{text[: m.start()]}row {self.row(int(m.group(1)))}: {text[m.end():]}")
+
+    def result(self, r: BulkResult) -> BulkResult:
+        """r with each refused row numbered as the caller's, in the caller's order."""
+        if self.order is None:
+            return r
+        return r._replace(refused=tuple(sorted((x._replace(row=self.row(x.row)) for x in r.refused), key=lambda x: x.row)))
+
+
+def bulk_body(items) -> BulkBody:
+    """A bulk put's body (kv/statemachine/rows.py) from rows (key, value) or (key, value,
+    if_mod_index) — a key str (or bytes), a value bytes, if_mod_index None (no condition) or
+    the mod_index the key must have (0: absent) — or the body itself. The rows are sent
+    sorted by key; BadRequest names the caller's row that no node would take."""
     if isinstance(items, (bytes, bytearray, memoryview)):
-        return bytes(items)
+        return BulkBody(bytes(items), None)
     out = []
     for i, row in enumerate(items):
+        if not isinstance(row, (tuple, list)) or len(row) not in (2, 3):
+            raise BadRequest(f"row {i}: a row is (key, value) or (key, value, if_mod_index), not {type(row).__name__} {row!r:.80}")
         key, value, cond = (*row, None) if len(row) == 2 else row
         try:
-            raw = check_key(key)
+            raw = bytes(key) if isinstance(key, (bytes, bytearray)) else check_key(key)
         except CommandError as e:
             raise BadRequest(f"row {i}: {e}") from None
         if cond is not None and (type(cond) is not int or not 0 <= cond <= MAX_INDEX):
             raise BadRequest(f"row {i}: if_mod_index is a log index (0: the key must not exist) or None, not {cond!r}")
-        out.append((raw, value_bytes(value), rows.ANY if cond is None else cond))
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise BadRequest(f"row {i}: values are bytes, not {type(value).__name__}: encode it first")
+        out.append((raw, bytes(value), rows.ANY if cond is None else cond))
     if not out:
         raise BadRequest("a bulk put holds at least one row")
+    order = sorted(range(len(out)), key=lambda i: out[i][0])
+    for a, b in zip(order, order[1:]):
+        if out[a][0] == out[b][0]:
+            raise BadRequest(f"rows {min(a, b)} and {max(a, b)} have the same key {shown_key(key_text(out[a][0]))}: give each key once")
     try:
-        return rows.pack(out)
+        return BulkBody(rows.pack([out[i] for i in order]), order)
     except rows.RowsError as e:
         raise BadRequest(str(e)) from None
 

@@ -51,7 +51,7 @@ class Outcome:
     written: int = 0
     skipped: int = 0
     failed: list[tuple[str, str]] = field(default_factory=list)  # (key, reason)
-    transactions: int = 0  # requests sent (each one log entry)
+    transactions: int = 0  # bulk puts the cluster took (each one log entry)
     wire_bytes: int = 0
 
     def add(self, other: Outcome) -> None:
@@ -60,6 +60,11 @@ class Outcome:
         self.failed += other.failed
         self.transactions += other.transactions
         self.wire_bytes += other.wire_bytes
+
+
+def _unknown(e: Exception) -> str:
+    """Why a row sent once already, with no answer, is reported failed: it may be written."""
+    return f"outcome unknown (it was sent, and may have been written: import again to settle it): {e}"
 
 
 class _Stop(Exception):
@@ -290,11 +295,10 @@ class _Writer:
             try:
                 self._budget()
                 body = rows.body()
-                self.out.transactions += 1
                 self.out.wire_bytes += len(body)
                 r = await self.c.bulk_put(body)
             except _Stop as e:
-                return self._fail(rows, str(e))
+                return self._fail(rows, _unknown(e) if unknown else str(e))
             except (BadRequest, ValueTooLarge) as e:
                 if len(rows) == 1:
                     self.out.failed.append((rows.key(0), str(e)))
@@ -305,12 +309,13 @@ class _Writer:
                 return
             except Timeout as e:
                 if unknown:  # a second unknown outcome in a row: report it, do not storm
-                    return self._fail(rows, f"outcome unknown: {e}")
+                    return self._fail(rows, _unknown(e))
                 unknown = True  # sent again below: the conditions make that safe
                 continue
             except KVError as e:
                 self.stopped = f"not written: {e}"
-                return self._fail(rows, self.stopped)
+                return self._fail(rows, _unknown(e) if unknown else self.stopped)
+            self.out.transactions += 1
             self.out.written += r.written
             for x in r.refused:
                 if not x.held:

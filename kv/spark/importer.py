@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import orjson
 
 from ..errors import BadRequest, Unavailable
+from ..statemachine.commands import MAX_KEY_BYTES
 
 FORMATS = {"parquet": "parquet", "csv": "csv", "json": "json", "jsonl": "json", "ndjson": "json"}
 # RFC 4180, as pandas, Excel and Spark write it: quotes inside a quoted field are doubled,
@@ -39,7 +40,7 @@ class ImportReport:
     written: int = 0
     skipped: int = 0  # the cluster already held the value
     failures: list[tuple[str, str]] = field(default_factory=list)  # (key, reason)
-    transactions: int = 0
+    transactions: int = 0  # bulk puts the cluster took: log entries
     wire_bytes: int = 0
     seconds: float = 0.0
 
@@ -47,7 +48,7 @@ class ImportReport:
         rate = self.rows / self.seconds if self.seconds else 0.0
         return (
             f"imported {self.rows} rows: {self.written} written, {self.skipped} skipped (already held, or superseded by a later row of their key), "
-            f"{len(self.failures)} failed; {self.transactions} transactions, {self.wire_bytes / 1e6:.1f} MB on the wire, "
+            f"{len(self.failures)} failed; {self.transactions} log entries, {self.wire_bytes / 1e6:.1f} MB on the wire, "
             f"{self.seconds:.1f}s ({rate:,.0f} rows/s)"
         )
 
@@ -154,9 +155,11 @@ class Checked:
     dup_examples: list = field(default_factory=list)  # [key, count]
     big: int = 0
     big_examples: list = field(default_factory=list)  # [key, bytes]
+    reserved_keys: int = 0  # starting with a NUL byte: ledgerkv's own records
+    long_keys: int = 0  # above MAX_KEY_BYTES
 
     def add(self, o: Checked) -> None:
-        for name in ("rows", "null_keys", "empty_keys", "null_value_count", "dup_keys", "dup_rows", "big"):
+        for name in ("rows", "null_keys", "empty_keys", "null_value_count", "dup_keys", "dup_rows", "big", "reserved_keys", "long_keys"):
             setattr(self, name, getattr(self, name) + getattr(o, name))
         self.null_values = (self.null_values + o.null_values)[:3]
         self.dup_examples = (self.dup_examples + o.dup_examples)[:3]
@@ -171,6 +174,10 @@ class Checked:
             out.append(f"{self.null_keys} rows have a null key")
         if self.empty_keys:
             out.append(f"{self.empty_keys} rows have an empty key")
+        if self.reserved_keys:
+            out.append(f"{self.reserved_keys} keys start with a NUL character, which is reserved for ledgerkv's own records")
+        if self.long_keys:
+            out.append(f"{self.long_keys} keys are longer than {MAX_KEY_BYTES} bytes (the limit)")
         if self.null_value_count:
             out.append(f"{self.null_value_count} rows have a null value" + eg(repr(k) for k in self.null_values))
         if self.dup_keys and on_duplicate == "refuse":
@@ -210,7 +217,10 @@ def _check_task(batches, limit: int):
         if pc.any(big).as_py():
             st.big += pc.sum(big).as_py()
             st.big_examples += [list(x) for x in zip(pc.filter(keys, big).slice(0, 3).to_pylist(), pc.filter(lengths, big).slice(0, 3).to_pylist())]
-        st.empty_keys += pc.sum(pc.equal(pc.binary_length(keys), 0)).as_py() or 0
+        key_lengths = pc.binary_length(keys)
+        st.empty_keys += pc.sum(pc.equal(key_lengths, 0)).as_py() or 0
+        st.long_keys += pc.sum(pc.greater(key_lengths, MAX_KEY_BYTES)).as_py() or 0
+        st.reserved_keys += pc.sum(pc.starts_with(keys, "\x00")).as_py() or 0
         n = len(keys)
         if not n:
             continue
