@@ -282,7 +282,7 @@ def test_an_import_reports_rows_sent_without_an_answer_as_unknown_not_unwritten(
     from kv.spark import bulk
 
     def rows():
-        return bulk.Rows(pa.array([b"u/1", b"u/2"]), pa.array([b"1", b"2"]), np.zeros(2, np.uint64))
+        return bulk.ArrowRows(pa.array([b"u/1", b"u/2"]), pa.array([b"1", b"2"]), np.zeros(2, np.uint64))
 
     for unknown, says in ((True, "outcome unknown (it was sent, and may have been written"), (False, "not written: the cluster could not be read")):
         out = bulk.Outcome()

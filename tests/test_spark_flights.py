@@ -195,7 +195,7 @@ def test_a_key_another_writer_changed_is_not_overwritten(cluster):
         async with bulk.AsyncClient(endpoints(cluster)) as c:
             w = bulk._Writer(c, bulk.Settings([cluster.url(lead)]), out)
             # Rows as read before another writer changed race/a (its mod_index then was 1).
-            rows = bulk.Rows(
+            rows = bulk.ArrowRows(
                 pa.array([b"race/a", b"race/b", b"race/c"]), pa.array([b"mine", b"new", b"c"]), np.array([1, held["race/b"], 0], np.uint64)
             )
             await w._send(rows, unknown=False)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from ..client.async_client import AsyncClient
 from ..common.wire import key_text
 from ..errors import BadRequest, KVError, Timeout, ValueTooLarge
+from ..statemachine.rows import ROW_OVERHEAD
 from .progress import Reporter
 
 
@@ -76,7 +77,7 @@ def lower_bound(key: str) -> str | None:
     return key[:-1] if len(key) > 1 else None
 
 
-class Rows:
+class ArrowRows:
     """Some rows as Arrow binary columns, with each row's condition (numpy uint64)."""
 
     def __init__(self, keys, values, conds) -> None:
@@ -85,8 +86,8 @@ class Rows:
     def __len__(self) -> int:
         return len(self.keys)
 
-    def slice(self, start: int, end: int) -> Rows:
-        return Rows(self.keys.slice(start, end - start), self.values.slice(start, end - start), self.conds[start:end])
+    def slice(self, start: int, end: int) -> ArrowRows:
+        return ArrowRows(self.keys.slice(start, end - start), self.values.slice(start, end - start), self.conds[start:end])
 
     def key(self, i: int) -> str:
         return key_text(self.keys[i].as_py())
@@ -95,7 +96,7 @@ class Rows:
         """Each row's bytes in a bulk body."""
         import numpy as np
 
-        return _lengths(self.keys).astype(np.int64) + _lengths(self.values) + 14
+        return _lengths(self.keys).astype(np.int64) + _lengths(self.values) + ROW_OVERHEAD
 
     def body(self) -> bytes:
         """The rows in kv/statemachine/rows.py's format, from the Arrow buffers."""
@@ -178,14 +179,16 @@ class _Writer:
         self.gate = asyncio.Semaphore(s.concurrency)
         self.sending: set[asyncio.Task] = set()
 
-    def _held(self, mod_index: int, n: int = 1) -> None:
-        """Rows whose key holds their value already: written by this import (by an attempt
-        of this task that failed afterwards, and Spark ran it again) if it changed after
-        the import began, else skipped."""
-        if self.s.began and mod_index > self.s.began:
-            self.out.written += n
-        else:
-            self.out.skipped += n
+    def _held(self, mod_indexes) -> None:
+        """Rows whose key holds their value already (at these mod_indexes): written by this
+        import (by an attempt of this task that failed afterwards, and Spark ran it again)
+        if it changed after the import began, else skipped."""
+        import numpy as np
+
+        mods = np.asarray(mod_indexes, dtype=np.uint64)
+        newer = int((mods > self.s.began).sum()) if self.s.began else 0
+        self.out.written += newer
+        self.out.skipped += len(mods) - newer
 
     def _budget(self) -> None:
         """Each request gets what is left of the overall deadline."""
@@ -198,7 +201,7 @@ class _Writer:
                 raise _Stop(self.stopped)
             self.c.timeout = min(self.s.request_timeout, left)
 
-    def _fail(self, rows: Rows, reason: str) -> None:
+    def _fail(self, rows: ArrowRows, reason: str) -> None:
         self.out.failed += [(key_text(k), reason) for k in rows.keys.to_pylist()]
 
     async def chunk(self, keys, values) -> None:
@@ -212,10 +215,10 @@ class _Writer:
             self._budget()
             held_keys, held_values, held_mods = await self._read(key_text(keys[0].as_py()), key_text(keys[-1].as_py()))
         except _Stop as e:
-            return self._fail(Rows(keys, values, None), str(e))
+            return self._fail(ArrowRows(keys, values, None), str(e))
         except KVError as e:
             self.stopped = f"not written: the cluster could not be read ({e})"
-            return self._fail(Rows(keys, values, None), self.stopped)
+            return self._fail(ArrowRows(keys, values, None), self.stopped)
         conds = np.zeros(len(keys), dtype=np.uint64)
         if len(held_keys):
             at = pc.index_in(keys, value_set=held_keys)
@@ -224,14 +227,11 @@ class _Writer:
             mods = pc.fill_null(held_mods.take(at), 0).to_numpy(zero_copy_only=False)
             same_np = same.to_numpy(zero_copy_only=False)
             if same_np.any():
-                held_mod = mods[same_np]
-                newer = int((held_mod > self.s.began).sum()) if self.s.began else 0
-                self.out.written += newer
-                self.out.skipped += len(held_mod) - newer
+                self._held(mods[same_np])
                 keep = pa.array(~same_np)
                 keys, values, mods = keys.filter(keep), values.filter(keep), mods[~same_np]
             conds = mods.astype(np.uint64)
-        for part in self._parts(Rows(keys, values, conds)):
+        for part in self._parts(ArrowRows(keys, values, conds)):
             await self.gate.acquire()
             t = asyncio.create_task(self._send_released(part))
             self.sending.add(t)
@@ -266,7 +266,7 @@ class _Writer:
         within = pc.less_equal(keys, end)
         return keys.filter(within), values.filter(within), mods.filter(within)
 
-    def _parts(self, rows: Rows):
+    def _parts(self, rows: ArrowRows):
         """The rows cut into requests of at most batch_bytes (and batch_rows) each."""
         import numpy as np
 
@@ -283,13 +283,13 @@ class _Writer:
             base = int(ends[end - 1])
             start = end
 
-    async def _send_released(self, rows: Rows) -> None:
+    async def _send_released(self, rows: ArrowRows) -> None:
         try:
             await self._send(rows, unknown=False)
         finally:
             self.gate.release()
 
-    async def _send(self, rows: Rows, unknown: bool) -> None:
+    async def _send(self, rows: ArrowRows, unknown: bool) -> None:
         """Propose rows as one bulk put; settles every row as written, skipped or failed."""
         while True:
             try:
@@ -324,5 +324,5 @@ class _Writer:
                 elif unknown:  # the first copy wrote it
                     self.out.written += 1
                 else:
-                    self._held(x.mod_index)
+                    self._held([x.mod_index])
             return
