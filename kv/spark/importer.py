@@ -120,13 +120,10 @@ def check(kv, *, max_value_bytes: int, on_duplicate: str = "refuse", partitions:
 
     if on_duplicate not in DUPLICATES:
         raise BadRequest(f"--on-duplicate must be one of {', '.join(DUPLICATES)}")
-    ordered = (
-        kv.withColumn("_order", F.monotonically_increasing_id())  # the source's order
-        .repartitionByRange(partitions, "key")
-        .sortWithinPartitions("key", "_order")
-        .select("key", "value")
-        .persist()
-    )
+    by = ["key"]
+    if on_duplicate == "last":  # the last row of a key in the source's order wins: keep that order
+        kv, by = kv.withColumn("_order", F.monotonically_increasing_id()), ["key", "_order"]
+    ordered = kv.repartitionByRange(partitions, "key").sortWithinPartitions(*by).select("key", "value").persist()
     try:
         st = Checked()
         for r in ordered.mapInArrow(lambda batches: _check_task(batches, max_value_bytes), "stats binary").collect():
