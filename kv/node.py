@@ -537,11 +537,18 @@ class Node(AsyncRecipes):
             raise BadRequest(str(e)) from None
         limits.check_bulk_values(cmd.rows, c.max_value_bytes)
         if within:
-            # The keys are in byte order: every key between two with the prefix has it too.
-            pre, rows = cmds.key_bytes(within), cmd.rows
-            for i, raw in ((0, rows.key(0)), (rows.n - 1, rows.key(rows.n - 1))):
-                if not raw.startswith(pre):
-                    raise Forbidden(f"row {i}: this token reaches only keys under {within!r}, not {cmds.shown_key(cmds.key_text(raw))[:200]}")
+            rows = cmd.rows
+            try:  # a prefix of whole characters: a key has it as text iff its bytes start with its bytes
+                pre = within.encode("utf-8")
+            except UnicodeEncodeError:  # it ends inside a character, or spells bytes: text rules, key by key
+                pre = None
+            if pre is not None:  # the keys are in byte order: every key between two with the prefix has it too
+                outside = [(i, raw) for i, raw in ((0, rows.key(0)), (rows.n - 1, rows.key(rows.n - 1))) if not raw.startswith(pre)]
+            else:
+                outside = [(i, raw) for i, raw in enumerate(rows.keys()) if not cmds.key_text(raw).startswith(within)]
+            if outside:
+                i, raw = outside[0]
+                raise Forbidden(f"row {i}: this token reaches only keys under {within!r}, not {cmds.shown_key(cmds.key_text(raw))[:200]}")
         return cmd
 
     # -- leases ----------------------------------------------------------------------------

@@ -53,7 +53,6 @@ COMMAND_FORMAT = 1
 MAX_KEY_BYTES = 4096
 MAX_CONDS = 0xFFFF  # the condition count is a u16
 MAX_INDEX = (1 << 63) - 1  # log indexes (and so mod_index) fit a signed 64-bit integer
-MAX_BULK_ROWS = 1 << 24  # more than a bulk put of any allowed size holds (a row is at least 15 bytes)
 
 _OP_PUT, _OP_DELETE, _OP_TXN, _OP_GET = 1, 2, 3, 4
 _OP_PUT_LEASE, _OP_LEASE_GRANT, _OP_LEASE_REVOKE, _OP_LEASE_KEEPALIVE, _OP_LEASE_QUERY = 5, 6, 7, 8, 9
@@ -1097,7 +1096,7 @@ RESULTS: dict[bytes, tuple[type, tuple[_Field, ...]]] = {
     b"a": (Alarms, (_Ints("members"), _Ints("kinds"))),
     b"n": (SpaceExceeded, ()),
     b"c": (CompactAnswer, (_Int64("compact_revision"), _Text("refused"))),
-    b"b": (BulkApplied, (_Int64("index"), _Ints("refused", MAX_BULK_ROWS), _Ints("mod_indexes", MAX_BULK_ROWS), _Ints("held", MAX_BULK_ROWS))),
+    b"b": (BulkApplied, (_Int64("index"), _Ints("refused", bulk_rows.MAX_ROWS), _Ints("mod_indexes", bulk_rows.MAX_ROWS), _Ints("held", bulk_rows.MAX_ROWS))),
 }
 _TAG_OF = {cls: tag for tag, (cls, _) in RESULTS.items()}
 

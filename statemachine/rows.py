@@ -1,7 +1,7 @@
 """Many rows in one write: the columnar format of a bulk put (POST /v1/bulk, the Bulk
 command, kv.spark's import).
 
-    u32        n, the number of rows (at least 1)
+    u32        n, the number of rows (1 to MAX_ROWS in a bulk put; a scan's page may hold 0)
     n x u16    each key's length (1 to MAX_KEY_BYTES)
     n x u32    each value's length
     n x u64    each row's condition: the mod_index its key must have (0: absent), or ANY
@@ -23,6 +23,7 @@ from itertools import accumulate
 from ..raft.errors import KVError
 
 ANY = (1 << 64) - 1  # a row without a condition: written whatever its key holds
+MAX_ROWS = 1 << 24  # rows in one body at most (an answer lists up to this many refused rows)
 _COUNT = struct.Struct(">I")
 ROW_OVERHEAD = 14  # bytes per row besides its key and value: the three lengths' columns
 
@@ -67,6 +68,8 @@ class Rows:
         head = 4 + n * ROW_OVERHEAD
         if n == 0 or len(data) < head:
             raise RowsError(f"a bulk body of {len(data)} bytes cannot hold the {n} rows it announces" if n else "a bulk body holds at least one row")
+        if n > MAX_ROWS:
+            raise RowsError(f"a bulk body holds at most {MAX_ROWS} rows, not {n}: split it")
         self.data, self.n = data, n
         self.key_lens = struct.unpack_from(f">{n}H", data, 4)
         self.value_lens = struct.unpack_from(f">{n}I", data, 4 + 2 * n)

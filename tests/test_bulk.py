@@ -55,6 +55,12 @@ def test_what_the_format_refuses(data, message):
         c.decode(bytes((c.COMMAND_FORMAT, 19)) + data)
 
 
+def test_a_body_of_more_rows_than_an_answer_can_list_is_refused(monkeypatch):
+    monkeypatch.setattr(R, "MAX_ROWS", 2)
+    with pytest.raises(c.CommandError, match="at most 2 rows, not 3: split it"):
+        c.bulk(body((b"a", b"", 0), (b"b", b"", 0), (b"c", b"", 0)))
+
+
 def test_keys_out_of_order_or_twice_are_refused_with_the_row():
     ordered = R.pack([(b"a", b"1", 0), (b"b", b"2", 0)])
     n = 2
@@ -150,7 +156,7 @@ async def http(tmp_path, request):
     node = kv.Node(kv.NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), max_value_bytes=1000))
     await node.start()
     await node.wait_leader(timeout=10)
-    grants = {"w": Grant("write", "app/"), "r": Grant("read"), "a": Grant("admin")}
+    grants = {"w": Grant("write", "app/"), "r": Grant("read"), "a": Grant("admin"), "s": Grant("write", "a\udcc3")}
     client = TestClient(ServedNode(node, request.param, tokens=grants))
     await client.start_server()
     yield node, client
@@ -183,6 +189,12 @@ async def test_post_bulk_over_http(http):
         assert r.status == 403, await r.text()
         assert "reaches only keys under 'app/'" in (await r.json())["error"]["message"]
     assert (await client.post("/v1/bulk", data=rows, headers={"Authorization": "Bearer r"})).status == 403
+    # A prefix that ends inside a character (the byte C3 alone): "a\xc3\xa9" is the text "aé",
+    # which the other routes refuse to this token, though its bytes start with the prefix's.
+    odd = {"Authorization": "Bearer s"}
+    r = await client.post("/v1/bulk", data=body((b"a\xc3\x01", b"x", R.ANY), (b"a\xc3\xa9", b"x", R.ANY), (b"a\xc3\xff", b"x", R.ANY)), headers=odd)
+    assert r.status == 403 and "row 1:" in (await r.json())["error"]["message"]
+    assert (await client.post("/v1/bulk", data=body((b"a\xc3\x01", b"x", R.ANY), (b"a\xc3\xff", b"x", R.ANY)), headers=odd)).status == 200
     # What is wrong names the row; nothing is proposed.
     before = node.raft.core.log.last_index()
     for data, status, says in (
@@ -287,6 +299,11 @@ def test_an_import_reports_rows_sent_without_an_answer_as_unknown_not_unwritten(
     for unknown, says in ((True, "outcome unknown (it was sent, and may have been written"), (False, "not written: the cluster could not be read")):
         out = bulk.Outcome()
         w = bulk._Writer(None, bulk.Settings(["http://127.0.0.1:1"]), out)
-        w.stopped = "not written: the cluster could not be read (no leader)"  # another batch's read found no leader
+        w.stopped = "the cluster could not be read (no leader)"  # another batch's read found no leader
         asyncio.run(w._send(rows(), unknown=unknown))
         assert [k for k, _ in out.failed] == ["u/1", "u/2"] and all(r.startswith(says) for _, r in out.failed), out.failed
+    # An error of no kind the client knows, raised while sending (here: no client at all),
+    # settles the rows as unknown too: no row goes missing from the report.
+    out = bulk.Outcome()
+    asyncio.run(bulk._Writer(None, bulk.Settings(["http://127.0.0.1:1"]), out)._send(rows(), unknown=False))
+    assert len(out.failed) == 2 and out.failed[0][1].startswith("outcome unknown") and "AttributeError" in out.failed[0][1]

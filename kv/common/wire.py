@@ -14,7 +14,7 @@ from typing import NamedTuple
 from ..errors import BadRequest, Forbidden, KVError, ValueTooLarge
 from .results import BulkResult
 from ..statemachine import rows
-from ..statemachine.commands import MAX_INDEX, NO_BYTE, CommandError, Cond, Delete, Get, Put, check_key, key_bytes, key_text, shown_key  # noqa: F401  (shown_key: for http/)
+from ..statemachine.commands import MAX_INDEX, MAX_KEY_BYTES, NO_BYTE, CommandError, Cond, Delete, Get, Put, check_key, key_bytes, key_text, shown_key  # noqa: F401  (shown_key: for http/)
 from .arguments import value_bytes
 
 
@@ -88,10 +88,14 @@ def bulk_body(items) -> BulkBody:
             raw = bytes(key) if isinstance(key, (bytes, bytearray)) else check_key(key)
         except CommandError as e:
             raise BadRequest(f"row {i}: {e}") from None
+        if len(raw) > MAX_KEY_BYTES:
+            raise BadRequest(f"row {i}: the key is {len(raw)} bytes long; the limit is {MAX_KEY_BYTES}")
         if cond is not None and (type(cond) is not int or not 0 <= cond <= MAX_INDEX):
             raise BadRequest(f"row {i}: if_mod_index is a log index (0: the key must not exist) or None, not {cond!r}")
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise BadRequest(f"row {i}: values are bytes, not {type(value).__name__}: encode it first")
+        if len(value) > 0xFFFFFFFF:
+            raise BadRequest(f"row {i}: the value is {len(value)} bytes; the format holds at most 4 GiB")
         out.append((raw, bytes(value), rows.ANY if cond is None else cond))
     if not out:
         raise BadRequest("a bulk put holds at least one row")
@@ -99,10 +103,7 @@ def bulk_body(items) -> BulkBody:
     for a, b in zip(order, order[1:]):
         if out[a][0] == out[b][0]:
             raise BadRequest(f"rows {min(a, b)} and {max(a, b)} have the same key {shown_key(key_text(out[a][0]))}: give each key once")
-    try:
-        return BulkBody(rows.pack([out[i] for i in order]), order)
-    except rows.RowsError as e:
-        raise BadRequest(str(e)) from None
+    return BulkBody(rows.pack([out[i] for i in order]), order)
 
 
 def rows_body(items) -> bytes:

@@ -135,11 +135,15 @@ def arrays(body: bytes):
     import pyarrow as pa
 
     n = int.from_bytes(body[:4], "big")
+    head = 4 + ROW_OVERHEAD * n
+    if len(body) < head:
+        raise KVError(f"a scan answered {len(body)} bytes that are not rows (an older node that ignores ?format=rows?): upgrade every node")
     key_lens = np.frombuffer(body, ">u2", n, 4)
     value_lens = np.frombuffer(body, ">u4", n, 4 + 2 * n)
     conds = np.frombuffer(body, ">u8", n, 4 + 6 * n).astype(np.uint64)
     key_at, value_at = (np.concatenate(([0], np.cumsum(lens, dtype=np.int64))).astype(np.int32) for lens in (key_lens, value_lens))
-    head = 4 + 14 * n
+    if head + int(key_at[-1]) + int(value_at[-1]) != len(body):
+        raise KVError(f"a scan answered {len(body)} bytes whose row lengths do not add up: upgrade every node")
     data = memoryview(body)
     keys = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(key_at), pa.py_buffer(data[head : head + int(key_at[-1])])])
     at = head + int(key_at[-1])
@@ -175,7 +179,7 @@ async def write_chunks(chunks, s: Settings) -> Outcome:
 class _Writer:
     def __init__(self, client, s: Settings, out: Outcome) -> None:
         self.c, self.s, self.out = client, s, out
-        self.stopped: str | None = None  # why nothing more is sent
+        self.stopped: str | None = None  # why nothing more is sent (the cause)
         self.gate = asyncio.Semaphore(s.concurrency)
         self.sending: set[asyncio.Task] = set()
 
@@ -197,7 +201,7 @@ class _Writer:
         if self.s.deadline:
             left = self.s.deadline - time.time()
             if left <= 0:
-                self.stopped = "not written: the import's --timeout passed"
+                self.stopped = "the import's --timeout passed"
                 raise _Stop(self.stopped)
             self.c.timeout = min(self.s.request_timeout, left)
 
@@ -211,14 +215,16 @@ class _Writer:
         import pyarrow as pa
         import pyarrow.compute as pc
 
+        if not len(keys):
+            return
         try:
             self._budget()
             held_keys, held_values, held_mods = await self._read(key_text(keys[0].as_py()), key_text(keys[-1].as_py()))
         except _Stop as e:
-            return self._fail(ArrowRows(keys, values, None), str(e))
+            return self._fail(ArrowRows(keys, values, None), f"not written: {e}")
         except KVError as e:
-            self.stopped = f"not written: the cluster could not be read ({e})"
-            return self._fail(ArrowRows(keys, values, None), self.stopped)
+            self.stopped = f"the cluster could not be read ({e})"
+            return self._fail(ArrowRows(keys, values, None), f"not written: {self.stopped}")
         conds = np.zeros(len(keys), dtype=np.uint64)
         if len(held_keys):
             at = pc.index_in(keys, value_set=held_keys)
@@ -298,7 +304,7 @@ class _Writer:
                 self.out.wire_bytes += len(body)
                 r = await self.c.bulk_put(body)
             except _Stop as e:
-                return self._fail(rows, _unknown(e) if unknown else str(e))
+                return self._fail(rows, _unknown(e) if unknown else f"not written: {e}")
             except (BadRequest, ValueTooLarge) as e:
                 if len(rows) == 1:
                     self.out.failed.append((rows.key(0), str(e)))
@@ -313,8 +319,10 @@ class _Writer:
                 unknown = True  # sent again below: the conditions make that safe
                 continue
             except KVError as e:
-                self.stopped = f"not written: {e}"
-                return self._fail(rows, _unknown(e) if unknown else self.stopped)
+                self.stopped = str(e)
+                return self._fail(rows, _unknown(e) if unknown else f"not written: {e}")
+            except Exception as e:  # of no kind the client knows (a connection cut mid-answer): it may be written
+                return self._fail(rows, _unknown(f"{type(e).__name__}: {e}"))
             self.out.transactions += 1
             self.out.written += r.written
             for x in r.refused:
