@@ -83,6 +83,17 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
 
         etcd_calls = CallCounts()
         node.metrics.register(etcd_calls.samples)
+        # The etcd API's port first: once the HTTP port answers (what `kv cluster up` and
+        # every readiness check waits for), a client may call either.
+        if config.grpc:
+            from ..v3api.server import serve_grpc  # grpcio only when serving the etcd API
+
+            host, port = check_hostport(config.grpc, "--grpc")
+            try:
+                tls_files = (config.tls_cert, config.tls_key) if config.tls_cert else None
+                grpc_server = await serve_grpc(node, host, port, grants=grants, tls=tls_files, counts=etcd_calls)
+            except (OSError, RuntimeError) as e:
+                raise listen_error(e if isinstance(e, OSError) else OSError(str(e)), "--grpc ", config.grpc) from e
         if config.http:
             from ..v3api.gateway import routes as gateway_routes  # etcd's JSON gateway, on the same port
 
@@ -103,15 +114,6 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
                 )
             except OSError as e:
                 raise listen_error(e, "--http ", config.http) from e
-        if config.grpc:
-            from ..v3api.server import serve_grpc  # grpcio only when serving the etcd API
-
-            host, port = check_hostport(config.grpc, "--grpc")
-            try:
-                tls_files = (config.tls_cert, config.tls_key) if config.tls_cert else None
-                grpc_server = await serve_grpc(node, host, port, grants=grants, tls=tls_files, counts=etcd_calls)
-            except (OSError, RuntimeError) as e:
-                raise listen_error(e if isinstance(e, OSError) else OSError(str(e)), "--grpc ", config.grpc) from e
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
