@@ -29,12 +29,11 @@ ROW_OVERHEAD = 14  # bytes per row besides its key and value: the three lengths'
 
 
 class RowsError(KVError, ValueError):
-    """A body that is not in this format, or breaks its rules; `row` is the row at fault
-    (None: the body as a whole)."""
+    """A body that is not in this format, or breaks its rules; the message starts with the
+    row at fault ("row N: ..."), unless it is the body as a whole."""
 
     def __init__(self, message: str, row: int | None = None) -> None:
         super().__init__(message if row is None else f"row {row}: {message}")
-        self.row = row
 
 
 def pack(rows: Iterable[tuple[bytes, bytes, int]]) -> bytes:
