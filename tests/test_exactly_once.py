@@ -9,6 +9,8 @@ at most once, each acknowledged increment exactly once, no refused one, and ever
 count must be its predecessor's plus one (no lost update, nothing applied twice). With no
 outcome left unknown, the counter ends at exactly workers x increments.
 
+`bulk` workers increment with a one-row bulk put conditional on the mod_index they read.
+
 `raw` workers send plain HTTP without a session and never resend a write that may have
 reached a node (today's semantics for such clients): their unknown outcomes are counted
 and nothing may apply twice, but the total is then not exact.
@@ -102,6 +104,14 @@ def client_worker():
             value = f"{count + 1}|{name}-{attempt}".encode()
             if mode == "raw":
                 outcome = raw_cas(item.mod_index if item else 0, value)
+            elif mode == "bulk":  # a bulk put of one row, conditional on the mod_index read
+                try:
+                    r = c.bulk_put([("counter", value, item.mod_index if item else 0)])
+                    outcome = "refused" if r.refused else "ok"
+                except kv.Timeout:
+                    outcome = "unknown"
+                except (kv.NotLeader, kv.Unavailable):
+                    outcome = "refused"  # not carried out
             else:
                 try:
                     c.cas("counter", item.mod_index if item else 0, value)
@@ -230,6 +240,15 @@ def test_four_processes_count_to_exactly_four_hundred_across_leader_kills(tmp_pa
     check(r, 4, 100)
     assert r["kills"] >= 2
     assert r["unknown"] == 0, r  # with sessions every write is resent until it is answered
+
+
+def test_bulk_puts_apply_once_across_leader_kills(tmp_path):
+    """The same counter with each increment a one-row bulk put (POST /v1/bulk, in the
+    client's session): a row refused must not be applied, an acknowledged one exactly once."""
+    r = counter_run(tmp_path, 3, workers=4, increments=50, kills=3, mode="bulk")
+    check(r, 4, 50)
+    assert r["kills"] >= 2
+    assert r["unknown"] == 0, r
 
 
 def test_etcd_api_transactions_apply_once_across_leader_kills(tmp_path):
