@@ -18,7 +18,7 @@ from .common.arguments import lease_id, ttl_ms
 from .common.etcd_ids import etcd_id
 from .common.scan import Scan
 from .common.sessions import RequestId
-from .common.wire import bulk_body
+from .common.wire import BulkBody, bulk_body
 from .client.recipes import AsyncRecipes
 from .errors import BadRequest, Compacted, Forbidden, FutureRevision, KeyNotFound, KVError, LeaseExists, NotLeader, RevisionCompacted, Unavailable
 from .raft.ledger import Ledger
@@ -519,16 +519,19 @@ class Node(AsyncRecipes):
         is written at one index; the others are refused, each named in the answer with
         what its key holds, and nothing is written for them. `within`: a key prefix every
         row's key must have (a token's scope; Forbidden otherwise)."""
-        body = bulk_body(rows)
-        try:
-            cmd = self.bulk_command(body.data, within)
-        except KVError as e:
-            raise body.renumbered(e) from None
+        body, cmd = self.bulk_command(rows, within)
         return body.result(bulk_result(await self.submit(cmd, timeout, request_id=request_id), cmd))
 
-    def bulk_command(self, body: bytes, within: str = "") -> cmds.Bulk:
-        """A Bulk of a body in rows.py's format, checked against the format and this node's
-        limits (BadRequest, ValueTooLarge naming the row)."""
+    def bulk_command(self, rows, within: str = "") -> tuple[BulkBody, cmds.Bulk]:
+        """The body of bulk_put's rows and its Bulk command, checked against the format and
+        this node's limits (BadRequest, ValueTooLarge, Forbidden naming the caller's row)."""
+        body = bulk_body(rows)
+        try:
+            return body, self._bulk_command(body.data, within)
+        except KVError as e:
+            raise body.renumbered(e) from None
+
+    def _bulk_command(self, body: bytes, within: str) -> cmds.Bulk:
         c = self.config
         limits.check_request_bytes(body, c.max_request_bytes)
         try:

@@ -19,8 +19,7 @@ from collections.abc import Iterator, Sequence
 from .client.recipes import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
 from .common.loop import LoopThread
 from .common.results import BulkResult, DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
-from .common.wire import bulk_body
-from .errors import BadRequest, KVError, NotLeader, SessionExpired, Unavailable
+from .errors import BadRequest, NotLeader, SessionExpired, Unavailable
 from .node import Node
 from .raft.node import DeadlineExceeded, NeverCommitted, NodeStopped, OutcomeUnknown
 from .server.answers import bulk_result, delete_result, prefix_delete_result, public_error, txn_result, validate_key, write_result
@@ -205,11 +204,7 @@ class Store:
     def bulk_put(self, rows) -> BulkResult:
         """Many keys in one fsynced entry, each row (key, value) or (key, value,
         if_mod_index) with its own condition: see kv.Node.bulk_put."""
-        body = bulk_body(rows)
-        try:
-            cmd = self._node.bulk_command(body.data)
-        except KVError as e:
-            raise body.renumbered(e) from None
+        body, cmd = self._node.bulk_command(rows)
         return body.result(bulk_result(self._submit(cmd), cmd))
 
     # -- leases (kv.Node's, blocking) --------------------------------------------------------

@@ -58,3 +58,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+async def inproc_cluster(tmp_path):
+    """Three kv.Node members in this process, on a loopback network (tests/inproc.py)."""
+    from inproc import InprocCluster
+
+    c = InprocCluster(str(tmp_path))
+    await c.start()
+    yield c
+    await c.stop()

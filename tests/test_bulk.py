@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 from aiohttp.test_utils import TestClient
-from inproc import InprocCluster
 from served import FRONTS, ServedNode
 
 import kv
@@ -17,7 +16,7 @@ from kv.statemachine.leveldb import LevelDBStateMachine
 
 
 def body(*rows) -> bytes:
-    return R.pack(rows)
+    return R.pack(sorted(rows))
 
 
 # -- the format and the state machine (pure) ---------------------------------------------------
@@ -62,14 +61,9 @@ def test_a_body_of_more_rows_than_an_answer_can_list_is_refused(monkeypatch):
 
 
 def test_keys_out_of_order_or_twice_are_refused_with_the_row():
-    ordered = R.pack([(b"a", b"1", 0), (b"b", b"2", 0)])
-    n = 2
-    head = 4 + n * R.ROW_OVERHEAD
-    swapped = ordered[:head] + b"ba" + ordered[head + 2 :]
-    with pytest.raises(c.CommandError, match="row 1: the keys are not in strictly increasing"):
-        c.bulk(swapped)
-    with pytest.raises(R.RowsError, match="given twice"):
-        R.pack([(b"a", b"1", 0), (b"a", b"2", 0)])
+    for rows in ([(b"b", b"1", 0), (b"a", b"2", 0)], [(b"a", b"1", 0), (b"a", b"2", 0)]):
+        with pytest.raises(c.CommandError, match="row 1: the keys are not in strictly increasing"):
+            c.bulk(R.pack(rows))
 
 
 def normal(index: int, cmd) -> Entry:
@@ -108,22 +102,14 @@ def test_a_raised_nospace_alarm_refuses_a_bulk_put(tmp_path):
 # -- kv.Node on a cluster ----------------------------------------------------------------------
 
 
-@pytest.fixture
-async def cluster(tmp_path):
-    cl = InprocCluster(str(tmp_path))
-    await cl.start()
-    yield cl
-    await cl.stop()
-
-
-async def test_a_bulk_put_through_a_follower_reaches_every_replica_at_one_index(cluster):
-    f1, _ = await cluster.followers()
+async def test_a_bulk_put_through_a_follower_reaches_every_replica_at_one_index(inproc_cluster):
+    f1, _ = await inproc_cluster.followers()
     rows = [(f"k/{i:05d}", b"v%d" % i) for i in range(5000)]  # far over --max-txn-ops (128)
     r = await f1.bulk_put(rows)
     assert r.written == 5000 and r.refused == ()
-    await cluster.wait_applied(r.index)
-    for nid in cluster.nodes:
-        page = await cluster.nodes[nid].scan("k/", consistency="stale")
+    await inproc_cluster.wait_applied(r.index)
+    for nid in inproc_cluster.nodes:
+        page = await inproc_cluster.nodes[nid].scan("k/", consistency="stale")
         assert [(i.key, i.value, i.mod_index) for i in page] == [(k, v, r.index) for k, v in rows]
     # Again with conditions on what was read: nothing changes, every row is named as held.
     again = await f1.bulk_put([(k, v, 0) for k, v in rows[:3]] + [("k/zz", b"new", 0)])
@@ -131,8 +117,8 @@ async def test_a_bulk_put_through_a_follower_reaches_every_replica_at_one_index(
     assert again.refused == tuple(kv.BulkRefusal(i, rows[i][0], r.index, True) for i in range(3))
 
 
-async def test_a_watch_sees_every_row_and_limits_name_the_row(cluster):
-    lead = await cluster.leader()
+async def test_a_watch_sees_every_row_and_limits_name_the_row(inproc_cluster):
+    lead = await inproc_cluster.leader()
     w = lead.watch("w/")
     r = await lead.bulk_put([("w/a", b"1"), ("w/b", b"2")])
     events = [await w.__anext__() for _ in range(2)]

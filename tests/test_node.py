@@ -15,11 +15,8 @@ from kv.raft.loopback import LoopbackNetwork
 
 
 @pytest.fixture
-async def cluster(tmp_path):
-    c = InprocCluster(str(tmp_path))
-    await c.start()
-    yield c
-    await c.stop()
+def cluster(inproc_cluster):
+    return inproc_cluster
 
 
 async def test_any_member_writes_and_reads_linearizably(cluster):
