@@ -102,43 +102,33 @@ class _CrcWriter:
         self.pos += len(b)
 
 
+Block = tuple[list[bytes], list[bytes], bytes]  # keys, values, mod_indexes as int64 LE
+
+
 def write_snapshot(
     f,
     header: SnapshotHeader,
-    items: Iterable[tuple[bytes, bytes, int]],
+    blocks: Iterable[Block],
     progress: Callable[[int, int], None] | None = None,
 ) -> Trailer:
-    """Write a whole snapshot to the binary file object f. Returns the trailer."""
+    """Write a whole snapshot to the binary file object f, a block for each of `blocks`
+    (records in key order: a state machine view's blocks(), or blocks_of(records)).
+    Returns the trailer."""
     w = _CrcWriter(f)
     hdr = json.dumps(header.to_json(), separators=(",", ":")).encode()
     w.write(MAGIC + _U32.pack(len(hdr)) + hdr)
     offsets: list[int] = []
     total = 0
-    keys: list[bytes] = []
-    values: list[bytes] = []
-    mods: list[int] = []
-    size = 0
-
-    def flush() -> None:
-        nonlocal total, keys, values, mods, size
+    for keys, values, mods in blocks:
+        if not keys:
+            continue
         payload = encode_block(keys, values, mods)
         offsets.append(w.pos)
         w.write(_BLOCK.pack(len(payload), len(keys), zlib.crc32(payload)) + payload)
         total += len(keys)
-        keys, values, mods, size = [], [], [], 0
-
-    for k, v, mod in items:
-        keys.append(k)
-        values.append(v)
-        mods.append(mod)
-        size += 16 + len(k) + len(v)
-        if size >= BLOCK_BYTES:
-            flush()
-            failpoints.hit("snapshot.mid_write")
-            if progress is not None:
-                progress(total, w.pos)
-    if keys:
-        flush()
+        failpoints.hit("snapshot.mid_write")
+        if progress is not None:
+            progress(total, w.pos)
     w.write(_BLOCK.pack(0, 0, 0))
     index_offset = w.pos
     w.write(struct.pack(f">{len(offsets)}Q", *offsets))
@@ -147,6 +137,24 @@ def write_snapshot(
     if progress is not None:
         progress(total, w.pos + _TRAILER.size)
     return trailer
+
+
+def blocks_of(records: Iterable[tuple[bytes, bytes, int]], block_bytes: int = BLOCK_BYTES) -> Iterator[Block]:
+    """(key, value, mod_index) records, in key order, as blocks of about block_bytes."""
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    mods: list[int] = []
+    size = 0
+    for k, v, mod in records:
+        keys.append(k)
+        values.append(v)
+        mods.append(mod)
+        size += 16 + len(k) + len(v)
+        if size >= block_bytes:
+            yield keys, values, _le("q", mods)
+            keys, values, mods, size = [], [], [], 0
+    if keys:
+        yield keys, values, _le("q", mods)
 
 
 def read_header(f) -> tuple[SnapshotHeader, int]:
@@ -347,14 +355,15 @@ def _from_le(typecode: str, raw: bytes | memoryview) -> array:
     return a
 
 
-def encode_block(keys: list[bytes], values: list[bytes], mods: list[int]) -> bytes:
+def encode_block(keys: list[bytes], values: list[bytes], mods: bytes) -> bytes:
+    """A block's payload; mods: the mod_indexes as int64 little-endian."""
     return b"".join(
         (
             _le("i", itertools.accumulate(map(len, keys), initial=0)),
             b"".join(keys),
             _le("i", itertools.accumulate(map(len, values), initial=0)),
             b"".join(values),
-            _le("q", mods),
+            mods,
         )
     )
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from ..raft import failpoints
 from ..raft.messages import InstallSnapshotRequest, Role, SnapshotChunk, SnapshotChunkAck, SnapshotMeta
-from .format import SnapshotFormatError, iter_records, new_header, read_header, verify
+from .format import BLOCK_BYTES, SnapshotFormatError, iter_records, new_header, read_header, verify
 from .store import SnapshotFile, SnapshotStore
 
 log = logging.getLogger("kv.snapshot")
@@ -182,7 +182,7 @@ class SnapshotManager:
                 return self._newest
             membership = view.membership or self.raft.membership.encode()
             header = new_header(view.index, view.term, membership, host.group, host.node_id)
-            snap = await loop.run_in_executor(None, self.store.write, header, view.items())
+            snap = await loop.run_in_executor(None, self.store.write, header, view.blocks(BLOCK_BYTES))
         finally:
             view.release()
         took = time.monotonic() - t0

@@ -12,7 +12,7 @@ from ..raft.ledger import Ledger, LedgerWrite
 from ..raft.membership import Member, Membership
 from ..raft.messages import HardState
 from ..statemachine.leveldb import LevelDBStateMachine
-from .format import SnapshotError, SnapshotFormatError, SnapshotHeader, Trailer, iter_records, new_header, read_header, verify
+from .format import BLOCK_BYTES, SnapshotError, SnapshotFormatError, SnapshotHeader, Trailer, iter_records, new_header, read_header, verify
 from .store import SnapshotStore
 
 
@@ -66,7 +66,7 @@ def restore(
             view = sm.capture()
             try:
                 fresh = new_header(header.index, header.term, membership.encode(), group, node_id)
-                SnapshotStore(os.path.join(data_dir, "snapshots")).write(fresh, view.items())
+                SnapshotStore(os.path.join(data_dir, "snapshots")).write(fresh, view.blocks(BLOCK_BYTES))
             finally:
                 view.release()
         finally:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .format import SnapshotFormatError, SnapshotHeader, fsync_dir, verify, write_snapshot
+from .format import Block, SnapshotFormatError, SnapshotHeader, fsync_dir, verify, write_snapshot
 
 log = logging.getLogger("kv.snapshot")
 
@@ -70,14 +70,14 @@ class SnapshotStore:
     def write(
         self,
         header: SnapshotHeader,
-        items: Iterable[tuple[bytes, bytes, int]],
+        blocks: Iterable[Block],
         progress: Callable[[int, int], None] | None = None,
     ) -> SnapshotFile:
         final = self.file_name(header.index, header.term)
         tmp = os.path.join(self.path, f"tmp-{os.getpid()}-{os.path.basename(final)}")
         try:
             with open(tmp, "wb", buffering=1 << 20) as f:
-                write_snapshot(f, header, items, progress)
+                write_snapshot(f, header, blocks, progress)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)

@@ -29,9 +29,12 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
+import operator
 import os
 import shutil
 import struct
+import sys
+from array import array
 from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any
 
@@ -1012,10 +1015,48 @@ class LevelDBView:
         self.index, self.term, self.membership = index, term, membership
 
     def items(self) -> Iterator[tuple[bytes, bytes, int]]:
-        unpack = _U64.unpack_from
+        for keys, values, mods in self.blocks(1 << 20):
+            yield from zip(keys, values, _int64_le(mods).tolist())
+
+    def blocks(self, block_bytes: int) -> Iterator[tuple[list[bytes], list[bytes], bytes]]:
+        # The one loop that visits every record does no more than collect it: cutting the
+        # prefix off keys, the mod_index off values and decoding mod_indexes are done per
+        # block by C loops (map, join, array), a few times faster than per record in Python.
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        size = 0
         with self._snap.iterator(prefix=_DATA, verify_checksums=True) as it:
             for k, v in it:
-                yield k[1:], v[8:], unpack(v)[0]
+                keys.append(k)
+                values.append(v)
+                size += len(k) + len(v)
+                if size >= block_bytes:
+                    yield _columns(keys, values)
+                    keys, values, size = [], [], 0
+        if keys:
+            yield _columns(keys, values)
 
     def release(self) -> None:
         self._snap.close()
+
+
+_KEY_TAIL = operator.itemgetter(slice(len(_DATA), None))
+_VALUE_TAIL = operator.itemgetter(slice(_U64.size, None))
+_VALUE_HEAD = operator.itemgetter(slice(0, _U64.size))
+
+
+def _columns(records_keys: list[bytes], records_values: list[bytes]) -> tuple[list[bytes], list[bytes], bytes]:
+    """Data records as snapshot columns: keys without the data prefix, values without
+    their mod_index, and the mod_indexes (big-endian in the records) as int64 LE."""
+    mods = array("q")
+    mods.frombytes(b"".join(map(_VALUE_HEAD, records_values)))
+    mods.byteswap()  # big-endian to little-endian, whatever the host's order
+    return list(map(_KEY_TAIL, records_keys)), list(map(_VALUE_TAIL, records_values)), mods.tobytes()
+
+
+def _int64_le(raw: bytes) -> array:
+    a = array("q")
+    a.frombytes(raw)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a

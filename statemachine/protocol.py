@@ -26,6 +26,11 @@ class SnapshotView(Protocol):
         """(key, value, mod_index) in key order."""
         ...
 
+    def blocks(self, block_bytes: int) -> Iterator[tuple[list[bytes], list[bytes], bytes]]:
+        """The same records as columns of about block_bytes each: (keys, values, mod_indexes
+        as int64 little-endian), so a writer handles them without a step per record."""
+        ...
+
     def release(self) -> None: ...
 
 

@@ -401,7 +401,8 @@ def good_header(**change) -> bytes:
 
 
 def block(keys: list[bytes], mods: list[int] | None = None) -> tuple[int, bytes]:
-    return len(keys), fmt.encode_block(keys, [b"v"] * len(keys), mods or [1] * len(keys))
+    (ks, vs, ms), = fmt.blocks_of(zip(keys, [b"v"] * len(keys), mods or [1] * len(keys)))
+    return len(keys), fmt.encode_block(ks, vs, ms)
 
 
 CRAFTED = {

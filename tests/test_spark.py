@@ -312,10 +312,10 @@ def test_a_retried_task_is_counted_once(spark, cluster, monkeypatch):
 
 
 def _snapshot_file(path: str, n: int = 50) -> str:
-    from kv.snapshot.format import new_header
+    from kv.snapshot.format import blocks_of, new_header
     from kv.snapshot.store import SnapshotStore
 
-    snap = SnapshotStore(path).write(new_header(n, 1, b"[]", "default", "test"), ((b"k/%04d" % i, b"v", i + 1) for i in range(n)))
+    snap = SnapshotStore(path).write(new_header(n, 1, b"[]", "default", "test"), blocks_of((b"k/%04d" % i, b"v", i + 1) for i in range(n)))
     return snap.path
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import struct
 
 import pytest
 
@@ -139,6 +140,24 @@ def test_capture_is_a_frozen_view_and_restore_replaces_everything(sm, tmp_path):
     assert other.range(c.RangeReq(b"k1")).kvs == (c.KeyValue("k1", 1, 1, 1, b"v1", 0),)  # the meta records came along
     assert not other.incomplete
     other.close()
+
+
+def test_a_view_in_blocks_holds_its_records_as_columns_of_about_the_bytes_asked(sm):
+    """What the snapshot writer reads: each block's keys, values and mod_indexes (int64 LE,
+    from the records' big-endian) are the records' own, in order, cut at block_bytes."""
+    sm.apply([normal(i, c.Put(f"k{i:03d}", b"v" * i)) for i in range(1, 201)])
+    view = sm.capture()
+    try:
+        blocks = list(view.blocks(1000))
+        items = list(view.items())
+    finally:
+        view.release()
+    assert len(blocks) > 10
+    for keys, values, mods in blocks[:-1]:
+        assert sum(map(len, keys)) + sum(map(len, values)) + 9 * len(keys) >= 1000 and len(keys) == len(values) == len(mods) // 8
+    flat = [(k, v, m) for keys, values, mods in blocks for k, v, m in zip(keys, values, struct.unpack(f"<{len(keys)}q", mods))]
+    assert flat == items and (b"k150", b"v" * 150, 150) in flat
+    assert [k for k, _, _ in flat] == sorted(k for k, _, _ in flat)
 
 
 def test_keys_that_are_not_utf8_are_stored_as_their_bytes(sm, tmp_path):

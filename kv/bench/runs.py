@@ -241,7 +241,7 @@ async def bench_failover(args) -> list[dict]:
 async def bench_snapshot(args) -> list[dict]:
     import orjson
 
-    from ..snapshot.format import new_header
+    from ..snapshot.format import BLOCK_BYTES, new_header
     from ..snapshot.store import SnapshotStore
     from ..statemachine.leveldb import LevelDBStateMachine
 
@@ -253,7 +253,7 @@ async def bench_snapshot(args) -> list[dict]:
         view = sm.capture()
         store = SnapshotStore(os.path.join(root, "save", "snapshots"))
         t0 = time.perf_counter()
-        f = store.write(new_header(view.index, view.term, b"[]", "default", "bench"), view.items())
+        f = store.write(new_header(view.index, view.term, b"[]", "default", "bench"), view.blocks(BLOCK_BYTES))
         took = time.perf_counter() - t0
         view.release()
         sm.close()
@@ -326,7 +326,7 @@ def flights_parquet(sess, root: str, limit: int):
 
 async def bench_spark(args) -> list[dict]:
     from .. import spark as kvspark
-    from ..snapshot.format import new_header
+    from ..snapshot.format import blocks_of, new_header
     from ..snapshot.store import SnapshotStore
     from ..spark.importer import live_endpoints
 
@@ -368,7 +368,7 @@ async def bench_spark(args) -> list[dict]:
                 took = time.perf_counter() - t0
                 rows.append({"what": f"change feed: the log of that import as {n:,} rows", "rows_per_s": n / took, "seconds": took, "failures": 0})
             store = SnapshotStore(os.path.join(root, "snap"))
-            snap = store.write(new_header(args.keys, 1, b"[]", "default", "bench"), ((b"key/%08d" % i, b"v" * 100, i + 1) for i in range(args.keys)))
+            snap = store.write(new_header(args.keys, 1, b"[]", "default", "bench"), blocks_of((b"key/%08d" % i, b"v" * 100, i + 1) for i in range(args.keys)))
             kvspark.read_snapshot(sess, snap.path, prefix="key/0000000").count()  # warm the Python workers up
             parts = sess.sparkContext.defaultParallelism * 2
             t0 = time.perf_counter()
