@@ -69,6 +69,10 @@ class ProcCluster:
     def url(self, i: str) -> str:
         return f"{self.scheme}://{self.http[i]}"
 
+    def endpoints(self) -> str:
+        """Every node's client URL, comma-separated (--endpoints, KV_ENDPOINTS)."""
+        return ",".join(self.url(i) for i in self.ids)
+
     def data_dir(self, i: str) -> str:
         return os.path.join(self.root, i)
 

@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
     sp = p.add_subparsers(dest="spark_cmd", metavar="ACTION")
     i = sp.add_parser("import", help="write a Parquet, CSV or JSON dataset of key/value rows into a cluster")
-    i.add_argument("source", help="a path Spark can read (a file, a directory or a glob)")
+    i.add_argument("source", help="a path Spark can read (a file, a directory or a glob); one local CSV or Parquet file under 64 MiB of --key-col and --value-col is imported without Spark (docs/spark.md)")
     i.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster, comma-separated (default $KV_ENDPOINTS)")
     i.add_argument("--format", help="parquet, csv or json (default: from the path's extension)")
     i.add_argument("--option", action="append", default=[], metavar="K=V", help="an option for Spark's reader, e.g. --option sep=';' (repeatable); CSV defaults: header, RFC 4180 quoting, multiLine")
@@ -127,12 +127,15 @@ def _run(args: argparse.Namespace) -> int:
 
     if not args.endpoints and not getattr(args, "snapshot", None):
         raise BadRequest("no cluster given: --endpoints URL,URL,... (or set KV_ENDPOINTS)")
+    conf = parse_conf(args.conf)
     if args.spark_cmd == "import":
         source_format(args.source, args.format)  # a missing path fails before Spark starts
         options = _options(args.option)
+        report = _import_without_spark(args, options, conf)
+        if report is not None:
+            return _report(report, args)
     if args.spark_cmd != "import" and os.path.exists(args.out) and not args.overwrite:
         raise BadRequest(f"{args.out} exists: choose another path, or replace it with --overwrite")
-    conf = parse_conf(args.conf)
     if args.spark_cmd != "export-log":  # their own progress line (rows, rows/s, time left) instead of Spark's stages
         conf.setdefault("spark.ui.showConsoleProgress", "false")
     s = kvspark.session(args.master, conf=conf, quiet=not debug_wanted(args.debug), ship_package=args.ship_package)
@@ -208,6 +211,28 @@ def _export(kvspark, s, args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_without_spark(args: argparse.Namespace, options: dict[str, str], conf: dict[str, str]):
+    """The report of a small import run here without Spark (kv/spark/local.py), or None
+    when it must go through Spark (with --debug, stderr says why)."""
+    from ..spark import local
+    from ..spark.runtime import resolve_master
+    from .refusal import debug_wanted
+
+    why = local.spark_needed(
+        args.source, args.format, master_from=resolve_master(args.master, conf)[1], conf=conf, options=options,
+        key_expr=args.key_expr, value_expr=args.value_expr, partitions=args.partitions, ship_package=args.ship_package,
+    )
+    table = local.read(args.source, args.format, args.key_col, args.value_col) if why is None else why
+    if debug_wanted(args.debug):
+        print(f"kv spark import: through Spark: {table}" if isinstance(table, str) else "kv spark import: without Spark (a small local file)", file=sys.stderr)
+    if isinstance(table, str):
+        return None
+    return local.import_file(
+        table, args.endpoints, on_duplicate=args.on_duplicate, max_value_bytes=args.max_value_bytes, batch_rows=args.batch,
+        batch_bytes=args.batch_bytes, concurrency=args.concurrency, token=args.token, timeout=args.timeout, progress=sys.stderr.isatty(),
+    )
+
+
 def _import(s, args: argparse.Namespace, options: dict[str, str]) -> int:
     from .. import spark as kvspark
 
@@ -218,6 +243,11 @@ def _import(s, args: argparse.Namespace, options: dict[str, str]) -> int:
         batch_bytes=args.batch_bytes, concurrency=args.concurrency, token=args.token, timeout=args.timeout,
         progress=sys.stderr.isatty(),
     )
+    return _report(report, args)
+
+
+def _report(report, args: argparse.Namespace) -> int:
+    """The summary on stdout, the failures on stderr (and in --errors PATH); 1 if any failed."""
     print(report.summary())
     if args.errors:
         import orjson

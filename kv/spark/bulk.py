@@ -265,7 +265,8 @@ class _Writer:
             _, headers, body = await self.c.request("GET", "/v1/kv", params=params)
             page = arrays(body)
             parts.append(page)
-            if headers.get("X-Kv-More") != "true" or not len(page[0]) or pc.greater(page[0][-1], end).as_py():
+            # (a page that ends at the last key holds all there is: no page of the next keys)
+            if headers.get("X-Kv-More") != "true" or not len(page[0]) or pc.greater_equal(page[0][-1], end).as_py():
                 break
             after = key_text(page[0][-1].as_py())
         keys, values, mods = (pa.concat_arrays([p[i] for p in parts]) for i in range(3))

@@ -112,29 +112,34 @@ def shape(df, *, key_col: str = "key", value_col: str = "value", key_expr: str |
     return df.select(*cols)
 
 
+def refuse_unknown_choice(on_duplicate: str) -> None:
+    if on_duplicate not in DUPLICATES:
+        raise BadRequest(f"--on-duplicate must be one of {', '.join(DUPLICATES)}")
+
+
 def check(kv, *, max_value_bytes: int, on_duplicate: str = "refuse", partitions: int = 4):
     """One pass over (key, value) rows before anything is written. Returns (rows, the rows
     range-partitioned and sorted by key (duplicates in the source's order), cached: unpersist
     it once written); raises BadRequest listing what is wrong."""
     from pyspark.sql import functions as F
 
-    if on_duplicate not in DUPLICATES:
-        raise BadRequest(f"--on-duplicate must be one of {', '.join(DUPLICATES)}")
+    refuse_unknown_choice(on_duplicate)
     by = ["key"]
     if on_duplicate == "last":  # the last row of a key in the source's order wins: keep that order
         kv, by = kv.withColumn("_order", F.monotonically_increasing_id()), ["key", "_order"]
     ordered = kv.repartitionByRange(partitions, "key").sortWithinPartitions(*by).select("key", "value").persist()
     try:
         st = Checked()
-        for r in ordered.mapInArrow(lambda batches: _check_task(batches, max_value_bytes), "stats binary").collect():
+        for r in ordered.mapInArrow(lambda batches: check_task(batches, max_value_bytes), "stats binary").collect():
             st.add(Checked(**orjson.loads(r.stats)))
     except BaseException:
         ordered.unpersist()
         raise
-    problems = st.problems(max_value_bytes, on_duplicate)
-    if problems:
+    try:
+        st.refuse_if_wrong(max_value_bytes, on_duplicate)
+    except BadRequest:
         ordered.unpersist()
-        raise BadRequest(f"refused before writing anything ({st.rows} rows checked):\n  " + "\n  ".join(problems))
+        raise
     return st.rows, ordered
 
 
@@ -162,6 +167,12 @@ class Checked:
         self.dup_examples = (self.dup_examples + o.dup_examples)[:3]
         self.big_examples = (self.big_examples + o.big_examples)[:3]
 
+    def refuse_if_wrong(self, limit: int, on_duplicate: str) -> None:
+        """BadRequest listing the problems, if any: nothing may be written then."""
+        problems = self.problems(limit, on_duplicate)
+        if problems:
+            raise BadRequest(f"refused before writing anything ({self.rows} rows checked):\n  " + "\n  ".join(problems))
+
     def problems(self, limit: int, on_duplicate: str) -> list[str]:
         def eg(items) -> str:
             return "; e.g. " + ", ".join(items) if items else ""
@@ -188,7 +199,7 @@ class Checked:
         return out
 
 
-def _check_task(batches, limit: int):
+def check_task(batches, limit: int):
     """mapInArrow: the check over one partition (sorted by key); yields one row of stats."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -288,35 +299,44 @@ def write(
 ) -> ImportReport:
     """Check, then write df's rows into the cluster; returns the report (every row is
     written, skipped or failed). `progress`: a progress line on stderr while writing."""
-    from .bulk import Settings
     from .progress import ProgressLine
 
-    if batch_rows < 0 or batch_bytes < 1 or concurrency < 1 or (partitions is not None and partitions < 1):
-        raise BadRequest("batch_bytes, concurrency and partitions must be at least 1 (batch_rows at least 0: no limit)")
+    if partitions is not None and partitions < 1:
+        raise BadRequest("partitions must be at least 1")
     t0 = time.monotonic()
-    answers = live_endpoints(endpoints, token)
-    live = [ep for ep, _ in answers]
-    # Rows found holding their value, changed after this index, were put there by this import
-    # (an attempt of a task that failed after writing them): they count as written.
-    began = max(st.get("commit_index", 0) for _, st in answers)
+    s = cluster_for_import(endpoints, token, batch_rows, batch_bytes, concurrency, timeout, t0)
     kv = shape(df, key_col=key_col, value_col=value_col, key_expr=key_expr, value_expr=value_expr)
     n = partitions or default_partitions(df)
     rows, checked = check(kv, max_value_bytes=max_value_bytes, on_duplicate=on_duplicate, partitions=n)
     report = ImportReport(rows=rows)
     try:
         with ProgressLine(df.sparkSession, rows, "imported") if progress else contextlib.nullcontext() as line:
-            deadline = time.time() + timeout - (time.monotonic() - t0) if timeout else 0.0
-            s = Settings(live, token, batch_rows, batch_bytes, concurrency, deadline=deadline, began=began, progress=line and line.address)
+            s.progress = line and line.address
             last = on_duplicate == "last"
-            for r in checked.mapInArrow(lambda batches: _write_task(batches, s, last), "outcome binary").collect():
-                _add(report, r.outcome)
+            for r in checked.mapInArrow(lambda batches: write_task(batches, s, last), "outcome binary").collect():
+                add_outcome(report, r.outcome)
     finally:
         checked.unpersist()
     report.seconds = time.monotonic() - t0
     return report
 
 
-def _add(report: ImportReport, blob: bytes) -> None:
+def cluster_for_import(endpoints: str, token: str | None, batch_rows: int, batch_bytes: int, concurrency: int, timeout: float | None, t0: float):
+    """The writers' bulk.Settings: the nodes that answer (leader first), the deadline of an
+    import that began at monotonic t0, and the commit index it began at."""
+    from .bulk import Settings
+
+    if batch_rows < 0 or batch_bytes < 1 or concurrency < 1:
+        raise BadRequest("batch_bytes and concurrency must be at least 1 (batch_rows at least 0: no limit)")
+    answers = live_endpoints(endpoints, token)
+    # Rows found holding their value, changed after this index, were put there by this import
+    # (an attempt of a task that failed after writing them): they count as written.
+    began = max(st.get("commit_index", 0) for _, st in answers)
+    deadline = time.time() + timeout - (time.monotonic() - t0) if timeout else 0.0
+    return Settings([ep for ep, _ in answers], token, batch_rows, batch_bytes, concurrency, deadline=deadline, began=began)
+
+
+def add_outcome(report: ImportReport, blob: bytes) -> None:
     o = orjson.loads(blob)
     report.written += o["written"]
     report.skipped += o["skipped"]
@@ -325,7 +345,7 @@ def _add(report: ImportReport, blob: bytes) -> None:
     report.wire_bytes += o["wire_bytes"]
 
 
-def _write_task(batches, s, last: bool):
+def write_task(batches, s, last: bool):
     """mapInArrow: write this partition's rows (sorted by key); yields one row, the outcome.
     With `last`, a key's rows are adjacent in the source's order and the last one wins."""
     import numpy as np

@@ -32,7 +32,7 @@ class ProgressLine:
         self.total, self.verb, self.out, self.of = total, verb, out or sys.stderr, of
         self.rows = self.units = 0
         self.tag = os.urandom(8)
-        master = spark.sparkContext.master
+        master = spark.sparkContext.master if spark is not None else "local"  # (None: the tasks run in this process)
         host = "127.0.0.1" if master.startswith("local") else spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((socket.gethostbyname(host), 0))

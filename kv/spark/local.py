@@ -1,0 +1,163 @@
+"""A small import without Spark: `kv spark import` of one local CSV or Parquet file of key
+and value columns, when nobody asked for Spark (no master or Spark setting anywhere, no
+expressions, no reader options), is read with Arrow in this process, then checked and
+written by the very code a Spark task runs (importer.check_task, importer.write_task).
+
+Why: starting Spark costs 7-10 s on a small machine before the first row is read, and its
+first jobs several more; a 26,000-row CSV took ~20 s, of which writing took 2. Here it takes
+a few seconds, and the cluster ends up with the same keys and values: the file is read as
+Spark's reader reads it with kv's defaults (importer.CSV_DEFAULTS), and wherever Arrow's
+reader would read it otherwise — a row with too few or too many fields, a column name given
+twice, a column whose text form Spark would make (numbers, dates) — the import goes through
+Spark after all (`spark_needed` / `read` say why).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import orjson
+
+from .importer import (
+    FORMATS,
+    Checked,
+    ImportReport,
+    add_outcome,
+    check_task,
+    cluster_for_import,
+    refuse_unknown_choice,
+    source_format,
+    write_task,
+)
+
+LOCAL_MAX_BYTES = 64 << 20  # a larger file goes to Spark, which can split the work
+_CHUNK_ROWS = 10_000  # rows per Arrow batch, as Spark hands a task (maxRecordsPerBatch)
+
+
+def spark_needed(source: str, fmt: str | None, *, master_from: str, conf: dict, options: dict, key_expr, value_expr, partitions, ship_package: bool) -> str | None:
+    """Why this import must go through Spark, or None: it can run here without it."""
+    if master_from != "the default" or conf:
+        return "a Spark master or setting was given"
+    if key_expr is not None or value_expr is not None:
+        return "--key-expr/--value-expr are Spark SQL"
+    if options:
+        return "--option goes to Spark's reader"
+    if partitions is not None or ship_package:
+        return "--partitions/--ship-package are for Spark's tasks"
+    if FORMATS[source_format(source, fmt)] not in ("csv", "parquet"):
+        return "JSON is read by Spark"
+    if "://" in source or not os.path.isfile(source):
+        return "not one local file"
+    if os.path.getsize(source) > LOCAL_MAX_BYTES:
+        return f"larger than {LOCAL_MAX_BYTES >> 20} MiB"
+    return None
+
+
+def read(source: str, fmt: str | None, key_col: str, value_col: str):
+    """The file's (key, value) columns as an Arrow table, as Spark would read them; or a
+    str saying why Spark must read it instead. A missing column is BadRequest, as in
+    importer.shape."""
+    import pyarrow as pa
+
+    from ..errors import BadRequest
+
+    try:
+        table = _read_csv(source) if FORMATS[source_format(source, fmt)] == "csv" else _read_parquet(source)
+    except (pa.ArrowException, OSError) as e:
+        return f"Arrow's reader: {e}"
+    if isinstance(table, str):
+        return table
+    names = table.column_names
+    if len(set(names)) != len(names):
+        return "a column name occurs twice"
+    for role, col in (("key", key_col), ("value", value_col)):
+        if col not in names:
+            raise BadRequest(f"the data has no column {col!r} (its columns: {', '.join(names)}); choose one with --{role}-col or build one with --{role}-expr")
+    key, value = table.column(key_col), table.column(value_col)
+    if not (pa.types.is_string(key.type) or pa.types.is_large_string(key.type) or pa.types.is_null(key.type)):
+        return f"the key column is {key.type}: Spark gives its text form"
+    if not any(f(value.type) for f in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary, pa.types.is_null)):
+        return f"the value column is {value.type}: Spark gives its text form"
+    key = key.cast(pa.string())
+    value = value.cast(pa.binary() if pa.types.is_binary(value.type) or pa.types.is_large_binary(value.type) else pa.string())
+    return pa.table({"key": key, "value": value})
+
+
+def _read_csv(path: str):
+    """Every column as text (kv reads CSV without inferring types). Spark's reader (with
+    multiLine) finds the file's line separator and writes it as "\\n" inside quoted fields;
+    an empty field, quoted or not, is null."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as csv
+
+    parse = csv.ParseOptions(newlines_in_values=True)
+    names = csv.open_csv(path, parse_options=parse).schema.names
+    convert = csv.ConvertOptions(
+        column_types={n: pa.string() for n in names}, strings_can_be_null=True, quoted_strings_can_be_null=True, null_values=[""],
+    )
+    table = csv.read_csv(path, parse_options=parse, convert_options=convert)
+    sep = _line_separator(path)
+    if sep == b"\n":
+        return table
+    text = sep.decode()
+    return pa.table({n: pc.replace_substring(table.column(n), text, "\n") for n in table.column_names})
+
+
+def _line_separator(path: str) -> bytes:
+    """The first line ending of the file, as univocity's detection (Spark's CSV reader)
+    finds it: \\r\\n, \\r or \\n."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    cr, lf = head.find(b"\r"), head.find(b"\n")
+    if cr == -1:
+        return b"\n"
+    if lf == -1 or cr < lf:
+        return b"\r\n" if head[cr + 1 : cr + 2] == b"\n" else b"\r"
+    return b"\n"
+
+
+def _read_parquet(path: str):
+    import pyarrow.parquet as pq
+
+    names = pq.read_schema(path).names
+    if len(set(names)) != len(names):
+        return "a column name occurs twice"
+    return pq.read_table(path)
+
+
+def import_file(
+    table,
+    endpoints: str,
+    *,
+    on_duplicate: str = "refuse",
+    max_value_bytes: int,
+    batch_rows: int = 0,
+    batch_bytes: int = 1 << 20,
+    concurrency: int = 4,
+    token: str | None = None,
+    timeout: float | None = None,
+    progress: bool = False,
+) -> ImportReport:
+    """Check, then write a (key, value) Arrow table read by `read`, here, as one Spark task
+    would: sorted by key (stably, so a key's rows keep the file's order for --on-duplicate
+    last), checked whole before the first write."""
+    import contextlib
+
+    from .progress import ProgressLine
+
+    refuse_unknown_choice(on_duplicate)
+    t0 = time.monotonic()
+    settings = cluster_for_import(endpoints, token, batch_rows, batch_bytes, concurrency, timeout, t0)
+    table = table.sort_by([("key", "ascending")])
+    batches = table.to_batches(max_chunksize=_CHUNK_ROWS)
+    st = Checked(**orjson.loads(next(check_task(batches, max_value_bytes)).column(0)[0].as_py()))
+    st.refuse_if_wrong(max_value_bytes, on_duplicate)
+    report = ImportReport(rows=st.rows)
+    with ProgressLine(None, st.rows, "imported") if progress else contextlib.nullcontext() as line:
+        settings.progress = line and line.address
+        for b in write_task(iter(batches), settings, on_duplicate == "last"):
+            add_outcome(report, b.column(0)[0].as_py())
+    report.seconds = time.monotonic() - t0
+    return report

@@ -1,0 +1,146 @@
+"""`kv spark import` of a small local file without Spark (kv/spark/local.py): it must leave
+the cluster exactly as the same import through Spark would. Checked the strongest way there
+is: the file is imported here (`kv spark import`, its own process), then through Spark
+(kv.spark.write of kv.spark.load, local[1]), which must find every row held already."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from cluster import ProcCluster
+
+pyspark = pytest.importorskip("pyspark", reason="the spark extra is not installed (pip install -e '.[spark]')")
+
+import kv.spark as kvspark  # noqa: E402
+from kv import BadRequest  # noqa: E402
+from kv.spark import local  # noqa: E402
+
+# Quoted fields with the file's own line ending, a lone CR and LF, doubled quotes, commas,
+# text that other readers take for null ("null", "NA"), spaces, non-ASCII, numbers kept as
+# written; an empty value is null to Spark, so the value is never empty here (test below).
+ROWS = [
+    ("t/1", "x, y"),
+    ("t/2", 'he said "hi"'),
+    ("t/3", "line1{NL}line2"),
+    ("t/4", "a\rb"),
+    ("t/5", "a\nb"),
+    ("t/6", "null"),
+    ("t/7", "NA"),
+    ("t/8", " spaced "),
+    ("t/9", "café ☕ \\n back\\slash"),
+    ("t/10", "007"),
+    ("t/11", "1e5"),
+    ("t/12", "  "),
+]
+
+
+def write_csv(path: str, newline: str, prefix: str) -> None:
+    def field(s: str) -> str:
+        s = s.replace("{NL}", newline)
+        return '"' + s.replace('"', '""') + '"' if any(c in s for c in ',"\r\n') else s
+
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write("key,value,other" + newline)
+        for i, (k, v) in enumerate(ROWS):
+            f.write(f"{prefix}{k},{field(v)},{i}{newline}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with ProcCluster(str(tmp_path_factory.mktemp("sparklocal")), proxies=False) as c:
+        c.start()
+        c.leader()
+        yield c
+
+
+def kv_import(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER", "PYSPARK_SUBMIT_ARGS", "SPARK_CONF_DIR")}
+    return subprocess.run([sys.executable, "-m", "kv", "spark", "import", *args, "--debug"], capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+def test_a_small_csv_is_imported_without_spark_as_spark_reads_it(cluster, tmp_path):
+    eps = cluster.endpoints()
+    files = {}
+    for name, newline in (("crlf", "\r\n"), ("lf", "\n"), ("cr", "\r")):
+        path = str(tmp_path / f"{name}.csv")
+        write_csv(path, newline, f"{name}/")
+        files[name] = path
+    for name, path in files.items():
+        r = kv_import(path, "--endpoints", eps, "--key-col", "key", "--value-col", "value")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "without Spark" in r.stderr and "NativeCodeLoader" not in r.stderr, r.stderr[-2000:]
+        assert f"imported {len(ROWS)} rows: {len(ROWS)} written" in r.stdout, r.stdout
+    # Spark's reader writes the file's line ending inside a quoted field as "\n" (and keeps
+    # other line breaks as they are)
+    for key, value in (
+        ("crlf/t/3", b"line1\nline2"), ("crlf/t/4", b"a\rb"), ("lf/t/4", b"a\rb"), ("cr/t/4", b"a\nb"), ("cr/t/5", b"a\nb"),
+        ("crlf/t/9", "café ☕ \\n back\\slash".encode()), ("crlf/t/6", b"null"), ("lf/t/10", b"007"), ("lf/t/8", b" spaced "),
+    ):
+        code, body, _ = cluster.get(cluster.ids[1], key)
+        assert code == 200 and body == value, (key, body)
+    spark = kvspark.session("local[1]", "ledgerkv-tests-local")
+    try:
+        for name, path in files.items():
+            report = kvspark.write(kvspark.load(spark, path), eps)
+            # every row held already: Spark reads the file as the import here did
+            assert (report.rows, report.written, report.skipped, report.failures) == (len(ROWS), 0, len(ROWS), []), (name, report.summary())
+    finally:
+        spark.stop()
+
+
+def test_what_spark_must_read_goes_through_spark(tmp_path):
+    csv = tmp_path / "a.csv"
+    csv.write_text("key,value\nk,v\n")
+    (tmp_path / "a.json").write_text('{"key": "k", "value": "v"}\n')
+    base = dict(master_from="the default", conf={}, options={}, key_expr=None, value_expr=None, partitions=None, ship_package=False)
+
+    def why(path=str(csv), fmt=None, **change):
+        return local.spark_needed(path, fmt, **{**base, **change})
+
+    assert why() is None
+    assert "master" in why(master_from="--master")
+    assert "setting" in why(conf={"spark.executor.memory": "1g"})
+    assert "Spark SQL" in why(key_expr="upper(key)")
+    assert "reader" in why(options={"sep": ";"})
+    assert "tasks" in why(partitions=4)
+    assert "JSON" in why(str(tmp_path / "a.json"), "json")
+    assert "one local file" in why(str(tmp_path), "csv")
+    big = tmp_path / "big.csv"
+    with open(big, "wb") as f:
+        f.truncate(local.LOCAL_MAX_BYTES + 1)
+    assert "MiB" in why(str(big))
+    # what Arrow's reader would read otherwise than Spark's
+    (tmp_path / "ragged.csv").write_text("key,value\nx,1\ny\n")
+    assert "Arrow" in local.read(str(tmp_path / "ragged.csv"), None, "key", "value")
+    (tmp_path / "twice.csv").write_text("key,key,value\nx,y,1\n")
+    assert "twice" in local.read(str(tmp_path / "twice.csv"), None, "key", "value")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"key": [1, 2], "value": ["a", "b"]}), str(tmp_path / "ints.parquet"))
+    assert "int64" in local.read(str(tmp_path / "ints.parquet"), None, "key", "value")
+    with pytest.raises(BadRequest, match="no column 'nope'.*key, value"):
+        local.read(str(csv), None, "nope", "value")
+    table = local.read(str(csv), None, "key", "value")
+    assert table.to_pylist() == [{"key": "k", "value": "v"}]
+
+
+@pytest.mark.slow
+def test_a_small_import_refuses_and_keeps_the_last_row_as_through_spark(cluster, tmp_path):
+    eps = cluster.endpoints()
+    dup = tmp_path / "dup.csv"
+    dup.write_text("key,value\nd/1,first\nd/2,x\nd/1,second\nd/3,\n")
+    r = kv_import(str(dup), "--endpoints", eps)
+    assert r.returncode != 0 and "refused before writing anything (4 rows checked)" in r.stderr, r.stderr[-2000:]
+    assert "1 keys occur more than once" in r.stderr and "1 rows have a null value" in r.stderr
+    assert cluster.get(cluster.ids[0], "d/2")[0] == 404  # nothing written
+    dup.write_text("key,value\nd/1,first\nd/2,x\nd/1,second\nd/1,third\n")
+    r = kv_import(str(dup), "--endpoints", eps, "--on-duplicate", "last")
+    assert r.returncode == 0 and "imported 4 rows: 2 written, 2 skipped" in r.stdout, r.stdout + r.stderr[-2000:]
+    code, body, _ = cluster.get(cluster.ids[2], "d/1")
+    assert code == 200 and body == b"third"
