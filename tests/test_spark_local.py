@@ -50,7 +50,7 @@ def write_csv(path: str, newline: str, prefix: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with ProcCluster(str(tmp_path_factory.mktemp("sparklocal")), proxies=False) as c:
+    with ProcCluster(str(tmp_path_factory.mktemp("sparklocal")), proxies=False, extra=["--max-value-bytes", str(2 << 20)]) as c:
         c.start()
         c.leader()
         yield c
@@ -83,12 +83,26 @@ def test_a_small_csv_is_imported_without_spark_as_spark_reads_it(cluster, tmp_pa
     ):
         code, body, _ = cluster.get(cluster.ids[1], key)
         assert code == 200 and body == value, (key, body)
+    # a Parquet file of pandas categories (dictionary-encoded), and a value of 1.5 MB: more
+    # than a block of Arrow's CSV reader by default
+    import pandas as pd
+
+    files["parquet"] = str(tmp_path / "cat.parquet")
+    pd.DataFrame({"key": pd.Categorical(["parquet/a", "parquet/b"]), "value": pd.Categorical(["x", "y"])}).to_parquet(files["parquet"])
+    files["long"] = str(tmp_path / "long.csv")
+    with open(files["long"], "w") as f:
+        f.write('key,value\nlong/1,"' + "a,\n" * 500_000 + '"\n')
+    for name in ("parquet", "long"):
+        r = kv_import(files[name], "--endpoints", eps, "--max-value-bytes", str(2 << 20))
+        assert r.returncode == 0 and "without Spark" in r.stderr, r.stderr[-2000:]
+    assert cluster.get(cluster.ids[0], "parquet/b")[1] == b"y" and cluster.get(cluster.ids[0], "long/1")[1] == b"a,\n" * 500_000
     spark = kvspark.session("local[1]", "ledgerkv-tests-local")
     try:
         for name, path in files.items():
-            report = kvspark.write(kvspark.load(spark, path), eps)
+            report = kvspark.write(kvspark.load(spark, path), eps, max_value_bytes=2 << 20)
             # every row held already: Spark reads the file as the import here did
-            assert (report.rows, report.written, report.skipped, report.failures) == (len(ROWS), 0, len(ROWS), []), (name, report.summary())
+            n = {"parquet": 2, "long": 1}.get(name, len(ROWS))
+            assert (report.rows, report.written, report.skipped, report.failures) == (n, 0, n, []), (name, report.summary())
     finally:
         spark.stop()
 

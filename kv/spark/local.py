@@ -33,6 +33,7 @@ from .importer import (
 
 LOCAL_MAX_BYTES = 64 << 20  # a larger file goes to Spark, which can split the work
 _CHUNK_ROWS = 10_000  # rows per Arrow batch, as Spark hands a task (maxRecordsPerBatch)
+_CSV_BLOCK_BYTES = 16 << 20  # Arrow's CSV reader refuses a row longer than its block (1 MiB by default)
 
 
 def spark_needed(source: str, fmt: str | None, *, master_from: str, conf: dict, options: dict, key_expr, value_expr, partitions, ship_package: bool) -> str | None:
@@ -74,7 +75,7 @@ def read(source: str, fmt: str | None, key_col: str, value_col: str):
     for role, col in (("key", key_col), ("value", value_col)):
         if col not in names:
             raise BadRequest(f"the data has no column {col!r} (its columns: {', '.join(names)}); choose one with --{role}-col or build one with --{role}-expr")
-    key, value = table.column(key_col), table.column(value_col)
+    key, value = (_decoded(table.column(c)) for c in (key_col, value_col))
     if not (pa.types.is_string(key.type) or pa.types.is_large_string(key.type) or pa.types.is_null(key.type)):
         return f"the key column is {key.type}: Spark gives its text form"
     if not any(f(value.type) for f in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary, pa.types.is_null)):
@@ -82,6 +83,13 @@ def read(source: str, fmt: str | None, key_col: str, value_col: str):
     key = key.cast(pa.string())
     value = value.cast(pa.binary() if pa.types.is_binary(value.type) or pa.types.is_large_binary(value.type) else pa.string())
     return pa.table({"key": key, "value": value})
+
+
+def _decoded(column):
+    """A dictionary-encoded column (pandas' categories, in Parquet) as its values' type."""
+    import pyarrow as pa
+
+    return column.cast(column.type.value_type) if pa.types.is_dictionary(column.type) else column
 
 
 def _read_csv(path: str):
@@ -93,11 +101,12 @@ def _read_csv(path: str):
     import pyarrow.csv as csv
 
     parse = csv.ParseOptions(newlines_in_values=True)
-    names = csv.open_csv(path, parse_options=parse).schema.names
+    read = csv.ReadOptions(block_size=_CSV_BLOCK_BYTES)
+    names = csv.open_csv(path, read_options=read, parse_options=parse).schema.names
     convert = csv.ConvertOptions(
         column_types={n: pa.string() for n in names}, strings_can_be_null=True, quoted_strings_can_be_null=True, null_values=[""],
     )
-    table = csv.read_csv(path, parse_options=parse, convert_options=convert)
+    table = csv.read_csv(path, read_options=read, parse_options=parse, convert_options=convert)
     sep = _line_separator(path)
     if sep == b"\n":
         return table
