@@ -56,7 +56,7 @@ from .messages import (
     VoteResult,
 )
 from .progress import Progress
-from .readindex import PendingRead, ReadFailed, ReadIndex, ReadState
+from .readindex import FollowerReads, PendingRead, ReadFailed, ReadIndex, ReadState
 from .ready import Ready
 from .replication import Replication, match_push
 
@@ -97,6 +97,7 @@ class RaftCore:
         self._transfer_deadline = 0.0
         # Read index: reads wait there until a heartbeat round confirms leadership.
         self._reads = ReadIndex()
+        self._follower_reads = FollowerReads()
         self._ready = Ready()
         self._hs_dirty = False
         self._applicable_reported = self.applicable_index()
@@ -119,11 +120,16 @@ class RaftCore:
     # Inputs
 
     def tick(self, now: float) -> None:
-        """Let time pass: election timeouts, heartbeats, check quorum, re-push."""
+        """Let time pass: election timeouts, heartbeats, check quorum, re-push, a follower's
+        read request that went unanswered."""
         self._now = now
         if self.role == Role.LEADER:
             self._tick_leader(now)
-        elif now >= self._election_deadline:
+            return
+        expiry = self._follower_reads.expiry(self.cfg.election_timeout_ms)
+        if expiry is not None and now >= expiry:
+            self._fail_follower_reads(self._follower_reads.give_up())
+        if now >= self._election_deadline:
             if self._can_campaign():
                 self._start_election(transfer=False)
             else:
@@ -267,7 +273,7 @@ class RaftCore:
             else:
                 self._leader_read(read)
         elif self.leader_id is not None and self.role == Role.FOLLOWER:
-            self._send(ReadIndexRequest(self.id, self.leader_id, self.term, ctx))
+            self._follower_reads.add(ctx)  # asked in ready(): with the others of this turn
         else:
             self._ready.read_failures.append(ReadFailed(ctx, self.leader_id))
 
@@ -316,6 +322,7 @@ class RaftCore:
         leading = self.role == Role.LEADER
         return bool(
             (leading and (self._repl.needed or self._reads.round_due()))
+            or (self._asks_leader() and self._follower_reads.due())
             or self._hs_dirty
             or r.messages
             or r.persisted_messages
@@ -335,6 +342,10 @@ class RaftCore:
                 self._broadcast_heartbeats()
             if self._repl.needed:
                 self._repl.dispatch_all(self.commit_index, self._now)
+        elif self._asks_leader():
+            ctx = self._follower_reads.ask(self.leader_id, self._now)
+            if ctx is not None:
+                self._send(ReadIndexRequest(self.id, self.leader_id, self.term, ctx))
         rd = self._ready
         self._ready = Ready()
         if self._hs_dirty:
@@ -359,7 +370,8 @@ class RaftCore:
             if self.transferee is not None:
                 d = min(d, self._transfer_deadline)
             return self._repl.next_deadline(d)
-        return self._election_deadline
+        expiry = self._follower_reads.expiry(self.cfg.election_timeout_ms)
+        return self._election_deadline if expiry is None else min(self._election_deadline, expiry)
 
     # ======================================================================================
     # Queries
@@ -425,6 +437,10 @@ class RaftCore:
             self._abandon_leadership()
         if changed:
             self._ready.role_changed = True
+            # a request in flight to another leader goes unanswered; waiting reads ask this one
+            self._fail_follower_reads(self._follower_reads.give_up(leader))
+            if leader is None:
+                self._fail_follower_reads(self._follower_reads.clear())
 
     def _abandon_leadership(self) -> None:
         self._repl.stop()
@@ -435,6 +451,7 @@ class RaftCore:
     def _start_election(self, transfer: bool) -> None:
         """Become pre-candidate (or candidate straight away for a transfer / no pre-vote)."""
         self.leader_id = None
+        self._fail_follower_reads(self._follower_reads.clear())
         self._last_leader_contact = None
         if self.cfg.pre_vote and not transfer:
             self._campaign(pre_vote=True, transfer=False)
@@ -756,10 +773,21 @@ class RaftCore:
         self._leader_read(PendingRead(m.ctx, 0, m.src))
 
     def _handle_read_index_response(self, m: ReadIndexResponse) -> None:
+        reads = self._follower_reads.answered(m.ctx, m.src)
+        if reads is None:
+            return
         if m.ok and m.term == self.term and m.src == self.leader_id:
-            self._ready.read_states.append(ReadState(m.ctx, m.index))
+            self._ready.read_states.extend(ReadState(ctx, m.index) for ctx in reads)
         else:
-            self._ready.read_failures.append(ReadFailed(m.ctx, self.leader_id))
+            self._fail_follower_reads(reads)
+
+    # Follower: reads, asked of the leader in batches
+
+    def _asks_leader(self) -> bool:
+        return self.role == Role.FOLLOWER and self.leader_id is not None
+
+    def _fail_follower_reads(self, reads: list[int]) -> None:
+        self._ready.read_failures.extend(ReadFailed(ctx, self.leader_id) for ctx in reads)
 
 
 _HANDLERS = {

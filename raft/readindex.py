@@ -120,3 +120,70 @@ class ReadIndex:
         reads = self.waiting + self.before_commit
         self.waiting, self.before_commit = [], []
         return reads
+
+
+@dataclass(slots=True)
+class _Asked:
+    ctx: int  # the request's own ctx (its batch number)
+    leader: str
+    reads: list[int]  # the ctxs of the reads it answers
+    sent_at: float
+
+
+class FollowerReads:
+    """A follower's reads, asked of the leader in batches (etcd's linearizableReadLoop):
+    one ReadIndex request in flight at a time, for every read that arrived before it was
+    sent; reads arriving meanwhile wait for the next. Its answer is good for all of them:
+    the leader's commit index when the request reached it is at least that of any write
+    acknowledged before they began. (A read arriving after the request was sent could
+    have begun after such a write: it must not share the answer.) A message each way per
+    batch, not per read: each one cost the leader about as much as serving the read."""
+
+    def __init__(self) -> None:
+        self.waiting: list[int] = []
+        self.asked: _Asked | None = None
+        self._batches = 0
+
+    def add(self, ctx: int) -> None:
+        self.waiting.append(ctx)
+
+    def due(self) -> bool:
+        """A read waits and no request is in flight."""
+        return self.asked is None and bool(self.waiting)
+
+    def ask(self, leader: str, now: float) -> int | None:
+        """The ctx of a request to send to `leader` now, or None (one is in flight, or no
+        read waits)."""
+        if not self.due():
+            return None
+        self._batches += 1
+        self.asked = _Asked(self._batches, leader, self.waiting, now)
+        self.waiting = []
+        return self._batches
+
+    def answered(self, ctx: int, src: str) -> list[int] | None:
+        """The reads an answer from `src` is for (None: not the request in flight)."""
+        a = self.asked
+        if a is None or a.ctx != ctx or a.leader != src:
+            return None
+        self.asked = None
+        return a.reads
+
+    def expiry(self, timeout: float) -> float | None:
+        """When the request in flight is given up (None: none is)."""
+        return None if self.asked is None else self.asked.sent_at + timeout
+
+    def give_up(self, leader: str | None = None) -> list[int]:
+        """The reads of the request in flight, which will not be answered (it was lost, or
+        was sent to a leader other than `leader`, now known): they fail and are retried."""
+        a = self.asked
+        if a is None or (leader is not None and a.leader == leader):
+            return []
+        self.asked = None
+        return a.reads
+
+    def clear(self) -> list[int]:
+        """No leader to ask: every read fails."""
+        reads = self.give_up() + self.waiting
+        self.waiting = []
+        return reads

@@ -22,6 +22,7 @@ from kv.raft.messages import (
     PushRequest,
     PushResponse,
     PushType,
+    ReadIndexRequest,
     Role,
     TimeoutNow,
     VoteRequest,
@@ -615,6 +616,80 @@ def test_follower_read_index_asks_the_leader():
     sim.run_for(100)
     assert [s.ctx for s in states] == [5]
     assert states[0].index == sim.nodes[lid].core.commit_index
+
+
+def test_a_followers_reads_ask_the_leader_in_batches():
+    """etcd's linearizableReadLoop: one ReadIndex request in flight per follower, for all
+    reads that arrived before it went; reads arriving meanwhile wait for the next (the
+    answer to the one in flight may predate a write acknowledged before they began)."""
+    sim = Sim(3, seed=17)
+    lid = elected(sim)
+    sim.propose()
+    sim.run_for(200)
+    fid = next(i for i in sim.ids if i != lid)
+    f, leader = sim.nodes[fid].core, sim.nodes[lid].core
+
+    def asks(rd):
+        return [m for m in rd.messages if isinstance(m, ReadIndexRequest)]
+
+    for ctx in (1, 2, 3):
+        f.read_index(ctx, sim.now)
+    (first,) = asks(f.ready())  # one request for the three
+    for ctx in (4, 5):  # while it is out
+        f.read_index(ctx, sim.now)
+        assert not asks(f.ready())
+    leader.step(first, sim.now)
+    sim._process(sim.nodes[lid])  # the heartbeat round confirming it is answered (the sim delivers it)
+    got = []
+    sim.on_ready = lambda nid, rd: got.extend(rd.read_states) if nid == fid else None
+    sim.run_for(100)
+    assert sorted(s.ctx for s in got) == [1, 2, 3, 4, 5]
+    (one,) = {s.index for s in got if s.ctx <= 3}  # the batch's answer is each of its reads'
+    assert one == leader.commit_index and all(s.index >= one for s in got)
+
+
+def test_a_followers_read_request_that_goes_unanswered_fails_its_reads_then_the_next_is_asked():
+    sim = Sim(3, seed=18)
+    lid = elected(sim)
+    sim.propose()
+    sim.run_for(200)
+    fid = next(i for i in sim.ids if i != lid)
+    f = sim.nodes[fid].core
+    failed, served = [], []
+
+    def watch(nid, rd):
+        if nid == fid:
+            failed.extend(rd.read_failures)
+            served.extend(rd.read_states)
+
+    sim.on_ready = watch
+    f.read_index(1, sim.now)
+    lost = [m for m in f.ready().messages if isinstance(m, ReadIndexRequest)]
+    assert len(lost) == 1  # taken out of the sim: never delivered
+    f.read_index(2, sim.now)  # waits behind it
+    sim._process(sim.nodes[fid])
+    assert f.next_deadline() <= sim.now + f.cfg.election_timeout_ms  # the driver ticks in time to give up
+    sim.run_for(f.cfg.election_timeout_ms + 100)
+    assert [r.ctx for r in failed] == [1] and failed[0].leader == lid  # retried by the node (NotLeader)
+    assert [s.ctx for s in served] == [2]
+
+
+def test_a_followers_reads_fail_when_its_leader_is_gone():
+    sim = Sim(3, seed=19)
+    lid = elected(sim)
+    sim.propose()
+    sim.run_for(200)
+    fid = next(i for i in sim.ids if i != lid)
+    f = sim.nodes[fid].core
+    failed = []
+    sim.on_ready = lambda nid, rd: failed.extend(rd.read_failures) if nid == fid else None
+    sim.isolate(lid)
+    f.read_index(1, sim.now)
+    sim._process(sim.nodes[fid])
+    f.read_index(2, sim.now)
+    sim._process(sim.nodes[fid])
+    sim.run_for(5000)  # an election without the old leader
+    assert sorted(r.ctx for r in failed) == [1, 2]
 
 
 def test_single_voter_commits_alone():
