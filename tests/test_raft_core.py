@@ -603,12 +603,17 @@ def test_an_isolated_leader_never_serves_a_linearizable_read():
     assert any(f.ctx == 7 for f in failed)  # failed when it stepped down (check quorum)
 
 
-def test_follower_read_index_asks_the_leader():
-    sim = Sim(3, seed=15)
+def settled_with_a_follower(seed: int) -> tuple[Sim, str, str]:
+    """A 3-node sim with a leader that has committed an entry, and one of its followers."""
+    sim = Sim(3, seed=seed)
     lid = elected(sim)
     sim.propose()
     sim.run_for(200)
-    fid = next(i for i in sim.ids if i != lid)
+    return sim, lid, next(i for i in sim.ids if i != lid)
+
+
+def test_follower_read_index_asks_the_leader():
+    sim, lid, fid = settled_with_a_follower(seed=15)
     states = []
     sim.on_ready = lambda nid, rd: states.extend(rd.read_states) if nid == fid else None
     sim.nodes[fid].core.read_index(5, sim.now)
@@ -622,11 +627,7 @@ def test_a_followers_reads_ask_the_leader_in_batches():
     """etcd's linearizableReadLoop: one ReadIndex request in flight per follower, for all
     reads that arrived before it went; reads arriving meanwhile wait for the next (the
     answer to the one in flight may predate a write acknowledged before they began)."""
-    sim = Sim(3, seed=17)
-    lid = elected(sim)
-    sim.propose()
-    sim.run_for(200)
-    fid = next(i for i in sim.ids if i != lid)
+    sim, lid, fid = settled_with_a_follower(seed=17)
     f, leader = sim.nodes[fid].core, sim.nodes[lid].core
 
     def asks(rd):
@@ -649,11 +650,7 @@ def test_a_followers_reads_ask_the_leader_in_batches():
 
 
 def test_a_followers_read_request_that_goes_unanswered_fails_its_reads_then_the_next_is_asked():
-    sim = Sim(3, seed=18)
-    lid = elected(sim)
-    sim.propose()
-    sim.run_for(200)
-    fid = next(i for i in sim.ids if i != lid)
+    sim, lid, fid = settled_with_a_follower(seed=18)
     f = sim.nodes[fid].core
     failed, served = [], []
 
@@ -675,11 +672,7 @@ def test_a_followers_read_request_that_goes_unanswered_fails_its_reads_then_the_
 
 
 def test_a_followers_reads_fail_when_its_leader_is_gone():
-    sim = Sim(3, seed=19)
-    lid = elected(sim)
-    sim.propose()
-    sim.run_for(200)
-    fid = next(i for i in sim.ids if i != lid)
+    sim, lid, fid = settled_with_a_follower(seed=19)
     f = sim.nodes[fid].core
     failed = []
     sim.on_ready = lambda nid, rd: failed.extend(rd.read_failures) if nid == fid else None
