@@ -283,32 +283,37 @@ def test_conf_and_master_on_every_command_that_starts_spark():
         parse_conf(["spark.a"])
 
 
-def test_a_retried_task_is_counted_once(spark, cluster, monkeypatch):
+@pytest.mark.parametrize("partitions, task", [(2, "write_task"), (1, "whole_task")])
+def test_a_retried_task_is_counted_once(spark, cluster, monkeypatch, tmp_path, partitions, task):
     """The import summary comes from the tasks' own results: a task that wrote its rows and
     then failed, and was run again, counts once, and its rows as written (its second attempt
-    finds them held, changed since the import began), as an unbroken run counts them."""
+    finds them held, changed since the import began), as an unbroken run counts them. With
+    one partition, one task checks then writes (whole_task); with more, write_task writes."""
     import kv.spark.importer as importer
 
-    real = importer._write_task
+    real = getattr(importer, task)
+    died = str(tmp_path / "died")
 
-    def flaky(batches, s, last):
+    def flaky(*args):
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
-        out = list(real(batches, s, last))  # every row of the partition written
+        out = list(real(*args))  # every row of the partition written
         if ctx.partitionId() == 0 and ctx.attemptNumber() == 0:
+            open(died, "w").close()
             raise RuntimeError("injected: the task dies after its writes")
         yield from out
 
-    monkeypatch.setattr(importer, "_write_task", flaky)
-    df = spark.range(2_000).selectExpr("concat('retry/', lpad(cast(id as string), 5, '0')) as key", "cast(id as string) as value")
-    report = kvspark.write(df, endpoints(cluster), partitions=2)
-    assert report.rows == 2_000 and not report.failures
+    monkeypatch.setattr(importer, task, flaky)
+    prefix = f"retry{partitions}/"
+    df = spark.range(2_000).selectExpr(f"concat('{prefix}', lpad(cast(id as string), 5, '0')) as key", "cast(id as string) as value")
+    report = kvspark.write(df, endpoints(cluster), partitions=partitions)
+    assert report.rows == 2_000 and not report.failures and os.path.exists(died)
     assert (report.written, report.skipped) == (2_000, 0)  # partition 0 ran twice: its rows were held the second time
-    again = kvspark.write(df, endpoints(cluster), partitions=2)
+    again = kvspark.write(df, endpoints(cluster), partitions=partitions)
     assert (again.written, again.skipped) == (0, 2_000)  # held from before this import: skipped
     with kv.Client(endpoints(cluster)) as c:
-        assert sum(1 for _ in c.scan("retry/")) == 2_000
+        assert sum(1 for _ in c.scan(prefix)) == 2_000
 
 
 def _snapshot_file(path: str, n: int = 50) -> str:

@@ -131,6 +131,19 @@ def test_what_spark_must_read_goes_through_spark(tmp_path):
     # what Arrow's reader would read otherwise than Spark's
     (tmp_path / "ragged.csv").write_text("key,value\nx,1\ny\n")
     assert "Arrow" in local.read(str(tmp_path / "ragged.csv"), None, "key", "value")
+    # where the two readers part (found by a newcomer's run): each would undo the other's import
+    for text, why in (
+        ('key,value\ne10/b,"a\\"b"\n', "quote"),  # \" for a quote: Spark's own CSV writer's default
+        ('key,value\ne11/b,"v2" \n', "quote"),  # text after the closing quote
+        ('key,value\ne12/a,"ab"c\n', "quote"),
+        ('key,value\na,x"y\n', "quote"),
+        ("key,value\r\ne22/a,1\ne22/b,2\r\n", "more than one way"),  # univocity keeps a lone \n in the value
+        ("key,value\na,x\rb\n", "more than one way"),
+    ):
+        (tmp_path / "odd.csv").write_bytes(text.encode())
+        assert why in local.read(str(tmp_path / "odd.csv"), None, "key", "value"), text
+    (tmp_path / "latin1.csv").write_bytes(b"key,value\nk,caf\xe9\n")
+    assert "UTF-8" in local.read(str(tmp_path / "latin1.csv"), None, "key", "value")
     (tmp_path / "twice.csv").write_text("key,key,value\nx,y,1\n")
     assert "twice" in local.read(str(tmp_path / "twice.csv"), None, "key", "value")
     import pyarrow as pa

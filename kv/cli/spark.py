@@ -16,8 +16,8 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
     sp = p.add_subparsers(dest="spark_cmd", metavar="ACTION")
     i = sp.add_parser("import", help="write a Parquet, CSV or JSON dataset of key/value rows into a cluster")
-    i.add_argument("source", help="a path Spark can read (a file, a directory or a glob); one local CSV or Parquet file under 64 MiB of --key-col and --value-col is imported without Spark (docs/spark.md)")
-    i.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster, comma-separated (default $KV_ENDPOINTS)")
+    i.add_argument("source", help="a path Spark can read (a file, a directory or a glob); one local CSV or Parquet file of up to 64 MiB, of --key-col and --value-col, is imported without Spark (docs/spark.md)")
+    i.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster, comma-separated (default $KV_ENDPOINTS, or the local `kv cluster up` nodes)")
     i.add_argument("--format", help="parquet, csv or json (default: from the path's extension)")
     i.add_argument("--option", action="append", default=[], metavar="K=V", help="an option for Spark's reader, e.g. --option sep=';' (repeatable); CSV defaults: header, RFC 4180 quoting, multiLine")
     i.add_argument("--key-col", default="key")
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
     e.add_argument("out", help="output path (refused if it exists, unless --overwrite)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--snapshot", help="a snapshot file (kv snapshot save)")
-    src.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="the cluster as of now: its leader takes a snapshot, which is exported (default $KV_ENDPOINTS)")
+    src.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="the cluster as of now: its leader takes a snapshot, which is exported (default $KV_ENDPOINTS, or the local `kv cluster up` nodes)")
     e.add_argument("--prefix", default=None, help="only keys under this prefix")
     e.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     e.add_argument("--partitions", type=int, default=None)
@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
         help="write the changes of the committed range [--from, --to] (what a watch saw; --raw: the log entries as proposed)",
     )
     g.add_argument("out", help="output path")
-    g.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster; each range is read from a member that holds it (default $KV_ENDPOINTS)")
+    g.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="client URLs of the cluster; each range is read from a member that holds it (default $KV_ENDPOINTS, or the local `kv cluster up` nodes)")
     g.add_argument("--from", dest="start", type=int, default=None, help="first index (default: the lowest any member still holds; every endpoint is asked)")
     g.add_argument("--to", dest="end", type=int, default=None, help="last index (default: the highest applied index)")
     g.add_argument("--prefix", default="", help="only changes of keys under this prefix (not with --raw)")
@@ -120,13 +120,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from .. import spark as kvspark
+    from ..client.endpoints import DEFAULT_ENDPOINTS
     from ..errors import BadRequest
     from ..spark.importer import source_format
     from ..spark.runtime import parse_conf
     from .refusal import debug_wanted
 
     if not args.endpoints and not getattr(args, "snapshot", None):
-        raise BadRequest("no cluster given: --endpoints URL,URL,... (or set KV_ENDPOINTS)")
+        args.endpoints = ",".join(DEFAULT_ENDPOINTS)  # the local `kv cluster up` nodes, as every client command
     conf = parse_conf(args.conf)
     if args.spark_cmd == "import":
         source_format(args.source, args.format)  # a missing path fails before Spark starts
@@ -225,6 +226,8 @@ def _import_without_spark(args: argparse.Namespace, options: dict[str, str], con
     table = local.read(args.source, args.format, args.key_col, args.value_col) if why is None else why
     if debug_wanted(args.debug):
         print(f"kv spark import: through Spark: {table}" if isinstance(table, str) else "kv spark import: without Spark (a small local file)", file=sys.stderr)
+    elif why is None and isinstance(table, str):  # the file's content, not the user, chose Spark: say why it is slow
+        print(f"kv spark import: reading the file with Spark, which takes longer: {table}", file=sys.stderr)
     if isinstance(table, str):
         return None
     return local.import_file(

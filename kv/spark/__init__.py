@@ -1,10 +1,14 @@
 """The data pipeline on Spark (pip install ledgerkv[spark]).
 
-Import — write a DataFrame (or a Parquet/CSV/JSON path) of key and value columns into a
-running cluster (kv.spark.importer: every row is checked before the first write; kv.spark.bulk:
-each task reads its key range back and proposes only what differs, compared on mod_index):
+Import — write a DataFrame of key and value columns (kv.spark.load reads one from a
+Parquet, CSV or JSON path) into a running cluster (kv.spark.importer: every row is checked
+before the first write; kv.spark.bulk: each task reads its key range back and proposes only
+what differs, compared on mod_index):
 
-    report = kv.spark.write(df, "http://127.0.0.1:8001,http://127.0.0.1:8002")
+    report = kv.spark.write(kv.spark.load(spark, "users.csv"), "http://127.0.0.1:8001,http://127.0.0.1:8002")
+
+`kv spark import` reads one small local CSV or Parquet file without Spark when nothing asks
+for it (kv.spark.local: the same check and writes, in the calling process).
 
 Export — read a snapshot file (or the newest snapshot of a node) as a DataFrame of
 (key, value, mod_index):

@@ -32,6 +32,7 @@ FORMATS = {"parquet": "parquet", "csv": "csv", "json": "json", "jsonl": "json", 
 CSV_DEFAULTS = {"header": "true", "quote": '"', "escape": '"', "multiLine": "true"}
 DUPLICATES = ("refuse", "last")
 DEFAULT_MAX_VALUE_BYTES = 1 << 20  # the cluster's default --max-value-bytes
+CHUNK_ROWS = 10_000  # rows per Arrow batch a task sorts into (Spark's maxRecordsPerBatch)
 
 
 @dataclass
@@ -307,6 +308,12 @@ def write(
     s = cluster_for_import(endpoints, token, batch_rows, batch_bytes, concurrency, timeout, t0)
     kv = shape(df, key_col=key_col, value_col=value_col, key_expr=key_expr, value_expr=value_expr)
     n = partitions or default_partitions(df)
+    if n == 1:  # one task checks all the rows, then writes them: one Spark job, no shuffle
+        refuse_unknown_choice(on_duplicate)
+        with ProgressLine(df.sparkSession, 0, "imported") if progress else contextlib.nullcontext() as line:
+            s.progress = line and line.address
+            (r,) = kv.coalesce(1).mapInArrow(lambda batches: whole_task(batches, max_value_bytes, on_duplicate, s), "stats binary, outcome binary").collect()
+        return report_of(r.stats, r.outcome, max_value_bytes, on_duplicate, t0)
     rows, checked = check(kv, max_value_bytes=max_value_bytes, on_duplicate=on_duplicate, partitions=n)
     report = ImportReport(rows=rows)
     try:
@@ -334,6 +341,42 @@ def cluster_for_import(endpoints: str, token: str | None, batch_rows: int, batch
     began = max(st.get("commit_index", 0) for _, st in answers)
     deadline = time.time() + timeout - (time.monotonic() - t0) if timeout else 0.0
     return Settings([ep for ep, _ in answers], token, batch_rows, batch_bytes, concurrency, deadline=deadline, began=began)
+
+
+def whole_task(batches, limit: int, on_duplicate: str, s):
+    """mapInArrow over the one partition of an import (and kv/spark/local.py's import, in
+    its own process): all the rows, sorted by key (stably: a key's rows keep the source's
+    order), checked as a whole, then written — unless the check found a problem. Yields
+    one row: the check's stats, and the outcome of the writes (empty: none was made)."""
+    import pyarrow as pa
+
+    from .progress import Reporter
+
+    batches = list(batches)
+    ordered = []
+    if batches:
+        table = pa.Table.from_batches(batches).sort_by([("key", "ascending")])
+        del batches
+        ordered = table.to_batches(max_chunksize=CHUNK_ROWS)
+        reporter = Reporter(s.progress)
+        reporter.add(0, 0, total=table.num_rows)
+        reporter.close()
+    stats = next(check_task(ordered, limit)).column(0)[0].as_py()
+    outcome = b""
+    if not Checked(**orjson.loads(stats)).problems(limit, on_duplicate):
+        outcome = next(write_task(iter(ordered), s, on_duplicate == "last")).column(0)[0].as_py()
+    yield pa.RecordBatch.from_arrays([pa.array([stats], pa.binary()), pa.array([outcome], pa.binary())], names=["stats", "outcome"])
+
+
+def report_of(stats: bytes, outcome: bytes, limit: int, on_duplicate: str, t0: float) -> ImportReport:
+    """whole_task's row as the import's report; BadRequest if the check refused the rows
+    (then none was written)."""
+    st = Checked(**orjson.loads(stats))
+    st.refuse_if_wrong(limit, on_duplicate)
+    report = ImportReport(rows=st.rows)
+    add_outcome(report, outcome)
+    report.seconds = time.monotonic() - t0
+    return report
 
 
 def add_outcome(report: ImportReport, blob: bytes) -> None:

@@ -1,7 +1,8 @@
 """A small import without Spark: `kv spark import` of one local CSV or Parquet file of key
 and value columns, when nobody asked for Spark (no master or Spark setting anywhere, no
 expressions, no reader options), is read with Arrow in this process, then checked and
-written by the very code a Spark task runs (importer.check_task, importer.write_task).
+written by the very code the task of a one-partition import through Spark runs
+(importer.whole_task).
 
 Why: starting Spark costs 7-10 s on a small machine before the first row is read, and its
 first jobs several more; a 26,000-row CSV took ~20 s, of which writing took 2. Here it takes
@@ -15,24 +16,12 @@ Spark after all (`spark_needed` / `read` say why).
 from __future__ import annotations
 
 import os
+import re
 import time
 
-import orjson
-
-from .importer import (
-    FORMATS,
-    Checked,
-    ImportReport,
-    add_outcome,
-    check_task,
-    cluster_for_import,
-    refuse_unknown_choice,
-    source_format,
-    write_task,
-)
+from .importer import FORMATS, ImportReport, cluster_for_import, refuse_unknown_choice, report_of, source_format, whole_task
 
 LOCAL_MAX_BYTES = 64 << 20  # a larger file goes to Spark, which can split the work
-_CHUNK_ROWS = 10_000  # rows per Arrow batch, as Spark hands a task (maxRecordsPerBatch)
 _CSV_BLOCK_BYTES = 16 << 20  # Arrow's CSV reader refuses a row longer than its block (1 MiB by default)
 
 
@@ -51,7 +40,7 @@ def spark_needed(source: str, fmt: str | None, *, master_from: str, conf: dict, 
     if "://" in source or not os.path.isfile(source):
         return "not one local file"
     if os.path.getsize(source) > LOCAL_MAX_BYTES:
-        return f"larger than {LOCAL_MAX_BYTES >> 20} MiB"
+        return f"more than {LOCAL_MAX_BYTES >> 20} MiB"
     return None
 
 
@@ -95,11 +84,21 @@ def _decoded(column):
 def _read_csv(path: str):
     """Every column as text (kv reads CSV without inferring types). Spark's reader (with
     multiLine) finds the file's line separator and writes it as "\\n" inside quoted fields;
-    an empty field, quoted or not, is null."""
+    an empty field, quoted or not, is null. A file Spark's reader would read otherwise is
+    a str: why."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.csv as csv
 
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read().removeprefix("\ufeff")
+    except UnicodeDecodeError:
+        return "the file is not UTF-8 (Spark's reader puts U+FFFD for what is not)"
+    sep = _line_separator(text)
+    problem = _irregular(text, sep)
+    if problem:
+        return problem
     parse = csv.ParseOptions(newlines_in_values=True)
     read = csv.ReadOptions(block_size=_CSV_BLOCK_BYTES)
     names = csv.open_csv(path, read_options=read, parse_options=parse).schema.names
@@ -107,24 +106,42 @@ def _read_csv(path: str):
         column_types={n: pa.string() for n in names}, strings_can_be_null=True, quoted_strings_can_be_null=True, null_values=[""],
     )
     table = csv.read_csv(path, read_options=read, parse_options=parse, convert_options=convert)
-    sep = _line_separator(path)
-    if sep == b"\n":
+    if sep == "\n":
         return table
-    text = sep.decode()
-    return pa.table({n: pc.replace_substring(table.column(n), text, "\n") for n in table.column_names})
+    return pa.table({n: pc.replace_substring(table.column(n), sep, "\n") for n in table.column_names})
 
 
-def _line_separator(path: str) -> bytes:
+def _line_separator(text: str) -> str:
     """The first line ending of the file, as univocity's detection (Spark's CSV reader)
     finds it: \\r\\n, \\r or \\n."""
-    with open(path, "rb") as f:
-        head = f.read(1 << 16)
-    cr, lf = head.find(b"\r"), head.find(b"\n")
+    cr, lf = text.find("\r"), text.find("\n")
     if cr == -1:
-        return b"\n"
+        return "\n"
     if lf == -1 or cr < lf:
-        return b"\r\n" if head[cr + 1 : cr + 2] == b"\n" else b"\r"
-    return b"\n"
+        return "\r\n" if text[cr + 1 : cr + 2] == "\n" else "\r"
+    return "\n"
+
+
+# A quoted field as RFC 4180 has it: a quote at the start of a field, quotes inside it
+# doubled, the closing one followed by a comma, a line end or the end of the file.
+# (Possessive: no backtracking over a long field.)
+_QUOTED = re.compile(r'(?:(?<=[,\r\n])|\A)"(?:[^"]++|"")*+"(?=,|\r|\n|\Z)')
+
+
+def _irregular(text: str, sep: str) -> str | None:
+    """Why Arrow's CSV reader and Spark's (univocity) would read the file differently, or
+    None. They agree on RFC 4180 with one kind of line end; they part on a quote anywhere
+    else (a field quoted in part, text after a closing quote, a quote escaped as \\", which
+    is what Spark's own CSV writer does), and on line ends other than the file's first one
+    outside quotes (univocity keeps them in the value; Arrow ends the row)."""
+    rest = _QUOTED.sub("", text)
+    if '"' in rest:
+        return 'a quote outside RFC 4180 quoting (a field quoted in part, text after a closing quote, or \\" for a quote)'
+    if sep == "\r\n":
+        rest = rest.replace("\r\n", "")
+    if any(end != sep and end in rest for end in ("\r", "\n")):
+        return "its lines end in more than one way"
+    return None
 
 
 def _read_parquet(path: str):
@@ -149,9 +166,8 @@ def import_file(
     timeout: float | None = None,
     progress: bool = False,
 ) -> ImportReport:
-    """Check, then write a (key, value) Arrow table read by `read`, here, as one Spark task
-    would: sorted by key (stably, so a key's rows keep the file's order for --on-duplicate
-    last), checked whole before the first write."""
+    """Check, then write a (key, value) Arrow table read by `read`, here, as the one task
+    of an import through Spark does (importer.whole_task)."""
     import contextlib
 
     from .progress import ProgressLine
@@ -159,14 +175,7 @@ def import_file(
     refuse_unknown_choice(on_duplicate)
     t0 = time.monotonic()
     settings = cluster_for_import(endpoints, token, batch_rows, batch_bytes, concurrency, timeout, t0)
-    table = table.sort_by([("key", "ascending")])
-    batches = table.to_batches(max_chunksize=_CHUNK_ROWS)
-    st = Checked(**orjson.loads(next(check_task(batches, max_value_bytes)).column(0)[0].as_py()))
-    st.refuse_if_wrong(max_value_bytes, on_duplicate)
-    report = ImportReport(rows=st.rows)
-    with ProgressLine(None, st.rows, "imported") if progress else contextlib.nullcontext() as line:
+    with ProgressLine(None, 0, "imported") if progress else contextlib.nullcontext() as line:
         settings.progress = line and line.address
-        for b in write_task(iter(batches), settings, on_duplicate == "last"):
-            add_outcome(report, b.column(0)[0].as_py())
-    report.seconds = time.monotonic() - t0
-    return report
+        out = next(whole_task(iter(table.to_batches()), max_value_bytes, on_duplicate, settings))
+    return report_of(out.column(0)[0].as_py(), out.column(1)[0].as_py(), max_value_bytes, on_duplicate, t0)

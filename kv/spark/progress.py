@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-_DATAGRAM = struct.Struct(">8sQQ")  # tag, rows, units
+_DATAGRAM = struct.Struct(">8sQQQ")  # tag, rows, units, units more in the total
 REDRAW_S = 0.5
 
 
@@ -59,10 +59,11 @@ class ProgressLine:
             try:
                 data = self.sock.recv(64)
                 if len(data) == _DATAGRAM.size:
-                    tag, rows, units = _DATAGRAM.unpack(data)
+                    tag, rows, units, total = _DATAGRAM.unpack(data)
                     if tag == self.tag:
                         self.rows += rows
                         self.units += units
+                        self.total += total
             except OSError:  # (a time-out: redraw all the same)
                 pass
             now = time.monotonic()
@@ -92,11 +93,13 @@ class Reporter:
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             self.sock.setblocking(False)
 
-    def add(self, rows: int, units: int) -> None:
+    def add(self, rows: int, units: int, total: int = 0) -> None:
+        """rows and units done; `total`: units the driver's total did not count yet (a task
+        that counts its rows itself)."""
         if self.sock is None:
             return
         try:
-            self.sock.sendto(_DATAGRAM.pack(self.address[2], rows, units), self.address[:2])
+            self.sock.sendto(_DATAGRAM.pack(self.address[2], rows, units, total), self.address[:2])
         except OSError:
             pass
 

@@ -192,6 +192,11 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
     python = worker_python(chosen, settings)
     if python:
         os.environ.setdefault("PYSPARK_PYTHON", python)
+    if is_local(chosen):
+        # Spark's driver (and, in local mode, its executors) listen on the address the host
+        # name resolves to, or the first interface's when that is a loopback one: with a
+        # local master nothing needs to reach them from elsewhere.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if quiet:
         _launch_quiet_gateway(settings)
