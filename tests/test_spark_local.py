@@ -171,3 +171,31 @@ def test_a_small_import_refuses_and_keeps_the_last_row_as_through_spark(cluster,
     assert r.returncode == 0 and "imported 4 rows: 2 written, 2 skipped" in r.stdout, r.stdout + r.stderr[-2000:]
     code, body, _ = cluster.get(cluster.ids[2], "d/1")
     assert code == 200 and body == b"third"
+
+
+def test_on_duplicate_last_keeps_each_keys_last_row_across_batches(monkeypatch):
+    """A key's rows may run over several Arrow batches: its last row is written, and each
+    batch goes out whole (no request of the one row held back at the end)."""
+    import orjson
+    import pyarrow as pa
+
+    from kv.spark import bulk, importer
+
+    sent = []
+
+    async def capture(chunks, s):
+        sent.extend((k.to_pylist(), v.to_pylist()) for k, v in chunks)
+        return bulk.Outcome()
+
+    monkeypatch.setattr(bulk, "write_chunks", capture)
+
+    def batch(keys, values):
+        return pa.record_batch([pa.array(keys), pa.array(values)], names=["key", "value"])
+
+    batches = [batch(["a", "b", "b"], ["1", "2", "3"]), batch(["b", "b"], ["4", "5"]), batch(["b", "c"], ["6", "7"])]
+    (row,) = importer.write_task(iter(batches), bulk.Settings(["http://127.0.0.1:1"]), True)
+    assert sent == [([b"a"], [b"1"]), ([b"b", b"c"], [b"6", b"7"])]
+    assert orjson.loads(row.column(0)[0].as_py())["skipped"] == 4  # the rows superseded by a later one of their key
+    sent.clear()
+    (row,) = importer.write_task(iter(batches), bulk.Settings(["http://127.0.0.1:1"]), False)
+    assert [len(k) for k, _ in sent] == [3, 2, 2]  # without `last`: every batch as it is

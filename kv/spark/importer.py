@@ -401,25 +401,29 @@ def write_task(batches, s, last: bool):
 
     def chunks():
         nonlocal superseded
-        carry = None  # with `last`: the final row of a batch, which the next may supersede
+        pending = None  # with `last`: the batch before, whose last row this one may supersede
         for b in batches:
             keys, values = binary(b.column(0)), binary(b.column(1))
-            if last:
-                if carry is not None:
-                    keys, values = pa.concat_arrays([carry[0], keys]), pa.concat_arrays([carry[1], values])
-                n = len(keys)
-                if not n:
-                    continue
-                keep = np.append(pc.not_equal(keys.slice(1), keys.slice(0, n - 1)).to_numpy(zero_copy_only=False), True)
-                superseded += n - int(keep.sum())
-                mask = pa.array(keep)
-                keys, values = keys.filter(mask), values.filter(mask)
-                carry = (keys.slice(len(keys) - 1), values.slice(len(values) - 1))
-                keys, values = keys.slice(0, len(keys) - 1), values.slice(0, len(values) - 1)
-            if len(keys):
+            n = len(keys)
+            if not n:
+                continue
+            if not last:
                 yield keys, values
-        if carry is not None:
-            yield carry
+                continue
+            keep = np.append(pc.not_equal(keys.slice(1), keys.slice(0, n - 1)).to_numpy(zero_copy_only=False), True)
+            superseded += n - int(keep.sum())
+            mask = pa.array(keep)
+            keys, values = keys.filter(mask), values.filter(mask)
+            if pending is not None:
+                held_keys, held_values = pending
+                if held_keys[len(held_keys) - 1].as_py() == keys[0].as_py():
+                    held_keys, held_values = held_keys.slice(0, len(held_keys) - 1), held_values.slice(0, len(held_values) - 1)
+                    superseded += 1
+                if len(held_keys):
+                    yield held_keys, held_values
+            pending = keys, values
+        if pending is not None:  # (each batch is sent whole: no request of one row at the end)
+            yield pending
 
     out = asyncio.run(write_chunks(chunks(), s))
     out.skipped += superseded
