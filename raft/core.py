@@ -97,7 +97,7 @@ class RaftCore:
         self._transfer_deadline = 0.0
         # Read index: reads wait there until a heartbeat round confirms leadership.
         self._reads = ReadIndex()
-        self._follower_reads = FollowerReads()
+        self._follower_reads = FollowerReads(random.Random(seed).getrandbits(64))
         self._ready = Ready()
         self._hs_dirty = False
         self._applicable_reported = self.applicable_index()
@@ -121,14 +121,14 @@ class RaftCore:
 
     def tick(self, now: float) -> None:
         """Let time pass: election timeouts, heartbeats, check quorum, re-push, a follower's
-        read request that went unanswered."""
+        read request that went unanswered (sent again)."""
         self._now = now
         if self.role == Role.LEADER:
             self._tick_leader(now)
             return
         expiry = self._follower_reads.expiry(self.cfg.election_timeout_ms)
         if expiry is not None and now >= expiry:
-            self._fail_follower_reads(self._follower_reads.give_up())
+            self._follower_reads.ask_again()
         if now >= self._election_deadline:
             if self._can_campaign():
                 self._start_election(transfer=False)
@@ -437,10 +437,11 @@ class RaftCore:
             self._abandon_leadership()
         if changed:
             self._ready.role_changed = True
-            # a request in flight to another leader goes unanswered; waiting reads ask this one
-            self._fail_follower_reads(self._follower_reads.give_up(leader))
+            # a request in flight to another leader goes unanswered: this one is asked
             if leader is None:
                 self._fail_follower_reads(self._follower_reads.clear())
+            else:
+                self._follower_reads.ask_again(leader)
 
     def _abandon_leadership(self) -> None:
         self._repl.stop()

@@ -137,12 +137,17 @@ class FollowerReads:
     the leader's commit index when the request reached it is at least that of any write
     acknowledged before they began. (A read arriving after the request was sent could
     have begun after such a write: it must not share the answer.) A message each way per
-    batch, not per read: each one cost the leader about as much as serving the read."""
+    batch, not per read: each one cost the leader about as much as serving the read.
 
-    def __init__(self) -> None:
+    A request that goes unanswered, or went to a leader that is no longer, is sent again
+    (its reads in the next batch: they began before it, so its answer is good for them).
+    Batches are numbered from a random start: an answer meant for a run of this node
+    before a restart must not be taken for one of this run's."""
+
+    def __init__(self, first_batch: int) -> None:
         self.waiting: list[int] = []
         self.asked: _Asked | None = None
-        self._batches = 0
+        self._batch = first_batch
 
     def add(self, ctx: int) -> None:
         self.waiting.append(ctx)
@@ -156,10 +161,10 @@ class FollowerReads:
         read waits)."""
         if not self.due():
             return None
-        self._batches += 1
-        self.asked = _Asked(self._batches, leader, self.waiting, now)
+        self._batch = (self._batch + 1) % (1 << 64)
+        self.asked = _Asked(self._batch, leader, self.waiting, now)
         self.waiting = []
-        return self._batches
+        return self._batch
 
     def answered(self, ctx: int, src: str) -> list[int] | None:
         """The reads an answer from `src` is for (None: not the request in flight)."""
@@ -170,20 +175,19 @@ class FollowerReads:
         return a.reads
 
     def expiry(self, timeout: float) -> float | None:
-        """When the request in flight is given up (None: none is)."""
+        """When the request in flight is sent again (None: none is in flight)."""
         return None if self.asked is None else self.asked.sent_at + timeout
 
-    def give_up(self, leader: str | None = None) -> list[int]:
-        """The reads of the request in flight, which will not be answered (it was lost, or
-        was sent to a leader other than `leader`, now known): they fail and are retried."""
+    def ask_again(self, leader: str | None = None) -> None:
+        """The request in flight will not be answered (it was lost; or it went to another
+        leader than `leader`, now known): its reads go in the next batch, first."""
         a = self.asked
-        if a is None or (leader is not None and a.leader == leader):
-            return []
-        self.asked = None
-        return a.reads
+        if a is not None and (leader is None or a.leader != leader):
+            self.asked = None
+            self.waiting = a.reads + self.waiting
 
     def clear(self) -> list[int]:
         """No leader to ask: every read fails."""
-        reads = self.give_up() + self.waiting
-        self.waiting = []
+        reads = ([] if self.asked is None else self.asked.reads) + self.waiting
+        self.asked, self.waiting = None, []
         return reads

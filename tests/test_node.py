@@ -33,6 +33,41 @@ async def test_any_member_writes_and_reads_linearizably(cluster):
     assert [i.key for i in await f2.scan("")] == ["a", "b"]
 
 
+async def test_a_followers_reads_behind_a_lost_read_index_request_are_asked_again(cluster):
+    """Found by review: when a follower's batched ReadIndex request is lost, its reads (and
+    those waiting behind it) are asked of the leader again after an election timeout,
+    rather than failing at their deadline."""
+    from kv.raft.messages import ReadIndexRequest
+
+    lead = await cluster.leader()
+    w = await lead.put("k", b"v")
+    f = (await cluster.followers())[0]
+    await f.wait_applied(w.index, timeout=5)
+    transport, dropped = f.raft.transport, []
+    send = transport.send
+
+    def lose_the_first(m):
+        if isinstance(m, ReadIndexRequest) and not dropped:
+            dropped.append(m)
+            return True
+        return send(m)
+
+    transport.send = lose_the_first
+    try:
+        loop = asyncio.get_running_loop()
+
+        async def read(after: float) -> float:
+            await asyncio.sleep(after)
+            t0 = loop.time()
+            assert (await f.get("k", timeout=5)).value == b"v"
+            return loop.time() - t0
+
+        took = await asyncio.gather(*(read(a) for a in (0, 0, 0.01, 0.05)))
+    finally:
+        transport.send = send
+    assert dropped and max(took) < 4  # answered after about an election timeout, not at the 5 s deadline
+
+
 async def test_waiting_for_a_leader_and_for_an_applied_index(cluster):
     lead = await cluster.leader()
     f = (await cluster.followers())[0]
