@@ -142,6 +142,18 @@ def test_what_spark_must_read_goes_through_spark(tmp_path):
     ):
         (tmp_path / "odd.csv").write_bytes(text.encode())
         assert why in local.read(str(tmp_path / "odd.csv"), None, "key", "value"), text
+    # found by a second run: a NUL before a doubled quote (Spark's reader drops the NUL),
+    # names that differ only in case (one to Spark), more columns than Spark's reader takes
+    for text, why in (
+        ('key,value\ntn1,"a\x00""b"\n', "NUL"),
+        ("key,KEY,value\np1,p1b,v\n", "twice"),
+        ("key,value," + ",".join(f"c{i}" for i in range(20_479)) + "\nk,v" + "," * 20_479 + "\n", "columns"),
+    ):
+        (tmp_path / "odd.csv").write_bytes(text.encode())
+        assert why in local.read(str(tmp_path / "odd.csv"), None, "key", "value"), text[:60]
+    (tmp_path / "case.csv").write_text("Key,VALUE\nk,v\n")  # a column is named exactly, as through Spark
+    with pytest.raises(BadRequest, match="no column 'key'"):
+        local.read(str(tmp_path / "case.csv"), None, "key", "value")
     (tmp_path / "latin1.csv").write_bytes(b"key,value\nk,caf\xe9\n")
     assert "UTF-8" in local.read(str(tmp_path / "latin1.csv"), None, "key", "value")
     (tmp_path / "twice.csv").write_text("key,key,value\nx,y,1\n")

@@ -23,6 +23,7 @@ from .importer import FORMATS, ImportReport, cluster_for_import, refuse_unknown_
 
 LOCAL_MAX_BYTES = 64 << 20  # a larger file goes to Spark, which can split the work
 _CSV_BLOCK_BYTES = 16 << 20  # Arrow's CSV reader refuses a row longer than its block (1 MiB by default)
+_SPARK_MAX_CSV_COLUMNS = 20_480  # Spark's CSV option maxColumns
 
 
 def spark_needed(source: str, fmt: str | None, *, master_from: str, conf: dict, options: dict, key_expr, value_expr, partitions, ship_package: bool) -> str | None:
@@ -59,10 +60,10 @@ def read(source: str, fmt: str | None, key_col: str, value_col: str):
     if isinstance(table, str):
         return table
     names = table.column_names
-    if len(set(names)) != len(names):
-        return "a column name occurs twice"
+    if len({n.lower() for n in names}) != len(names):
+        return "a column name occurs twice (Spark does not tell upper from lower case)"
     for role, col in (("key", key_col), ("value", value_col)):
-        if col not in names:
+        if col not in names:  # (by its exact name, as importer.shape looks for it)
             raise BadRequest(f"the data has no column {col!r} (its columns: {', '.join(names)}); choose one with --{role}-col or build one with --{role}-expr")
     key, value = (_decoded(table.column(c)) for c in (key_col, value_col))
     if not (pa.types.is_string(key.type) or pa.types.is_large_string(key.type) or pa.types.is_null(key.type)):
@@ -95,6 +96,8 @@ def _read_csv(path: str):
             text = f.read().removeprefix("\ufeff")
     except UnicodeDecodeError:
         return "the file is not UTF-8 (Spark's reader puts U+FFFD for what is not)"
+    if "\x00" in text:
+        return "the file holds a NUL character (Spark's reader drops some)"
     sep = _line_separator(text)
     problem = _irregular(text, sep)
     if problem:
@@ -102,6 +105,8 @@ def _read_csv(path: str):
     parse = csv.ParseOptions(newlines_in_values=True)
     read = csv.ReadOptions(block_size=_CSV_BLOCK_BYTES)
     names = csv.open_csv(path, read_options=read, parse_options=parse).schema.names
+    if len(names) > _SPARK_MAX_CSV_COLUMNS:
+        return f"more than {_SPARK_MAX_CSV_COLUMNS} columns (Spark's reader refuses the file)"
     convert = csv.ConvertOptions(
         column_types={n: pa.string() for n in names}, strings_can_be_null=True, quoted_strings_can_be_null=True, null_values=[""],
     )
