@@ -228,13 +228,13 @@ def test_the_import_check_counts_keys_given_twice_across_arrow_batches():
     pa = pytest.importorskip("pyarrow")
     import orjson
 
-    from kv.spark.importer import _check_task
+    from kv.spark.importer import check_task
 
     def batch(*keys):
         return pa.RecordBatch.from_arrays([pa.array(keys, pa.string()), pa.array([b"v"] * len(keys), pa.binary())], names=["key", "value"])
 
     def stats(*batches):
-        (out,) = _check_task(iter(batches), 100)
+        (out,) = check_task(iter(batches), 100)
         return orjson.loads(out.column(0)[0].as_py())
 
     clean = stats(batch("a", "b"), batch("c"), batch("d", "e"))
@@ -257,11 +257,11 @@ def test_the_import_check_refuses_keys_no_node_would_take():
     pa = pytest.importorskip("pyarrow")
     import orjson
 
-    from kv.spark.importer import Checked, _check_task
+    from kv.spark.importer import Checked, check_task
 
     keys = ["\x00lease", "a" * 5000, "fine"]
     b = pa.RecordBatch.from_arrays([pa.array(keys, pa.string()), pa.array([b"v"] * 3, pa.binary())], names=["key", "value"])
-    (out,) = _check_task(iter([b]), 100)
+    (out,) = check_task(iter([b]), 100)
     st = Checked(**orjson.loads(out.column(0)[0].as_py()))
     assert (st.reserved_keys, st.long_keys) == (1, 1)
     problems = st.problems(100, "refuse")
