@@ -585,17 +585,23 @@ def test_reads_arriving_during_a_round_share_the_next_one():
     assert sorted(s.ctx for s in leader.ready().read_states) == [2, 3, 4]
 
 
-def test_an_isolated_leader_never_serves_a_linearizable_read():
-    sim = Sim(3, seed=14)
-    lid = elected(sim)
+def reads_answered_at(sim: Sim, nid: str) -> tuple[list, list]:
+    """The read states and read failures member nid's Readies give from now on."""
     served, failed = [], []
 
-    def watch(nid, rd):
-        if nid == lid:
+    def watch(at, rd):
+        if at == nid:
             served.extend(rd.read_states)
             failed.extend(rd.read_failures)
 
     sim.on_ready = watch
+    return served, failed
+
+
+def test_an_isolated_leader_never_serves_a_linearizable_read():
+    sim = Sim(3, seed=14)
+    lid = elected(sim)
+    served, failed = reads_answered_at(sim, lid)
     sim.isolate(lid)
     sim.nodes[lid].core.read_index(7, sim.now)
     sim._process(sim.nodes[lid])
@@ -615,8 +621,7 @@ def settled_with_a_follower(seed: int) -> tuple[Sim, str, str]:
 
 def test_follower_read_index_asks_the_leader():
     sim, lid, fid = settled_with_a_follower(seed=15)
-    states = []
-    sim.on_ready = lambda nid, rd: states.extend(rd.read_states) if nid == fid else None
+    states, _ = reads_answered_at(sim, fid)
     sim.nodes[fid].core.read_index(5, sim.now)
     sim._process(sim.nodes[fid])
     sim.run_for(100)
@@ -642,8 +647,7 @@ def test_a_followers_reads_ask_the_leader_in_batches():
         assert not asks(f.ready())
     leader.step(first, sim.now)
     sim._process(sim.nodes[lid])  # the heartbeat round confirming it is answered (the sim delivers it)
-    got = []
-    sim.on_ready = lambda nid, rd: got.extend(rd.read_states) if nid == fid else None
+    got, _ = reads_answered_at(sim, fid)
     sim.run_for(100)
     assert sorted(s.ctx for s in got) == [1, 2, 3, 4, 5]
     (one,) = {s.index for s in got if s.ctx <= 3}  # the batch's answer is each of its reads'
@@ -655,14 +659,7 @@ def test_a_followers_read_request_that_goes_unanswered_is_sent_again():
     the next one is sent, so its answer is good for them."""
     sim, lid, fid = settled_with_a_follower(seed=18)
     f = sim.nodes[fid].core
-    failed, served = [], []
-
-    def watch(nid, rd):
-        if nid == fid:
-            failed.extend(rd.read_failures)
-            served.extend(rd.read_states)
-
-    sim.on_ready = watch
+    served, failed = reads_answered_at(sim, fid)
     f.read_index(1, sim.now)
     lost = [m for m in f.ready().messages if isinstance(m, ReadIndexRequest)]
     assert len(lost) == 1  # taken out of the sim: never delivered
@@ -705,8 +702,7 @@ def test_an_answer_meant_for_a_run_before_a_restart_answers_no_read_of_this_one(
     sim.run_for(300)
     written = sim.acked[b"W"]
     assert written > before
-    got = []
-    sim.on_ready = lambda nid, rd: got.extend(rd.read_states) if nid == fid else None
+    got, _ = reads_answered_at(sim, fid)
     f = sim.nodes[fid].core
     f.read_index(202, sim.now)  # issued after W was acknowledged
     sim._process(sim.nodes[fid])
@@ -720,8 +716,7 @@ def test_an_answer_meant_for_a_run_before_a_restart_answers_no_read_of_this_one(
 def test_a_followers_reads_fail_when_its_leader_is_gone():
     sim, lid, fid = settled_with_a_follower(seed=19)
     f = sim.nodes[fid].core
-    failed = []
-    sim.on_ready = lambda nid, rd: failed.extend(rd.read_failures) if nid == fid else None
+    _, failed = reads_answered_at(sim, fid)
     sim.isolate(lid)
     f.read_index(1, sim.now)
     sim._process(sim.nodes[fid])

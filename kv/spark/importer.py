@@ -309,11 +309,12 @@ def write(
     kv = shape(df, key_col=key_col, value_col=value_col, key_expr=key_expr, value_expr=value_expr)
     n = partitions or default_partitions(df)
     if n == 1:  # one task checks all the rows, then writes them: one Spark job, no shuffle
-        refuse_unknown_choice(on_duplicate)
-        with ProgressLine(df.sparkSession, 0, "imported") if progress else contextlib.nullcontext() as line:
-            s.progress = line and line.address
-            (r,) = kv.coalesce(1).mapInArrow(lambda batches: whole_task(batches, max_value_bytes, on_duplicate, s), "stats binary, outcome binary").collect()
-        return report_of(r.stats, r.outcome, max_value_bytes, on_duplicate, t0)
+
+        def run(task):
+            (r,) = kv.coalesce(1).mapInArrow(task, "stats binary, outcome binary").collect()
+            return r.stats, r.outcome
+
+        return one_task_import(run, df.sparkSession, s, max_value_bytes=max_value_bytes, on_duplicate=on_duplicate, t0=t0, progress=progress)
     rows, checked = check(kv, max_value_bytes=max_value_bytes, on_duplicate=on_duplicate, partitions=n)
     report = ImportReport(rows=rows)
     try:
@@ -368,11 +369,19 @@ def whole_task(batches, limit: int, on_duplicate: str, s):
     yield pa.RecordBatch.from_arrays([pa.array([stats], pa.binary()), pa.array([outcome], pa.binary())], names=["stats", "outcome"])
 
 
-def report_of(stats: bytes, outcome: bytes, limit: int, on_duplicate: str, t0: float) -> ImportReport:
-    """whole_task's row as the import's report; BadRequest if the check refused the rows
-    (then none was written)."""
+def one_task_import(run, spark, s, *, max_value_bytes: int, on_duplicate: str, t0: float, progress: bool) -> ImportReport:
+    """An import whose rows one task checks, then writes (whole_task): `run(task)` runs it
+    over the rows (a Spark job, or in this process: kv/spark/local.py) and returns its
+    (stats, outcome). BadRequest if the check refused the rows (then none was written).
+    `spark`: the session whose driver the progress line is on (None: this process)."""
+    from .progress import ProgressLine
+
+    refuse_unknown_choice(on_duplicate)
+    with ProgressLine(spark, 0, "imported") if progress else contextlib.nullcontext() as line:
+        s.progress = line and line.address
+        stats, outcome = run(lambda batches: whole_task(batches, max_value_bytes, on_duplicate, s))
     st = Checked(**orjson.loads(stats))
-    st.refuse_if_wrong(limit, on_duplicate)
+    st.refuse_if_wrong(max_value_bytes, on_duplicate)
     report = ImportReport(rows=st.rows)
     add_outcome(report, outcome)
     report.seconds = time.monotonic() - t0

@@ -2,7 +2,7 @@
 and value columns, when nobody asked for Spark (no master or Spark setting anywhere, no
 expressions, no reader options), is read with Arrow in this process, then checked and
 written by the very code the task of a one-partition import through Spark runs
-(importer.whole_task).
+(importer.one_task_import, whole_task).
 
 Why: starting Spark costs 7-10 s on a small machine before the first row is read, and its
 first jobs several more; a 26,000-row CSV took ~20 s, of which writing took 2. Here it takes
@@ -19,7 +19,7 @@ import os
 import re
 import time
 
-from .importer import FORMATS, ImportReport, cluster_for_import, refuse_unknown_choice, report_of, source_format, whole_task
+from .importer import FORMATS, ImportReport, cluster_for_import, one_task_import, source_format
 
 LOCAL_MAX_BYTES = 64 << 20  # a larger file goes to Spark, which can split the work
 _CSV_BLOCK_BYTES = 16 << 20  # Arrow's CSV reader refuses a row longer than its block (1 MiB by default)
@@ -50,11 +50,12 @@ def read(source: str, fmt: str | None, key_col: str, value_col: str):
     str saying why Spark must read it instead. A missing column is BadRequest, as in
     importer.shape."""
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     from ..errors import BadRequest
 
     try:
-        table = _read_csv(source) if FORMATS[source_format(source, fmt)] == "csv" else _read_parquet(source)
+        table = _read_csv(source) if FORMATS[source_format(source, fmt)] == "csv" else pq.read_table(source)
     except (pa.ArrowException, OSError) as e:
         return f"Arrow's reader: {e}"
     if isinstance(table, str):
@@ -91,9 +92,10 @@ def _read_csv(path: str):
     import pyarrow.compute as pc
     import pyarrow.csv as csv
 
+    with open(path, "rb") as f:
+        data = f.read()  # read once: checked as text here, parsed by Arrow from memory
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            text = f.read().removeprefix("\ufeff")
+        text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError:
         return "the file is not UTF-8 (Spark's reader puts U+FFFD for what is not)"
     if "\x00" in text:
@@ -104,13 +106,13 @@ def _read_csv(path: str):
         return problem
     parse = csv.ParseOptions(newlines_in_values=True)
     read = csv.ReadOptions(block_size=_CSV_BLOCK_BYTES)
-    names = csv.open_csv(path, read_options=read, parse_options=parse).schema.names
+    names = csv.open_csv(pa.BufferReader(data), read_options=read, parse_options=parse).schema.names
     if len(names) > _SPARK_MAX_CSV_COLUMNS:
         return f"more than {_SPARK_MAX_CSV_COLUMNS} columns (Spark's reader refuses the file)"
     convert = csv.ConvertOptions(
         column_types={n: pa.string() for n in names}, strings_can_be_null=True, quoted_strings_can_be_null=True, null_values=[""],
     )
-    table = csv.read_csv(path, read_options=read, parse_options=parse, convert_options=convert)
+    table = csv.read_csv(pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert)
     if sep == "\n":
         return table
     return pa.table({n: pc.replace_substring(table.column(n), sep, "\n") for n in table.column_names})
@@ -149,15 +151,6 @@ def _irregular(text: str, sep: str) -> str | None:
     return None
 
 
-def _read_parquet(path: str):
-    import pyarrow.parquet as pq
-
-    names = pq.read_schema(path).names
-    if len(set(names)) != len(names):
-        return "a column name occurs twice"
-    return pq.read_table(path)
-
-
 def import_file(
     table,
     endpoints: str,
@@ -172,15 +165,12 @@ def import_file(
     progress: bool = False,
 ) -> ImportReport:
     """Check, then write a (key, value) Arrow table read by `read`, here, as the one task
-    of an import through Spark does (importer.whole_task)."""
-    import contextlib
-
-    from .progress import ProgressLine
-
-    refuse_unknown_choice(on_duplicate)
+    of an import through Spark does (importer.one_task_import)."""
     t0 = time.monotonic()
     settings = cluster_for_import(endpoints, token, batch_rows, batch_bytes, concurrency, timeout, t0)
-    with ProgressLine(None, 0, "imported") if progress else contextlib.nullcontext() as line:
-        settings.progress = line and line.address
-        out = next(whole_task(iter(table.to_batches()), max_value_bytes, on_duplicate, settings))
-    return report_of(out.column(0)[0].as_py(), out.column(1)[0].as_py(), max_value_bytes, on_duplicate, t0)
+
+    def run(task):
+        (row,) = task(iter(table.to_batches()))
+        return row.column(0)[0].as_py(), row.column(1)[0].as_py()
+
+    return one_task_import(run, None, settings, max_value_bytes=max_value_bytes, on_duplicate=on_duplicate, t0=t0, progress=progress)
