@@ -2,14 +2,21 @@
 
 A change at revision R (the index of the entry that made it), the n-th of that entry's,
 moves the record the key held before it into the history, under (key, R, n): its
-create_revision, mod_revision, version, lease and value, or "absent" when the change creates
-the key; and it is listed under (R, n). (A ledgerkv transaction may change a key twice:
-each change is kept.) So, with no more than a seek each:
+create_revision, mod_revision, version, lease and value; and it is listed under (R, n).
+(A ledgerkv transaction may change a key twice: each change is kept.) A change that
+creates the key keeps no record, as there was nothing, unless the same batch of entries
+changed the key before (then an "absent" record: see below). So, with no more than a seek
+each:
 
 - the key as of revision X is its first history record after X, or its current record when
-  it has none (nothing changed it since X);
-- a change's prev_kv is its history record, and what it wrote is the key's next history
-  record, or its current record;
+  it has none (nothing changed it since X); unless that version was created after X, which
+  means the key was absent at X (a version created at or before X that lived on past X
+  was the key at X: any change in between would have kept a record);
+- a change's prev_kv is its history record (none: it created the key), and what it wrote
+  is the key's next history record, or its current record, unless that version was created
+  after R (the change was a delete). A delete and a creation in the same entry leave a
+  version created at R, hence the "absent" record a creation keeps after the batch's
+  earlier changes of the key;
 - Compact(C) makes every record below C useless (a read at C or later stops at a record
   above C), so compaction drops them, in bounded batches after the Compact is applied.
 
@@ -126,11 +133,12 @@ def change_of(db, raw: bytes, revision: int, n: int) -> tuple[KeyValue | None, P
     key's next history record, or (found False) its current record."""
     key = key_text(raw)
     head = VERSIONS + escaped(raw)
-    it = db.iterator(start=head + _REV_N.pack(revision, n), stop=head + _ALL_ONES)
+    own = head + _REV_N.pack(revision, n)
+    it = db.iterator(start=own, stop=head + _ALL_ONES)
     try:
         prev = None
-        for i, (k, v) in enumerate(it):
-            if i == 0:
+        for k, v in it:
+            if k == own:  # (a creation may have kept none: then prev is None)
                 prev = _version_of(key, v)
                 continue
             return prev, Past(True, _version_of(key, v))

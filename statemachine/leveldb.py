@@ -119,6 +119,7 @@ _USER_DATA = _DATA + b"\x01"  # where user keys start: the reserved ones sort be
 _META = _DATA + RESERVED + b"meta/"  # + key: its create_revision and version
 _META_END = _DATA + RESERVED + b"meta0"  # ("0" follows "/")
 _META_VALUE = struct.Struct(">QQ")
+_UNREAD = object()  # (_write: the caller has not read the key)
 _ALARM = RESERVED + b"alarm/"
 _COMPACT = RESERVED + b"compact"
 _HISTORY_END = history.CHANGES[:-1] + b"0"  # the first key after both history ranges
@@ -279,7 +280,7 @@ class LevelDBStateMachine:
     def get_at(self, key: str, revision: int) -> tuple[int, bytes] | None:
         """(mod_index, value) of a key as of a revision (see oldest_revision), or None."""
         raw = key_bytes(key)
-        kv = self._as_of(raw, self._at(raw, revision))
+        kv = self._as_of(raw, self._at(raw, revision), revision)
         return None if kv is None else (kv.mod_revision, kv.value)
 
     def _at(self, raw: bytes, revision: int) -> history.Past:
@@ -288,13 +289,17 @@ class LevelDBStateMachine:
         except plyvel.CorruptionError as e:
             raise self._damaged(e) from e
 
-    def _as_of(self, raw: bytes, past: history.Past, cur: tuple[int, bytes] | None = None) -> KeyValue | None:
-        """The key a history record says, or, when the history has none (nothing changed it
-        since), its current record (`cur`, if read already)."""
+    def _as_of(self, raw: bytes, past: history.Past, revision: int, cur: tuple[int, bytes] | None = None) -> KeyValue | None:
+        """The key as of `revision`: what a history record after it says, or, when the
+        history has none (nothing changed it since), its current record (`cur`, if read
+        already); none when that version was created after the revision (its creation kept
+        no record: history.py)."""
         if past.found:
-            return past.kv
-        cur = cur if cur is not None else self._current(_DATA + raw, {})
-        return self._kv(raw, cur, {}) if cur is not None else None
+            kv = past.kv
+        else:
+            cur = cur if cur is not None else self._current(_DATA + raw, {})
+            kv = self._kv(raw, cur, {}) if cur is not None else None
+        return kv if kv is not None and kv.create_revision <= revision else None
 
     def _items_at(self, key: bytes, end: bytes, revision: int) -> Iterator[tuple[bytes, KeyValue]]:
         """(raw key, KeyValue) of every key of etcd's range (key, end) as of a revision, in
@@ -310,7 +315,7 @@ class LevelDBStateMachine:
             if raw == last:
                 continue
             last = raw
-            kv = self._as_of(raw, self._at(raw, revision), cur)
+            kv = self._as_of(raw, self._at(raw, revision), revision, cur)
             if kv is not None:
                 yield raw, kv
 
@@ -333,7 +338,7 @@ class LevelDBStateMachine:
                 continue
             prev, then = history.change_of(self._db, raw, rev, n)
             key = key_text(raw)
-            kv = self._as_of(raw, then)
+            kv = self._as_of(raw, then, rev)
             if kv is None:
                 out.append((rev, key, None, KeyValue(key, 0, rev, 0, b"", 0), prev))
             else:
@@ -388,7 +393,6 @@ class LevelDBStateMachine:
         changes: list[Change] | None = [] if self.on_changes is not None else None
         results: list[Any] = []
         put_kind = EntryKind.NORMAL
-        pack = _U64.pack
         attached = self.leases.attached
         sessions = self.sessions.last
         for e in entries:
@@ -415,11 +419,8 @@ class LevelDBStateMachine:
                 if len(d) > end and d[end] == 0:
                     raw = d[o + 4 : end]
                     key = key_text(raw)
-                    k = _DATA + raw
                     value = d[end + 1 :]
-                    self._stamp(key, raw, e.index, wb, overlay, value, 0, changes)
-                    overlay[k] = (e.index, value)
-                    wb.put(k, pack(e.index) + value)
+                    self._write(key, raw, e.index, wb, overlay, value, 0, changes)
                     if key in attached:
                         self._detach(key, wb)
                     result = PutResult(e.index)
@@ -628,15 +629,11 @@ class LevelDBStateMachine:
         ok = all(self._check(c, overlay) is None for c in cmd.conds)
         out = []
         put_result = PutResult(index)  # every put of the txn has the same one
-        pack_index = _U64.pack(index)
         budget = self.max_read_bytes if self.max_read_bytes is not None else float("inf")
         for op in cmd.ops if ok else cmd.else_ops:
             t = type(op)
             if t is Put:
-                k = _DATA + key_bytes(op.key)
-                self._stamp(op.key, k[1:], index, wb, overlay, op.value, 0, changes)
-                overlay[k] = (index, op.value)
-                wb.put(k, pack_index + op.value)
+                self._write(op.key, key_bytes(op.key), index, wb, overlay, op.value, 0, changes)
                 if op.key in self.leases.attached:
                     self._detach(op.key, wb)
                 out.append(put_result)
@@ -658,7 +655,6 @@ class LevelDBStateMachine:
         """Put each row whose condition holds, as a put without a lease does."""
         rows = cmd.rows
         refused, mods, held = [], [], []
-        pack_index = _U64.pack(index)
         attached = self.leases.attached
         for i, (raw, value, cond) in enumerate(rows):
             k = _DATA + raw
@@ -668,20 +664,14 @@ class LevelDBStateMachine:
                 mods.append(cur[0] if cur else 0)
                 held.append(1 if cur is not None and cur[1] == value else 0)
                 continue
-            overlay[k] = cur  # read once: _stamp finds it here (None: absent, as it is)
             key = key_text(raw)
-            self._stamp(key, raw, index, wb, overlay, value, 0, changes)
-            overlay[k] = (index, value)
-            wb.put(k, pack_index + value)
+            self._write(key, raw, index, wb, overlay, value, 0, changes, cur)
             if key in attached:
                 self._detach(key, wb)
         return BulkApplied(index, tuple(refused), tuple(mods), tuple(held))
 
     def _put(self, op: Put, index: int, wb, overlay: dict, changes: list | None) -> PutResult:
-        k = _DATA + key_bytes(op.key)
-        self._stamp(op.key, k[1:], index, wb, overlay, op.value, op.lease, changes)
-        overlay[k] = (index, op.value)
-        wb.put(k, _U64.pack(index) + op.value)
+        self._write(op.key, key_bytes(op.key), index, wb, overlay, op.value, op.lease, changes)
         had = self.leases.attached.get(op.key)
         if had != (op.lease or None):
             if had is not None:
@@ -747,24 +737,38 @@ class LevelDBStateMachine:
 
     # -- create_revision and version (etcd's v3 API) --------------------------------------
 
-    def _stamp(self, key: str, raw: bytes, index: int, wb, overlay: dict, value: bytes, lease: int, changes: list | None) -> None:
-        """A put of key at index, before the put's own record is in overlay: its meta record
-        moves on (version + 1; create_revision = index for a new key), what it held goes to
-        the history, and the change is listed for watchers (with the key before and after,
-        in rich_changes mode)."""
+    def _write(self, key: str, raw: bytes, index: int, wb, overlay: dict, value: bytes, lease: int, changes: list | None, old=_UNREAD) -> None:
+        """Put a value at a key (raw: its bytes) at index, leases aside: its data record; its
+        meta record moves on (version + 1); what it held goes to the history; and the change
+        is listed for watchers (with the key before and after, in rich_changes mode). `old`:
+        what the key holds, when the caller has read it.
+
+        A key created here gets no meta record (a key without one reads as created at its
+        mod_index, version 1) and, unless this batch changed it before, no history record
+        (history.py): two records of the four an update writes."""
+        k = _DATA + raw
+        touched = k in overlay
+        if old is _UNREAD:
+            old = self._current(k, overlay)
         mk = _META + raw
-        old = self._current(_DATA + raw, overlay)
         if old is None:
             create, version, prev = index, 1, None
+            overlay[mk] = None  # (a key's meta record goes when the key does)
+            if touched:
+                self._keep(raw, index, None, wb)
+            else:
+                self._list_change(raw, index, wb)
         else:
             meta = self._current(mk, overlay)
-            create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (old[0], 1)  # a key from before meta records
+            create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (old[0], 1)
             prev = KeyValue(key, create, old[0], version, old[1], self.leases.attached.get(key, 0))
             version += 1
-        v = _META_VALUE.pack(create, version)
-        overlay[mk] = (index, v)
-        wb.put(mk, _U64.pack(index) + v)
-        self._keep(raw, index, prev, wb)
+            v = _META_VALUE.pack(create, version)
+            overlay[mk] = (index, v)
+            wb.put(mk, _U64.pack(index) + v)
+            self._keep(raw, index, prev, wb)
+        overlay[k] = (index, value)
+        wb.put(k, _U64.pack(index) + value)
         if changes is not None:
             if not self.rich_changes:
                 changes.append((index, key, value))
@@ -789,12 +793,17 @@ class LevelDBStateMachine:
     def _keep(self, raw: bytes, index: int, prev: KeyValue | None, wb) -> None:
         """Move what key raw held before this change (of entry `index`) into the history,
         and list the change (history.py)."""
+        n = self._list_change(raw, index, wb)
+        wb.put(history.version_key(raw, index, n), history.version_value(index, prev))
+
+    def _list_change(self, raw: bytes, index: int, wb) -> int:
+        """List a change of key raw, the n-th of entry `index`'s; returns n."""
         if self._changes_at != index:
             self._changes_at, self._changes_n = index, 0
         n = self._changes_n
         self._changes_n += 1
-        wb.put(history.version_key(raw, index, n), history.version_value(index, prev))
         wb.put(history.change_key(index, n), _U64.pack(index) + raw)
+        return n
 
     def _kv(self, raw: bytes, cur: tuple[int, bytes], overlay: dict) -> KeyValue:
         key = key_text(raw)

@@ -22,100 +22,121 @@ def _entry(index: int, cmd) -> Entry:
 def _random_cmd(rng: random.Random, index: int):
     pick = rng.random()
     key = rng.choice(KEYS)
-    if pick < 0.5:
+    if pick < 0.45:
         return c.Put(key, b"v%d" % index)
-    if pick < 0.65:
+    if pick < 0.57:
         return c.Delete(key)
-    if pick < 0.75:
+    if pick < 0.65:
         return c.DeletePrefix(rng.choice(["a", "b/", "z"]))
-    if pick < 0.9:  # a transaction writing two keys at one revision
+    if pick < 0.78:  # a transaction writing two keys at one revision
         other = rng.choice(KEYS)
         return c.Txn(ops=(c.Put(key, b"t%d" % index), c.Delete(other) if other != key else c.Put(key, b"u%d" % index)))
+    if pick < 0.9:  # one key deleted and created again, or created and deleted, at one revision
+        pair = (c.Delete(key), c.Put(key, b"d%d" % index))
+        return c.Txn(ops=pair if rng.random() < 0.5 else pair[::-1])
     return c.TxnReq((), (c.PutReq(key.encode(), b"e%d" % index), c.DeleteRangeReq(b"b/", b"b0")), ())
 
 
-def _model_apply(state: dict, cmd, index: int) -> None:
-    """What each command does to {key: (mod, value)} (the test's own model)."""
+def _model_apply(state: dict, cmd, index: int, changes: list) -> None:
+    """What each command does to {key: KeyValue} (the test's own model); each change is
+    listed as (index, key, the key after or None, the key before or None)."""
+
+    def put(key: str, value: bytes) -> None:
+        before = state.get(key)
+        after = c.KeyValue(key, before.create_revision if before else index, index, before.version + 1 if before else 1, value, 0)
+        state[key] = after
+        changes.append((index, key, after, before))
+
+    def delete_where(inside) -> None:
+        for key in sorted((k for k in state if inside(k)), key=str.encode):
+            changes.append((index, key, None, state.pop(key)))
+
     t = type(cmd)
     if t is c.Put:
-        state[cmd.key] = (index, cmd.value)
+        put(cmd.key, cmd.value)
     elif t is c.Delete:
-        state.pop(cmd.key, None)
+        delete_where(lambda k: k == cmd.key)
     elif t is c.DeletePrefix:
-        for k in [k for k in state if k.startswith(cmd.prefix)]:
-            del state[k]
+        delete_where(lambda k: k.startswith(cmd.prefix))
     elif t is c.Txn:
         for op in cmd.ops:
-            _model_apply(state, op, index)
+            _model_apply(state, op, index, changes)
     elif t is c.TxnReq:
         for op in cmd.success:
             if type(op) is c.PutReq:
-                state[op.key.decode()] = (index, op.value)
+                put(op.key.decode(), op.value)
             else:
-                for k in [k for k in state if op.key <= k.encode() < op.range_end]:
-                    del state[k]
+                delete_where(lambda k: op.key <= k.encode() < op.range_end)
 
 
 @pytest.fixture
 def history(tmp_path):
-    """A state machine that applied 300 random commands, and the model's state at every revision."""
+    """A state machine that applied 300 random commands, in batches of 1 to 4 entries as the
+    FSM caller hands them over; the model's state at every revision and its changes."""
     rng = random.Random(7)
     sm = LevelDBStateMachine(str(tmp_path / "sm"))
     state: dict = {}
     at = {0: {}}
+    changes: list = []
+    entries = []
     for index in range(1, 301):
         cmd = _random_cmd(rng, index)
-        sm.apply([_entry(index, cmd)])
-        _model_apply(state, cmd, index)
+        entries.append(_entry(index, cmd))
+        _model_apply(state, cmd, index, changes)
         at[index] = dict(state)
-    yield sm, at
+    while entries:
+        n = rng.randint(1, 4)
+        sm.apply(entries[:n])
+        entries = entries[n:]
+    yield sm, at, changes
     sm.close()
 
 
+def _sorted_kvs(state: dict) -> list:
+    return sorted(state.values(), key=lambda kv: kv.key.encode())
+
+
 def test_every_past_revision_reads_as_it_was(history):
-    sm, at = history
-    for rev in range(0, 301, 7):
-        want = sorted((k, v, m) for k, (m, v) in at[rev].items())
+    sm, at, _ = history
+    for rev in range(0, 301):
+        want = sorted((k, kv.value, kv.mod_revision) for k, kv in at[rev].items())
         assert sm.scan("", limit=100, revision=rev) == want
         assert sm.scan("b/", limit=100, revision=rev) == [x for x in want if x[0].startswith("b/")]
         for key in KEYS:
             got = sm.get_at(key, rev)
-            assert got == (at[rev][key] if key in at[rev] else None), (key, rev)
+            kv = at[rev].get(key)
+            assert got == (None if kv is None else (kv.mod_revision, kv.value)), (key, rev)
+        # with create_revision and version, as etcd's API reports them
+        assert list(sm.range(c.RangeReq(b"\x00", b"\x00"), revision=rev).kvs) == _sorted_kvs(at[rev]), rev
         rng = sm.range(c.RangeReq(b"a", b"b"), revision=rev)
-        assert [(kv.key, kv.value, kv.mod_revision) for kv in rng.kvs] == [x for x in want if "a" <= x[0] < "b"]
+        assert list(rng.kvs) == [kv for kv in _sorted_kvs(at[rev]) if b"a" <= kv.key.encode() < b"b"]
+    assert list(sm.range(c.RangeReq(b"\x00", b"\x00")).kvs) == _sorted_kvs(at[300])
     # pages at one revision after `after` keys
     page = sm.scan("", after="a\x00", limit=3, revision=150)
-    assert page == sorted((k, v, m) for k, (m, v) in at[150].items() if k > "a\x00")[:3]
+    assert page == sorted((k, kv.value, kv.mod_revision) for k, kv in at[150].items() if k > "a\x00")[:3]
 
 
 def test_changes_of_past_revisions_carry_what_the_key_held_before(history):
-    sm, at = history
+    sm, at, model = history
     changes, after = sm.history_changes(1, "", 10_000)
     assert after == 301
     chunk, after = sm.history_changes(1, "", 10)  # a chunk ends with a whole revision
     assert after == chunk[-1][0] + 1 and chunk == changes[: len(chunk)]
     assert sm.history_changes(1, "b/", 10_000)[0] == [ch for ch in changes if ch[1].startswith("b/")]
-    assert [ch[0] for ch in changes] == sorted(ch[0] for ch in changes)
-    seen = set()
-    for i, (index, key, value, kv, prev) in enumerate(changes):
-        # (a ledgerkv transaction may change a key twice: each change is listed)
-        first = (index, key) not in seen
-        last = all((ch[0], ch[1]) != (index, key) for ch in changes[i + 1 :])
-        seen.add((index, key))
-        before, after = at[index - 1].get(key), at[index].get(key)
-        if first:
-            assert ((prev.mod_revision, prev.value) if prev else None) == before, (index, key)
-        if last:
-            assert (None if value is None else (kv.mod_revision, value)) == after, (index, key)
+    # each change (a ledgerkv transaction may change a key twice: each is listed), with
+    # the key after it (a delete: at the change's revision, version 0) and before it
+    want = [(i, key, kv.value if kv else None, kv or c.KeyValue(key, 0, i, 0, b"", 0), prev) for i, key, kv, prev in model]
+    assert changes == want
     # every key whose record moved from one revision to the next is listed
+    listed = {(ch[0], ch[1]) for ch in changes}
     for index in range(1, 301):
         for key in set(at[index - 1]) | set(at[index]):
             if at[index - 1].get(key) != at[index].get(key):
-                assert (index, key) in seen, (index, key)
+                assert (index, key) in listed, (index, key)
 
 
 def test_compact_keeps_reads_at_and_after_it_and_purges_the_rest(history, tmp_path):
-    sm, at = history
+    sm, at, _ = history
     assert sm.apply([_entry(301, c.Compact(301))])[0] == c.CompactAnswer(0, "future")  # at most what was applied before it
     r = sm.apply([_entry(302, c.Compact(200))])[0]
     assert r == c.CompactAnswer(200, "") and sm.compacted_at == 302
@@ -127,7 +148,7 @@ def test_compact_keeps_reads_at_and_after_it_and_purges_the_rest(history, tmp_pa
     assert sm.watch_floor() == 200
     assert min(ch[0] for ch in sm.history_changes(1, "", 10_000)[0]) >= 200
     for rev in (200, 250, 300):
-        assert sm.scan("", limit=100, revision=rev) == sorted((k, v, m) for k, (m, v) in at[rev].items())
+        assert sm.scan("", limit=100, revision=rev) == sorted((k, kv.value, kv.mod_revision) for k, kv in at[rev].items())
     # a snapshot carries the history that is left, and its start
     view = sm.capture()
     other = LevelDBStateMachine(str(tmp_path / "other"))

@@ -124,20 +124,22 @@ def test_applied_index_moves_with_the_batch_across_reopen(tmp_path):
 
 
 def test_capture_is_a_frozen_view_and_restore_replaces_everything(sm, tmp_path):
-    sm.apply([normal(i, c.Put(f"k{i}", b"v%d" % i)) for i in range(1, 11)])
+    sm.apply([normal(i, c.Put(f"k{i}", b"v%d" % i)) for i in range(1, 10)] + [normal(10, c.Put("k3", b"v3 again"))])
     view = sm.capture()
     sm.apply([normal(11, c.Put("k1", b"changed")), normal(12, c.Delete("k2"))])
     items = list(view.items())
     view.release()
     user = [it for it in items if not it[0].startswith(b"\x00")]
-    # besides each key's meta record, the history: a version ("absent") and a change record
-    # per put, and where it starts
-    assert (view.index, len(user), len(items)) == (10, 10, 41) and (b"k1", b"v1", 1) in items
+    # besides the keys, the history: a change record per put, where it starts, and for k3's
+    # update a version record and a meta record (a creation keeps neither)
+    assert (view.index, len(user), len(items)) == (10, 9, 22) and (b"k1", b"v1", 1) in items
     other = LevelDBStateMachine(str(tmp_path / "other"))
     other.apply([normal(1, c.Put("junk", b"x"))])
-    assert other.restore(10, 1, b"[]", iter(items)) == 10
+    assert other.restore(10, 1, b"[]", iter(items)) == 9
     assert other.get("junk") is None and other.get("k1") == (1, b"v1") and other.applied() == (10, 1)
-    assert other.range(c.RangeReq(b"k1")).kvs == (c.KeyValue("k1", 1, 1, 1, b"v1", 0),)  # the meta records came along
+    assert other.range(c.RangeReq(b"k1")).kvs == (c.KeyValue("k1", 1, 1, 1, b"v1", 0),)
+    assert other.range(c.RangeReq(b"k3")).kvs == (c.KeyValue("k3", 3, 10, 2, b"v3 again", 0),)  # its versions came along
+    assert other.get_at("k3", 9) == (3, b"v3") and other.get_at("k9", 8) is None
     assert not other.incomplete
     other.close()
 
