@@ -38,7 +38,7 @@ class Settings:
     token: str | None = None
     batch_rows: int = 0  # rows per request at most (0: as many as batch_bytes holds)
     batch_bytes: int = 1 << 20
-    concurrency: int = 4
+    concurrency: int = 8
     deadline: float = 0.0  # time.time() after which nothing more is sent (0: none)
     began: int = 0  # the cluster's commit index when the import began: a row found holding its value since then was written by it
     progress: tuple | None = None  # where the driver's progress line listens (progress.Reporter)

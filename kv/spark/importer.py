@@ -293,7 +293,7 @@ def write(
     partitions: int | None = None,
     batch_rows: int = 0,
     batch_bytes: int = 1 << 20,
-    concurrency: int = 4,
+    concurrency: int = 8,
     token: str | None = None,
     timeout: float | None = None,
     progress: bool = False,

@@ -159,7 +159,7 @@ def import_file(
     max_value_bytes: int,
     batch_rows: int = 0,
     batch_bytes: int = 1 << 20,
-    concurrency: int = 4,
+    concurrency: int = 8,
     token: str | None = None,
     timeout: float | None = None,
     progress: bool = False,
