@@ -10,9 +10,9 @@ Layout:
     b"k\x00compact"    the compact revision (etcd's Compact), after the usual mod_index
     b"k\x00alarm/" + member (16 hex digits) + "/" + alarm   a raised alarm (etcd's AlarmMember)
     b"k\x00meta/" + key  create_revision (u64) + version (u64) of a key, after the usual
-                       mod_index: what etcd's v3 API reports (a key written before these
-                       records has none: its create_revision is taken to be its mod_index,
-                       its version 1, until its next write)
+                       mod_index: what etcd's v3 API reports. A key without one (written once
+                       since it was created, or before these records) has its mod_index for
+                       create_revision and version 1: a creation writes none.
     b"k\x00hist/...", b"k\x00hrev/..."  the history: every key's earlier versions (history.py)
     b"k\x00hfrom"      the first revision whose changes the history holds (after the usual mod_index)
     b"\\x00sessions_at"  the index as of which every client session's record is up to date
