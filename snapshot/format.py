@@ -1,4 +1,4 @@
-"""The snapshot file format (version 1).
+"""The snapshot file format (version 2; version 1 files still read).
 
     magic          8 bytes  b"LKVSNAP1"
     header_len     u32
@@ -42,7 +42,9 @@ from ..statemachine.commands import MAX_INDEX, MAX_KEY_BYTES
 
 MAGIC = b"LKVSNAP1"
 END_MAGIC = b"LKVSEND1"
-FORMAT = 1
+FORMAT = 2  # 2: a key's creation keeps no history or meta record (statemachine/history.py)
+READS = (1, 2)  # format 1's records read as they always did; a ledgerkv that reads only 1
+# refuses a format-2 file rather than take a creation's missing record for "unchanged"
 BLOCK_BYTES = 1 << 20
 _U32 = struct.Struct(">I")
 _BLOCK = struct.Struct(">III")
@@ -181,8 +183,8 @@ def _header_of(d) -> SnapshotHeader:
     says nothing about where it came from)."""
     if not isinstance(d, dict):
         raise SnapshotFormatError("snapshot header is not a JSON object")
-    if type(d.get("format")) is not int or d["format"] != FORMAT:
-        raise SnapshotFormatError(f"snapshot format {d.get('format')!r} is not one this ledgerkv reads ({FORMAT})")
+    if type(d.get("format")) is not int or d["format"] not in READS:
+        raise SnapshotFormatError(f"snapshot format {d.get('format')!r} is not one this ledgerkv reads ({', '.join(map(str, READS))}): a newer ledgerkv wrote it?")
     index, term = _index_field(d, "index"), _index_field(d, "term")
     if index > 0 and term == 0:
         raise SnapshotFormatError(f"snapshot header: index {index} with term 0")
@@ -194,7 +196,7 @@ def _header_of(d) -> SnapshotHeader:
         raise SnapshotFormatError("snapshot header: group (non-empty) and node must be strings")
     membership = d.get("membership", [])
     _check_membership(membership)
-    return SnapshotHeader(index, term, json.dumps(membership, separators=(",", ":")).encode(), float(created), group, node)
+    return SnapshotHeader(index, term, json.dumps(membership, separators=(",", ":")).encode(), float(created), group, node, d["format"])
 
 
 def _index_field(d: dict, name: str) -> int:

@@ -408,6 +408,7 @@ def block(keys: list[bytes], mods: list[int] | None = None) -> tuple[int, bytes]
 CRAFTED = {
     "empty header": (b"", [block([b"a"])]),
     "header not an object": (b"[]", [block([b"a"])]),
+    "format from a newer ledgerkv": (good_header(format=3), [block([b"a"])]),
     "index -5": (good_header(index=-5), [block([b"a"])]),
     "index 2^70": (good_header(index=1 << 70), [block([b"a"])]),
     "index a string": (good_header(index="10"), [block([b"a"])]),
