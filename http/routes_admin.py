@@ -16,6 +16,7 @@ from .answer import Answer
 from .context import ctx
 from .errors import json_response
 from .forward import forward_to_leader
+from .keys import key_param
 from .params import index_param, json_body, read_timeout, write_timeout
 
 OPENAPI_PATH = os.path.join(os.path.dirname(__file__), "openapi.json")
@@ -78,6 +79,55 @@ async def get_snapshot(request: web.Request) -> web.StreamResponse:
             "X-Snapshot-Term": str(snap.term),
         },
     )
+
+
+async def open_export(request: web.Request) -> Answer:
+    """A consistent view of every key under ?prefix= as of now, pinned on this node for an
+    export (kv.spark's as-of-now export reads it, each executor its key ranges): its name,
+    index and term, how many keys it holds, and ?parts=N key ranges of about equal counts
+    (hex; an end of null: to the last key). DELETE it when done."""
+    try:
+        parts = int(request.query.get("parts", "1"))
+    except ValueError:
+        raise BadRequest(f"parts must be an integer, not {request.query['parts'][:40]!r}") from None
+    v = await ctx(request).node.exports.open(key_param(request, "prefix", ""), parts, read_timeout(request))
+    ranges = [[lo.hex(), None if hi is None else hi.hex()] for lo, hi in v["ranges"]]
+    return json_response({**v, "ranges": ranges})
+
+
+async def read_export(request: web.Request) -> web.StreamResponse:
+    """The keys [?from=, ?to=) (hex) of a pinned view, as blocks in the snapshot file's
+    format (snapshot/format.py: length, record count, crc32, payload) and its end block."""
+    exports = ctx(request).node.exports
+    name = request.match_info["view"]
+    lo, hi = _hex_param(request, "from") or b"", _hex_param(request, "to")
+    pinned = exports.get(name)  # (404 before any byte)
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "X-Kv-Index": str(pinned.index)})
+    await resp.prepare(request)
+    frames = exports.frames(name, lo, hi)
+    try:
+        async for frame in frames:
+            await resp.write(frame)
+    finally:
+        await frames.aclose()
+    await resp.write_eof()
+    return resp
+
+
+async def close_export(request: web.Request) -> Answer:
+    if not ctx(request).node.exports.release(request.match_info["view"]):
+        raise NotFound("this node holds no such export view (it ended already, or went unread too long)")
+    return json_response({"released": True})
+
+
+def _hex_param(request: web.Request, name: str) -> bytes | None:
+    raw = request.query.get(name)
+    if raw is None:
+        return None
+    try:
+        return bytes.fromhex(raw)
+    except ValueError:
+        raise BadRequest(f"{name} must be a key in hex, not {raw[:40]!r}") from None
 
 
 async def get_log(request: web.Request) -> web.StreamResponse:
@@ -149,6 +199,9 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/metrics", metrics, name="metrics")
     r.add_post("/v1/snapshot", take_snapshot, name="snapshot_take")
     r.add_get("/v1/snapshot", get_snapshot, name="snapshot_get")
+    r.add_post("/v1/export", open_export, name="export_open")
+    r.add_get("/v1/export/{view}", read_export, name="export_read")
+    r.add_delete("/v1/export/{view}", close_export, name="export_close")
     r.add_get("/v1/log", get_log, name="log")
     r.add_post("/v1/leader/transfer", leader_transfer, name="leader_transfer")
     r.add_post("/v1/compact", compact, name="compact")

@@ -43,6 +43,7 @@ from .server.config import NodeConfig
 from .server.datadir import DataDirLock
 from .server.members import Members
 from .server.diskguard import DiskGuard
+from .server.exports import PinnedViews
 from .server.lessor import LeaseClock, granted_id
 from .server.recovery import Recovery
 from .server.compactor import Compactor
@@ -92,6 +93,7 @@ class Node(AsyncRecipes):
         self.ledger: Ledger | None = None
         self.caller: FSMCaller | None = None
         self.snapshots = None  # snapshot.manager.SnapshotManager, set in start()
+        self.exports = PinnedViews(lambda: self.sm.capture(), self.read_barrier)  # views pinned for exports (kv/server/exports.py)
         self.writer: Writer | None = None  # the write path (kv/server/writes.py), made in start()
         self.disk: DiskGuard | None = None  # the free-space reserve (kv/server/diskguard.py), made in start()
         self.counters = collections.Counter()
@@ -244,6 +246,7 @@ class Node(AsyncRecipes):
         if self.caller is not None:
             await self.caller.stop()
         self.watches.close_all()
+        self.exports.release_all()
         if self.sm is not None:
             self.sm.close()
         if self.ledger is not None:

@@ -49,6 +49,7 @@ BLOCK_BYTES = 1 << 20
 _U32 = struct.Struct(">I")
 _BLOCK = struct.Struct(">III")
 _TRAILER = struct.Struct(">QQQI8s")
+END_BLOCK = _BLOCK.pack(0, 0, 0)
 _LITTLE = sys.byteorder == "little"
 
 
@@ -124,14 +125,13 @@ def write_snapshot(
     for keys, values, mods in blocks:
         if not keys:
             continue
-        payload = encode_block(keys, values, mods)
         offsets.append(w.pos)
-        w.write(_BLOCK.pack(len(payload), len(keys), zlib.crc32(payload)) + payload)
+        w.write(framed_block(keys, values, mods))
         total += len(keys)
         failpoints.hit("snapshot.mid_write")
         if progress is not None:
             progress(total, w.pos)
-    w.write(_BLOCK.pack(0, 0, 0))
+    w.write(END_BLOCK)
     index_offset = w.pos
     w.write(struct.pack(f">{len(offsets)}Q", *offsets))
     trailer = Trailer(index_offset, total, len(offsets), w.crc)
@@ -326,9 +326,18 @@ def _check_records(keys: list[bytes], mods: list[int], last_key: bytes | None, i
     return last_key
 
 
-def iter_blocks(f, start: int) -> Iterator[tuple[int, bytes]]:
-    """(record count, payload) of each block from offset `start` to the end block."""
-    f.seek(start)
+def framed_block(keys: list[bytes], values: list[bytes], mods: bytes) -> bytes:
+    """A block as the file holds it: its length, record count and crc32, then its payload
+    (also how an export view's key ranges are streamed: GET /v1/export/{view})."""
+    payload = encode_block(keys, values, mods)
+    return _BLOCK.pack(len(payload), len(keys), zlib.crc32(payload)) + payload
+
+
+def iter_blocks(f, start: int | None) -> Iterator[tuple[int, bytes]]:
+    """(record count, payload) of each block from offset `start` (None: where f is, for a
+    stream) to the end block."""
+    if start is not None:
+        f.seek(start)
     while True:
         head = f.read(_BLOCK.size)
         if len(head) != _BLOCK.size:

@@ -120,6 +120,7 @@ _META = _DATA + RESERVED + b"meta/"  # + key: its create_revision and version
 _META_END = _DATA + RESERVED + b"meta0"  # ("0" follows "/")
 _META_VALUE = struct.Struct(">QQ")
 _UNREAD = object()  # (_write: the caller has not read the key)
+_SPLIT_SAMPLE = 4096  # keys user_key_splits keeps at least (of those it visits), to cut among
 _ALARM = RESERVED + b"alarm/"
 _COMPACT = RESERVED + b"compact"
 _HISTORY_END = history.CHANGES[:-1] + b"0"  # the first key after both history ranges
@@ -1027,14 +1028,17 @@ class LevelDBView:
         for keys, values, mods in self.blocks(1 << 20):
             yield from zip(keys, values, _int64_le(mods).tolist())
 
-    def blocks(self, block_bytes: int) -> Iterator[tuple[list[bytes], list[bytes], bytes]]:
+    def blocks(self, block_bytes: int, lo: bytes | None = None, hi: bytes | None = None) -> Iterator[tuple[list[bytes], list[bytes], bytes]]:
+        """The records in blocks of columns of about block_bytes; with lo and hi, only the
+        keys of [lo, hi) (hi None: to the end)."""
         # The one loop that visits every record does no more than collect it: cutting the
         # prefix off keys, the mod_index off values and decoding mod_indexes are done per
         # block by C loops (map, join, array), a few times faster than per record in Python.
         keys: list[bytes] = []
         values: list[bytes] = []
         size = 0
-        with self._snap.iterator(prefix=_DATA, verify_checksums=True) as it:
+        bounds = {"prefix": _DATA} if lo is None and hi is None else {"start": _DATA + (lo or b""), "stop": _DATA + hi if hi is not None else _DATA_END}
+        with self._snap.iterator(**bounds, verify_checksums=True) as it:
             for k, v in it:
                 keys.append(k)
                 values.append(v)
@@ -1044,6 +1048,26 @@ class LevelDBView:
                     keys, values, size = [], [], 0
         if keys:
             yield _columns(keys, values)
+
+    def user_key_splits(self, lo: bytes, hi: bytes | None, parts: int) -> tuple[int, list[bytes]]:
+        """How many user keys [lo, hi) holds (lo at least the first user key: ledgerkv's own
+        records are left out), and up to parts - 1 keys that cut them into runs of about
+        equal counts, from one pass over the keys alone."""
+        # Every step-th key is kept; the step doubles (every other kept key dropped) each
+        # time the sample fills up, so the sample stays evenly spread, whatever the count.
+        step = 1
+        sample: list[bytes] = []
+        n = 0
+        stop = _DATA + hi if hi is not None else _DATA_END
+        with self._snap.iterator(start=max(_DATA + lo, _USER_DATA), stop=stop, include_value=False) as it:
+            for n, k in enumerate(it, 1):
+                if n % step == 0:
+                    sample.append(k)
+                    if len(sample) >= 2 * _SPLIT_SAMPLE:
+                        sample, step = sample[1::2], step * 2
+        per = len(sample) / max(parts, 1)
+        cuts = sorted({sample[int(per * i)][len(_DATA) :] for i in range(1, parts) if int(per * i) < len(sample)})
+        return n, cuts
 
     def release(self) -> None:
         self._snap.close()

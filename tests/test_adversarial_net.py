@@ -434,6 +434,9 @@ def test_roles_decide_what_a_token_may_do(role_cluster):
             ("DELETE", "/v1/members/n3", None),
             ("GET", "/v1/members", None),
             ("POST", "/v1/snapshot", None),
+            ("POST", "/v1/export", None),
+            ("GET", "/v1/export/0123", None),
+            ("DELETE", "/v1/export/0123", None),
             ("GET", "/v1/log", None),
             ("GET", "/metrics", None),
         ):

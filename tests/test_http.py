@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import base64
+import io
 import json
 import os
 import re
@@ -339,6 +340,90 @@ async def test_snapshot_routes(api):
     r = await api.get("/v1/snapshot")
     assert r.status == 200 and r.headers["X-Snapshot-Index"] == str(d["index"])
     assert (await r.read()).startswith(b"LKVSNAP1")
+
+
+def _frames(body: bytes) -> list[tuple[bytes, bytes, int]]:
+    """The records of an export range's blocks (snapshot/format.py's framing), checked to
+    end with the end block."""
+    from kv.snapshot.format import iter_blocks, parse_block
+
+    f = io.BytesIO(body)
+    out = [rec for n, payload in iter_blocks(f, None) for rec in zip(*parse_block(payload, n))]
+    assert f.read() == b""
+    return out
+
+
+async def test_an_export_view_holds_the_keys_as_of_its_pinning_by_ranges(api):
+    """POST /v1/export pins a view after a read barrier and cuts its keys into ranges of
+    about equal counts; each range streams as blocks; writes after the pinning are not in
+    it; DELETE lets it go (404 afterwards); bad parameters are 400."""
+    for i in range(1200):
+        await api.put(f"/v1/kv/e/{i:05d}", data=b"v%d" % i)
+    await api.put("/v1/kv/f", data=b"out of the prefix")
+    r = await api.post("/v1/export?prefix=e/&parts=3")
+    assert r.status == 200, await r.text()
+    v = await r.json()
+    assert v["keys"] == 1200 and len(v["ranges"]) == 3 and v["ranges"][0][0] == b"e/".hex() and v["ranges"][-1][1] == b"e0".hex()
+    await api.put("/v1/kv/e/00000", data=b"after")  # not in the view
+    await api.put("/v1/kv/e/new", data=b"after")
+    rows = []
+    for lo, hi in v["ranges"]:
+        r = await api.get(f"/v1/export/{v['view']}", params={"from": lo, "to": hi})
+        assert r.status == 200 and r.headers["X-Kv-Index"] == str(v["index"])
+        part = _frames(await r.read())
+        assert 300 <= len(part) <= 500  # about a third each
+        rows += part
+    assert [(k.decode(), val) for k, val, _ in rows] == [(f"e/{i:05d}", b"v%d" % i) for i in range(1200)]
+    assert all(0 < mod <= v["index"] for _, _, mod in rows)
+    whole = await api.post("/v1/export")  # every key, one range
+    w = await whole.json()
+    assert w["keys"] == 1202 and w["ranges"] == [["", None]]
+    r = await api.get(f"/v1/export/{w['view']}")
+    assert [k for k, _, _ in _frames(await r.read())][-2:] == [b"e/new", b"f"]
+    for bad in ("/v1/export?parts=0", "/v1/export?parts=x", "/v1/export?parts=5000"):
+        assert (await api.post(bad)).status == 400, bad
+    assert (await api.get(f"/v1/export/{v['view']}?from=zz")).status == 400
+    assert (await api.delete(f"/v1/export/{v['view']}")).status == 200
+    assert (await api.get(f"/v1/export/{v['view']}")).status == 404
+    assert (await api.delete(f"/v1/export/{v['view']}")).status == 404
+    assert (await api.delete(f"/v1/export/{w['view']}")).status == 200
+
+
+async def test_a_node_pins_few_export_views_and_lets_unread_ones_go():
+    """MAX_VIEWS at most (503 beyond, the view let go at once); a view unread for
+    VIEW_TTL_S goes, one being read stays."""
+    from kv import Unavailable
+    from kv.server import exports
+
+    now = [0.0]
+    released = []
+
+    class View:
+        index, term = 7, 1
+
+        def release(self):
+            released.append(self)
+
+    async def barrier(*a):
+        return 7
+
+    views = exports.PinnedViews(View, barrier, clock=lambda: now[0])
+    names = [views.pin(View(), 7, 1) for _ in range(exports.MAX_VIEWS)]
+    with pytest.raises(Unavailable, match="exports open already"):
+        views.pin(View(), 7, 1)
+    assert len(released) == 1 and len(views) == exports.MAX_VIEWS
+    with views.reading(names[0]):
+        now[0] += exports.VIEW_TTL_S + 1
+        for name in names:
+            views._expire(name)  # (what its timer calls)
+        assert len(views) == 1  # the one being read
+    now[0] += exports.VIEW_TTL_S + 1
+    views._expire(names[0])
+    assert len(views) == 0 and len(released) == 1 + exports.MAX_VIEWS
+    name = views.pin(View(), 7, 1)
+    with views.reading(name):
+        assert views.release(name) and len(views) == 1  # let go once the read ends
+    assert len(views) == 0
 
 
 @pytest.mark.parametrize("front", FRONTS)

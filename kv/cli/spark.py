@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
     e.add_argument("out", help="output path (refused if it exists, unless --overwrite)")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--snapshot", help="a snapshot file (kv snapshot save)")
-    src.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="the cluster as of now: its leader takes a snapshot, which is exported (default $KV_ENDPOINTS, or the local `kv cluster up` nodes)")
+    src.add_argument("--endpoints", default=os.environ.get("KV_ENDPOINTS"), help="the cluster as of now: its leader pins a view of every key, which the executors read by key ranges (default $KV_ENDPOINTS, or the local `kv cluster up` nodes)")
     e.add_argument("--prefix", default=None, help="only keys under this prefix")
     e.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     e.add_argument("--partitions", type=int, default=None)

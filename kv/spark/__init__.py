@@ -20,6 +20,13 @@ The file is split into partitions by its block index (byte ranges), and each tas
 its blocks into Arrow record batches, so large snapshots are read in parallel rather than
 through one Python iterator. Every block's checksum is verified as it is read.
 
+A running cluster as of now (kv spark export --endpoints):
+
+    kv.spark.export_snapshot(spark, "users.parquet", endpoints="http://127.0.0.1:8001", prefix="users/")
+
+The leader pins a view of the keys (no snapshot is written), cut into key ranges that the
+tasks stream from it in the same block format (kv.spark.views).
+
 Change feed — the committed log range [start, end] of a running cluster, for audit, as a
 DataFrame of (index, term, op, key, value, conditional, branch), one row per mutation
 (kv.common.entry_stream says what each column means):

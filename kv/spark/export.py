@@ -13,6 +13,7 @@ from ..errors import BadRequest, KVError
 from ..snapshot.format import read_header
 from .runtime import session  # noqa: F401  (kv.spark.session; it lived here)
 from .snapshot_http import is_url, open_snapshot
+from .views import close_view, open_view
 
 VALUE_TYPES = ("binary", "string")
 
@@ -46,16 +47,11 @@ def download_snapshot(endpoints: str, token: str | None, directory: str | None =
     return _first_node(endpoints, token, download)
 
 
-def take_snapshot(endpoints: str, token: str | None) -> dict:
-    """Take a snapshot on the leader (or, failing that, the next node that answers):
-    {"url" (where its bytes are read, by ranges), "index", "term", "endpoint"}. Taken on
-    the leader, it holds every write acknowledged before the call."""
-
-    def take(c, ep: str) -> dict:
-        got = c.take_snapshot(ep)
-        return {"url": f"{ep}/v1/snapshot?index={got['index']}", "index": got["index"], "term": got["term"], "endpoint": ep}
-
-    return _first_node(endpoints, token, take)
+def pin_view(endpoints: str, token: str | None, prefix: str, parts: int) -> dict:
+    """Pin a view of every key under prefix on the leader (or, failing that, the next node
+    that answers), cut into `parts` key ranges: views.open_view's answer and its
+    "endpoint". It holds every write acknowledged before the call."""
+    return _first_node(endpoints, token, lambda c, ep: {**open_view(ep, token, prefix, parts), "endpoint": ep})
 
 
 def _first_node(endpoints: str, token: str | None, do):
@@ -88,29 +84,34 @@ def export_snapshot(
     json_schema: str | None = None,
     progress: bool = False,
 ) -> dict:
-    """Write the records of a snapshot file, or of a fresh snapshot of a cluster, to `out`;
+    """Write the keys of a cluster as of now, or the records of a snapshot file, to `out`;
     returns {"rows", "index", "term", "source"}, which also goes to out/_ledgerkv.json.
-    `out` must not exist unless overwrite. A cluster's snapshot is read from the node that
-    took it, each executor its own blocks (`GET /v1/snapshot?index=N` by byte ranges); a
-    snapshot file must be at a path every executor can open. `progress`: a progress line on
-    stderr while the records are read and written."""
+    `out` must not exist unless overwrite. A cluster's keys are read from a view its leader
+    pins (POST /v1/export, after a linearizable read barrier), each executor streaming its
+    own key ranges from that node; a snapshot file must be at a path every executor can
+    open. `progress`: a progress line on stderr while the records are read and written."""
     from .progress import ProgressLine
 
     if value_type not in VALUE_TYPES:
         raise BadRequest(f"--value-type must be one of {', '.join(VALUE_TYPES)}")
     if os.path.exists(out) and not overwrite:
         raise BadRequest(f"{out} exists: choose another path, or replace it with --overwrite")
-    if snapshot is None:  # the executors read it from the node, by byte ranges: no shared folder needed
-        taken = take_snapshot(endpoints, token)
-        path, source, index, term = taken["url"], taken["endpoint"], taken["index"], taken["term"]
+    if snapshot is None:  # the executors read a view the node pins, by key ranges: nothing written, no shared folder
+        view = pin_view(endpoints, token, prefix or "", partitions or spark.sparkContext.defaultParallelism * 2)
+        source, index, term = view["endpoint"], view["index"], view["term"]
+        try:
+            with ProgressLine(spark, 0, "exported") if progress else contextlib.nullcontext() as line:
+                save(with_value_type(read_view(spark, view, token=token, progress=line), value_type, json_schema), out, fmt, overwrite)
+        finally:
+            close_view(source, token, view["view"])
     else:
         with open(snapshot, "rb") as f:
             header, _ = read_header(f)
-        path, source, index, term = snapshot, snapshot, header.index, header.term
-    # (its share is of the snapshot's blocks: with a prefix, most rows may be in a few)
-    with ProgressLine(spark, 0, "exported", of=" of the snapshot read") if progress else contextlib.nullcontext() as line:
-        df = with_value_type(read_snapshot(spark, path, prefix=prefix, partitions=partitions, token=token, progress=line), value_type, json_schema)
-        save(df, out, fmt, overwrite)
+        source, index, term = snapshot, header.index, header.term
+        # (its share is of the snapshot's blocks: with a prefix, most rows may be in a few)
+        with ProgressLine(spark, 0, "exported", of=" of the snapshot read") if progress else contextlib.nullcontext() as line:
+            df = with_value_type(read_snapshot(spark, snapshot, prefix=prefix, partitions=partitions, token=token, progress=line), value_type, json_schema)
+            save(df, out, fmt, overwrite)
     meta = {"rows": spark.read.format(fmt).load(out).count(), "index": index, "term": term, "source": source, "prefix": prefix}
     if os.path.isdir(out):
         with open(os.path.join(out, "_ledgerkv.json"), "w") as f:  # Spark readers skip "_" files
@@ -195,10 +196,7 @@ def _read_blocks(batches, token: str | None = None, progress_to: tuple | None = 
 
 
 def _blocks_of(batches, token, reporter):
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from ..snapshot.format import block_columns, iter_blocks
+    from ..snapshot.format import iter_blocks
 
     for plan in batches:
         for path, offset, count, prefix in zip(*(plan.column(i).to_pylist() for i in range(4))):
@@ -206,26 +204,71 @@ def _blocks_of(batches, token, reporter):
                 for n, (records, payload) in enumerate(iter_blocks(f, offset)):
                     if n >= count:
                         break
-                    ko, kb, vo, vb, mb = block_columns(payload, records)
-                    batch = pa.RecordBatch.from_arrays(
-                        [
-                            pa.Array.from_buffers(pa.binary(), records, [None, pa.py_buffer(ko), pa.py_buffer(kb)]),
-                            pa.Array.from_buffers(pa.binary(), records, [None, pa.py_buffer(vo), pa.py_buffer(vb)]),
-                            pa.Array.from_buffers(pa.int64(), records, [None, pa.py_buffer(mb)]),
-                        ],
-                        names=["key", "value", "mod_index"],
-                    )
-                    if kb[:1] == b"\x00":  # ledgerkv's own records (leases, sessions, history: bytes) sort first
-                        starts = memoryview(ko).cast("i")
-                        own = next((i for i in range(records) if kb[starts[i] : starts[i] + 1] != b"\x00"), records)
-                        batch = batch.slice(own)
-                    if prefix:
-                        batch = batch.filter(pc.starts_with(batch.column(0), prefix))
+                    batch = _user_rows(records, payload, prefix)
                     reporter.add(batch.num_rows, 1)
-                    if batch.num_rows == 0:
-                        continue
-                    batch = batch.set_column(0, "key", _text_keys(batch.column(0)))
-                    yield batch
+                    if batch.num_rows:
+                        yield batch
+
+
+def _user_rows(records: int, payload: bytes, prefix: str):
+    """A block's records as an Arrow batch (key text, value, mod_index) built on the block's
+    own buffers, without ledgerkv's own records, and only those under `prefix` if given."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from ..snapshot.format import block_columns
+
+    ko, kb, vo, vb, mb = block_columns(payload, records)
+    batch = pa.RecordBatch.from_arrays(
+        [
+            pa.Array.from_buffers(pa.binary(), records, [None, pa.py_buffer(ko), pa.py_buffer(kb)]),
+            pa.Array.from_buffers(pa.binary(), records, [None, pa.py_buffer(vo), pa.py_buffer(vb)]),
+            pa.Array.from_buffers(pa.int64(), records, [None, pa.py_buffer(mb)]),
+        ],
+        names=["key", "value", "mod_index"],
+    )
+    if kb[:1] == b"\x00":  # ledgerkv's own records (leases, sessions, history: bytes) sort first
+        starts = memoryview(ko).cast("i")
+        own = next((i for i in range(records) if kb[starts[i] : starts[i] + 1] != b"\x00"), records)
+        batch = batch.slice(own)
+    if prefix:
+        batch = batch.filter(pc.starts_with(batch.column(0), prefix))
+    if batch.num_rows:
+        batch = batch.set_column(0, "key", _text_keys(batch.column(0)))
+    return batch
+
+
+def read_view(spark, view: dict, *, token: str | None = None, progress=None):
+    """A DataFrame (key string, value binary, mod_index long) of a view a node pinned
+    (views.open_view's answer, with its "endpoint"): a task per key range, each streaming
+    its range from the node. `progress`: a progress.ProgressLine the tasks report rows to."""
+    from .views import range_url
+
+    urls = [range_url(view["endpoint"], view["view"], lo, hi) for lo, hi in view["ranges"]]
+    plan = spark.createDataFrame([(u,) for u in urls], "url string").repartition(len(urls) or 1)
+    if progress is not None:
+        progress.total = view["keys"]
+    to = progress and progress.address
+    return plan.mapInArrow(lambda batches: _read_ranges(batches, token, to), snapshot_schema())
+
+
+def _read_ranges(batches, token: str | None, progress_to: tuple | None):
+    """mapInArrow: each input row is a key range of a view; yields its rows, a batch per
+    block (each reported to the driver's progress line, if it has one)."""
+    from .progress import Reporter
+    from .views import range_blocks
+
+    reporter = Reporter(progress_to)
+    try:
+        for plan in batches:
+            for url in plan.column(0).to_pylist():
+                for records, payload in range_blocks(url, token):
+                    batch = _user_rows(records, payload, "")
+                    reporter.add(batch.num_rows, batch.num_rows)
+                    if batch.num_rows:
+                        yield batch
+    finally:
+        reporter.close()
 
 
 def _text_keys(keys):

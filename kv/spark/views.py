@@ -1,0 +1,62 @@
+"""A node's view pinned for an export (kv/server/exports.py), read over HTTP: the driver pins
+it (`POST /v1/export`) and lets it go (`DELETE /v1/export/{view}`); each executor streams
+its key ranges (`GET /v1/export/{view}?from=&to=`) as blocks of the snapshot file's format.
+Nothing is written on the node, and no file is shared between hosts."""
+
+from __future__ import annotations
+
+import io
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+
+from ..errors import KVError
+
+TIMEOUT_S = 60.0
+
+
+def open_view(endpoint: str, token: str | None, prefix: str, parts: int) -> dict:
+    """Pin every key under prefix on this node, as of now: {"view", "index", "term", "keys",
+    "ranges" ([from, to) in hex; to None: the end)}."""
+    query = urllib.parse.urlencode({"prefix": prefix, "parts": parts})
+    with _request("POST", f"{endpoint}/v1/export?{query}", token) as resp:
+        return json.loads(resp.read())
+
+
+def close_view(endpoint: str, token: str | None, view: str) -> None:
+    """Let the view go (best effort: a node lets an unread view go by itself)."""
+    try:
+        with _request("DELETE", f"{endpoint}/v1/export/{view}", token):
+            pass
+    except KVError:
+        pass
+
+
+def range_url(endpoint: str, view: str, lo: str, hi: str | None) -> str:
+    query = {"from": lo, **({"to": hi} if hi is not None else {})}
+    return f"{endpoint}/v1/export/{view}?{urllib.parse.urlencode(query)}"
+
+
+def range_blocks(url: str, token: str | None) -> Iterator[tuple[int, bytes]]:
+    """(record count, payload) of each block of a view's key range, as they arrive."""
+    from ..snapshot.format import iter_blocks
+
+    with _request("GET", url, token) as resp:
+        yield from iter_blocks(io.BufferedReader(resp, 1 << 20), None)
+
+
+def _request(method: str, url: str, token: str | None):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        return urllib.request.urlopen(urllib.request.Request(url, method=method, headers=headers), timeout=TIMEOUT_S)
+    except urllib.error.HTTPError as e:
+        detail = e.read()[:2000].decode("utf-8", "replace")
+        try:
+            detail = json.loads(detail)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            detail = detail[:300]
+        raise KVError(f"{method} {url.split('?')[0]}: HTTP {e.code}: {detail}") from None
+    except OSError as e:
+        raise KVError(f"{method} {url.split('?')[0]}: {e}") from None
