@@ -84,8 +84,8 @@ async def get_snapshot(request: web.Request) -> web.StreamResponse:
 async def open_export(request: web.Request) -> Answer:
     """A consistent view of every key under ?prefix= as of now, pinned on this node for an
     export (kv.spark's as-of-now export reads it, each executor its key ranges): its name,
-    index and term, how many keys it holds, and ?parts=N key ranges of about equal counts
-    (hex; an end of null: to the last key). DELETE it when done."""
+    index and term, how many keys it holds (null: not counted), and up to ?parts=N key
+    ranges of about equal sizes (hex; an end of null: to the last key). DELETE it when done."""
     try:
         parts = int(request.query.get("parts", "1"))
     except ValueError:

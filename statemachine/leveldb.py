@@ -121,6 +121,8 @@ _META_END = _DATA + RESERVED + b"meta0"  # ("0" follows "/")
 _META_VALUE = struct.Struct(">QQ")
 _UNREAD = object()  # (_write: the caller has not read the key)
 _SPLIT_SAMPLE = 4096  # keys user_key_splits keeps at least (of those it visits), to cut among
+_SPLIT_BYTES = 8 << 20  # below this estimate of a range's files, user_key_splits counts its keys
+_CUT_BYTES = 24  # how finely a cut by estimate places itself: the bytes past a range's shared prefix
 _ALARM = RESERVED + b"alarm/"
 _COMPACT = RESERVED + b"compact"
 _HISTORY_END = history.CHANGES[:-1] + b"0"  # the first key after both history ranges
@@ -947,7 +949,7 @@ class LevelDBStateMachine:
 
     def capture(self) -> LevelDBView:
         self.flush_sessions()  # the snapshot carries every session as of its index
-        return LevelDBView(self._db.snapshot(), *self._applied, self.membership())
+        return LevelDBView(self._db.snapshot(), *self._applied, self.membership(), self._db.approximate_size)
 
     def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]]) -> int:
         """Replace everything with a snapshot's records; returns how many user keys were
@@ -1020,24 +1022,25 @@ class LevelDBStateMachine:
 class LevelDBView:
     """A LevelDB snapshot: a consistent view while writes go on."""
 
-    def __init__(self, snap, index: int, term: int, membership: bytes) -> None:
+    def __init__(self, snap, index: int, term: int, membership: bytes, approximate_size: Callable[[bytes, bytes], int] | None = None) -> None:
         self._snap = snap
         self.index, self.term, self.membership = index, term, membership
+        self._size = approximate_size  # of the database's files between two keys (now, not as of the view: an estimate)
 
     def items(self) -> Iterator[tuple[bytes, bytes, int]]:
         for keys, values, mods in self.blocks(1 << 20):
             yield from zip(keys, values, _int64_le(mods).tolist())
 
     def blocks(self, block_bytes: int, lo: bytes | None = None, hi: bytes | None = None) -> Iterator[tuple[list[bytes], list[bytes], bytes]]:
-        """The records in blocks of columns of about block_bytes; with lo and hi, only the
-        keys of [lo, hi) (hi None: to the end)."""
+        """The records in blocks of columns of about block_bytes; with lo or hi, only the
+        user keys of [lo, hi) (hi None: to the last), without ledgerkv's own records."""
         # The one loop that visits every record does no more than collect it: cutting the
         # prefix off keys, the mod_index off values and decoding mod_indexes are done per
         # block by C loops (map, join, array), a few times faster than per record in Python.
         keys: list[bytes] = []
         values: list[bytes] = []
         size = 0
-        bounds = {"prefix": _DATA} if lo is None and hi is None else {"start": _DATA + (lo or b""), "stop": _DATA + hi if hi is not None else _DATA_END}
+        bounds = {"prefix": _DATA} if lo is None and hi is None else {"start": max(_DATA + (lo or b""), _USER_DATA), "stop": _DATA + hi if hi is not None else _DATA_END}
         with self._snap.iterator(**bounds, verify_checksums=True) as it:
             for k, v in it:
                 keys.append(k)
@@ -1049,17 +1052,32 @@ class LevelDBView:
         if keys:
             yield _columns(keys, values)
 
-    def user_key_splits(self, lo: bytes, hi: bytes | None, parts: int) -> tuple[int, list[bytes]]:
-        """How many user keys [lo, hi) holds (lo at least the first user key: ledgerkv's own
-        records are left out), and up to parts - 1 keys that cut them into runs of about
-        equal counts, from one pass over the keys alone."""
+    def user_key_splits(self, lo: bytes, hi: bytes | None, parts: int) -> tuple[int | None, list[bytes]]:
+        """Up to parts - 1 keys that cut the user keys of [lo, hi) (ledgerkv's own records
+        left out) into runs of about equal bytes, and how many keys there are when that was
+        counted (None: not). The cuts come from LevelDB's estimate of its files' bytes
+        between two keys, found by bisection, without reading the keys; data too small for
+        the estimate to see (still in the memtable) is counted key by key instead."""
+        start = max(_DATA + lo, _USER_DATA)
+        stop = _DATA + hi if hi is not None else _DATA_END
+        total = self._size(start, stop) if self._size is not None and parts > 1 else 0
+        if total < _SPLIT_BYTES:
+            return self._counted_splits(start, stop, parts)
+        cuts = []
+        for i in range(1, parts):
+            cut = _bisect_bytes(start, stop, lambda k: self._size(start, k) >= total * i / parts)
+            if cuts and cut <= cuts[-1] or not start < cut < stop:
+                continue
+            cuts.append(cut)
+        return None, [c[len(_DATA) :] for c in cuts]
+
+    def _counted_splits(self, start: bytes, stop: bytes, parts: int) -> tuple[int, list[bytes]]:
         # Every step-th key is kept; the step doubles (every other kept key dropped) each
         # time the sample fills up, so the sample stays evenly spread, whatever the count.
         step = 1
         sample: list[bytes] = []
         n = 0
-        stop = _DATA + hi if hi is not None else _DATA_END
-        with self._snap.iterator(start=max(_DATA + lo, _USER_DATA), stop=stop, include_value=False) as it:
+        with self._snap.iterator(start=start, stop=stop, include_value=False) as it:
             for n, k in enumerate(it, 1):
                 if n % step == 0:
                     sample.append(k)
@@ -1076,6 +1094,25 @@ class LevelDBView:
 _KEY_TAIL = operator.itemgetter(slice(len(_DATA), None))
 _VALUE_TAIL = operator.itemgetter(slice(_U64.size, None))
 _VALUE_HEAD = operator.itemgetter(slice(0, _U64.size))
+
+
+def _bisect_bytes(lo: bytes, hi: bytes, reached: Callable[[bytes], bool]) -> bytes:
+    """About the first key in [lo, hi) at which `reached` turns true (it only ever turns
+    from false to true as keys grow), to _CUT_BYTES bytes past what lo and hi share."""
+    common = os.path.commonprefix([lo, hi])
+    width = len(common) + _CUT_BYTES
+
+    def number(k: bytes) -> int:
+        return int.from_bytes(k[:width].ljust(width, b"\x00"), "big")
+
+    a, b = number(lo), number(hi)
+    while b - a > 1:
+        mid = (a + b) // 2
+        if reached(mid.to_bytes(width, "big")):
+            b = mid
+        else:
+            a = mid
+    return b.to_bytes(width, "big").rstrip(b"\x00") or lo
 
 
 def _columns(records_keys: list[bytes], records_values: list[bytes]) -> tuple[list[bytes], list[bytes], bytes]:

@@ -26,9 +26,15 @@ class SnapshotView(Protocol):
         """(key, value, mod_index) in key order."""
         ...
 
-    def blocks(self, block_bytes: int) -> Iterator[tuple[list[bytes], list[bytes], bytes]]:
+    def blocks(self, block_bytes: int, lo: bytes | None = None, hi: bytes | None = None) -> Iterator[tuple[list[bytes], list[bytes], bytes]]:
         """The same records as columns of about block_bytes each: (keys, values, mod_indexes
-        as int64 little-endian), so a writer handles them without a step per record."""
+        as int64 little-endian), so a writer handles them without a step per record; with
+        lo or hi, only the user keys of [lo, hi) (hi None: to the last; an export's range)."""
+        ...
+
+    def user_key_splits(self, lo: bytes, hi: bytes | None, parts: int) -> tuple[int | None, list[bytes]]:
+        """Up to parts - 1 keys cutting the user keys of [lo, hi) into runs of about equal
+        bytes, and how many keys there are (None: not counted)."""
         ...
 
     def release(self) -> None: ...

@@ -162,6 +162,50 @@ def test_a_view_in_blocks_holds_its_records_as_columns_of_about_the_bytes_asked(
     assert [k for k, _, _ in flat] == sorted(k for k, _, _ in flat)
 
 
+def test_a_view_is_cut_into_key_ranges_of_about_equal_bytes(tmp_path):
+    """An export's ranges (LevelDBView.user_key_splits): counted key by key while the data is
+    small (in LevelDB's memtable); by LevelDB's estimate of its files once it is not, found
+    by bisection without reading the keys. Either way the cuts are in order, within the
+    range asked, and each range holds about its share; the blocks of [lo, hi) are its keys."""
+    import os
+
+    from kv.statemachine import rows
+
+    def shares(view, lo, hi, cuts):
+        bounds = [lo, *cuts, hi]
+        return [sum(len(k) for keys, _, _ in view.blocks(1 << 20, a, b) for k in keys) for a, b in zip(bounds, bounds[1:])]
+
+    sm = LevelDBStateMachine(str(tmp_path / "state"))
+    sm.apply([normal(1, c.Put("own", b"x"))] + [normal(2 + i, c.Put(f"s/{i:04d}", b"v")) for i in range(1000)])
+    view = sm.capture()
+    try:
+        n, cuts = view.user_key_splits(b"s/", b"s0", 4)
+        assert n == 1000 and len(cuts) == 3 and cuts == sorted(cuts) and all(b"s/" < k < b"s0" for k in cuts)
+        assert [s // len(b"s/0000") for s in shares(view, b"s/", b"s0", cuts)] == [250, 250, 250, 250]
+        assert view.user_key_splits(b"", None, 1) == (1001, [])
+    finally:
+        view.release()
+    # 40 MB of values that do not compress, written in bulk. The estimate sees LevelDB's
+    # files only, not what is still in its memtables (16 MiB each: the newest writes, which
+    # then fall to the last range): opened again, LevelDB has written everything to files.
+    index = 2000
+    for chunk in range(16):
+        body = rows.pack([(b"big/%02d/%05d" % (chunk, i), os.urandom(1000), rows.ANY) for i in range(2500)])
+        index += 1
+        sm.apply([normal(index, c.bulk(body))])
+    sm.close()
+    sm = LevelDBStateMachine(str(tmp_path / "state"))
+    view = sm.capture()
+    try:
+        n, cuts = view.user_key_splits(b"", None, 4)
+        assert n is None and len(cuts) == 3 and cuts == sorted(cuts)
+        counts = [sum(len(keys) for keys, _, _ in view.blocks(1 << 20, a, b)) for a, b in zip([b"", *cuts], [*cuts, None])]
+        assert sum(counts) == 41_001 and all(8_500 <= n <= 12_000 for n in counts), counts
+    finally:
+        view.release()
+        sm.close()
+
+
 def test_keys_that_are_not_utf8_are_stored_as_their_bytes(sm, tmp_path):
     """etcd's clients may write any bytes as a key: held as lone surrogates (key_text), stored,
     ranged, ordered, watched and carried by a snapshot as the bytes they are."""

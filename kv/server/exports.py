@@ -50,7 +50,8 @@ class PinnedViews:
         """Pin every key under `prefix` as of now (after a linearizable read barrier: the
         view holds every write acknowledged before the call): {"view", "index", "term",
         "keys", "ranges"}, the ranges [lo, hi) (raw keys; hi None: to the end) cutting the
-        keys into up to `parts` runs of about equal counts."""
+        keys into up to `parts` runs of about equal bytes (LevelDBView.user_key_splits;
+        "keys" None: not counted)."""
         if not 1 <= parts <= MAX_PARTS:
             raise BadRequest(f"parts must be from 1 to {MAX_PARTS}, not {parts}")
         await self._barrier("linearizable", timeout)

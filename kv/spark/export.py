@@ -246,15 +246,17 @@ def read_view(spark, view: dict, *, token: str | None = None, progress=None):
 
     urls = [range_url(view["endpoint"], view["view"], lo, hi) for lo, hi in view["ranges"]]
     plan = spark.createDataFrame([(u,) for u in urls], "url string").repartition(len(urls) or 1)
+    by_rows = view["keys"] is not None  # (else the node cut the ranges by its estimate of their bytes)
     if progress is not None:
-        progress.total = view["keys"]
+        progress.total, progress.of = (view["keys"], "") if by_rows else (len(urls), " of the key ranges read")
     to = progress and progress.address
-    return plan.mapInArrow(lambda batches: _read_ranges(batches, token, to), snapshot_schema())
+    return plan.mapInArrow(lambda batches: _read_ranges(batches, token, to, by_rows), snapshot_schema())
 
 
-def _read_ranges(batches, token: str | None, progress_to: tuple | None):
+def _read_ranges(batches, token: str | None, progress_to: tuple | None, by_rows: bool):
     """mapInArrow: each input row is a key range of a view; yields its rows, a batch per
-    block (each reported to the driver's progress line, if it has one)."""
+    block, each reported to the driver's progress line (if it has one) in rows, or, when
+    by_rows is false, each range as it ends."""
     from .progress import Reporter
     from .views import range_blocks
 
@@ -264,9 +266,11 @@ def _read_ranges(batches, token: str | None, progress_to: tuple | None):
             for url in plan.column(0).to_pylist():
                 for records, payload in range_blocks(url, token):
                     batch = _user_rows(records, payload, "")
-                    reporter.add(batch.num_rows, batch.num_rows)
+                    reporter.add(batch.num_rows, batch.num_rows if by_rows else 0)
                     if batch.num_rows:
                         yield batch
+                if not by_rows:
+                    reporter.add(0, 1)
     finally:
         reporter.close()
 
