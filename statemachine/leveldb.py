@@ -96,6 +96,7 @@ from .commands import (
     TxnReq,
     TxnResp,
     compare_holds,
+    in_range,
     key_bytes,
     key_text,
     prefix_end,
@@ -876,7 +877,7 @@ class LevelDBStateMachine:
         first, then the chosen ops are checked, then they run (see commands.TxnReq)."""
         path: list[bool] = []
         self._txn_path(txn, overlay, path)
-        refused = self._txn_check(txn, iter(path), overlay)
+        refused = self._txn_check(txn, iter(path), overlay, [])
         if refused is not None:
             return refused
         return self._txn_run(txn, iter(path), index, wb, overlay, changes, reads)
@@ -903,19 +904,32 @@ class LevelDBStateMachine:
                 return False
         return found or compare_holds(c, None)
 
-    def _txn_check(self, txn: TxnReq, path, overlay: dict) -> NoSuchLease | KeyNotFound | None:
+    def _txn_check(self, txn: TxnReq, path, overlay: dict, earlier: list) -> NoSuchLease | KeyNotFound | None:
+        """Refuse the transaction before any op runs if one could not: a put on a lease
+        that does not exist, or one that keeps the key's value or lease when the key will
+        not exist by then (`earlier`: the puts and deletes of the chosen ops before it, so
+        a key the transaction itself deleted counts as absent)."""
         for op in txn.success if next(path) else txn.failure:
             t = type(op)
             if t is PutReq:
                 if op.lease and op.lease not in self.leases.ttl_ms:
                     return NoSuchLease(op.lease)
-                if (op.ignore_value or op.ignore_lease) and self._current(_DATA + op.key, overlay) is None:
+                if (op.ignore_value or op.ignore_lease) and not self._exists_then(op.key, overlay, earlier):
                     return KeyNotFound(key_text(op.key))
+                earlier.append((op.key, b"", True))
+            elif t is DeleteRangeReq:
+                earlier.append((op.key, op.range_end, False))
             elif t is TxnReq:
-                refused = self._txn_check(op, path, overlay)
+                refused = self._txn_check(op, path, overlay, earlier)
                 if refused is not None:
                     return refused
         return None
+
+    def _exists_then(self, key: bytes, overlay: dict, earlier: list) -> bool:
+        for k, end, put in reversed(earlier):  # the latest op on the key decides
+            if in_range(key, k, end):
+                return put
+        return self._current(_DATA + key, overlay) is not None
 
     def _txn_run(self, txn: TxnReq, path, index: int, wb, overlay: dict, changes: list, reads: bool, read_only: bool = False) -> TxnResp:
         ok = next(path)
