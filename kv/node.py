@@ -175,6 +175,7 @@ class Node(AsyncRecipes):
             after_load=[self.watches.snapshot_loaded],
             observe_apply=self._observe("apply"),
             after_reopen=[recovery.replay_sessions],
+            before_close=[self.exports.drain],
         )
         await self.raft.start()
         self.caller.start()

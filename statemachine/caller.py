@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from ..raft import failpoints
 from ..raft.committed import CommittedBatch, CommittedFeed, CommittedItem
@@ -41,6 +41,7 @@ class FSMCaller:
         after_load: Sequence[Callable[[int], None]] = (),
         observe_apply: Callable[[float], None] | None = None,  # seconds per applied batch (metrics)
         after_reopen: Sequence[Callable[[], None]] = (),  # the state machine was opened again from disk
+        before_close: Sequence[Callable[[], Awaitable[None]]] = (),  # its database is about to be closed (views of it let go)
     ) -> None:
         self.sm = sm
         self._committed = committed
@@ -54,6 +55,7 @@ class FSMCaller:
         self._after_load = tuple(after_load)  # a snapshot replaced the state up to this index
         self._observe_apply = observe_apply
         self._after_reopen = tuple(after_reopen)
+        self._before_close = tuple(before_close)
         self.stalled: Exception | None = None  # the failed apply waiting for disk space
 
     def start(self) -> None:
@@ -100,6 +102,8 @@ class FSMCaller:
             if free_bytes(self.sm.path) < ROOM_TO_REOPEN:
                 continue  # the database stays open for reads until there is room to open it again
             try:
+                for hook in self._before_close:
+                    await hook()
                 self.sm.reopen()
             except Exception as again:
                 if is_disk_full(again, self.sm.path):
@@ -127,6 +131,8 @@ class FSMCaller:
     async def _load(self, meta: SnapshotMeta) -> None:
         failpoints.hit("install.after_reset")  # the ledger is reset; the state is not loaded
         log.info("node %s: loading snapshot %d/%d into the state machine", self.node_id, meta.index, meta.term)
+        for hook in self._before_close:
+            await hook()
         await asyncio.get_running_loop().run_in_executor(None, self._load_snapshot, meta)
         self.applied = meta.index
         for hook in self._after_load:

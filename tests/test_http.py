@@ -424,6 +424,19 @@ async def test_a_node_pins_few_export_views_and_lets_unread_ones_go():
     with views.reading(name):
         assert views.release(name) and len(views) == 1  # let go once the read ends
     assert len(views) == 0
+    # Before the database is closed (a snapshot loaded): every view goes, even one being
+    # read, once no block is being cut from it; its reader's next block is refused.
+    name = views.pin(View(), 7, 1)
+    with views.reading(name) as p:
+        p.cutting += 1  # (a thread is cutting a block)
+        drained = asyncio.ensure_future(views.drain())
+        await asyncio.sleep(0.05)
+        assert not drained.done() and len(views) == 1
+        p.cutting -= 1
+        await asyncio.wait_for(drained, 5)
+        assert len(views) == 0 and released[-1] is p.view
+    with pytest.raises(kv.NotFound):
+        views.get(name)
 
 
 @pytest.mark.parametrize("front", FRONTS)

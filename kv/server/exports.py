@@ -33,6 +33,7 @@ class Pinned:
     term: int
     expires: float
     readers: int = 0  # ranges being read now: a view is not let go under them
+    cutting: int = 0  # blocks being cut now, in threads (drain waits for them)
     released: bool = False  # its export is done: let go once the reads end
     handle: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -76,11 +77,31 @@ class PinnedViews:
         with self.reading(name) as p:
             blocks = p.view.blocks(BLOCK_BYTES, lo, hi)
             try:
-                while frame := await loop.run_in_executor(None, _next_frame, blocks):
+                while True:
+                    if p.released:  # drained: the answer ends without its end block, and the export fails
+                        raise Unavailable("the export's view was let go (this node is loading a snapshot): run the export again")
+                    p.cutting += 1
+                    try:
+                        frame = await loop.run_in_executor(None, _next_frame, blocks)
+                    finally:
+                        p.cutting -= 1
+                    if not frame:
+                        break
                     yield frame
             finally:
-                await loop.run_in_executor(None, blocks.close)  # (its LevelDB iterator)
+                if not p.released:
+                    await loop.run_in_executor(None, blocks.close)  # (its LevelDB iterator)
         yield END_BLOCK
+
+    async def drain(self) -> None:
+        """Let every view go before the state machine's database is closed (a snapshot is
+        loaded, or it is opened again after a full disk): no block is cut from it after
+        this returns, and reads of it end."""
+        for p in self._views.values():
+            p.released = True
+        while any(p.cutting for p in self._views.values()):
+            await asyncio.sleep(0.005)  # (a block is cut in milliseconds)
+        self.release_all()
 
     def __len__(self) -> int:
         return len(self._views)
