@@ -247,7 +247,7 @@ class Node(AsyncRecipes):
         if self.caller is not None:
             await self.caller.stop()
         self.watches.close_all()
-        self.exports.release_all()
+        await self.exports.drain()
         if self.sm is not None:
             self.sm.close()
         if self.ledger is not None:

@@ -101,7 +101,8 @@ class PinnedViews:
             p.released = True
         while any(p.cutting for p in self._views.values()):
             await asyncio.sleep(0.005)  # (a block is cut in milliseconds)
-        self.release_all()
+        for name, p in list(self._views.items()):
+            self._drop(name, p)
 
     def __len__(self) -> int:
         return len(self._views)
@@ -143,10 +144,6 @@ class PinnedViews:
         if not p.readers:
             self._drop(name, p)
         return True
-
-    def release_all(self) -> None:
-        for name, p in list(self._views.items()):
-            self._drop(name, p)
 
     def _drop(self, name: str, p: Pinned) -> None:
         del self._views[name]
