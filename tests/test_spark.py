@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -281,6 +282,61 @@ def test_conf_and_master_on_every_command_that_starts_spark():
         assert a.master is None and parse_conf(a.conf) == {"spark.a": "1", "spark.b": "x=y"}, argv
     with pytest.raises(BadRequest, match="KEY=VALUE"):
         parse_conf(["spark.a"])
+
+
+def test_an_export_range_cut_short_says_to_run_the_export_again():
+    """The node holding an export's view dies (refuses connections, or its answer stops
+    mid-block): one KVError naming the node and what to do; its refusals keep their kind."""
+    import http.server
+    import threading
+
+    from kv.snapshot.format import framed_block
+    from kv.spark.views import range_blocks
+
+    block = framed_block([b"a", b"b"], [b"1", b"2"], struct.pack("<2q", 1, 2))
+
+    class Half(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if "refuse" in self.path:
+                self.send_response(403)
+                self.end_headers()
+                self.wfile.write(b'{"error": {"code": "FORBIDDEN", "message": "a read token may not"}}')
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(block) * 2))
+            self.end_headers()
+            self.wfile.write(block + block[:10])  # then the node is gone
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Half)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        got = []
+        with pytest.raises(kv.KVError, match=r"which holds the export's view, stopped answering .*run the export again"):
+            for n, payload in range_blocks(f"{url}/v1/export/v?from=", None):
+                got.append(n)
+        assert got == [2]  # the whole block came through first
+        with pytest.raises(kv.Forbidden, match="a read token may not"):
+            list(range_blocks(f"{url}/v1/export/refuse", None))
+    finally:
+        server.shutdown()
+    with pytest.raises(kv.KVError, match=r"127.0.0.1:1, which holds the export's view, stopped answering"):
+        list(range_blocks("http://127.0.0.1:1/v1/export/v", None))
+
+
+def test_partitions_out_of_range_are_refused_before_spark_starts(tmp_path):
+    for argv, want in (
+        (["export", str(tmp_path / "o"), "--partitions", "0"], "--partitions must be at least 1 and at most 4096, not 0"),
+        (["export", str(tmp_path / "o"), "--partitions", "5000"], "at most 4096, not 5000"),
+        (["export-log", str(tmp_path / "o"), "--partitions", "-3"], "--partitions must be at least 1, not -3"),
+    ):
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "kv", "spark", *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and want in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert time.monotonic() - t0 < 30 and not os.path.exists(tmp_path / "o")  # (Spark alone takes longer to start)
 
 
 @pytest.mark.parametrize("partitions, task", [(2, "write_task"), (1, "whole_task")])

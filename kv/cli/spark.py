@@ -129,6 +129,9 @@ def _run(args: argparse.Namespace) -> int:
     if not args.endpoints and not getattr(args, "snapshot", None):
         args.endpoints = ",".join(DEFAULT_ENDPOINTS)  # the local `kv cluster up` nodes, as every client command
     conf = parse_conf(args.conf)
+    most = 4096 if args.spark_cmd == "export" else None  # (the key ranges a node cuts a view into at most)
+    if args.partitions is not None and not (1 <= args.partitions and (most is None or args.partitions <= most)):
+        raise BadRequest(f"--partitions must be at least 1{f' and at most {most}' if most else ''}, not {args.partitions}")
     if args.spark_cmd == "import":
         source_format(args.source, args.format)  # a missing path fails before Spark starts
         options = _options(args.option)

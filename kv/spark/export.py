@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 
-from ..errors import BadRequest, KVError
+from ..errors import BadRequest, Forbidden, KVError, Unauthorized
 from ..snapshot.format import read_header
 from .runtime import session  # noqa: F401  (kv.spark.session; it lived here)
 from .snapshot_http import is_url, open_snapshot
@@ -51,11 +51,12 @@ def pin_view(endpoints: str, token: str | None, prefix: str, parts: int) -> dict
     """Pin a view of every key under prefix on the leader (or, failing that, the next node
     that answers), cut into `parts` key ranges: views.open_view's answer and its
     "endpoint". It holds every write acknowledged before the call."""
-    return _first_node(endpoints, token, lambda c, ep: {**open_view(ep, token, prefix, parts), "endpoint": ep})
+    return _first_node(endpoints, token, lambda c, ep: {**open_view(ep, token, prefix, parts), "endpoint": ep}, "pinned a view to export")
 
 
-def _first_node(endpoints: str, token: str | None, do):
-    """do(client, endpoint) on the nodes that answer, leader first, until one succeeds."""
+def _first_node(endpoints: str, token: str | None, do, what: str = "gave a snapshot"):
+    """do(client, endpoint) on the nodes that answer, leader first, until one succeeds; a
+    refusal of the request itself (a bad parameter, the token) is not tried again."""
     from ..client.blocking import Client
     from .importer import live_endpoints
 
@@ -64,9 +65,11 @@ def _first_node(endpoints: str, token: str | None, do):
         for ep, _ in live_endpoints(endpoints, token):
             try:
                 return do(c, ep)
+            except (BadRequest, Unauthorized, Forbidden):
+                raise
             except KVError as e:  # the next node, then
                 errors.append(f"{ep}: {e}")
-    raise KVError("no node gave a snapshot: " + "; ".join(errors))
+    raise KVError(f"no node {what}: " + "; ".join(errors))
 
 
 def export_snapshot(
@@ -174,8 +177,7 @@ def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: in
     if start < len(offsets):
         tasks.append((offsets[start], len(offsets) - start))
     where = path if is_url(path) else os.path.abspath(path)
-    plan = spark.createDataFrame([(where, o, c, prefix or "") for o, c in tasks], "path string, offset long, blocks long, prefix string")
-    plan = plan.repartition(len(tasks) or 1)
+    plan = _plan(spark, [(where, o, c, prefix or "") for o, c in tasks], "path string, offset long, blocks long, prefix string")
     if progress is not None:
         progress.total = len(offsets)
     to = progress and progress.address
@@ -245,7 +247,7 @@ def read_view(spark, view: dict, *, token: str | None = None, progress=None):
     from .views import range_url
 
     urls = [range_url(view["endpoint"], view["view"], lo, hi) for lo, hi in view["ranges"]]
-    plan = spark.createDataFrame([(u,) for u in urls], "url string").repartition(len(urls) or 1)
+    plan = _plan(spark, [(u,) for u in urls], "url string")
     by_rows = view["keys"] is not None  # (else the node cut the ranges by its estimate of their bytes)
     if progress is not None:
         progress.total, progress.of = (view["keys"], "") if by_rows else (len(urls), " of the key ranges read")
@@ -394,9 +396,10 @@ def _ranges(spark, endpoints: str, start: int | None, end: int | None, partition
 
 
 def _plan(spark, rows: list[tuple], schema: str):
-    """A DataFrame of work items, one partition each (mapInArrow then runs one per task)."""
-    df = spark.createDataFrame(rows, schema)
-    return df.repartition(len(rows)) if rows else df
+    """A DataFrame of work items, one partition each (mapInArrow then runs one per task).
+    parallelize cuts n items into n slices of one; a repartition deals rows round-robin from
+    a random start, and left one partition empty and two items in another."""
+    return spark.createDataFrame(spark.sparkContext.parallelize(rows, max(len(rows), 1)), schema)
 
 
 def read_log(spark, endpoints: str, start: int | None = None, end: int | None = None, *, partitions: int | None = None, token: str | None = None):

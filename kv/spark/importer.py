@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import orjson
 
-from ..errors import BadRequest, Unavailable
+from ..errors import BadRequest, Forbidden, Unauthorized, Unavailable
 from ..statemachine.commands import MAX_KEY_BYTES
 
 FORMATS = {"parquet": "parquet", "csv": "csv", "json": "json", "jsonl": "json", "ndjson": "json"}
@@ -276,6 +276,9 @@ def live_endpoints(endpoints: str, token: str | None, timeout: float = 3.0) -> l
         answers = c.status_all()
     live = [(ep, s) for ep, s in answers if isinstance(s, dict)]
     if not live:
+        refused = [s for _, s in answers if isinstance(s, (Unauthorized, Forbidden))]
+        if refused and len(refused) == len(answers):  # every node answered: the token is at fault
+            raise refused[0]
         raise Unavailable("no endpoint answered: " + "; ".join(f"{ep}: {s}" for ep, s in answers))
     return sorted(live, key=lambda a: a[1].get("role") != "leader")
 

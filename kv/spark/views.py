@@ -5,6 +5,7 @@ Nothing is written on the node, and no file is shared between hosts."""
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import urllib.error
@@ -12,7 +13,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 
-from ..errors import KVError
+from ..errors import BadRequest, Forbidden, KVError, Unauthorized
 
 TIMEOUT_S = 60.0
 
@@ -41,10 +42,21 @@ def range_url(endpoint: str, view: str, lo: str, hi: str | None) -> str:
 
 def range_blocks(url: str, token: str | None) -> Iterator[tuple[int, bytes]]:
     """(record count, payload) of each block of a view's key range, as they arrive."""
-    from ..snapshot.format import iter_blocks
+    from ..snapshot.format import SnapshotFormatError, iter_blocks
 
-    with _request("GET", url, token) as resp:
-        yield from iter_blocks(io.BufferedReader(resp, 1 << 20), None)
+    try:
+        with _request("GET", url, token) as resp:
+            yield from iter_blocks(io.BufferedReader(resp, 1 << 20), None)
+    except (_Unreachable, SnapshotFormatError, OSError, http.client.HTTPException) as e:
+        node = url.split("/v1/")[0]
+        raise KVError(f"{node}, which holds the export's view, stopped answering ({e}): run the export again (a node that answers pins a new one)") from None
+
+
+class _Unreachable(KVError):
+    """The node did not answer at all."""
+
+
+_REFUSALS = {400: BadRequest, 401: Unauthorized, 403: Forbidden}
 
 
 def _request(method: str, url: str, token: str | None):
@@ -57,6 +69,6 @@ def _request(method: str, url: str, token: str | None):
             detail = json.loads(detail)["error"]["message"]
         except (ValueError, KeyError, TypeError):
             detail = detail[:300]
-        raise KVError(f"{method} {url.split('?')[0]}: HTTP {e.code}: {detail}") from None
+        raise _REFUSALS.get(e.code, KVError)(f"{method} {url.split('?')[0]}: HTTP {e.code}: {detail}") from None
     except OSError as e:
-        raise KVError(f"{method} {url.split('?')[0]}: {e}") from None
+        raise _Unreachable(f"{method} {url.split('?')[0]}: {e}") from None
