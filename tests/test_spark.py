@@ -552,6 +552,20 @@ def test_a_small_input_is_imported_as_one_task(spark, tmp_path):
     assert default_partitions(big) == spark.sparkContext.defaultParallelism * 2
 
 
+def test_values_exported_as_text_must_be_utf8(spark, tmp_path):
+    """--value-type string: text values as they are (null stays null); a value that is not
+    UTF-8 stops the export naming its key, instead of Spark putting U+FFFD for its bytes."""
+    from kv.spark.export import save, with_value_type
+
+    ok = spark.createDataFrame([("a", bytearray("é".encode()), 1), ("n", None, 2)], "key string, value binary, mod_index long")
+    assert sorted(tuple(r) for r in with_value_type(ok, "string", None).collect()) == [("a", "é", 1), ("n", None, 2)]
+    bad = spark.createDataFrame([("a", bytearray(b"ok"), 1), ("k/\u00e9", bytearray(b"bad\xff"), 2)], "key string, value binary, mod_index long")
+    out = str(tmp_path / "out.json")
+    with pytest.raises(Exception, match="the value of key k/é is not UTF-8, and --value-type string would alter it"):
+        save(with_value_type(bad, "string", None), out, "json", False)
+    assert not os.path.exists(out)
+
+
 def test_an_export_that_fails_leaves_no_folder_behind(spark, tmp_path):
     """A second try would otherwise be refused: the folder exists."""
     from kv.spark.export import save

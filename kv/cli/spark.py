@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
     e.add_argument("--format", default="parquet", help="a Spark output format (default parquet)")
     e.add_argument("--partitions", type=int, default=None)
     e.add_argument("--overwrite", action="store_true", help="replace what is at the output path")
-    e.add_argument("--value-type", choices=["binary", "string"], default="binary", help="the value column's type (default binary)")
+    e.add_argument("--value-type", choices=["binary", "string"], default="binary", help="the value column's type (default binary; string: a value that is not UTF-8 stops the export)")
     e.add_argument("--json-schema", help="explode JSON values into typed columns, a Spark DDL schema, e.g. 'year int, carrier string'")
     e.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")
     spark_options(e)

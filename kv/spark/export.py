@@ -148,7 +148,15 @@ def with_value_type(df, value_type: str, json_schema: str | None):
             from .importer import spark_error
 
             raise BadRequest(f"--json-schema {json_schema!r}: {spark_error(e)}") from None
-    return df.withColumn("value", F.col("value").cast("string")) if value_type == "string" else df
+    if value_type != "string":
+        return df
+    # A value that is not UTF-8 stops the export, named, rather than have Spark put U+FFFD
+    # for its bytes without a word.
+    text = F.col("value").cast("string")
+    refuse = F.raise_error(F.concat(
+        F.lit("the value of key "), F.col("key"), F.lit(" is not UTF-8, and --value-type string would alter it: export values as binary (the default), or leave that key out with --prefix"),
+    ))
+    return df.withColumn("value", F.when(F.col("value").isNull() | F.expr("is_valid_utf8(cast(value as string))"), text).otherwise(refuse))
 
 
 def read_snapshot(spark, path: str, *, prefix: str | None = None, partitions: int | None = None, token: str | None = None, progress=None):
