@@ -60,13 +60,18 @@ class PinnedViews:
         lo = key_bytes(prefix)
         end = prefix_end(lo)
         hi = None if end == b"\x00" else end  # (b"\x00": no end)
+        name = self.pin(view, view.index, view.term)
+        p = self._views[name]
+        p.cutting += 1  # (the keys are cut in a thread: drain waits for it)
         try:
             keys, cuts = await asyncio.get_running_loop().run_in_executor(None, view.user_key_splits, lo, hi, parts)
-            name = self.pin(view, view.index, view.term)
         except BaseException:
-            if view not in (p.view for p in self._views.values()):
-                view.release()
+            p.cutting -= 1
+            self.release(name)
             raise
+        p.cutting -= 1
+        if p.released:
+            raise Unavailable("the export's view was let go as it was being cut (this node is loading a snapshot): run the export again")
         bounds = [lo, *cuts, hi]
         return {"view": name, "index": view.index, "term": view.term, "keys": keys, "ranges": list(zip(bounds, bounds[1:]))}
 
