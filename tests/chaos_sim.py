@@ -42,10 +42,7 @@ def chaos_run(seed: int, *, n: int = 3, duration: float = 6000.0, snapshots: boo
                 sim.propose()
         sim.run_for(rng.uniform(1.0, 60.0))
     # Heal everything and check the cluster recovers and agrees.
-    sim.heal()
-    for nid in sim.ids:
-        sim.restart(nid)
-    sim.drop = sim.dup = 0.0
+    sim.heal_all()
     sim.run_for(5000)
     lid = sim.leader()
     if lid is None:

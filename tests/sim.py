@@ -139,6 +139,14 @@ class Sim:
     def heal(self) -> None:
         self.cut.clear()
 
+    def heal_all(self) -> None:
+        """The end of a fault schedule: every link back, every member up, no message lost or
+        repeated from now on (delays stay)."""
+        self.heal()
+        for nid in self.ids:
+            self.restart(nid)
+        self.drop = self.dup = 0.0
+
     def leader(self) -> str | None:
         """The leader with the highest term among live nodes, if any."""
         best = None

@@ -424,17 +424,27 @@ async def test_a_node_pins_few_export_views_and_lets_unread_ones_go():
     with views.reading(name):
         assert views.release(name) and len(views) == 1  # let go once the read ends
     assert len(views) == 0
-    # Before the database is closed (a snapshot loaded): every view goes, even one being
-    # read, once no block is being cut from it; its reader's next block is refused.
+    # A view is not closed while a thread works on it, even when the reader stopped waiting
+    # (a client gone mid-block); before the database is closed (a snapshot loaded) drain
+    # lets every view go and returns once that work is done and the view closed.
+    import threading
+
+    gate = threading.Event()
     name = views.pin(View(), 7, 1)
-    with views.reading(name) as p:
-        p.cutting += 1  # (a thread is cutting a block)
-        drained = asyncio.ensure_future(views.drain())
-        await asyncio.sleep(0.05)
-        assert not drained.done() and len(views) == 1
-        p.cutting -= 1
-        await asyncio.wait_for(drained, 5)
-        assert len(views) == 0 and released[-1] is p.view
+    try:
+        with views.reading(name) as p:
+            view = p.view
+            cut = asyncio.ensure_future(views._in_thread(p, gate.wait))
+            await asyncio.sleep(0.05)
+            cut.cancel()  # (the reader is gone; the thread goes on)
+            drained = asyncio.ensure_future(views.drain())
+            await asyncio.sleep(0.05)
+            assert not drained.done() and len(views) == 0 and released[-1] is not view
+            gate.set()
+            await asyncio.wait_for(drained, 5)
+            assert released[-1] is view and p.view is None
+    finally:
+        gate.set()  # (a failed assertion must not leave the thread waiting)
     with pytest.raises(kv.NotFound):
         views.get(name)
 

@@ -65,10 +65,7 @@ def read_run(seed: int, delay: tuple[float, float], steps: int = 400) -> tuple[l
         elif r < 0.75:
             sim.heal()
         sim.run_for(rng.uniform(0, 60))
-    sim.heal()
-    for n in sim.ids:
-        sim.restart(n)
-    sim.drop = sim.dup = 0.0
+    sim.heal_all()
     sim.run_for(10_000)
     stuck = {c: p for c, p in pending.items() if sim.nodes[p[0]].up and sim.nodes[p[0]].incarnation == p[1]}
     return wrong, stuck

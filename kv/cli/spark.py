@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+from ..spark.bulk import BATCH_BYTES, CONCURRENCY
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("spark", help="bulk import and export through Spark (pip install ledgerkv[spark])")
@@ -28,8 +30,8 @@ def add_parser(sub) -> None:
     i.add_argument("--max-value-bytes", type=int, default=1 << 20, help="the cluster's --max-value-bytes (default 1048576): larger values are refused before writing")
     i.add_argument("--partitions", type=int, default=None, help="write tasks (default: 2 per core; 1 for an input under 8 MB)")
     i.add_argument("--batch", type=int, default=0, help="rows per bulk put at most (default 0: as many as --batch-bytes holds)")
-    i.add_argument("--batch-bytes", type=int, default=1 << 20, help="bytes per bulk put at most, each one log entry: below the cluster's --max-request-bytes (default 1 MiB)")
-    i.add_argument("--concurrency", type=int, default=8, help="bulk puts in flight per task (default 8)")
+    i.add_argument("--batch-bytes", type=int, default=BATCH_BYTES, help=f"bytes per bulk put at most, each one log entry: below the cluster's --max-request-bytes (default {BATCH_BYTES >> 20} MiB)")
+    i.add_argument("--concurrency", type=int, default=CONCURRENCY, help=f"bulk puts in flight per task (default {CONCURRENCY})")
     i.add_argument("--errors", metavar="PATH", help="write the rows that failed here, one JSON line each: {\"key\", \"error\"}")
     i.add_argument("--timeout", type=float, default=None, help="give up after this many seconds overall; rows not written by then fail")
     i.add_argument("--token", default=os.environ.get("KV_TOKEN"), help="default $KV_TOKEN")

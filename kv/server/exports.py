@@ -33,8 +33,9 @@ class Pinned:
     term: int
     expires: float
     readers: int = 0  # ranges being read now: a view is not let go under them
-    cutting: int = 0  # blocks being cut now, in threads (drain waits for them)
     released: bool = False  # its export is done: let go once the reads end
+    busy: set = field(default_factory=set)  # its work running in threads (futures): it is closed after them
+    dropped: bool = False  # no longer pinned: closed once `busy` is empty
     handle: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
@@ -62,14 +63,11 @@ class PinnedViews:
         hi = None if end == b"\x00" else end  # (b"\x00": no end)
         name = self.pin(view, view.index, view.term)
         p = self._views[name]
-        p.cutting += 1  # (the keys are cut in a thread: drain waits for it)
         try:
-            keys, cuts = await asyncio.get_running_loop().run_in_executor(None, view.user_key_splits, lo, hi, parts)
+            keys, cuts = await self._in_thread(p, view.user_key_splits, lo, hi, parts)
         except BaseException:
-            p.cutting -= 1
             self.release(name)
             raise
-        p.cutting -= 1
         if p.released:
             raise Unavailable("the export's view was let go as it was being cut (this node is loading a snapshot): run the export again")
         bounds = [lo, *cuts, hi]
@@ -78,36 +76,48 @@ class PinnedViews:
     async def frames(self, name: str, lo: bytes, hi: bytes | None) -> AsyncIterator[bytes]:
         """The keys [lo, hi) of a view as framed blocks, then the end block; each block is
         cut and encoded in a thread (the loop serves on meanwhile)."""
-        loop = asyncio.get_running_loop()
         with self.reading(name) as p:
             blocks = p.view.blocks(BLOCK_BYTES, lo, hi)
             try:
                 while True:
                     if p.released:  # drained: the answer ends without its end block, and the export fails
                         raise Unavailable("the export's view was let go (this node is loading a snapshot): run the export again")
-                    p.cutting += 1
-                    try:
-                        frame = await loop.run_in_executor(None, _next_frame, blocks)
-                    finally:
-                        p.cutting -= 1
+                    frame = await self._in_thread(p, _next_frame, blocks)
                     if not frame:
                         break
                     yield frame
             finally:
-                if not p.released:
-                    await loop.run_in_executor(None, blocks.close)  # (its LevelDB iterator)
+                if p.view is not None:  # (not closed yet: its LevelDB iterator first)
+                    await self._in_thread(p, blocks.close)
         yield END_BLOCK
 
     async def drain(self) -> None:
         """Let every view go before the state machine's database is closed (a snapshot is
-        loaded, or it is opened again after a full disk): no block is cut from it after
-        this returns, and reads of it end."""
-        for p in self._views.values():
+        loaded, or it is opened again after a full disk): when this returns, every view is
+        closed and no thread works on one; reads of them end."""
+        views = list(self._views.items())
+        busy = [f for _, p in views for f in p.busy]
+        for name, p in views:
             p.released = True
-        while any(p.cutting for p in self._views.values()):
-            await asyncio.sleep(0.005)  # (a block is cut in milliseconds)
-        for name, p in list(self._views.items()):
             self._drop(name, p)
+        if busy:
+            await asyncio.wait(busy)
+        for _, p in views:  # (their futures' done callbacks may not have run yet)
+            p.busy.clear()
+            self._close_if_idle(p)
+
+    def _in_thread(self, p: Pinned, fn, *args) -> Awaitable:
+        """fn(*args) in a thread, on view p: p is not closed before it returns, even if the
+        caller stops waiting for it (a client gone mid-read)."""
+        fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        p.busy.add(fut)
+
+        def done(f) -> None:
+            p.busy.discard(f)
+            self._close_if_idle(p)
+
+        fut.add_done_callback(done)
+        return asyncio.shield(fut)
 
     def __len__(self) -> int:
         return len(self._views)
@@ -154,7 +164,14 @@ class PinnedViews:
         del self._views[name]
         if p.handle is not None:
             p.handle.cancel()
-        p.view.release()
+        p.dropped = True
+        self._close_if_idle(p)
+
+    @staticmethod
+    def _close_if_idle(p: Pinned) -> None:
+        if p.dropped and not p.busy and p.view is not None:
+            p.view.release()
+            p.view = None
 
     def _arm(self, name: str, p: Pinned) -> None:
         p.handle = asyncio.get_running_loop().call_later(max(p.expires - self._clock(), 0.0) + 0.5, self._expire, name)

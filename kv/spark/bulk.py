@@ -31,14 +31,17 @@ from ..errors import BadRequest, KVError, Timeout, ValueTooLarge
 from ..statemachine.rows import ROW_OVERHEAD
 from .progress import Reporter
 
+BATCH_BYTES = 1 << 20  # a bulk put's bytes at most, by default (each one log entry)
+CONCURRENCY = 8  # bulk puts in flight per task, by default (4 took 10-25 % longer to import the flights table)
+
 
 @dataclass
 class Settings:
     endpoints: list[str]
     token: str | None = None
     batch_rows: int = 0  # rows per request at most (0: as many as batch_bytes holds)
-    batch_bytes: int = 1 << 20
-    concurrency: int = 8
+    batch_bytes: int = BATCH_BYTES
+    concurrency: int = CONCURRENCY
     deadline: float = 0.0  # time.time() after which nothing more is sent (0: none)
     began: int = 0  # the cluster's commit index when the import began: a row found holding its value since then was written by it
     progress: tuple | None = None  # where the driver's progress line listens (progress.Reporter)

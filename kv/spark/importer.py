@@ -25,6 +25,7 @@ import orjson
 
 from ..errors import BadRequest, Forbidden, Unauthorized, Unavailable
 from ..statemachine.commands import MAX_KEY_BYTES
+from .bulk import BATCH_BYTES, CONCURRENCY
 
 FORMATS = {"parquet": "parquet", "csv": "csv", "json": "json", "jsonl": "json", "ndjson": "json"}
 # RFC 4180, as pandas, Excel and Spark write it: quotes inside a quoted field are doubled,
@@ -295,8 +296,8 @@ def write(
     max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
     partitions: int | None = None,
     batch_rows: int = 0,
-    batch_bytes: int = 1 << 20,
-    concurrency: int = 8,
+    batch_bytes: int = BATCH_BYTES,
+    concurrency: int = CONCURRENCY,
     token: str | None = None,
     timeout: float | None = None,
     progress: bool = False,

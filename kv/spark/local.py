@@ -19,6 +19,7 @@ import os
 import re
 import time
 
+from .bulk import BATCH_BYTES, CONCURRENCY
 from .importer import FORMATS, ImportReport, cluster_for_import, one_task_import, source_format
 
 LOCAL_MAX_BYTES = 64 << 20  # a larger file goes to Spark, which can split the work
@@ -158,8 +159,8 @@ def import_file(
     on_duplicate: str = "refuse",
     max_value_bytes: int,
     batch_rows: int = 0,
-    batch_bytes: int = 1 << 20,
-    concurrency: int = 8,
+    batch_bytes: int = BATCH_BYTES,
+    concurrency: int = CONCURRENCY,
     token: str | None = None,
     timeout: float | None = None,
     progress: bool = False,

@@ -9,11 +9,11 @@ import http.client
 import io
 import json
 import urllib.error
-import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 
-from ..errors import BadRequest, Forbidden, KVError, Unauthorized
+from ..client.endpoints import error_for, with_query
+from ..errors import KVError
 
 TIMEOUT_S = 60.0
 
@@ -21,8 +21,7 @@ TIMEOUT_S = 60.0
 def open_view(endpoint: str, token: str | None, prefix: str, parts: int) -> dict:
     """Pin every key under prefix on this node, as of now: {"view", "index", "term", "keys",
     "ranges" ([from, to) in hex; to None: the end)}."""
-    query = urllib.parse.urlencode({"prefix": prefix, "parts": parts})
-    with _request("POST", f"{endpoint}/v1/export?{query}", token) as resp:
+    with _request("POST", with_query(f"{endpoint}/v1/export", {"prefix": prefix, "parts": parts}), token) as resp:
         return json.loads(resp.read())
 
 
@@ -36,8 +35,7 @@ def close_view(endpoint: str, token: str | None, view: str) -> None:
 
 
 def range_url(endpoint: str, view: str, lo: str, hi: str | None) -> str:
-    query = {"from": lo, **({"to": hi} if hi is not None else {})}
-    return f"{endpoint}/v1/export/{view}?{urllib.parse.urlencode(query)}"
+    return with_query(f"{endpoint}/v1/export/{view}", {"from": lo, **({"to": hi} if hi is not None else {})})
 
 
 def range_blocks(url: str, token: str | None) -> Iterator[tuple[int, bytes]]:
@@ -56,19 +54,12 @@ class _Unreachable(KVError):
     """The node did not answer at all."""
 
 
-_REFUSALS = {400: BadRequest, 401: Unauthorized, 403: Forbidden}
-
-
 def _request(method: str, url: str, token: str | None):
+    """urllib's answer; an error answer as the kv error it stands for (kv.Client's mapping)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         return urllib.request.urlopen(urllib.request.Request(url, method=method, headers=headers), timeout=TIMEOUT_S)
     except urllib.error.HTTPError as e:
-        detail = e.read()[:2000].decode("utf-8", "replace")
-        try:
-            detail = json.loads(detail)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            detail = detail[:300]
-        raise _REFUSALS.get(e.code, KVError)(f"{method} {url.split('?')[0]}: HTTP {e.code}: {detail}") from None
+        raise error_for(e.code, e.read(), f"{method} {url.split('?')[0]}") from None
     except OSError as e:
         raise _Unreachable(f"{method} {url.split('?')[0]}: {e}") from None
