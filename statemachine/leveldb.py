@@ -153,7 +153,13 @@ def _open(path: str):
     # (the value, its meta, two history records), and with 4 MiB an import of 336k rows
     # spent half of its CPU in compactions (22 µs a row applied, 11 with 16 MiB). It costs
     # at most twice that in memory (the memtable and the one being flushed).
-    return plyvel.DB(path, create_if_missing=True, paranoid_checks=True, bloom_filter_bits=10, write_buffer_size=16 << 20)
+    # No compression (LevelDB's default is Snappy), as etcd's bbolt: compactions rewrite
+    # every record several times, and compressing each time took three times the CPU of the
+    # rest of the compaction (an import of 336k JSON rows: 3 s of compaction a node with
+    # Snappy, 0.9 s without, and an import 20-25 % faster) for 2.4x less disk (54 MB of
+    # state a node instead of 130 MB; the Raft log holds the same data uncompressed until
+    # it is compacted). Files written with Snappy by an earlier version are read as before.
+    return plyvel.DB(path, create_if_missing=True, paranoid_checks=True, bloom_filter_bits=10, write_buffer_size=16 << 20, compression=None)
 
 
 class LevelDBStateMachine:

@@ -210,8 +210,7 @@ def _export(kvspark, s, args: argparse.Namespace) -> int:
         whence = [] if args.start is not None else ["from the oldest entry any member holds"]
         whence += [] if args.end is not None else ["to the highest applied index"]
         source = f"the {'log' if args.raw else 'changes'} [{start}, {end}]" + (f" ({', '.join(whence)})" if whence else "") + f" of {args.endpoints}"
-        save(df, args.out, args.format, args.overwrite)
-        rows = s.read.format(args.format).load(args.out).count()
+        rows = save(df, args.out, args.format, args.overwrite)
     took = time.monotonic() - t0
     print(f"exported {rows} rows from {source} to {args.out} ({args.format}) in {took:.1f}s ({rows / took:,.0f} rows/s)")
     return 0

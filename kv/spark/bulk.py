@@ -1,8 +1,8 @@
 """Bulk writes of (key, value) rows into a running cluster: what each import task runs.
 
 Rows arrive as Arrow batches sorted by key. For each batch the writer first reads what the
-cluster holds over the batch's key range (a linearizable scan, page by page) and keeps only
-the rows whose value differs: re-importing unchanged data proposes nothing and appends
+cluster holds over the batch's key range (a linearizable scan, page by page; the next
+batches' reads run meanwhile) and keeps only the rows whose value differs: re-importing unchanged data proposes nothing and appends
 nothing to the log. The rest go out as bulk puts (POST /v1/bulk) of at most `batch_bytes`
 each, in the columnar format of kv/statemachine/rows.py, built from the Arrow buffers with
 numpy: no Python object per row is made on the way out. Each row is conditional on the
@@ -21,6 +21,7 @@ remaining rows fail at once with the reason instead of being retried batch after
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from .progress import Reporter
 
 BATCH_BYTES = 1 << 20  # a bulk put's bytes at most, by default (each one log entry)
 CONCURRENCY = 8  # bulk puts in flight per task, by default (4 took 10-25 % longer to import the flights table)
+READ_AHEAD = 2  # chunks whose key range is being read while one is compared and sent
 
 
 @dataclass
@@ -163,16 +165,30 @@ def binary(column):
 
 
 async def write_chunks(chunks, s: Settings) -> Outcome:
-    """Write an iterable of chunks, each (keys, values) Arrow arrays sorted by key."""
+    """Write an iterable of chunks, each (keys, values) Arrow arrays sorted by key. The
+    cluster is read over the next READ_AHEAD chunks' keys while a chunk is compared and sent
+    (the chunks' key ranges are disjoint: no read can see another chunk's writes)."""
     out = Outcome()
     reporter = Reporter(s.progress)
     try:
-        async with AsyncClient(s.endpoints, token=s.token, timeout=s.request_timeout, connections=s.concurrency + 1) as c:
+        async with AsyncClient(s.endpoints, token=s.token, timeout=s.request_timeout, connections=s.concurrency + READ_AHEAD + 1) as c:
             c.rotation.prefer(c.endpoints[0])  # the leader (live_endpoints' first): a follower would forward every write to it
             w = _Writer(c, s, out)
-            for keys, values in chunks:
-                await w.chunk(binary(keys), binary(values))
-                reporter.add(len(keys), len(keys))
+            reads: collections.deque = collections.deque()  # (keys, values, the read of their range)
+            try:
+                for keys, values in chunks:
+                    keys, values = binary(keys), binary(values)
+                    reads.append((keys, values, w.read_ahead(keys)))
+                    if len(reads) > READ_AHEAD:
+                        n = await w.chunk(*reads.popleft())
+                        reporter.add(n, n)
+                while reads:
+                    n = await w.chunk(*reads.popleft())
+                    reporter.add(n, n)
+            finally:
+                for _, _, read in reads:  # (the import stopped: reads no one will look at)
+                    if read is not None and not read.cancel() and not read.cancelled():
+                        read.exception()  # (done already: its error, if any, is seen, not logged as lost)
             await w.drain()
     finally:
         reporter.close()
@@ -211,23 +227,37 @@ class _Writer:
     def _fail(self, rows: ArrowRows, reason: str) -> None:
         self.out.failed += [(key_text(k), reason) for k in rows.keys.to_pylist()]
 
-    async def chunk(self, keys, values) -> None:
-        """Read the cluster over the chunk's keys, then send what differs; the sends run on
-        while the next chunk is read (at most `concurrency` at a time)."""
+    def read_ahead(self, keys) -> asyncio.Task | None:
+        """The read of what the cluster holds over these keys (sorted), started now."""
+        if not len(keys):
+            return None
+        return asyncio.ensure_future(self._read(key_text(keys[0].as_py()), key_text(keys[-1].as_py())))
+
+    async def _read(self, first: str, last: str):
+        self._budget()
+        return await self._scan(first, last)
+
+    async def chunk(self, keys, values, read: asyncio.Task | None) -> int:
+        """Wait for the read of the chunk's keys (read_ahead), then send what differs; the
+        sends run on while the next chunks are read (at most `concurrency` at a time).
+        Returns the chunk's rows."""
         import numpy as np
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        if not len(keys):
-            return
+        n = len(keys)
+        if read is None:
+            return n
         try:
+            held_keys, held_values, held_mods = await read
             self._budget()
-            held_keys, held_values, held_mods = await self._read(key_text(keys[0].as_py()), key_text(keys[-1].as_py()))
         except _Stop as e:
-            return self._fail(ArrowRows(keys, values, None), f"not written: {e}")
+            self._fail(ArrowRows(keys, values, None), f"not written: {e}")
+            return n
         except KVError as e:
-            self.stopped = f"the cluster could not be read ({e})"
-            return self._fail(ArrowRows(keys, values, None), f"not written: {self.stopped}")
+            self.stopped = self.stopped or f"the cluster could not be read ({e})"
+            self._fail(ArrowRows(keys, values, None), f"not written: {self.stopped}")
+            return n
         conds = np.zeros(len(keys), dtype=np.uint64)
         if len(held_keys):
             at = pc.index_in(keys, value_set=held_keys)
@@ -245,12 +275,13 @@ class _Writer:
             t = asyncio.create_task(self._send_released(part))
             self.sending.add(t)
             t.add_done_callback(self.sending.discard)
+        return n
 
     async def drain(self) -> None:
         while self.sending:
             await asyncio.gather(*list(self.sending))
 
-    async def _read(self, first: str, last: str):
+    async def _scan(self, first: str, last: str):
         """(keys, values, mod_indexes) the cluster holds from first to last, as Arrow arrays,
         read in the bulk format (GET /v1/kv?format=rows: no JSON, no base64)."""
         import pyarrow as pa
