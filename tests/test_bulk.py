@@ -304,7 +304,7 @@ def test_an_import_reads_ahead_and_each_chunk_is_compared_with_its_own_range(tmp
     import gc
     import time
 
-    from kv.bench.harness import ServeCluster
+    from kv.bench.harness import ServeCluster, free_port
     from kv.spark import bulk
 
     def chunk(lo, hi, value=b"new"):
@@ -317,7 +317,10 @@ def test_an_import_reads_ahead_and_each_chunk_is_compared_with_its_own_range(tmp
             cl.bulk_put([("k/%04d" % i, b"new%d" % i) for i in range(100, 150)])  # the second chunk's first half: held already
             cl.bulk_put([("k/%04d" % i, b"old%d" % i) for i in range(300, 320)])  # some of the fourth: another value
             chunks = [chunk(i * 100, i * 100 + 100) for i in range(6)]
-            out = asyncio.run(bulk.write_chunks(iter(chunks), bulk.Settings([url], batch_bytes=2000)))
+            # The reads take turns among the endpoints: one that does not answer (nothing
+            # listens there) is left out, and its reads are made elsewhere.
+            w = bulk.Settings([url, f"http://127.0.0.1:{free_port()}"], batch_bytes=2000)
+            out = asyncio.run(bulk.write_chunks(iter(chunks), w))
             assert (out.written, out.skipped, out.failed) == (550, 50, []), out
             assert [(i.key, i.value) for i in cl.scan("k/")] == [("k/%04d" % i, b"new%d" % i) for i in range(600)]
             # The deadline passes: every row fails, named, and the reads started are let go.

@@ -1,8 +1,8 @@
 """Bulk writes of (key, value) rows into a running cluster: what each import task runs.
 
 Rows arrive as Arrow batches sorted by key. For each batch the writer first reads what the
-cluster holds over the batch's key range (a linearizable scan, page by page; the next
-batches' reads run meanwhile) and keeps only the rows whose value differs: re-importing unchanged data proposes nothing and appends
+cluster holds over the batch's key range (a linearizable scan, page by page, from each node
+in turn; the next batches' reads run meanwhile) and keeps only the rows whose value differs: re-importing unchanged data proposes nothing and appends
 nothing to the log. The rest go out as bulk puts (POST /v1/bulk) of at most `batch_bytes`
 each, in the columnar format of kv/statemachine/rows.py, built from the Arrow buffers with
 numpy: no Python object per row is made on the way out. Each row is conditional on the
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ..client.async_client import AsyncClient
 from ..common.wire import key_text
-from ..errors import BadRequest, KVError, Timeout, ValueTooLarge
+from ..errors import BadRequest, Forbidden, KVError, Timeout, Unauthorized, ValueTooLarge
 from ..statemachine.rows import ROW_OVERHEAD
 from .progress import Reporter
 
@@ -201,6 +201,9 @@ class _Writer:
         self.stopped: str | None = None  # why nothing more is sent (the cause)
         self.gate = asyncio.Semaphore(s.concurrency)
         self.sending: set[asyncio.Task] = set()
+        # The nodes the reads go to in turn: a scan costs the node that answers it CPU
+        # (on the leader alone, a re-import of unchanged data waited on that one core).
+        self.readers = collections.deque(s.endpoints)
 
     def _held(self, mod_indexes) -> None:
         """Rows whose key holds their value already (at these mod_indexes): written by this
@@ -296,7 +299,7 @@ class _Writer:
         while True:
             if after is not None:
                 params["after"] = after
-            _, headers, body = await self.c.request("GET", "/v1/kv", params=params)
+            headers, body = await self._page(params)
             page = arrays(body)
             parts.append(page)
             # (a page that ends at the last key holds all there is: no page of the next keys)
@@ -306,6 +309,25 @@ class _Writer:
         keys, values, mods = (pa.concat_arrays([p[i] for p in parts]) for i in range(3))
         within = pc.less_equal(keys, end)
         return keys.filter(within), values.filter(within), mods.filter(within)
+
+    async def _page(self, params: dict) -> tuple:
+        """A page of a linearizable scan (as fresh from a follower as from the leader: it
+        asks the leader for the read index) from the next node in turn; a node that fails
+        to answer it is left out of the turns, and the page is read wherever the client's
+        failover finds a node."""
+        while self.readers:
+            ep = self.readers[0]
+            self.readers.rotate(-1)
+            try:
+                _, headers, body = await self.c.request("GET", "/v1/kv", params=params, endpoint=ep)
+                return headers, body
+            except (BadRequest, Unauthorized, Forbidden):
+                raise  # (the request itself: every node would refuse it)
+            except KVError:
+                if ep in self.readers:
+                    self.readers.remove(ep)
+        _, headers, body = await self.c.request("GET", "/v1/kv", params=params)
+        return headers, body
 
     def _parts(self, rows: ArrowRows):
         """The rows cut into requests of at most batch_bytes (and batch_rows) each."""
