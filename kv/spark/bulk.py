@@ -313,17 +313,18 @@ class _Writer:
     async def _page(self, params: dict) -> tuple:
         """A page of a linearizable scan (as fresh from a follower as from the leader: it
         asks the leader for the read index) from the next node in turn; a node that fails
-        to answer it is left out of the turns, and the page is read wherever the client's
-        failover finds a node."""
+        to answer it within one attempt's time (the client's attempt_timeout: a node
+        stopped, or too busy) is left out of the turns, and the page is read wherever the
+        client's failover finds a node."""
         while self.readers:
             ep = self.readers[0]
             self.readers.rotate(-1)
             try:
-                _, headers, body = await self.c.request("GET", "/v1/kv", params=params, endpoint=ep)
+                _, headers, body = await asyncio.wait_for(self.c.request("GET", "/v1/kv", params=params, endpoint=ep), self.c.attempt_timeout)
                 return headers, body
             except (BadRequest, Unauthorized, Forbidden):
                 raise  # (the request itself: every node would refuse it)
-            except KVError:
+            except (KVError, asyncio.TimeoutError):
                 if ep in self.readers:
                     self.readers.remove(ep)
         _, headers, body = await self.c.request("GET", "/v1/kv", params=params)
