@@ -2,13 +2,14 @@
 
 Rows arrive as Arrow batches sorted by key. For each batch the writer first reads what the
 cluster holds over the batch's key range (a linearizable scan, page by page, from each node
-in turn; the next batches' reads run meanwhile) and keeps only the rows whose value differs: re-importing unchanged data proposes nothing and appends
-nothing to the log. The rest go out as bulk puts (POST /v1/bulk) of at most `batch_bytes`
-each, in the columnar format of kv/statemachine/rows.py, built from the Arrow buffers with
-numpy: no Python object per row is made on the way out. Each row is conditional on the
-mod_index it was read at (0: absent), so a key another writer changed in between is never
-overwritten blindly: the node answers which rows it refused and what their keys hold, and
-the entry writes the others. Values travel as they are (no base64, no JSON).
+in turn; the next batches' reads run meanwhile) and keeps only the rows whose value
+differs: re-importing unchanged data proposes nothing and appends nothing to the log. The
+rest go out as bulk puts (POST /v1/bulk) of at most `batch_bytes` each, in the columnar
+format of kv/statemachine/rows.py, built from the Arrow buffers with numpy: no Python
+object per row is made on the way out. Each row is conditional on the mod_index it was
+read at (0: absent), so a key another writer changed in between is never overwritten
+blindly: the node answers which rows it refused and what their keys hold, and the entry
+writes the others. Values travel as they are (no base64, no JSON).
 
 Failures are per row: a request the cluster refuses (400, 413) is split in halves until the
 row at fault fails alone; a refused row whose key holds its value already is skipped (or
