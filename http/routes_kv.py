@@ -117,15 +117,19 @@ async def list_keys(request: web.Request) -> Answer:
     # A page holds at most --max-txn-read-bytes of keys and values (with one key at least):
     # 10,000 values of 1 MiB would otherwise be one answer of 13 GiB built in memory.
     cap = c.node.config.max_txn_read_bytes
+    prefix, after, revision = key_param(request, "prefix", ""), key_param(request, "after"), revision_param(request)
+    if fmt == "rows" and revision is None:  # for bulk readers (kv.spark's import reads back this way): no JSON, no base64
+        body, _, size, more, index = await c.node.scan_rows(prefix, after=after, limit=limit, consistency=_consistency(request), timeout=read_timeout(request), max_bytes=cap)
+        c.room_for(size)
+        return Answer(body, 200, "application/octet-stream", {"X-Kv-Index": str(index), "X-Kv-More": "true" if more else "false"})
     items, index = await c.node.scan_page(
-        key_param(request, "prefix", ""), after=key_param(request, "after"), limit=limit + 1, consistency=_consistency(request), timeout=read_timeout(request),
-        max_bytes=cap, revision=revision_param(request),
+        prefix, after=after, limit=limit + 1, consistency=_consistency(request), timeout=read_timeout(request), max_bytes=cap, revision=revision,
     )
     size = sum(len(key_bytes(it.key)) + len(it.value) for it in items)  # as the state machine counts
     more = len(items) > limit or size >= cap  # cut short by its size: the client reads on from `next`
     items = items[:limit]
     c.room_for(size)
-    if fmt == "rows":  # for bulk readers: no JSON, no base64 (kv.spark's import reads back this way)
+    if fmt == "rows":
         return Answer(rows_body(items), 200, "application/octet-stream", {"X-Kv-Index": str(index), "X-Kv-More": "true" if more else "false"})
     out = [{**key_fields(it.key), **value_fields(it.value, force_b64), "mod_index": it.mod_index} for it in items]
     return json_response({"items": out, **(key_fields(items[-1].key, "next") if more else {"next": None}), "index": index})

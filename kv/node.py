@@ -504,6 +504,22 @@ class Node(AsyncRecipes):
         except StateCorrupt as e:
             raise public_error(e) from e
 
+    async def scan_rows(
+        self, prefix: str = "", *, after: str | None = None, limit: int = 1000, consistency: str = "linearizable", timeout: float | None = None,
+        max_bytes: int,
+    ) -> tuple[bytes, int, int, bool, int]:
+        """scan_page as of now, in the bulk format (statemachine/rows.py, each key's
+        mod_index in the condition column; what an import reads back): (body, rows, their
+        keys' and values' bytes, whether more follow or max_bytes cut the page, the index
+        it was read at)."""
+        if limit <= 0:
+            raise BadRequest("limit must be positive")
+        index = await self.read_barrier(consistency, timeout)
+        try:
+            return (*self.sm.scan_rows(prefix, after, limit, max_bytes), index)
+        except StateCorrupt as e:
+            raise public_error(e) from e
+
     async def put_many(self, items: dict[str, bytes] | Sequence[tuple[str, bytes]], *, timeout: float | None = None) -> TxnResult:
         """Write many keys in one atomic transaction (at most --max-txn-ops keys, and
         --max-request-bytes encoded: split a larger batch, or use kv.spark.bulk)."""

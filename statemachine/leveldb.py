@@ -102,7 +102,7 @@ from .commands import (
     prefix_end,
 )
 from . import history
-from .rows import ANY
+from .rows import ANY, pack_columns
 from .lease_table import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
 from .sessions import RESULT_AT, SESSION_RESULT_MAX, SessionTable, fingerprint, record_value, session_record
 
@@ -274,6 +274,37 @@ class LevelDBStateMachine:
             raise self._damaged(e) from e
         finally:
             it.close()
+
+    def scan_rows(self, prefix: str, after: str | None, limit: int, max_bytes: int) -> tuple[bytes, int, int, bool]:
+        """scan's page as of now in the bulk format (rows.py; each key's mod_index in the
+        condition column), built by C loops from the records as LevelDB gives them, not
+        through a Python object per row (a third of the CPU of scan's tuples then packed):
+        (body, rows, their keys' and values' bytes, whether more keys follow or the page was
+        cut at max_bytes)."""
+        pre = _DATA + key_bytes(prefix)
+        start = _DATA + key_bytes(after) + b"\x00" if after is not None else pre
+        records_keys: list[bytes] = []
+        records_values: list[bytes] = []
+        size = 0
+        more = False
+        it = self._db.iterator(start=max(start, pre, _USER_DATA), stop=prefix_end(pre), verify_checksums=True)
+        try:
+            for k, v in it:
+                records_keys.append(k)
+                records_values.append(v)
+                size += len(k) + len(v) - len(_DATA) - _U64.size
+                if size >= max_bytes:
+                    more = True
+                    break
+                if len(records_keys) >= limit:
+                    more = next(it, None) is not None
+                    break
+        except plyvel.CorruptionError as e:
+            raise self._damaged(e) from e
+        finally:
+            it.close()
+        body = pack_columns(list(map(_KEY_TAIL, records_keys)), list(map(_VALUE_TAIL, records_values)), b"".join(map(_VALUE_HEAD, records_values)))
+        return body, len(records_keys), size, more
 
     # -- the history (history.py) -----------------------------------------------------------
 

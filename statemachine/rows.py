@@ -40,13 +40,20 @@ def pack(rows: Sequence[tuple[bytes, bytes, int]]) -> bytes:
     """The body for (key bytes, value bytes, condition) rows given in key order (Rows.check
     refuses a body whose keys are not in strictly increasing order)."""
     n = len(rows)
+    return pack_columns([k for k, _, _ in rows], [v for _, v, _ in rows], struct.pack(f">{n}Q", *(c for _, _, c in rows)))
+
+
+def pack_columns(keys: Sequence[bytes], values: Sequence[bytes], conds: bytes) -> bytes:
+    """The body for rows given as columns: keys (in key order) and values, and the
+    conditions already packed (big-endian u64s, as the state's records begin)."""
+    n = len(keys)
     return b"".join((
         _COUNT.pack(n),
-        struct.pack(f">{n}H", *(len(k) for k, _, _ in rows)),
-        struct.pack(f">{n}I", *(len(v) for _, v, _ in rows)),
-        struct.pack(f">{n}Q", *(c for _, _, c in rows)),
-        *(k for k, _, _ in rows),
-        *(v for _, v, _ in rows),
+        struct.pack(f">{n}H", *map(len, keys)),
+        struct.pack(f">{n}I", *map(len, values)),
+        conds,
+        b"".join(keys),
+        b"".join(values),
     ))
 
 
