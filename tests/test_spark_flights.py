@@ -109,6 +109,11 @@ def test_parquet_and_json_through_the_command_line(spark, cluster, flights, tmp_
     assert code == 200 and body.decode() == row.dest
     code, body, _ = cluster.get(cluster.ids[0], expected_key(row).replace("flights", "pq", 1))
     assert code == 200 and json.loads(body)["tailnum"] == row.tailnum
+    # A column the expression names and the data lacks: one line on stderr (PySpark's own
+    # loggers would print it first as 8 KB of JSON with the JVM's stack).
+    r = kv_cli("import", pq, "--key-expr", "concat('pq/', carier)", "--value-expr", VALUE, env=env)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+    assert "--key-expr" in r.stderr and "carier" in r.stderr and "carrier" in r.stderr, r.stderr
 
 
 def test_numbers_are_cast_nested_values_refused(spark, cluster):

@@ -200,6 +200,7 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     if quiet:
         _launch_quiet_gateway(settings)
+        _silence_query_context_loggers()
     builder = SparkSession.builder
     for k, v in settings.items():
         builder = builder.config(k, v)
@@ -220,6 +221,16 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
 class SparkDidNotStart(KVError):
     """The driver JVM exited before it answered (a bad master URL, a bad spark-submit
     argument, no Java): the message is its root cause."""
+
+
+def _silence_query_context_loggers() -> None:
+    """PySpark logs an analysis error (a column --key-expr names that the data lacks) on
+    stderr as a line of JSON with the JVM's whole stack (8 KB) before raising it, through
+    Python loggers of its own (not log4j's): the command says what is wrong in one line."""
+    from pyspark.logger import PySparkLogger
+
+    for name in ("SQLQueryContextLogger", "DataFrameQueryContextLogger"):
+        PySparkLogger.getLogger(name).disabled = True
 
 
 def _launch_quiet_gateway(settings: dict[str, str]) -> None:
