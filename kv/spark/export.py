@@ -131,10 +131,15 @@ def save(df, out: str, fmt: str, overwrite: bool) -> int:
     # Counted as the rows go out, by the tasks that succeeded (a retried task once), not by
     # reading the output back: that was a second job, 0.4 s of a 2 s export warm and 2.8 s
     # of a session's first, and a full read for CSV and JSON.
+    from .importer import CSV_WRITTEN
+
     written = Observation("kv_written")
     existed = os.path.exists(out)
+    # CSV as pandas, Excel and `kv spark import` read it: a header line, RFC 4180 quoting
+    # (Spark's own default is neither: no header, and a quote escaped with a backslash).
+    options = CSV_WRITTEN if fmt == "csv" else {}
     try:
-        df.observe(written, F.count(F.lit(1)).alias("rows")).write.mode("overwrite" if overwrite else "errorifexists").format(fmt).save(out)
+        df.observe(written, F.count(F.lit(1)).alias("rows")).write.mode("overwrite" if overwrite else "errorifexists").format(fmt).options(**options).save(out)
     except BaseException:
         if not existed and "://" not in out:
             shutil.rmtree(out, ignore_errors=True)

@@ -30,7 +30,8 @@ from .bulk import BATCH_BYTES, CONCURRENCY
 FORMATS = {"parquet": "parquet", "csv": "csv", "json": "json", "jsonl": "json", "ndjson": "json"}
 # RFC 4180, as pandas, Excel and Spark write it: quotes inside a quoted field are doubled,
 # and a quoted field may span lines.
-CSV_DEFAULTS = {"header": "true", "quote": '"', "escape": '"', "multiLine": "true"}
+CSV_WRITTEN = {"header": "true", "quote": '"', "escape": '"'}  # (how an export writes CSV: this reads it back)
+CSV_DEFAULTS = {**CSV_WRITTEN, "multiLine": "true"}
 DUPLICATES = ("refuse", "last")
 DEFAULT_MAX_VALUE_BYTES = 1 << 20  # the cluster's default --max-value-bytes
 CHUNK_ROWS = 10_000  # rows per Arrow batch a task sorts into (Spark's maxRecordsPerBatch)
