@@ -281,7 +281,7 @@ def live_endpoints(endpoints: str, token: str | None, timeout: float = 3.0) -> l
         refused = [s for _, s in answers if isinstance(s, (Unauthorized, Forbidden))]
         if refused and len(refused) == len(answers):  # every node answered: the token is at fault
             raise refused[0]
-        raise Unavailable("no endpoint answered: " + "; ".join(f"{ep}: {s}" for ep, s in answers))
+        raise Unavailable("no endpoint answered: " + "; ".join(str(s) if str(s).startswith(ep) else f"{ep}: {s}" for ep, s in answers))
     return sorted(live, key=lambda a: a[1].get("role") != "leader")
 
 
