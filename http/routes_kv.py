@@ -121,7 +121,7 @@ async def list_keys(request: web.Request) -> Answer:
     if fmt == "rows" and revision is None:  # for bulk readers (kv.spark's import reads back this way): no JSON, no base64
         body, _, size, more, index = await c.node.scan_rows(prefix, after=after, limit=limit, consistency=_consistency(request), timeout=read_timeout(request), max_bytes=cap)
         c.room_for(size)
-        return Answer(body, 200, "application/octet-stream", {"X-Kv-Index": str(index), "X-Kv-More": "true" if more else "false"})
+        return _rows_answer(body, index, more)
     items, index = await c.node.scan_page(
         prefix, after=after, limit=limit + 1, consistency=_consistency(request), timeout=read_timeout(request), max_bytes=cap, revision=revision,
     )
@@ -130,9 +130,14 @@ async def list_keys(request: web.Request) -> Answer:
     items = items[:limit]
     c.room_for(size)
     if fmt == "rows":
-        return Answer(rows_body(items), 200, "application/octet-stream", {"X-Kv-Index": str(index), "X-Kv-More": "true" if more else "false"})
+        return _rows_answer(rows_body(items), index, more)
     out = [{**key_fields(it.key), **value_fields(it.value, force_b64), "mod_index": it.mod_index} for it in items]
     return json_response({"items": out, **(key_fields(items[-1].key, "next") if more else {"next": None}), "index": index})
+
+
+def _rows_answer(body: bytes, index: int, more: bool) -> Answer:
+    """A page in the bulk format: the index it was read at, and whether to read on."""
+    return Answer(body, 200, "application/octet-stream", {"X-Kv-Index": str(index), "X-Kv-More": "true" if more else "false"})
 
 
 # -- transactions -----------------------------------------------------------------------------

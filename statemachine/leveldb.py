@@ -261,14 +261,17 @@ class LevelDBStateMachine:
                 break
         return out
 
-    def _scan_now(self, prefix: str, after: str | None) -> Iterator[tuple[str, bytes, int]]:
+    def _page_records(self, prefix: str, after: str | None):
+        """An iterator over the data records of the user keys with the prefix, strictly
+        after `after`, in key order (close it)."""
         pre = _DATA + key_bytes(prefix)
         start = _DATA + key_bytes(after) + b"\x00" if after is not None else pre
-        it = self._db.iterator(start=max(start, pre, _USER_DATA), prefix=None, verify_checksums=True)
+        return self._db.iterator(start=max(start, pre, _USER_DATA), stop=prefix_end(pre), verify_checksums=True)
+
+    def _scan_now(self, prefix: str, after: str | None) -> Iterator[tuple[str, bytes, int]]:
+        it = self._page_records(prefix, after)
         try:
             for k, v in it:
-                if not k.startswith(pre):
-                    break
                 yield key_text(k[1:]), v[8:], _U64.unpack_from(v)[0]
         except plyvel.CorruptionError as e:
             raise self._damaged(e) from e
@@ -281,13 +284,11 @@ class LevelDBStateMachine:
         through a Python object per row (a third of the CPU of scan's tuples then packed):
         (body, rows, their keys' and values' bytes, whether more keys follow or the page was
         cut at max_bytes)."""
-        pre = _DATA + key_bytes(prefix)
-        start = _DATA + key_bytes(after) + b"\x00" if after is not None else pre
         records_keys: list[bytes] = []
         records_values: list[bytes] = []
         size = 0
         more = False
-        it = self._db.iterator(start=max(start, pre, _USER_DATA), stop=prefix_end(pre), verify_checksums=True)
+        it = self._page_records(prefix, after)
         try:
             for k, v in it:
                 records_keys.append(k)

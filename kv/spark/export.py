@@ -128,11 +128,11 @@ def save(df, out: str, fmt: str, overwrite: bool) -> int:
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
+    from .importer import CSV_WRITTEN
+
     # Counted as the rows go out, by the tasks that succeeded (a retried task once), not by
     # reading the output back: that was a second job, 0.4 s of a 2 s export warm and 2.8 s
     # of a session's first, and a full read for CSV and JSON.
-    from .importer import CSV_WRITTEN
-
     written = Observation("kv_written")
     existed = os.path.exists(out)
     # CSV as pandas, Excel and `kv spark import` read it: a header line, RFC 4180 quoting
