@@ -433,7 +433,8 @@ class RaftNode:
             index = await fut
         finally:
             self._read_futs.pop(ctx, None)
-        await self.wait_applied(index, deadline)
+        if self.applied_index < index:
+            await self.wait_applied(index, deadline)
         return index
 
     async def wait_applied(self, index: int, deadline: float | None = None) -> None:

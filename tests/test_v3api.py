@@ -507,8 +507,10 @@ def b64(s: bytes) -> str:
     return base64.b64encode(s).decode()
 
 
-def gw(cluster, path: str, body: dict, node: str | None = None) -> tuple[int, dict]:
+def gw(cluster, path: str, body: dict, node: str | None = None, token: str | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(f"http://{cluster.http[node or cluster.follower]}{path}", data=json.dumps(body).encode(), method="POST")
+    if token is not None:
+        req.add_header("Authorization", token)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
@@ -724,3 +726,59 @@ def test_tokens_through_etcds_authenticate_and_a_watch_older_than_the_log(single
 
     with kv.open(str(tmp_path / "restored")) as db:
         assert db.get("one/119").value == b"v"
+
+
+def test_a_tokens_role_and_prefix_hold_on_the_etcd_api(tmp_path):
+    """--tokens over gRPC: a prefix-limited writer reaches its prefix and nothing else
+    (puts, ranges and deletes that leave it, a Txn whose compare looks outside it, leases,
+    a watch beyond it), a read token writes nothing and holds no lease; each refusal is
+    etcd's permission denied, and none of them changed anything. Write and admin tokens
+    manage leases (they were answered INTERNAL: the Lease service's role was unknown)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('"w-app" = { role = "write", prefix = "app/" }\n"w-all" = "write"\n"r-all" = "read"\n')
+    c = ProcCluster(str(tmp_path / "c"), 1, extra=["--tokens", str(tokens)], proxies=False)
+    c.serve_etcd_api()
+    c.token = "a-admin-0123456789"
+    c.node_env["n1"]["KV_TOKEN"] = c.token
+    with c:
+        c.start()
+        s = Stubs(c.grpc["n1"])
+        app, writer, reader, admin = [("token", "w-app")], [("token", "w-all")], [("token", "r-all")], [("token", c.token)]
+        denied = (grpc.StatusCode.PERMISSION_DENIED, "etcdserver: permission denied")
+
+        def refused(call, *args, metadata):
+            with pytest.raises(grpc.RpcError) as e:
+                call(*args, metadata=metadata, timeout=10)
+            assert (e.value.code(), e.value.details()) == denied
+
+        try:
+            s.kv.Put(rpc_pb2.PutRequest(key=b"app/a", value=b"1"), metadata=app, timeout=10)
+            assert s.kv.Range(rpc_pb2.RangeRequest(key=b"app/", range_end=b"app0"), metadata=app, timeout=10).count == 1
+            refused(s.kv.Put, rpc_pb2.PutRequest(key=b"other/a", value=b"1"), metadata=app)
+            refused(s.kv.Range, rpc_pb2.RangeRequest(key=b"app/", range_end=b"\x00"), metadata=app)  # from app/ to the end
+            refused(s.kv.DeleteRange, rpc_pb2.DeleteRangeRequest(key=b"app/", range_end=b"b"), metadata=app)
+            outside = rpc_pb2.Compare(key=b"other/a", target=rpc_pb2.Compare.VERSION, result=rpc_pb2.Compare.EQUAL, version=0)
+            refused(s.kv.Txn, rpc_pb2.TxnRequest(compare=[outside], success=[op_put(b"app/b", b"2")]), metadata=app)
+            refused(s.lease.LeaseGrant, rpc_pb2.LeaseGrantRequest(TTL=60), metadata=app)
+            refused(s.kv.Put, rpc_pb2.PutRequest(key=b"app/r", value=b"1"), metadata=reader)
+            refused(s.lease.LeaseGrant, rpc_pb2.LeaseGrantRequest(TTL=60), metadata=reader)
+            granted = [s.lease.LeaseGrant(rpc_pb2.LeaseGrantRequest(TTL=60), metadata=m, timeout=10).ID for m in (writer, admin)]
+            refused(s.lease.LeaseTimeToLive, rpc_pb2.LeaseTimeToLiveRequest(ID=granted[0]), metadata=reader)
+            assert s.lease.LeaseTimeToLive(rpc_pb2.LeaseTimeToLiveRequest(ID=granted[0]), metadata=writer, timeout=10).TTL > 0
+            renewed = s.lease.LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=granted[1])]), metadata=writer, timeout=10)
+            assert next(renewed).TTL > 0
+            renewed.cancel()
+            status, body = gw(c, "/v3/lease/grant", {"TTL": 60}, node="n1", token="w-all")  # the JSON gateway: the same checks
+            assert status == 200 and int(body["ID"]) > 0, body
+            granted.append(int(body["ID"]))
+            assert gw(c, "/v3/lease/grant", {"TTL": 60}, node="n1", token="w-app") == (403, {"error": denied[1], "code": 7, "message": denied[1]})
+            assert s.kv.Range(rpc_pb2.RangeRequest(key=b"app/a"), metadata=reader, timeout=10).count == 1
+            call = s.watch.Watch(iter([rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"other/"))]), metadata=app, timeout=10)
+            got = next(call)
+            call.cancel()
+            assert got.canceled and got.cancel_reason == "etcdserver: permission denied"
+            everything = s.kv.Range(rpc_pb2.RangeRequest(key=b"\x00", range_end=b"\x00"), metadata=admin, timeout=10)
+            assert [kv.key for kv in everything.kvs] == [b"app/a"]  # nothing refused was written
+            assert sorted(x.ID for x in s.lease.LeaseLeases(rpc_pb2.LeaseLeasesRequest(), metadata=admin, timeout=10).leases) == sorted(granted)
+        finally:
+            s.channel.close()

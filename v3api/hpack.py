@@ -240,6 +240,10 @@ class Decoder:
         while pos < end:
             b = data[pos]
             if b & 0x80:  # indexed field
+                if 0x80 < b < 0xBE:  # (most of a request's fields: one byte, the static table)
+                    headers.append(STATIC_TABLE[b - 0x81])
+                    pos += 1
+                    continue
                 index, pos = _integer(data, pos, 7)
                 headers.append(self._field(index))
                 continue
