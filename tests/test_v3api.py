@@ -674,7 +674,10 @@ def test_tokens_through_etcds_authenticate_and_a_watch_older_than_the_log(single
     meta = [("token", single.token)]
     try:
         with pytest.raises(grpc.RpcError) as e:
-            put(s, b"one/k", b"v")
+            put(s, b"one/k", b"v")  # no token: etcd's answer, which its clients do not retry
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: user name is empty")
+        with pytest.raises(grpc.RpcError) as e:
+            s.kv.Put(rpc_pb2.PutRequest(key=b"one/k", value=b"v"), metadata=[("token", "not-" + single.token)], timeout=10)
         assert (e.value.code(), e.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, "etcdserver: invalid auth token")
         auth = rpc_pb2_grpc.AuthStub(s.channel)
         assert auth.Authenticate(rpc_pb2.AuthenticateRequest(name="any", password=single.token), timeout=10).token == single.token
@@ -772,6 +775,9 @@ def test_a_tokens_role_and_prefix_hold_on_the_etcd_api(tmp_path):
             assert status == 200 and int(body["ID"]) > 0, body
             granted.append(int(body["ID"]))
             assert gw(c, "/v3/lease/grant", {"TTL": 60}, node="n1", token="w-app") == (403, {"error": denied[1], "code": 7, "message": denied[1]})
+            no_user = "etcdserver: user name is empty"  # etcd 3.4's answers, to no token and to a wrong one
+            assert gw(c, "/v3/kv/put", {"key": b64(b"app/gw"), "value": b64(b"1")}, node="n1") == (400, {"error": no_user, "code": 3, "message": no_user})
+            assert gw(c, "/v3/kv/put", {"key": b64(b"app/gw"), "value": b64(b"1")}, node="n1", token="nonsense")[0] == 401
             assert s.kv.Range(rpc_pb2.RangeRequest(key=b"app/a"), metadata=reader, timeout=10).count == 1
             call = s.watch.Watch(iter([rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"other/"))]), metadata=app, timeout=10)
             got = next(call)

@@ -47,6 +47,7 @@ ERR_PERMISSION = "etcdserver: permission denied"
 ERR_AUTH_NOT_ENABLED = "etcdserver: authentication is not enabled"
 ERR_AUTH_FAILED = "etcdserver: authentication failed, invalid user ID or password"
 ERR_TOKEN = "etcdserver: invalid auth token"
+ERR_NO_TOKEN = "etcdserver: user name is empty"  # (etcd's answer to a call without a token)
 
 ETCD_VERSION = "3.4.0"  # the API level served: clients check the major and minor
 
