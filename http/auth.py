@@ -93,6 +93,11 @@ def grant_of(grants: dict[str, Grant], header: str) -> Grant | None:
     return found
 
 
+def a_role(role: str) -> str:
+    """'a read', 'an admin': the role with its article, for error texts."""
+    return ("an " if role[0] in "aeiou" else "a ") + role
+
+
 def _needed(request: web.Request) -> str:
     path = request.path
     if path.startswith("/v1/kv/"):
@@ -114,7 +119,7 @@ def authorize(request: web.Request, grants: dict[str, Grant]) -> None:
         raise Unauthorized("missing or wrong token: send Authorization: Bearer <token> (the node's --token, or one from its --tokens file)")
     need = _needed(request)
     if not grant.may(need):
-        raise Forbidden(f"a {grant.role} token may not {request.method} {request.path}: that needs a {need} token")
+        raise Forbidden(f"{a_role(grant.role)} token may not {request.method} {request.path}: that needs {a_role(need)} token")
     request[GRANT] = grant
     if grant.prefix:
         if request.path.startswith("/v1/kv/"):

@@ -771,6 +771,13 @@ def test_a_tokens_role_and_prefix_hold_on_the_etcd_api(tmp_path):
             renewed = s.lease.LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=granted[1])]), metadata=writer, timeout=10)
             assert next(renewed).TTL > 0
             renewed.cancel()
+            # The scoped token's keys on a lease it cannot see; compacting every member's history
+            refused(s.kv.Put, rpc_pb2.PutRequest(key=b"app/hijack", value=b"1", lease=granted[0]), metadata=app)
+            refused(s.kv.Txn, rpc_pb2.TxnRequest(success=[op_put(b"app/hijack", b"1", lease=granted[0])]), metadata=app)
+            for m in (app, writer):
+                refused(s.kv.Compact, rpc_pb2.CompactionRequest(revision=1), metadata=m)
+            # MemberList needs no token, as etcd's (etcdctl --cluster asks it without one)
+            assert [m.name for m in s.cluster.MemberList(rpc_pb2.MemberListRequest(), timeout=10).members] == ["n1"]
             status, body = gw(c, "/v3/lease/grant", {"TTL": 60}, node="n1", token="w-all")  # the JSON gateway: the same checks
             assert status == 200 and int(body["ID"]) > 0, body
             granted.append(int(body["ID"]))

@@ -9,7 +9,7 @@ import logging
 import grpc
 
 from kv import Forbidden, Unauthorized
-from kv.http.auth import Grant, grant_of
+from kv.http.auth import Grant, a_role, grant_of
 from kv.server.samples import Sample, labelled
 from kv.statemachine.commands import prefix_end
 
@@ -56,9 +56,11 @@ class Access:
         await context.abort(code, message)
 
     def check(self, context, role: str, ranges: list[tuple[bytes, bytes]]) -> None:
-        """role: read, write, admin, or lease (etcd's Lease service: a write token whose
-        reach is not limited to a prefix). ranges: the keys touched, as (key, range_end)."""
-        if self.grants is None:
+        """role: read, write, admin, lease (etcd's Lease service: a write token whose
+        reach is not limited to a prefix), or anyone (no token needed: MemberList, which
+        etcd answers without one and etcdctl --cluster asks without credentials).
+        ranges: the keys touched, as (key, range_end)."""
+        if self.grants is None or role == "anyone":
             return
         md = dict(context.invocation_metadata() or ())
         token = md.get("token") or md.get("authorization", "")
@@ -73,7 +75,7 @@ class Access:
             raise Unauthorized("missing or wrong token")
         need = "write" if role == "lease" else role  # leases take a write token, as over HTTP
         if not grant.may(need):
-            raise Forbidden(f"a {grant.role} token may not do this: it needs a {need} token")
+            raise Forbidden(f"{a_role(grant.role)} token may not do this: it needs {a_role(need)} token")
         if grant.prefix:
             if role == "lease":
                 raise Forbidden(f"a token scoped to {grant.prefix!r} manages leases over HTTP only")

@@ -52,7 +52,9 @@ class KVService(rpc_pb2_grpc.KVServicer):
         return rpc_pb2.RangeResponse(header=self.header(index), kvs=[wire.kv_message(kv) for kv in kvs], more=more, count=got.count)
 
     async def Put(self, request, context):
-        async with self.access(context, "write", [(request.key, b"")]):
+        # A put to a lease takes the Lease service's role: a token scoped to a prefix would
+        # otherwise attach its keys to leases it cannot see (ledgerkv's HTTP API hides them).
+        async with self.access(context, "lease" if request.lease else "write", [(request.key, b"")]):
             if not (request.prev_kv or request.lease or request.ignore_value or request.ignore_lease):
                 # The common put as a plain Put: the state machine's hot path, with the same
                 # effect as a TxnReq of one PutReq (revision, version, the lease detached).
@@ -73,7 +75,8 @@ class KVService(rpc_pb2_grpc.KVServicer):
         # A transaction that writes nothing is a read (etcd's read-only Txn): a read token
         # may send it, and it is answered after a read barrier, not through the log.
         reads_only = not _writes(request)
-        async with self.access(context, "read" if reads_only else "write", list(txn_keys(request))):
+        role = "read" if reads_only else "lease" if _puts_to_a_lease(request) else "write"
+        async with self.access(context, role, list(txn_keys(request))):
             txn = self.txn_req(request)
             r = await (self.node.etcd_read_txn(txn) if reads_only else self.node.etcd_txn(txn))
             if reads_only:
@@ -83,7 +86,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
     async def Compact(self, request, context):
         """Through the log: every node drops the history below the revision, and refuses
         reads and watches there from then on."""
-        async with self.access(context, "write", []):
+        async with self.access(context, "admin", []):  # every member's history, as etcd's root alone may
             if request.revision <= 0:
                 raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED)
             await self.node.compact(request.revision)
@@ -187,6 +190,15 @@ def _writes(request: rpc_pb2.TxnRequest) -> bool:
     for op in list(request.success) + list(request.failure):
         which = op.WhichOneof("request")
         if which in ("request_put", "request_delete_range") or (which == "request_txn" and _writes(op.request_txn)):
+            return True
+    return False
+
+
+def _puts_to_a_lease(request: rpc_pb2.TxnRequest) -> bool:
+    """Whether a put of the transaction, in either branch or a nested one, attaches a lease."""
+    for op in list(request.success) + list(request.failure):
+        which = op.WhichOneof("request")
+        if (which == "request_put" and op.request_put.lease) or (which == "request_txn" and _puts_to_a_lease(op.request_txn)):
             return True
     return False
 
