@@ -776,6 +776,11 @@ def test_a_tokens_role_and_prefix_hold_on_the_etcd_api(tmp_path):
             refused(s.kv.Txn, rpc_pb2.TxnRequest(success=[op_put(b"app/hijack", b"1", lease=granted[0])]), metadata=app)
             for m in (app, writer):
                 refused(s.kv.Compact, rpc_pb2.CompactionRequest(revision=1), metadata=m)
+            # A hash of every key tells a scoped token when anything outside its prefix changes
+            for m in (app, reader, writer):
+                refused(s.maintenance.HashKV, rpc_pb2.HashKVRequest(), metadata=m)
+                refused(s.maintenance.Hash, rpc_pb2.HashRequest(), metadata=m)
+            assert s.maintenance.HashKV(rpc_pb2.HashKVRequest(), metadata=admin, timeout=10).hash != 0
             # MemberList needs no token, as etcd's (etcdctl --cluster asks it without one)
             assert [m.name for m in s.cluster.MemberList(rpc_pb2.MemberListRequest(), timeout=10).members] == ["n1"]
             status, body = gw(c, "/v3/lease/grant", {"TTL": 60}, node="n1", token="w-all")  # the JSON gateway: the same checks
