@@ -210,9 +210,12 @@ def test_cluster_up_twice_on_one_dir_refuses_the_second_and_keeps_the_first(tmp_
 
 def test_cluster_up_whose_nodes_die_at_start_exits_non_zero_naming_them(tmp_path):
     d = str(tmp_path / "kvdata")
-    # A heartbeat longer than half the election timeout: every node refuses to start.
-    r = kv_cli("cluster", "up", "--data-dir", d, "--base-port", str(_free_base_port()), "--heartbeat-ms", "800", timeout=90)
+    # A heartbeat longer than half the election timeout: every node refuses to start. (With
+    # $KV_TOKEN, which the nodes inherit: it says that other shells need a token too.)
+    r = subprocess.run([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(_free_base_port()), "--heartbeat-ms", "800"],
+                       capture_output=True, text=True, timeout=90, env={**os.environ, "KV_TOKEN": "t0ken"})
     assert r.returncode != 0
+    assert "tokens are on ($KV_TOKEN / $KV_TOKENS): in another shell, export KV_TOKEN=<a token> first" in r.stdout
     for n in ("n1", "n2", "n3"):
         assert f"node {n} exited with code 1; its log is {os.path.join(os.path.abspath(d), n, 'serve.log')}" in r.stdout
     assert "election-timeout" in r.stdout  # the node's own one-line reason

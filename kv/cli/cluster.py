@@ -108,6 +108,9 @@ async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> i
     print(f"        etcdctl --endpoints {','.join(n['grpc'] for n in plan)} get hello")
     if endpoints != (os.environ.get("KV_ENDPOINTS") or ",".join(DEFAULT_ENDPOINTS)):  # where commands without --endpoints go
         print(f"  or, for every command in a shell:  export KV_ENDPOINTS={endpoints}")
+    if os.environ.get("KV_TOKEN") or os.environ.get("KV_TOKENS"):  # the nodes took them from this shell
+        print("  tokens are on ($KV_TOKEN / $KV_TOKENS): in another shell, export KV_TOKEN=<a token> first;")
+        print("        etcdctl takes one as --user root:<token>")
     print("  Ctrl-C stops the cluster.\n", flush=True)
     code = 0
     try:
