@@ -949,11 +949,11 @@ class LevelDBStateMachine:
         a key the transaction itself deleted counts as absent)."""
         for op in txn.success if next(path) else txn.failure:
             t = type(op)
-            if t is PutReq:
-                if op.lease and op.lease not in self.leases.ttl_ms:
-                    return NoSuchLease(op.lease)
+            if t is PutReq:  # (the key first, then the lease: etcd's order)
                 if (op.ignore_value or op.ignore_lease) and not self._exists_then(op.key, overlay, earlier):
                     return KeyNotFound(key_text(op.key))
+                if op.lease and op.lease not in self.leases.ttl_ms:
+                    return NoSuchLease(op.lease)
                 earlier.append((op.key, b"", True))
             elif t is DeleteRangeReq:
                 earlier.append((op.key, op.range_end, False))

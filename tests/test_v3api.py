@@ -637,6 +637,63 @@ def test_etcdctl_make_mirror_moves_a_live_etcd_into_ledgerkv(cluster, tmp_path):
 
 
 
+def test_kv_answers_as_etcd_34_where_a_differential_fuzzer_found_it_did_not(etcd):
+    """Found by running seeded sequences against etcd 3.4 and ledgerkv side by side."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+
+    def refused(call, req, code, text):
+        with pytest.raises(grpc.RpcError) as e:
+            call(req, timeout=10)
+        assert (e.value.code(), e.value.details()) == (code, text)
+
+    def rng(key, end=b"", **kw):
+        return rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key, range_end=end, **kw))
+
+    first = put(etcd, b"v3f/a", b"2").header.revision
+    put(etcd, b"v3f/b", b"1")
+    put(etcd, b"v3f/a", b"3")
+    # An empty key with a range end: refused, as etcd does (it read, and deleted, from the first key)
+    refused(etcd.kv.Range, rpc_pb2.RangeRequest(key=b"", range_end=b"\x00"), invalid, "etcdserver: key is not provided")
+    refused(etcd.kv.DeleteRange, rpc_pb2.DeleteRangeRequest(key=b"", range_end=b"v3f0"), invalid, "etcdserver: key is not provided")
+    assert get(etcd, b"v3f/", range_end=b"v3f0").count == 2
+    # A Range at a past revision inside a Txn of reads reads at it (it read the current value)
+    r = etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rng(b"v3f/a", revision=first), rng(b"v3f/a")]), timeout=10)
+    assert [x.response_range.kvs[0].value for x in r.responses] == [b"2", b"3"]
+    nested = etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp(request_txn=rpc_pb2.TxnRequest(success=[rng(b"v3f/a", revision=first)]))]), timeout=10)
+    assert nested.responses[0].response_txn.responses[0].response_range.kvs[0].value == b"2"
+    refused(etcd.kv.Txn, rpc_pb2.TxnRequest(success=[rng(b"v3f/a", revision=r.header.revision + 1000)]), grpc.StatusCode.OUT_OF_RANGE,
+            "etcdserver: mvcc: required revision is a future revision")
+    with pytest.raises(grpc.RpcError) as e:  # (in a transaction that writes: refused, not read as of now)
+        etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rng(b"v3f/a", revision=first), op_put(b"v3f/c", b"1")]), timeout=10)
+    assert e.value.code() == invalid and "past revision" in e.value.details()
+    # keys_only sorted by value: sorted by the values, then without them
+    got = get(etcd, b"v3f/", range_end=b"v3f0", keys_only=True, sort_target=rpc_pb2.RangeRequest.VALUE, sort_order=rpc_pb2.RangeRequest.ASCEND)
+    assert [(kv.key, kv.value) for kv in got.kvs] == [(b"v3f/b", b""), (b"v3f/a", b"")]
+    # A negative limit is none
+    assert len(get(etcd, b"v3f/", range_end=b"v3f0", limit=-1).kvs) == 2
+    # A compare given another target's field compares with 0 (or ""), as etcd's do
+    value_vs_version = rpc_pb2.Compare(key=b"v3f/a", target=rpc_pb2.Compare.VALUE, result=rpc_pb2.Compare.EQUAL, version=1)
+    create_vs_mod = rpc_pb2.Compare(key=b"v3f/a", target=rpc_pb2.Compare.CREATE, result=rpc_pb2.Compare.LESS, mod_revision=first + 100)
+    for c in (value_vs_version, create_vs_mod):
+        assert not etcd.kv.Txn(rpc_pb2.TxnRequest(compare=[c], success=[rng(b"v3f/a")]), timeout=10).succeeded
+    bad_target = rpc_pb2.Compare(key=b"v3f/a", target=9, result=rpc_pb2.Compare.EQUAL, version=1)
+    with pytest.raises(grpc.RpcError) as e:
+        etcd.kv.Txn(rpc_pb2.TxnRequest(compare=[bad_target], success=[rng(b"v3f/a")]), timeout=10)
+    assert e.value.code() == invalid
+    # etcd's checks, in etcd's order: a nested transaction has what its parent leaves of
+    # the op limit; an empty op is "key not found"; each op is checked before duplicates;
+    # a put's key before its lease
+    inner = rpc_pb2.RequestOp(request_txn=rpc_pb2.TxnRequest(success=[rng(b"v3f/a")] * 50))
+    refused(etcd.kv.Txn, rpc_pb2.TxnRequest(success=[rng(b"v3f/a")] * 100 + [inner]), invalid, "etcdserver: too many operations in txn request")
+    refused(etcd.kv.Txn, rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp()]), invalid, "etcdserver: key not found")
+    refused(etcd.kv.Txn, rpc_pb2.TxnRequest(success=[op_put(b"v3f/a", b"1"), op_put(b"v3f/a", b"1", ignore_value=True)]), invalid, "etcdserver: value is provided")
+    refused(etcd.kv.Txn, rpc_pb2.TxnRequest(success=[op_put(b"v3f/absent", b"", ignore_value=True, lease=4242)]), invalid, "etcdserver: key not found")
+    # Compacting at 0 before any compaction does nothing, and is no error
+    etcd.kv.Compact(rpc_pb2.CompactionRequest(revision=0), timeout=10)
+    after = get(etcd, b"v3f/", range_end=b"v3f0")
+    assert [(kv.key, kv.value) for kv in after.kvs] == [(b"v3f/a", b"3"), (b"v3f/b", b"1")]  # nothing refused was written
+
+
 def test_compact_through_the_log_refuses_reads_and_watches_below_it(etcd, cluster):
     now = put(etcd, b"v3c/k", b"v").header.revision
     etcd.kv.Compact(rpc_pb2.CompactionRequest(revision=2), timeout=10)

@@ -28,7 +28,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
             req = wire.range_req(request)
             consistency = "stale" if request.serializable else "linearizable"
             revision = request.revision if request.revision > 0 else None
-            if request.limit and wire.reads_whole(request) and not (request.keys_only or request.count_only) and request.sort_target != rpc_pb2.RangeRequest.VALUE:
+            if request.limit > 0 and wire.reads_whole(request) and not (request.keys_only or request.count_only) and request.sort_target != rpc_pb2.RangeRequest.VALUE:
                 return await self._sorted_page(request, req, consistency, revision)
             got, index = await self.node.etcd_range(req, consistency=consistency, revision=revision)
             self.check_whole(req, got)
@@ -78,16 +78,48 @@ class KVService(rpc_pb2_grpc.KVServicer):
         role = "read" if reads_only else "lease" if _puts_to_a_lease(request) else "write"
         async with self.access(context, role, list(txn_keys(request))):
             txn = self.txn_req(request)
-            r = await (self.node.etcd_read_txn(txn) if reads_only else self.node.etcd_txn(txn))
             if reads_only:
+                r = await self.node.etcd_read_txn(txn)
                 self._check_reads(txn, r)
+                r = await self._at_revisions(request, r, r.index)
+            else:
+                if _reads_at_a_revision(request):
+                    raise Abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "etcdserver: a Range at a past revision inside a Txn is served only in a transaction that writes nothing "
+                        "(ledgerkv): read it on its own, or in a Txn of reads",
+                    )
+                r = await self.node.etcd_txn(txn)
             return txn_response(request, r, self.header)
+
+    async def _at_revisions(self, request: rpc_pb2.TxnRequest, r: cmds.TxnResp, index: int) -> cmds.TxnResp:
+        """A transaction of reads whose Ranges ask for a past revision: those read at it (the
+        state machine evaluated every range as of `index`, the transaction's revision), as
+        etcd's do; a revision after `index` is a future one for the transaction."""
+        responses = list(r.responses)
+        for i, op in enumerate(request.success if r.succeeded else request.failure):
+            which = op.WhichOneof("request")
+            if which == "request_range" and op.request_range.revision > 0:
+                rev = op.request_range.revision
+                if rev > index:
+                    raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_FUTURE_REV)
+                req = wire.range_req(op.request_range)
+                got, _ = await self.node.etcd_range(req, consistency="stale", revision=rev)
+                self.check_whole(req, got)
+                responses[i] = got
+            elif which == "request_txn":
+                responses[i] = await self._at_revisions(op.request_txn, responses[i], index)
+        return r._replace(responses=tuple(responses))
 
     async def Compact(self, request, context):
         """Through the log: every node drops the history below the revision, and refuses
         reads and watches there from then on."""
         async with self.access(context, "admin", []):  # every member's history, as etcd's root alone may
             if request.revision <= 0:
+                # etcd's compact revision starts at -1: compacting at 0 before any
+                # compaction does nothing, and is answered so
+                if request.revision == 0 and self.node.compact_revision() == 0:
+                    return rpc_pb2.CompactionResponse(header=self.header.now())
                 raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED)
             await self.node.compact(request.revision)
             return rpc_pb2.CompactionResponse(header=self.header.now())
@@ -97,7 +129,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         asked for, and its clients (etcdctl get --prefix) print what they get without paging
         on `more`, so a partial answer would pass for the whole range. (A transaction that
         writes keeps its cut-short ranges, marked `more`: it has been committed by then.)"""
-        if not req.count_only and len(got.kvs) < (min(req.limit, got.count) if req.limit else got.count):
+        if not req.count_only and len(got.kvs) < (min(req.limit, got.count) if req.limit > 0 else got.count):
             raise self._over_budget()
 
     def _over_budget(self) -> Abort:
@@ -115,21 +147,33 @@ class KVService(rpc_pb2_grpc.KVServicer):
                 self._check_reads(op, got)
 
     def txn_req(self, request: rpc_pb2.TxnRequest) -> cmds.TxnReq:
-        """The transaction to propose, checked as etcd checks it: at most --max-txn-ops
-        compares and ops per branch, and no key written twice in one branch path."""
-        if len(request.compare) > self.max_ops or len(request.success) > self.max_ops or len(request.failure) > self.max_ops:
+        """The transaction to propose, checked as etcd checks it (checkTxnRequest, then
+        checkIntervals): every compare and op first — at most --max-txn-ops compares or ops
+        per branch, a nested transaction's within what its parent leaves — then that no key
+        is written twice along one path."""
+        txn = self._checked_txn(request, self.max_ops)
+        for branch in (request.success, request.failure):
+            check_unique_writes(branch)
+        return txn
+
+    def _checked_txn(self, request: rpc_pb2.TxnRequest, max_ops: int) -> cmds.TxnReq:
+        ops = max(len(request.compare), len(request.success), len(request.failure))
+        if ops > max_ops:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_MANY_OPS)
         compares = []
         for c in request.compare:
             start = wire.range_start(c.key, c.range_end)
-            which = c.WhichOneof("target_union")
-            arg = getattr(c, which) if which else (b"" if c.target == rpc_pb2.Compare.VALUE else 0)
+            field = _COMPARED.get(c.target)
+            if field is None or not 0 <= c.result <= rpc_pb2.Compare.NOT_EQUAL:
+                raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"etcdserver: a compare's target is 0-4 and its result 0-3, not {c.target} and {c.result}")
+            # A value given for another target is not this one's (etcd: 0, or "" for VALUE)
+            arg = getattr(c, field) if c.WhichOneof("target_union") == field else (b"" if c.target == rpc_pb2.Compare.VALUE else 0)
             compares.append(cmds.Compare(c.target, c.result, start, arg, c.range_end))
-        for branch in (request.success, request.failure):
-            check_unique_writes(branch)
-        return cmds.TxnReq(tuple(compares), tuple(self._op(op) for op in request.success), tuple(self._op(op) for op in request.failure))
+        success = tuple(self._op(op, max_ops - ops) for op in request.success)
+        failure = tuple(self._op(op, max_ops - ops) for op in request.failure)
+        return cmds.TxnReq(tuple(compares), success, failure)
 
-    def _op(self, op: rpc_pb2.RequestOp):
+    def _op(self, op: rpc_pb2.RequestOp, max_ops: int):
         which = op.WhichOneof("request")
         if which == "request_range":
             return wire.range_req(op.request_range)
@@ -138,8 +182,8 @@ class KVService(rpc_pb2_grpc.KVServicer):
         if which == "request_delete_range":
             return delete_req(op.request_delete_range)
         if which == "request_txn":
-            return self.txn_req(op.request_txn)
-        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: a transaction op with no request")
+            return self._checked_txn(op.request_txn, max_ops)
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_KEY_NOT_FOUND)  # (etcd's answer to an empty op)
 
     def put_req(self, p: rpc_pb2.PutRequest) -> cmds.PutReq:
         """A put, checked: its key, and its value against --max-value-bytes."""
@@ -183,6 +227,24 @@ def check_unique_writes(ops) -> tuple[set[bytes], list[tuple[bytes, bytes]]]:
         if op.WhichOneof("request") == "request_put":
             add(op.request_put.key)
     return puts, dels
+
+
+_COMPARED = {
+    rpc_pb2.Compare.VERSION: "version",
+    rpc_pb2.Compare.CREATE: "create_revision",
+    rpc_pb2.Compare.MOD: "mod_revision",
+    rpc_pb2.Compare.VALUE: "value",
+    rpc_pb2.Compare.LEASE: "lease",
+}  # a compare's target -> the field of its target_union that holds what it is compared with
+
+
+def _reads_at_a_revision(request: rpc_pb2.TxnRequest) -> bool:
+    """Whether a Range of the transaction, in either branch or a nested one, asks for a revision."""
+    for op in list(request.success) + list(request.failure):
+        which = op.WhichOneof("request")
+        if (which == "request_range" and op.request_range.revision > 0) or (which == "request_txn" and _reads_at_a_revision(op.request_txn)):
+            return True
+    return False
 
 
 def _writes(request: rpc_pb2.TxnRequest) -> bool:

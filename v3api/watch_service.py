@@ -71,7 +71,8 @@ class _Stream:
             wid = self.next_id
             self.next_id += 1
         try:
-            start = wire.range_start(req.key, req.range_end)
+            # (etcd's watch takes an empty key with a range end as "\0", the smallest key)
+            start = wire.range_start(req.key or (b"\x00" if req.range_end else b""), req.range_end)
             # What was committed when the watch was asked for is applied here first: on a
             # follower too, "now" is the cluster's, and history up to it comes in one answer.
             await node.read_barrier("linearizable")

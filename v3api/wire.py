@@ -109,8 +109,10 @@ def key_of(raw: bytes) -> str:
 
 
 def range_start(key: bytes, range_end: bytes) -> bytes:
-    """etcd's start of a range; "\\0" with range end "\\0" is every key."""
-    if not key and not range_end:
+    """etcd's start of a range; "\\0" with range end "\\0" is every key. A range needs a
+    key, as etcd's: an empty one with a range end is refused too (it read, and deleted, from
+    the first key on)."""
+    if not key:
         raise Abort(grpc.StatusCode.INVALID_ARGUMENT, ERR_EMPTY_KEY)
     if range_end:
         return b"" if key == b"\x00" else key
@@ -139,18 +141,24 @@ class Headers:
         return self(raft.applied_index if raft else 0)
 
 
-def kv_message(kv: cmds.KeyValue) -> kv_pb2.KeyValue:
+def kv_message(kv: cmds.KeyValue, value: bool = True) -> kv_pb2.KeyValue:
     return kv_pb2.KeyValue(
-        key=cmds.key_bytes(kv.key), create_revision=kv.create_revision, mod_revision=kv.mod_revision, version=kv.version, value=kv.value, lease=kv.lease
+        key=cmds.key_bytes(kv.key), create_revision=kv.create_revision, mod_revision=kv.mod_revision, version=kv.version,
+        value=kv.value if value else b"", lease=kv.lease
     )
+
+
+def limit_of(r: rpc_pb2.RangeRequest) -> int:
+    """A range's limit; 0 and below: none (etcd reads a negative limit as none)."""
+    return r.limit if r.limit > 0 else 0
 
 
 def range_req(r: rpc_pb2.RangeRequest) -> cmds.RangeReq:
     """The state machine's part of a Range (sorting, revision filters and the limit after
-    a sort are the front's: see select)."""
-    if r.limit < 0:
-        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, "etcdserver: a range's limit is 0 or more")
-    return cmds.RangeReq(range_start(r.key, r.range_end), r.range_end, 0 if reads_whole(r) else r.limit, r.keys_only, r.count_only)
+    a sort are the front's: see select). Sorted by value, the values are read even with
+    keys_only (finish_range drops them after the sort)."""
+    keys_only = r.keys_only and r.sort_target != rpc_pb2.RangeRequest.VALUE
+    return cmds.RangeReq(range_start(r.key, r.range_end), r.range_end, 0 if reads_whole(r) else limit_of(r), keys_only, r.count_only)
 
 
 def _order(r: rpc_pb2.RangeRequest) -> int:
@@ -188,12 +196,14 @@ def select(r: rpc_pb2.RangeRequest, kvs, more: bool) -> tuple[list[cmds.KeyValue
             rpc_pb2.RangeRequest.VALUE: lambda kv: kv.value,
         }[r.sort_target]
         kvs.sort(key=field, reverse=order == rpc_pb2.RangeRequest.DESCEND)
-    if r.limit and len(kvs) > r.limit:
-        kvs, more = kvs[: r.limit], True
+    limit = limit_of(r)
+    if limit and len(kvs) > limit:
+        kvs, more = kvs[:limit], True
     return kvs, more
 
 
 def finish_range(r: rpc_pb2.RangeRequest, got: cmds.RangeResp, header) -> rpc_pb2.RangeResponse:
     """etcd's RangeResponse from the state machine's answer (see select)."""
     kvs, more = select(r, got.kvs, got.more)
-    return rpc_pb2.RangeResponse(header=header, kvs=[kv_message(kv) for kv in kvs], more=more, count=got.count)
+    values = not r.keys_only
+    return rpc_pb2.RangeResponse(header=header, kvs=[kv_message(kv, values) for kv in kvs], more=more, count=got.count)
