@@ -688,6 +688,7 @@ def test_kv_answers_as_etcd_34_where_a_differential_fuzzer_found_it_did_not(etcd
     refused(etcd.kv.Txn, rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp()]), invalid, "etcdserver: key not found")
     refused(etcd.kv.Txn, rpc_pb2.TxnRequest(success=[op_put(b"v3f/a", b"1"), op_put(b"v3f/a", b"1", ignore_value=True)]), invalid, "etcdserver: value is provided")
     refused(etcd.kv.Txn, rpc_pb2.TxnRequest(success=[op_put(b"v3f/absent", b"", ignore_value=True, lease=4242)]), invalid, "etcdserver: key not found")
+    refused(etcd.kv.Put, rpc_pb2.PutRequest(key=b"v3f/absent", ignore_value=True, lease=4242), grpc.StatusCode.NOT_FOUND, "etcdserver: requested lease not found")
     # Compacting at 0 before any compaction does nothing, and is no error
     etcd.kv.Compact(rpc_pb2.CompactionRequest(revision=0), timeout=10)
     after = get(etcd, b"v3f/", range_end=b"v3f0")

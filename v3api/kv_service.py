@@ -61,7 +61,14 @@ class KVService(rpc_pb2_grpc.KVServicer):
                 w = await self.node.put(wire.key_of(request.key), request.value)
                 await self.node.wait_applied(w.index, timeout=self.node.config.write_timeout_s)
                 return rpc_pb2.PutResponse(header=self.header(w.index))
-            r = await self.node.etcd_txn(cmds.TxnReq((), (self.put_req(request),), ()))
+            req = self.put_req(request)
+            if request.lease and request.ignore_value:
+                # A Put checks its lease before its key (a Txn's puts, which the state
+                # machine checks, the other way round): as etcd's, whose two differ.
+                await self.node.read_barrier("linearizable")
+                if self.node.lease_scope(request.lease) is None:
+                    raise Abort(grpc.StatusCode.NOT_FOUND, wire.ERR_LEASE_NOT_FOUND)
+            r = await self.node.etcd_txn(cmds.TxnReq((), (req,), ()))
             (put,) = r.responses
             return rpc_pb2.PutResponse(header=self.header(r.index), prev_kv=wire.kv_message(put.prev_kv) if put.prev_kv else None)
 
