@@ -91,23 +91,28 @@ class LeaseService(rpc_pb2_grpc.LeaseServicer):
 
     async def LeaseRevoke(self, request, context):
         async with self.access(context, "lease", []):
+            if request.ID <= 0:  # (no lease has such an id)
+                raise wire.Abort(grpc.StatusCode.NOT_FOUND, wire.ERR_LEASE_NOT_FOUND)
             r = await self.node.lease_revoke(request.ID)
             return rpc_pb2.LeaseRevokeResponse(header=self.header(r.index))
 
     async def LeaseTimeToLive(self, request, context):
         async with self.access(context, "lease", []):
             try:
+                if request.ID <= 0:
+                    raise LeaseNotFound(request.ID)
                 got = await self.node.lease_info(request.ID)
             except LeaseNotFound:  # etcd answers TTL -1 for a lease it does not have
                 return rpc_pb2.LeaseTimeToLiveResponse(header=self.header.now(), ID=request.ID, TTL=-1)
             keys = [cmds.key_bytes(k) for k in got.keys] if request.keys else []
+            # (whole seconds left, cut down as etcd's: 9 of 10 a moment after the grant)
             return rpc_pb2.LeaseTimeToLiveResponse(
-                header=self.header.now(), ID=got.id, TTL=max(0, math.ceil(got.remaining)), grantedTTL=round(got.ttl), keys=keys
+                header=self.header.now(), ID=got.id, TTL=max(0, int(got.remaining)), grantedTTL=round(got.ttl), keys=keys
             )
 
     async def LeaseLeases(self, request, context):
         async with self.access(context, "lease", []):
-            leases = await self.node.lease_list()
+            leases = sorted(await self.node.lease_list(), key=lambda x: x.remaining)  # soonest to expire first, as etcd's
             return rpc_pb2.LeaseLeasesResponse(header=self.header.now(), leases=[rpc_pb2.LeaseStatus(ID=x.id) for x in leases])
 
     async def LeaseKeepAlive(self, request_iterator, context):

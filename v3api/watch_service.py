@@ -25,6 +25,8 @@ from .proto import kv_pb2, rpc_pb2, rpc_pb2_grpc
 log = logging.getLogger("kv.v3api")
 
 PROGRESS_WATCH_ID = -1  # etcd's id of the answer to a progress request
+ERR_EMPTY_RANGE = "mvcc: watcher range is empty"  # etcd's texts (not prefixed with etcdserver:)
+ERR_DUPLICATE_ID = "mvcc: duplicate watch ID provided on the WatchStream"
 _PUT, _DELETE = kv_pb2.Event.PUT, kv_pb2.Event.DELETE
 
 
@@ -59,20 +61,28 @@ class _Stream:
     def header(self, revision: int | None = None) -> rpc_pb2.ResponseHeader:
         return self.service.header.now() if revision is None else self.service.header(revision)
 
+    def refuse(self, reason: str) -> None:
+        """etcd's answer to a watch it does not create: id -1, created and canceled at once."""
+        self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=-1, created=True, canceled=True, cancel_reason=reason))
+
     async def create(self, req: rpc_pb2.WatchCreateRequest) -> None:
         node = self.service.node
+        # etcd's watch takes an empty key as "\0", the smallest key (one no one can put here)
+        key = req.key or b"\x00"
+        if req.range_end and req.range_end != b"\x00" and req.range_end <= key:
+            self.refuse(ERR_EMPTY_RANGE)
+            return
         wid = req.watch_id
         if wid == 0 or wid in self.tasks:
             if wid and wid in self.tasks:  # etcd: a duplicate id is refused, the stream goes on
-                self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason="etcdserver: duplicate watch ID"))
+                self.refuse(ERR_DUPLICATE_ID)
                 return
             while self.next_id in self.tasks:
                 self.next_id += 1
             wid = self.next_id
             self.next_id += 1
         try:
-            # (etcd's watch takes an empty key with a range end as "\0", the smallest key)
-            start = wire.range_start(req.key or (b"\x00" if req.range_end else b""), req.range_end)
+            start = b"\x00" if key == b"\x00" and not req.range_end else wire.range_start(key, req.range_end)
             # What was committed when the watch was asked for is applied here first: on a
             # follower too, "now" is the cluster's, and history up to it comes in one answer.
             await node.read_barrier("linearizable")
@@ -80,10 +90,15 @@ class _Stream:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=wire.status_of(e)[1]))
             return
         try:
+            if req.start_revision < 0:  # (before any compaction, as etcd takes it)
+                raise WatchCompacted("a negative start revision", 0, node.oldest_revision())
             w = node.watch(watch_prefix(start, req.range_end), req.start_revision or None, resume_when_behind=False, rich=True)
         except WatchCompacted as e:  # etcd: created, then canceled with the oldest revision it still has
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
-            self.out.put_nowait(_compacted(self.header(), wid, e.oldest_index))
+            self.out.put_nowait(_compacted(self.header(0), wid, e.oldest_index))
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            self.tasks[wid] = done  # its id stays taken until the client cancels it, as etcd's
             return
         except KVError as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=str(e)))
@@ -91,9 +106,13 @@ class _Stream:
         self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
         no_put = rpc_pb2.WatchCreateRequest.NOPUT in req.filters
         no_delete = rpc_pb2.WatchCreateRequest.NODELETE in req.filters
-        self.tasks[wid] = asyncio.ensure_future(self._pump(wid, w, start, req.range_end, req.prev_kv, no_put, no_delete, req.progress_notify))
+        self.tasks[wid] = asyncio.ensure_future(
+            self._pump(wid, w, start, req.range_end, req.start_revision, req.prev_kv, no_put, no_delete, req.progress_notify)
+        )
 
-    async def _pump(self, wid: int, w, key: bytes, range_end: bytes, prev_kv: bool, no_put: bool, no_delete: bool, progress: bool) -> None:
+    async def _pump(self, wid: int, w, key: bytes, range_end: bytes, since: int, prev_kv: bool, no_put: bool, no_delete: bool, progress: bool) -> None:
+        """`since`: the start revision asked for; one ahead of now starts the node's watch
+        from now, and the changes before it are left out here."""
         try:
             while True:
                 got = await w.next_batch(timeout=self.service.progress_s if progress else None)
@@ -102,6 +121,8 @@ class _Stream:
                 events, through = got
                 out = []
                 for ev in events:
+                    if ev.index < since:
+                        continue
                     raw = cmds.key_bytes(ev.key)
                     if not cmds.in_range(raw, key, range_end):
                         continue
@@ -114,7 +135,7 @@ class _Stream:
                 elif not events and progress:
                     self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(through), watch_id=wid))
         except WatchCompacted as e:
-            self.out.put_nowait(_compacted(self.header(), wid, e.oldest_index))
+            self.out.put_nowait(_compacted(self.header(0), wid, e.oldest_index))
         except SlowWatcher as e:
             self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {e}"))
         except Exception as e:  # a bug: the client hears of it, the log says where
@@ -139,8 +160,9 @@ class _Stream:
 
 def _compacted(header, wid: int, oldest: int) -> rpc_pb2.WatchResponse:
     """The answer to a watch that starts before what this node's history holds (the last
-    Compact): etcd's compact_revision, the oldest revision a watch can start from."""
-    return rpc_pb2.WatchResponse(header=header, watch_id=wid, canceled=True, compact_revision=oldest, cancel_reason=wire.ERR_COMPACTED)
+    Compact): etcd's compact_revision, the oldest revision a watch can start from (and,
+    as etcd's, a header of revision 0 and no cancel_reason)."""
+    return rpc_pb2.WatchResponse(header=header, watch_id=wid, canceled=True, compact_revision=oldest)
 
 
 def _event(ev, raw: bytes, prev_kv: bool) -> kv_pb2.Event:
