@@ -127,6 +127,18 @@ async def test_a_watcher_that_falls_behind_reads_on_from_the_ledger(node):
     assert [e.index for e in await drain(node.watch("s/", start_index=e.value.resume_index), writes[-1])] == writes
 
 
+async def test_a_watch_from_an_index_ahead_of_now_starts_there(node):
+    """It started from now: the changes before the index asked for came too."""
+    for rich in (False, True):
+        ahead = node.raft.applied_index + 3
+        w = node.watch("f/", start_index=ahead, rich=rich)
+        assert (await w.next_batch(0.01))[0] == []  # (read while the index is still ahead)
+        writes = [(await node.put(f"f/{i}", b"x")).index for i in range(5)]
+        got = [e.index for e in await drain(w, writes[-1])]
+        assert got == [i for i in writes if i >= ahead] and len(got) < len(writes)
+        w.close()
+
+
 async def test_a_follower_that_installs_a_snapshot_ends_its_watches(tmp_path):
     c = InprocCluster(str(tmp_path), snapshot_threshold=100, snapshot_trailing=5)
     await c.start()

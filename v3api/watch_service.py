@@ -106,13 +106,9 @@ class _Stream:
         self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
         no_put = rpc_pb2.WatchCreateRequest.NOPUT in req.filters
         no_delete = rpc_pb2.WatchCreateRequest.NODELETE in req.filters
-        self.tasks[wid] = asyncio.ensure_future(
-            self._pump(wid, w, start, req.range_end, req.start_revision, req.prev_kv, no_put, no_delete, req.progress_notify)
-        )
+        self.tasks[wid] = asyncio.ensure_future(self._pump(wid, w, start, req.range_end, req.prev_kv, no_put, no_delete, req.progress_notify))
 
-    async def _pump(self, wid: int, w, key: bytes, range_end: bytes, since: int, prev_kv: bool, no_put: bool, no_delete: bool, progress: bool) -> None:
-        """`since`: the start revision asked for; one ahead of now starts the node's watch
-        from now, and the changes before it are left out here."""
+    async def _pump(self, wid: int, w, key: bytes, range_end: bytes, prev_kv: bool, no_put: bool, no_delete: bool, progress: bool) -> None:
         try:
             while True:
                 got = await w.next_batch(timeout=self.service.progress_s if progress else None)
@@ -121,8 +117,6 @@ class _Stream:
                 events, through = got
                 out = []
                 for ev in events:
-                    if ev.index < since:
-                        continue
                     raw = cmds.key_bytes(ev.key)
                     if not cmds.in_range(raw, key, range_end):
                         continue

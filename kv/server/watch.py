@@ -241,7 +241,10 @@ class WatchHub:
         """One step of reading history for w: the events of the next chunk of it, or, once
         w has caught up, nothing — and w is in the fan-out."""
         self.check_start(w.cursor, w.rich)
-        changes, w.cursor = self._history(w.cursor, w.prefix, HISTORY_CHUNK_CHANGES)
+        changes, after = self._history(w.cursor, w.prefix, HISTORY_CHUNK_CHANGES)
+        # (a start ahead of what is applied stays where it is: the changes before it were
+        # asked not to come, and history read through now would have moved it back)
+        w.cursor = max(w.cursor, after)
         if not changes and w.cursor > self.applied_index():
             self._add(w)
             return []
