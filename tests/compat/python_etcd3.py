@@ -65,14 +65,15 @@ def suite() -> tuple[str, str]:
 
 
 class Cluster:
-    """Three members named pifpaf0..2; pifpaf0 answers clients on 127.0.0.1:2379."""
+    """Three members named pifpaf0..2; pifpaf0 answers clients on 127.0.0.1:2379 (or
+    `first_port`)."""
 
     names = ("pifpaf0", "pifpaf1", "pifpaf2")
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, first_port: int = CLIENT_PORT) -> None:
         self.root = root
         self.procs = Procs()
-        self.client = {n: f"127.0.0.1:{CLIENT_PORT if n == 'pifpaf0' else free_port()}" for n in self.names}
+        self.client = {n: f"127.0.0.1:{first_port if n == 'pifpaf0' else free_port()}" for n in self.names}
         self.peer = {n: f"127.0.0.1:{free_port()}" for n in self.names}
 
     def ctl(self, *args: str, endpoint: str | None = None) -> str:
