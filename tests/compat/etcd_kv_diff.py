@@ -38,7 +38,7 @@ import grpc  # noqa: E402
 from python_etcd3 import EtcdCluster, LedgerkvCluster  # noqa: E402
 
 from kv.bench.harness import free_port  # noqa: E402
-from v3api.proto import rpc_pb2, rpc_pb2_grpc  # noqa: E402
+from kv.v3api.proto import rpc_pb2, rpc_pb2_grpc  # noqa: E402
 
 KEYS = [b"a", b"a/b", b"a/c", b"b", b"", b"a\x00", b"\xff", b"a\xff", "\U0001F600".encode(), b"\xee\x80\x80", b"c"]
 KEY_WEIGHTS = [6, 4, 4, 5, 1, 2, 2, 2, 1, 1, 2]
