@@ -25,7 +25,7 @@ log = logging.getLogger("kv.http")
 access = logging.getLogger("kv.access")
 
 # Answered without a token: probes cannot send one, and these reveal nothing.
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
 
 
 @web.middleware

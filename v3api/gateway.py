@@ -9,6 +9,8 @@ error body `{"error", "code", "message"}` with its HTTP status."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import grpc
 import orjson
@@ -70,18 +72,73 @@ def _json(message) -> bytes:
     return orjson.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True))
 
 
-async def _parse(request: web.Request, cls):
+async def _body(request: web.Request) -> bytes:
+    """The whole body, up to MAX_BODY (a read of the stream returns what has arrived so far)."""
     if request.content_length is not None and request.content_length > MAX_BODY:
         raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
-    body = await request.content.read(MAX_BODY + 1)
-    if len(body) > MAX_BODY:
-        raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
+    chunks, size = [], 0
+    while chunk := await request.content.read(1 << 16):
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _message(obj, cls, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+    """cls from one decoded JSON value, checked as etcd's gateway checks it: bytes in strict
+    base64 (Python's decoder drops what is not base64, which would write another key than
+    the one sent), enum values as numbers or their exact names; unknown fields ignored."""
     msg = cls()
     try:
-        json_format.Parse(body or b"{}", msg, ignore_unknown_fields=True)  # as etcd's gateway
-    except (json_format.ParseError, UnicodeDecodeError) as e:
-        raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not a {cls.__name__} in JSON: {e}") from None
+        if obj is not None:  # (etcd's gateway takes a body of null as {})
+            if not isinstance(obj, dict):
+                raise json_format.ParseError(f"expected an object, not {type(obj).__name__}")
+            check_json(obj, msg.DESCRIPTOR)
+            json_format.ParseDict(obj, msg, ignore_unknown_fields=True)
+    except (json_format.ParseError, ValueError, TypeError) as e:
+        raise wire.Abort(code, f"the body is not a {cls.__name__} in JSON: {e}") from None
     return msg
+
+
+_BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+
+
+def check_json(obj: dict, descriptor) -> None:
+    """What json_format lets through and etcd's gateway refuses: ValueError naming the field."""
+    fields = {**descriptor.fields_by_name, **{f.json_name: f for f in descriptor.fields}}
+    for name, value in obj.items():
+        f = fields.get(name)
+        if f is None or value is None:
+            continue
+        for v in value if f.is_repeated and isinstance(value, list) else [value]:
+            if f.type == f.TYPE_BYTES and not (isinstance(v, str) and _BASE64.fullmatch(v)):
+                raise ValueError(f"{name}: illegal base64 data {v!r:.40}")
+            if f.type == f.TYPE_ENUM and not (type(v) is int or (isinstance(v, str) and f.enum_type.values_by_name.get(v) is not None)):
+                raise ValueError(f"{name}: unknown value {v!r:.40} for enum {f.enum_type.full_name}")
+            if f.type == f.TYPE_MESSAGE and isinstance(v, dict):
+                check_json(v, f.message_type)
+
+
+def _values(body: bytes) -> list:
+    """The JSON values of a body, one after another (a stream's requests; {} for none)."""
+    text, out, pos, decoder = body.decode("utf-8"), [], 0, json.JSONDecoder()
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n":
+            pos += 1
+        if pos == len(text):
+            return out or [{}]
+        value, pos = decoder.raw_decode(text, pos)
+        out.append(value)
+
+
+async def _parse(request: web.Request, cls):
+    body = await _body(request)
+    try:
+        obj = orjson.loads(body) if body.strip() else {}
+    except orjson.JSONDecodeError as e:
+        raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not a {cls.__name__} in JSON: {e}") from None
+    return _message(obj, cls)
 
 
 def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]:
@@ -109,9 +166,9 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
         "maintenance/hash": (maintenance.HashKV, rpc_pb2.HashKVRequest),
         "auth/authenticate": (AuthService(node, access).Authenticate, rpc_pb2.AuthenticateRequest),
     }
-    streams = {
-        "watch": (watch.Watch, rpc_pb2.WatchRequest),
-        "lease/keepalive": (lease.LeaseKeepAlive, rpc_pb2.LeaseKeepAliveRequest),
+    streams = {  # (whether the answers go on after the requests: a watch's do, keepalives' do not)
+        "watch": (watch.Watch, rpc_pb2.WatchRequest, True),
+        "lease/keepalive": (lease.LeaseKeepAlive, rpc_pb2.LeaseKeepAliveRequest, False),
     }
 
     def unary_handler(call, cls):
@@ -124,20 +181,27 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
 
         return handler
 
-    def stream_handler(call, cls):
+    def stream_handler(call, cls, goes_on: bool):
         async def handler(request: web.Request) -> web.StreamResponse:
+            # Every JSON value of the body is a request; one that is not is etcd's Unknown (500)
             try:
-                msg = await _parse(request, cls)
+                body = await _body(request)
+                try:
+                    msgs = [_message(v, cls, grpc.StatusCode.UNKNOWN) for v in _values(body)]
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise wire.Abort(grpc.StatusCode.UNKNOWN, f"the body is not a {cls.__name__} in JSON: {e}") from None
             except wire.Abort as e:
                 return _error(e.code, e.message)
 
-            async def one():
-                yield msg
-                await asyncio.Event().wait()  # the client's side stays open, as a gRPC stream's would
+            async def requests():
+                for m in msgs:
+                    yield m
+                if goes_on:
+                    await asyncio.Event().wait()  # the client's side stays open, as a gRPC stream's would
 
             response = web.StreamResponse(headers={"Content-Type": "application/json"})
             try:
-                async for out in call(one(), _Context(request)):
+                async for out in call(requests(), _Context(request)):
                     if not response.prepared:
                         await response.prepare(request)
                     await response.write(b'{"result":' + _json(out) + b"}\n")
@@ -151,10 +215,16 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
 
         return handler
 
-    out = [web.get("/version", version)]
+    async def health(request: web.Request) -> web.Response:
+        """etcd's /health: true while a leader is known and no alarm is raised (no token)."""
+        s = node.status()
+        ok = s.get("leader") is not None and not s.get("alarms") and not node.raised_alarms()
+        return web.json_response({"health": "true" if ok else "false"}, status=200 if ok else 503)
+
+    out = [web.get("/version", version), web.get("/health", health)]
     for prefix in ("/v3/", "/v3beta/"):
         out += [web.post(prefix + path, unary_handler(call, cls)) for path, (call, cls) in unary.items()]
-        out += [web.post(prefix + path, stream_handler(call, cls)) for path, (call, cls) in streams.items()]
+        out += [web.post(prefix + path, stream_handler(call, cls, goes_on)) for path, (call, cls, goes_on) in streams.items()]
     return out
 
 

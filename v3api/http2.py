@@ -183,7 +183,11 @@ class Connection(asyncio.Protocol):
                 head = bytes(self.buf[: len(PREFACE)])
                 if not PREFACE.startswith(head):
                     if _HTTP1.match(head):
-                        self._answer_http1()
+                        factory = getattr(self.server, "http1", None)
+                        if factory is not None:
+                            self._hand_over(factory())
+                        else:
+                            self._answer_http1()
                         return
                     raise ProtocolError(PROTOCOL_ERROR, "not HTTP/2 (gRPC needs the HTTP/2 client preface)")
                 if len(head) < len(PREFACE):
@@ -210,6 +214,17 @@ class Connection(asyncio.Protocol):
             self.goaway(e.code, str(e))
         except HpackError as e:
             self.goaway(COMPRESSION_ERROR, str(e))
+
+    def _hand_over(self, protocol: asyncio.BaseProtocol) -> None:
+        """An HTTP/1 client: the connection goes to `protocol` (the node's HTTP server), with
+        what it has sent so far, as etcd's client port serves its JSON gateway too."""
+        transport, data = self.transport, bytes(self.buf)
+        self.connections.discard(self)
+        self.preface_timer.cancel()
+        self.transport = None
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        protocol.data_received(data)
 
     def _answer_http1(self) -> None:
         body = (b"this port speaks gRPC (HTTP/2): etcd's clients (etcdctl, python-etcd3, clientv3) use it. "

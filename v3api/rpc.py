@@ -11,6 +11,7 @@ import asyncio
 import logging
 import ssl
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -184,6 +185,10 @@ class RpcServer:
         # grpc-timeout: one timer for every call (a timer of each call's own, pushed on the
         # loop's heap and cancelled, cost 5 % of a leader's CPU serving ranges)
         self.deadlines = Deadlines(lambda: None)
+        # Where an HTTP/1 connection to this port goes: the node's HTTP server (set once it
+        # runs), so that the client URLs MemberList gives serve etcd's JSON gateway, as
+        # etcd's do (Patroni takes its endpoints from them). None: told to use --http.
+        self.http1: Callable[[], asyncio.BaseProtocol] | None = None
 
     async def start(self, host: str, port: int, tls: tuple[str, str] | None = None) -> RpcServer:
         ctx = None
@@ -191,7 +196,7 @@ class RpcServer:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2  # (HTTP/2 asks for 1.2 at least)
             ctx.load_cert_chain(tls[0], tls[1])
-            ctx.set_alpn_protocols(["h2"])
+            ctx.set_alpn_protocols(["h2", "http/1.1"])
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: Connection(self, self.connections), host, port, ssl=ctx, reuse_address=True, backlog=1024)
         return self

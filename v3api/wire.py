@@ -157,6 +157,9 @@ def range_req(r: rpc_pb2.RangeRequest) -> cmds.RangeReq:
     """The state machine's part of a Range (sorting, revision filters and the limit after
     a sort are the front's: see select). Sorted by value, the values are read even with
     keys_only (finish_range drops them after the sort)."""
+    if not (0 <= r.sort_target <= rpc_pb2.RangeRequest.VALUE and 0 <= r.sort_order <= rpc_pb2.RangeRequest.DESCEND):
+        # (etcd 3.4 stops on a sort target it does not know)
+        raise Abort(grpc.StatusCode.INVALID_ARGUMENT, f"etcdserver: a range's sort_target is 0-4 and sort_order 0-2, not {r.sort_target} and {r.sort_order}")
     keys_only = r.keys_only and r.sort_target != rpc_pb2.RangeRequest.VALUE
     return cmds.RangeReq(range_start(r.key, r.range_end), r.range_end, 0 if reads_whole(r) else limit_of(r), keys_only, r.count_only)
 

@@ -114,6 +114,8 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
                 )
             except OSError as e:
                 raise listen_error(e, "--http ", config.http) from e
+            if grpc_server is not None:
+                grpc_server.http1 = runner.server  # (the etcd API's port answers HTTP/1 with it)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
