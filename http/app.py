@@ -15,7 +15,7 @@ from kv.server.access import request_forwarded
 
 from . import routes_admin, routes_kv, routes_leases, routes_members, routes_sessions, routes_watch
 from .answer import Answer
-from .auth import ADMIN, Grant, authorize
+from .auth import ADMIN, OPEN_PATHS, Grant, authorize
 from .context import CONTEXT, LARGE_ANSWER, HttpContext
 from .errors import run_handler
 from .fastpath import FastFront
@@ -23,10 +23,6 @@ from .listener import CappedSite
 
 log = logging.getLogger("kv.http")
 access = logging.getLogger("kv.access")
-
-# Answered without a token: probes cannot send one, and these reveal nothing.
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
-
 
 @web.middleware
 async def middleware(request: web.Request, handler) -> web.StreamResponse:

@@ -926,6 +926,14 @@ def test_a_tokens_role_and_prefix_hold_on_the_etcd_api(tmp_path):
             no_user = "etcdserver: user name is empty"  # etcd 3.4's answers, to no token and to a wrong one
             assert gw(c, "/v3/kv/put", {"key": b64(b"app/gw"), "value": b64(b"1")}, node="n1") == (400, {"error": no_user, "code": 3, "message": no_user})
             assert gw(c, "/v3/kv/put", {"key": b64(b"app/gw"), "value": b64(b"1")}, node="n1", token="nonsense")[0] == 401
+            # The gRPC port answers the gateway over HTTP/1.1 too, with the same checks
+            via_grpc_port = urllib.request.Request(f"http://{c.grpc['n1']}/v3/kv/range", data=json.dumps({"key": b64(b"app/a")}).encode(), method="POST")
+            with pytest.raises(urllib.error.HTTPError) as refused_there:
+                urllib.request.urlopen(via_grpc_port, timeout=10)
+            assert refused_there.value.code == 400 and json.loads(refused_there.value.read())["error"] == no_user
+            via_grpc_port.add_header("Authorization", "w-app")
+            with urllib.request.urlopen(via_grpc_port, timeout=10) as r:
+                assert json.loads(r.read())["count"] == "1"
             assert s.kv.Range(rpc_pb2.RangeRequest(key=b"app/a"), metadata=reader, timeout=10).count == 1
             call = s.watch.Watch(iter([rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"other/"))]), metadata=app, timeout=10)
             got = next(call)

@@ -9,6 +9,7 @@ error body `{"error", "code", "message"}` with its HTTP status."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 
@@ -104,11 +105,16 @@ def _message(obj, cls, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT)
 _BASE64 = re.compile(r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
 
 
+@functools.cache
+def _fields(descriptor) -> dict:
+    """A message's fields by the names JSON may give them: the proto name and the camelCase one."""
+    return {**descriptor.fields_by_name, **{f.json_name: f for f in descriptor.fields}}
+
+
 def check_json(obj: dict, descriptor) -> None:
     """What json_format lets through and etcd's gateway refuses: ValueError naming the field."""
-    fields = {**descriptor.fields_by_name, **{f.json_name: f for f in descriptor.fields}}
     for name, value in obj.items():
-        f = fields.get(name)
+        f = _fields(descriptor).get(name)
         if f is None or value is None:
             continue
         for v in value if f.is_repeated and isinstance(value, list) else [value]:
@@ -120,25 +126,29 @@ def check_json(obj: dict, descriptor) -> None:
                 check_json(v, f.message_type)
 
 
-def _values(body: bytes) -> list:
-    """The JSON values of a body, one after another (a stream's requests; {} for none)."""
+def _values(body: bytes, stream: bool) -> list:
+    """The JSON values of a body, one after another ({} for none), as etcd's gateway reads
+    them: a stream's requests; a call's is the first (what follows it is not looked at)."""
     text, out, pos, decoder = body.decode("utf-8"), [], 0, json.JSONDecoder()
     while True:
         while pos < len(text) and text[pos] in " \t\r\n":
             pos += 1
-        if pos == len(text):
+        if pos == len(text) or (out and not stream):
             return out or [{}]
         value, pos = decoder.raw_decode(text, pos)
         out.append(value)
 
 
-async def _parse(request: web.Request, cls):
+async def _requests(request: web.Request, cls, stream: bool) -> list:
+    """The body's requests (a call's one); a body that is not JSON, or not of cls, is refused
+    as etcd's gateway refuses it: InvalidArgument for a call, Unknown for a stream."""
+    code = grpc.StatusCode.UNKNOWN if stream else grpc.StatusCode.INVALID_ARGUMENT
     body = await _body(request)
     try:
-        obj = orjson.loads(body) if body.strip() else {}
-    except orjson.JSONDecodeError as e:
-        raise wire.Abort(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not a {cls.__name__} in JSON: {e}") from None
-    return _message(obj, cls)
+        values = _values(body, stream)
+    except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise wire.Abort(code, f"the body is not a {cls.__name__} in JSON: {e}") from None
+    return [_message(v, cls, code) for v in values]
 
 
 def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]:
@@ -174,7 +184,7 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
     def unary_handler(call, cls):
         async def handler(request: web.Request) -> web.StreamResponse:
             try:
-                msg = await _parse(request, cls)
+                msg = (await _requests(request, cls, stream=False))[0]
                 return web.Response(body=_json(await call(msg, _Context(request))), content_type="application/json")
             except wire.Abort as e:
                 return _error(e.code, e.message)
@@ -183,13 +193,8 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
 
     def stream_handler(call, cls, goes_on: bool):
         async def handler(request: web.Request) -> web.StreamResponse:
-            # Every JSON value of the body is a request; one that is not is etcd's Unknown (500)
             try:
-                body = await _body(request)
-                try:
-                    msgs = [_message(v, cls, grpc.StatusCode.UNKNOWN) for v in _values(body)]
-                except (ValueError, UnicodeDecodeError) as e:
-                    raise wire.Abort(grpc.StatusCode.UNKNOWN, f"the body is not a {cls.__name__} in JSON: {e}") from None
+                msgs = await _requests(request, cls, stream=True)
             except wire.Abort as e:
                 return _error(e.code, e.message)
 

@@ -183,9 +183,8 @@ class Connection(asyncio.Protocol):
                 head = bytes(self.buf[: len(PREFACE)])
                 if not PREFACE.startswith(head):
                     if _HTTP1.match(head):
-                        factory = getattr(self.server, "http1", None)
-                        if factory is not None:
-                            self._hand_over(factory())
+                        if self.server.http1 is not None:
+                            self._hand_over(self.server.http1())
                         else:
                             self._answer_http1()
                         return

@@ -245,31 +245,24 @@ _COMPARED = {
 }  # a compare's target -> the field of its target_union that holds what it is compared with
 
 
-def _reads_at_a_revision(request: rpc_pb2.TxnRequest) -> bool:
-    """Whether a Range of the transaction, in either branch or a nested one, asks for a revision."""
+def _any_op(request: rpc_pb2.TxnRequest, holds) -> bool:
+    """Whether holds(op) for an op of the transaction, in either branch or a nested one."""
     for op in list(request.success) + list(request.failure):
-        which = op.WhichOneof("request")
-        if (which == "request_range" and op.request_range.revision > 0) or (which == "request_txn" and _reads_at_a_revision(op.request_txn)):
+        if holds(op) or (op.WhichOneof("request") == "request_txn" and _any_op(op.request_txn, holds)):
             return True
     return False
+
+
+def _reads_at_a_revision(request: rpc_pb2.TxnRequest) -> bool:
+    return _any_op(request, lambda op: op.WhichOneof("request") == "request_range" and op.request_range.revision > 0)
 
 
 def _writes(request: rpc_pb2.TxnRequest) -> bool:
-    """Whether a transaction puts or deletes anything, in either branch, nested ones included."""
-    for op in list(request.success) + list(request.failure):
-        which = op.WhichOneof("request")
-        if which in ("request_put", "request_delete_range") or (which == "request_txn" and _writes(op.request_txn)):
-            return True
-    return False
+    return _any_op(request, lambda op: op.WhichOneof("request") in ("request_put", "request_delete_range"))
 
 
 def _puts_to_a_lease(request: rpc_pb2.TxnRequest) -> bool:
-    """Whether a put of the transaction, in either branch or a nested one, attaches a lease."""
-    for op in list(request.success) + list(request.failure):
-        which = op.WhichOneof("request")
-        if (which == "request_put" and op.request_put.lease) or (which == "request_txn" and _puts_to_a_lease(op.request_txn)):
-            return True
-    return False
+    return _any_op(request, lambda op: op.WhichOneof("request") == "request_put" and op.request_put.lease != 0)
 
 
 def txn_keys(request: rpc_pb2.TxnRequest):

@@ -62,7 +62,7 @@ class Gen:
     def key(self) -> bytes:
         return self.r.choices(KEYS, KEY_WEIGHTS)[0]
 
-    def range_of(self, in_txn: bool = False) -> tuple[bytes, bytes]:
+    def range_of(self) -> tuple[bytes, bytes]:
         r, k = self.r, self.key()
         c = r.random()
         end = b"" if c < 0.35 else b"\x00" if c < 0.5 else (prefix_end(k) if k else b"\x00") if c < 0.7 else self.key() if c < 0.9 \
@@ -143,7 +143,8 @@ class Gen:
                 ops.append(self.range_op(True) if c < 0.35 else self.put_op() if c < 0.65 else self.delete_op(True) if c < 0.85
                            else self.txn_op(depth + 1) if c < 0.95 and depth < 2 else {"op": "empty"})
             d[branch] = ops
-        self.writes += depth == 0
+        if depth == 0:
+            self.writes += 1
         return d
 
     def op(self) -> dict:
@@ -265,7 +266,7 @@ def run_sequence(etcd, lkv, ops: list[dict], revs: RevMap) -> tuple[int, object,
         kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=b"\x00", range_end=b"\x00"), timeout=TIMEOUT)
     revs.observe(*(kv.Range(rpc_pb2.RangeRequest(key=b"probe"), timeout=TIMEOUT).header.revision for kv in (etcd, lkv)))
     for i, d in enumerate(ops):
-        kind = "txn" if d["op"] == "empty" else d["op"]
+        kind = d["op"]
         got_e, e = call(etcd, d, lambda v: v)
         got_l, lk = call(lkv, d, revs.to_lkv)
         if kind in ("put", "delete", "txn"):
