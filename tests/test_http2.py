@@ -32,7 +32,7 @@ def test_hpack_decodes_the_rfcs_requests_with_and_without_huffman_and_keeps_its_
     ]
     for d, blocks in ((plain, c3), (huff, c4)):
         for block, headers in zip(blocks, want):
-            assert d.decode(bytes.fromhex(block)) == headers
+            assert list(d.decode(bytes.fromhex(block))) == headers
         assert d.size == 164 and d.table[0] == ("custom-key", "custom-value")  # the RFC's table after the third
 
 
@@ -44,6 +44,25 @@ def test_hpack_evicts_to_a_size_update_and_refuses_what_does_not_decode():
     for bad in (b"\x3f\xe2\x1f", b"\xff\xff\xff\xff\xff\xff\x7f", b"\xc0", b"\x40\x85\xff\xff\xff\xff\xff\x00", b"\x00\x83ab", b"\x41\x81\xfe"):
         with pytest.raises(hpack.HpackError):
             hpack.Decoder().decode(bad)  # table size over the limit, huge integer, no such index, EOS, short string, bad padding
+
+
+def test_a_remembered_header_block_means_what_the_table_says_now():
+    """The decoder hands a block it has seen back without decoding it while the table is
+    as it was: once an entry is added or the table shrinks, the same bytes are decoded
+    again (the index points elsewhere, or nowhere)."""
+    d = hpack.Decoder()
+    newest = b"\xbe"  # indexed field 62: the dynamic table's newest entry
+    d.decode(b"\x40\x03x-a\x011")  # adds (x-a, 1)
+    assert d.decode(newest) == (("x-a", "1"),) and d.decode(newest) is d.decode(newest)
+    d.decode(b"\x00\x03x-c\x013")  # a literal without indexing: the table is as it was
+    assert d.decode(newest) == (("x-a", "1"),)
+    d.decode(b"\x40\x03x-b\x012")  # adds (x-b, 2): index 62 is that one now
+    assert d.decode(newest) == (("x-b", "2"),)
+    d.decode(b"\x20")  # a size update to 0 empties the table
+    with pytest.raises(hpack.HpackError):
+        d.decode(newest)
+    d.decode(b"\x3f\xe1\x1f")  # back to 4096
+    assert d.decode(b"\x82" * 300) == ((":method", "GET"),) * 300  # (a block over 256 bytes is decoded every time)
 
 
 # -- a real node's gRPC port against hostile clients ------------------------------------------

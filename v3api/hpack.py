@@ -208,14 +208,25 @@ def _string(data: bytes, pos: int) -> tuple[str, int]:
     return (huffman_decode(raw) if huffman else raw).decode("latin-1"), pos + n
 
 
+CACHED_BLOCK_BYTES = 256  # blocks up to this size are remembered (a gRPC call's are 10-30 bytes)
+CACHED_BLOCKS = 64
+
+
 class Decoder:
-    """One connection's header decoder: its dynamic table lives as long as the connection."""
+    """One connection's header decoder: its dynamic table lives as long as the connection.
+
+    A client sends the same few header blocks again and again (etcd's Go client: every
+    field indexed, one block per method and timeout), so a block that left the table as it
+    was is remembered with its fields until the table changes (the same bytes then mean
+    the same fields): a call's headers cost a dict lookup instead of 4-5 µs of decoding."""
 
     def __init__(self, max_table_size: int = 4096) -> None:
         self.max_allowed = max_table_size  # what this side advertised (SETTINGS_HEADER_TABLE_SIZE)
         self.max_size = max_table_size  # what the peer's encoder last set, up to that
         self.table: list[tuple[str, str]] = []  # newest first: index 62 is table[0]
         self.size = 0
+        self._decoded: dict[bytes, tuple[tuple[str, str], ...]] = {}  # for the table as it is now
+        self._changes = 0  # of the table: entries added, size updates
 
     def _field(self, index: int) -> tuple[str, str]:
         if 0 < index <= 61:
@@ -226,6 +237,8 @@ class Decoder:
 
     def _add(self, name: str, value: str) -> None:
         size = len(name) + len(value) + 32  # RFC 7541 §4.1
+        self._changes += 1
+        self._decoded.clear()
         self.table.insert(0, (name, value))
         self.size += size
         self._evict()
@@ -235,7 +248,20 @@ class Decoder:
             n, v = self.table.pop()
             self.size -= len(n) + len(v) + 32
 
-    def decode(self, data: bytes) -> list[tuple[str, str]]:
+    def decode(self, data: bytes) -> tuple[tuple[str, str], ...]:
+        """The block's fields, in order (a tuple: it may be handed out again)."""
+        known = self._decoded.get(data)
+        if known is not None:
+            return known
+        changes = self._changes
+        headers = tuple(self._decode(data))
+        if changes == self._changes and len(data) <= CACHED_BLOCK_BYTES:
+            if len(self._decoded) >= CACHED_BLOCKS:
+                self._decoded.clear()
+            self._decoded[data] = headers
+        return headers
+
+    def _decode(self, data: bytes) -> list[tuple[str, str]]:
         headers, pos, end = [], 0, len(data)
         while pos < end:
             b = data[pos]
@@ -252,6 +278,8 @@ class Decoder:
                 if size > self.max_allowed:
                     raise HpackError(f"a table size update to {size} exceeds the {self.max_allowed} allowed")
                 self.max_size = size
+                self._changes += 1
+                self._decoded.clear()
                 self._evict()
                 continue
             indexing = b & 0xC0 == 0x40

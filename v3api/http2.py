@@ -48,7 +48,7 @@ _HTTP1 = re.compile(rb"[A-Z]{3,7} \S")  # an HTTP/1 request line's start
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream_id) + payload
+    return _frame_head.pack(len(payload) << 8 | kind, flags, stream_id) + payload
 
 
 class ProtocolError(KVError):
@@ -87,6 +87,21 @@ class Stream:
             return
         self.pending += data
         self.conn.pump(self)
+
+    def send_answer(self, headers: bytes, data: bytes, trailers: bytes) -> None:
+        """A whole answer: headers, data, trailers. In one write when the windows take all
+        of the data, as a unary call's answer nearly always is."""
+        conn, n = self.conn, len(data)
+        if self.closed or self.pending or n > self.send_window or n > conn.conn_send_window or n > conn.peer_max_frame:
+            self.send_headers(headers)
+            self.send_data(data)
+            self.send_trailers(trailers)
+            return
+        self.send_window -= n
+        conn.conn_send_window -= n
+        sid = self.id
+        conn.write(frame(HEADERS, END_HEADERS, sid, headers) + frame(DATA, 0, sid, data) + frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
+        conn.finished(self)
 
     def send_trailers(self, block: bytes) -> None:
         """The last frame of the answer, after every byte of data."""

@@ -33,6 +33,7 @@ _NOT_METADATA = frozenset(("content-type", "te", "user-agent", "grpc-timeout", "
 _prefix = struct.Struct(">BI")
 _OK_TRAILERS = hpack.literal("grpc-status", "0")
 _END = object()
+CACHED_HEADS = 256
 
 
 @dataclass(frozen=True)
@@ -100,13 +101,24 @@ class Call:
     # -- answering -------------------------------------------------------------------------
 
     def send(self, message) -> None:
-        body = message.SerializeToString()
-        if len(body) > LARGE_ANSWER:
-            self.stream.conn.server.room_for(len(body))
+        body = self._body(message)
         if not self.answered:
             self.answered = True
             self.stream.send_headers(hpack.RESPONSE_HEADERS)
         self.stream.send_data(_prefix.pack(0, len(body)) + body)
+
+    def answer(self, message) -> None:
+        """A unary call's answer, and its status OK."""
+        body = self._body(message)
+        self.forget_deadline()
+        self.answered = True
+        self.stream.send_answer(hpack.RESPONSE_HEADERS, _prefix.pack(0, len(body)) + body, _OK_TRAILERS)
+
+    def _body(self, message) -> bytes:
+        body = message.SerializeToString()
+        if len(body) > LARGE_ANSWER:
+            self.stream.conn.server.room_for(len(body))
+        return body
 
     def finish(self, code: grpc.StatusCode = grpc.StatusCode.OK, message: str = "") -> None:
         self.forget_deadline()
@@ -185,6 +197,9 @@ class RpcServer:
         # grpc-timeout: one timer for every call (a timer of each call's own, pushed on the
         # loop's heap and cancelled, cost 5 % of a leader's CPU serving ranges)
         self.deadlines = Deadlines(lambda: None)
+        # What a call's headers say, by header block (hpack.Decoder hands out the same
+        # tuple for the same block): a client sends the same few blocks again and again.
+        self._heads: dict[tuple, tuple] = {}
         # Where an HTTP/1 connection to this port goes: the node's HTTP server (set once it
         # runs), so that the client URLs MemberList gives serve etcd's JSON gateway, as
         # etcd's do (Patroni takes its endpoints from them). None: told to use --http.
@@ -234,19 +249,13 @@ class RpcServer:
     # -- what http2.Connection calls -------------------------------------------------------
 
     def open_stream(self, s: Stream) -> None:
-        path = ctype = encoding = deadline = None
-        metadata = []
-        for k, v in s.headers:
-            if k == ":path":
-                path = v
-            elif k == "content-type":
-                ctype = v
-            elif k == "grpc-encoding":
-                encoding = v
-            elif k == "grpc-timeout":
-                deadline = timeout_of(v)
-            elif k[:1] != ":" and k not in _NOT_METADATA:
-                metadata.append((k, v))
+        head = self._heads.get(s.headers)
+        if head is None:
+            head = _call_head(s.headers)
+            if len(self._heads) >= CACHED_HEADS:
+                self._heads.clear()
+            self._heads[s.headers] = head
+        path, ctype, encoding, deadline, metadata = head
         if ctype is None or not ctype.startswith("application/grpc"):
             s.send_headers(b"\x08\x03415", end=True)  # :status 415 (a literal with static name 8)
             return
@@ -257,7 +266,7 @@ class RpcServer:
         if encoding not in (None, "identity"):
             _trailers_only(s, status_block(grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported (identity only)"))
             return
-        s.call = call = Call(s, method, CallContext(tuple(metadata)))
+        s.call = call = Call(s, method, CallContext(metadata))
         if deadline is not None:
             call.due = self.deadlines.add(asyncio.get_running_loop().time() + deadline, call)
         if method.streaming_request:
@@ -294,7 +303,7 @@ class RpcServer:
     # -- calls -----------------------------------------------------------------------------
 
     def _run(self, call: Call) -> None:
-        task = asyncio.ensure_future(self._serve(call))
+        task = asyncio.get_running_loop().create_task(self._serve(call))
         call.task = task
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -334,9 +343,9 @@ class RpcServer:
                             return
                 finally:
                     await result.aclose()  # (at once, whatever ended the stream)
+                call.finish()
             else:
-                call.send(await result)
-            call.finish()
+                call.answer(await result)
         except Abort as e:
             call.finish(e.code, e.message)
         except asyncio.CancelledError:
@@ -347,6 +356,24 @@ class RpcServer:
         except Exception as e:
             log.exception("etcd API call %s failed", m.handler.__qualname__)
             call.finish(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+
+
+def _call_head(headers: tuple[tuple[str, str], ...]) -> tuple:
+    """(path, content type, grpc-encoding, grpc-timeout in seconds, the call's metadata)."""
+    path = ctype = encoding = deadline = None
+    metadata = []
+    for k, v in headers:
+        if k == ":path":
+            path = v
+        elif k == "content-type":
+            ctype = v
+        elif k == "grpc-encoding":
+            encoding = v
+        elif k == "grpc-timeout":
+            deadline = timeout_of(v)
+        elif k[:1] != ":" and k not in _NOT_METADATA:
+            metadata.append((k, v))
+    return path, ctype, encoding, deadline, tuple(metadata)
 
 
 def _trailers_only(s: Stream, status: bytes) -> None:
