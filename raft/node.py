@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,7 @@ from . import failpoints
 from .committed import CommittedFeed
 from .config import CoreConfig
 from .core import RaftCore, Ready
-from .deadlines import AllOf, Deadlines
+from .deadlines import PER_S, AllOf, Deadlines
 from .disk import DISK_RETRY_S, EIO_AFTER_FULL_S, is_disk_full, is_io_error
 from .errors import LeaderChanged, MemberRemoved, NoSpace, NotLeader, RaftError, TransferInProgress
 from .ledger import Ledger, LedgerWrite
@@ -129,6 +130,34 @@ class Applied(NamedTuple):
     term: int
     result: Any
 
+
+
+class ReadBatch:
+    """The reads asked for in one turn of the loop with the same lease flag and deadline:
+    one ask of the core under one ctx (the core answers every read waiting for its next
+    heartbeat round with that round anyway), one deadline; each reader awaits a future of
+    its own, so that one reader's cancellation touches no other. Filed in the driver's
+    Deadlines as a future would be."""
+
+    __slots__ = ("waiters", "waiting", "ctx")
+
+    def __init__(self, first: asyncio.Future) -> None:
+        self.waiters = [first]
+        self.waiting = 1  # readers still awaiting (the last one to stop lets go of the ctx)
+        self.ctx: int | None = None  # once asked of the core
+
+    def done(self) -> bool:
+        return not self.waiting
+
+    def set_result(self, index: int) -> None:
+        for w in self.waiters:
+            if not w.done():
+                w.set_result(index)
+
+    def set_exception(self, exc: BaseException) -> None:
+        for w in self.waiters:
+            if not w.done():
+                w.set_exception(exc)
 
 class PeerProgress(NamedTuple):
     """The leader's view of one follower's replication."""
@@ -234,8 +263,8 @@ class RaftNode:
         self.applied_index = applied_index
         self._inbox: list[Message] = []
         self._proposals: list[tuple[int, bytes, asyncio.Future]] = []
-        self._reads: list[tuple[int, bool]] = []
-        self._read_futs: dict[int, asyncio.Future] = {}
+        self._read_batches: dict[tuple[bool, int | None], ReadBatch] = {}  # (lease, deadline's bucket): reads not yet asked of the core
+        self._read_futs: dict[int, ReadBatch] = {}  # ctx -> the reads the core was asked for under it
         self._ctx = itertools.count(1)
         self._pending: dict[int, tuple[int, asyncio.Future]] = {}  # index -> (term, future)
         self._apply_waiters: list[tuple[int, asyncio.Future]] = []
@@ -308,12 +337,13 @@ class RaftNode:
             if not f.done():
                 f.set_exception(never)
         futs = [f for _, f in self._pending.values()]
-        futs += list(self._read_futs.values()) + [f for _, f in self._apply_waiters]
+        futs += list(self._read_futs.values()) + list(self._read_batches.values()) + [f for _, f in self._apply_waiters]
         futs += [f for _, f in self._forwards.values()]
         self._forwards.clear()
         self._pending.clear()
         self._proposals.clear()
         self._read_futs.clear()
+        self._read_batches.clear()
         self._apply_waiters.clear()
         for f in futs:
             if not f.done():
@@ -422,17 +452,24 @@ class RaftNode:
         the call. On a follower the leader is asked for it. Fails with DeadlineExceeded
         after the deadline."""
         self._check_running()
-        ctx = next(self._ctx)
         fut = self.loop.create_future()
-        self._read_futs[ctx] = fut
-        self._reads.append((ctx, lease))
-        if deadline is not None:
-            self._deadlines.add(deadline, fut)
-        self._kick()
+        # (deadlines within one of the Deadlines' buckets fail together anyway)
+        key = (lease, None if deadline is None else math.ceil(deadline * PER_S))
+        batch = self._read_batches.get(key)
+        if batch is None:
+            self._read_batches[key] = batch = ReadBatch(fut)
+            if deadline is not None:
+                self._deadlines.add(deadline, batch)
+            self._kick()
+        else:
+            batch.waiters.append(fut)
+            batch.waiting += 1
         try:
             index = await fut
         finally:
-            self._read_futs.pop(ctx, None)
+            batch.waiting -= 1
+            if not batch.waiting and batch.ctx is not None:
+                self._read_futs.pop(batch.ctx, None)
         if self.applied_index < index:
             await self.wait_applied(index, deadline)
         return index
@@ -607,10 +644,13 @@ class RaftNode:
                 core.step(m, now)
         if self._proposals:
             self._propose_queued(now)
-        if self._reads:
-            reads, self._reads = self._reads, []
-            for ctx, lease in reads:
-                core.read_index(ctx, now, lease)
+        if self._read_batches:
+            batches, self._read_batches = self._read_batches, {}
+            for (lease, _), batch in batches.items():
+                if batch.waiting:
+                    batch.ctx = ctx = next(self._ctx)
+                    self._read_futs[ctx] = batch
+                    core.read_index(ctx, now, lease)
         if now >= core.next_deadline():
             core.tick(now)
         while core.has_ready():
@@ -650,13 +690,13 @@ class RaftNode:
         if rd.applicable_index is not None:
             self.committed.commit(rd.applicable_index)
         for rs in rd.read_states:
-            fut = self._read_futs.pop(rs.ctx, None)
-            if fut is not None and not fut.done():
-                fut.set_result(rs.index)
+            batch = self._read_futs.pop(rs.ctx, None)
+            if batch is not None:
+                batch.set_result(rs.index)
         for rf in rd.read_failures:
-            fut = self._read_futs.pop(rf.ctx, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(NotLeader(leader=rf.leader))
+            batch = self._read_futs.pop(rf.ctx, None)
+            if batch is not None:
+                batch.set_exception(NotLeader(leader=rf.leader))
         if rd.snapshot_sends:
             for s in rd.snapshot_sends:
                 if self._snapshots is not None:
@@ -680,9 +720,9 @@ class RaftNode:
             # Reads waiting on the old leader's answer (it may be dead, and the new one
             # knows nothing of them) or on our own rounds as leader: ask again now.
             reads, self._read_futs = self._read_futs, {}
-            for fut in reads.values():
-                if not fut.done():
-                    fut.set_exception(LeaderChanged(f"the leader changed ({self._last_leader} -> {c.leader_id}) while a read waited; retry", c.leader_id))
+            for batch in reads.values():
+                if not batch.done():
+                    batch.set_exception(LeaderChanged(f"the leader changed ({self._last_leader} -> {c.leader_id}) while a read waited; retry", c.leader_id))
         if c.leader_id != self._last_leader and self._forwards:
             # Writes handed to the old leader: it is dead or cut off (we stopped hearing it,
             # or a newer term began), so its answer will not come; what it did with them is

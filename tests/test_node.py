@@ -229,6 +229,40 @@ async def test_leadership_transfer(cluster):
     assert (await target.get("after")).value == b"transfer"
 
 
+async def test_reads_asked_together_share_one_ask_and_a_cancelled_one_takes_no_other_with_it(cluster):
+    """Reads asked in one turn of the loop go to the core as one (kv.raft.node.ReadBatch):
+    each still gets its answer, a reader cancelled while it waits leaves the others
+    waiting, and once every reader has stopped nothing of them is held."""
+    lead = await cluster.leader()
+    f = (await cluster.followers())[0]
+    w = await lead.put("k", b"v")
+    for node in (lead, f):
+        asked = node.raft.core.read_index
+        asks = []
+        node.raft.core.read_index = lambda ctx, now, lease=False, _asked=asked: (asks.append(ctx), _asked(ctx, now, lease))
+        try:
+            reads = [asyncio.ensure_future(node.get("k", timeout=5)) for _ in range(20)]
+            await asyncio.sleep(0)  # every read is waiting for the same ask now
+            reads[3].cancel()
+            got = await asyncio.gather(*reads, return_exceptions=True)
+        finally:
+            node.raft.core.read_index = asked
+        assert isinstance(got[3], asyncio.CancelledError)
+        assert [g.value for i, g in enumerate(got) if i != 3] == [b"v"] * 19 and all(g.mod_index == w.index for i, g in enumerate(got) if i != 3)
+        assert len(asks) == 1, asks
+        assert not node.raft._read_futs and not node.raft._read_batches
+    # Every reader of an ask cancelled before its answer: the ask is let go of at once.
+    f1, f2 = await cluster.followers()
+    await cluster.stop(f1.config.id, f2.config.id)  # the leader's round can never be confirmed
+    reads = [asyncio.ensure_future(lead.get("k", timeout=5)) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    assert len(lead.raft._read_futs) == 1
+    for r in reads:
+        r.cancel()
+    await asyncio.gather(*reads, return_exceptions=True)
+    assert not lead.raft._read_futs
+
+
 async def test_no_quorum_means_errors_not_answers(cluster):
     lead = await cluster.leader()
     await lead.put("k", b"v")
