@@ -654,6 +654,16 @@ class Node(AsyncRecipes):
         except StateCorrupt as e:
             raise public_error(e) from e
 
+    async def etcd_get(self, key: bytes, *, consistency: str = "linearizable", timeout: float | None = None) -> tuple[cmds.KeyValue | None, int]:
+        """etcd's Range of one key as of now (the common call, without a range's
+        machinery): its KeyValue, None if there is no such key, and the applied index it
+        was read at."""
+        index = await self.read_barrier(consistency, timeout)
+        try:
+            return self.sm.key_value(key), index
+        except StateCorrupt as e:
+            raise public_error(e) from e
+
     async def etcd_txn(self, txn: cmds.TxnReq, *, timeout: float | None = None, request_id: RequestId | None = None) -> cmds.TxnResp:
         """etcd's Txn (its Put and DeleteRange are transactions of one op): one committed
         entry, applied atomically. LeaseNotFound for a put to a lease that does not exist,

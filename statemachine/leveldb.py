@@ -886,6 +886,14 @@ class LevelDBStateMachine:
             if v is not None:
                 yield k[1:], v
 
+    def key_value(self, raw: bytes) -> KeyValue | None:
+        """One key (its bytes) as applied here, or None: what range() answers for a range
+        of that key alone, without a range's machinery (etcd's get, the common call)."""
+        if raw[:1] <= RESERVED:
+            return None
+        cur = self._current(_DATA + raw, {})
+        return None if cur is None else self._kv(raw, cur, {})
+
     def range(self, req: RangeReq, revision: int | None = None) -> RangeResp:
         """Keys of etcd's range as applied here (the v3 API's Range), or as of a revision
         (see oldest_revision)."""
