@@ -654,13 +654,12 @@ class Node(AsyncRecipes):
         except StateCorrupt as e:
             raise public_error(e) from e
 
-    async def etcd_get(self, key: bytes, *, consistency: str = "linearizable", timeout: float | None = None) -> tuple[cmds.KeyValue | None, int]:
-        """etcd's Range of one key as of now (the common call, without a range's
-        machinery): its KeyValue, None if there is no such key, and the applied index it
-        was read at."""
-        index = await self.read_barrier(consistency, timeout)
+    def etcd_key(self, key: bytes) -> cmds.KeyValue | None:
+        """etcd's Range of one key as of now, after the read barrier the caller awaited
+        (the common call, without a range's machinery): its KeyValue, None if there is no
+        such key."""
         try:
-            return self.sm.key_value(key), index
+            return self.sm.key_value(key)
         except StateCorrupt as e:
             raise public_error(e) from e
 

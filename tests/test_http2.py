@@ -300,6 +300,92 @@ def test_a_call_past_its_grpc_timeout_is_ended_by_the_server_with_deadline_excee
     assert 0.3 <= took < 3 and cancelled == [True]
 
 
+def test_requests_answered_after_a_shared_barrier_share_it_and_one_that_comes_later_waits_for_the_next():
+    """rpc.AfterBarrier (how etcd's gets are served): the requests that arrive in one turn
+    share one barrier; one that arrives while it is being waited for is not answered from
+    it (a read must not take a read index from before it arrived) but from the next; one
+    past its grpc-timeout ends with DEADLINE_EXCEEDED without holding up the others; a
+    failed barrier ends each of its requests with the failure's status; a request the
+    AfterBarrier declines goes to the method's handler."""
+    import asyncio
+
+    from kv.v3api.rpc import Method, RpcServer
+
+    class Quick:
+        def __init__(self) -> None:
+            self.asked: list[asyncio.Future] = []
+
+        def barrier_for(self, request, context):
+            return None if request.key == b"handler" else "linearizable"
+
+        async def barrier(self, kind: str) -> int:
+            self.asked.append(asyncio.get_running_loop().create_future())
+            return await self.asked[-1]
+
+        def answer(self, request, state: int):
+            return rpc_pb2.RangeResponse(count=state)
+
+        def status(self, e: Exception):
+            return grpc.StatusCode.UNAVAILABLE, f"no barrier: {e}"
+
+    async def handler(request, context):
+        return rpc_pb2.RangeResponse(count=-1)
+
+    quick = Quick()
+    block = b"\x83\x86" + hpack.literal(":path", "/etcdserverpb.KV/Range") + hpack.literal("content-type", "application/grpc")
+
+    def call(sid: int, key: bytes, timeout: str | None = None) -> bytes:
+        body = rpc_pb2.RangeRequest(key=key).SerializeToString()
+        head = block + (hpack.literal("grpc-timeout", timeout) if timeout else b"")
+        return http2.frame(http2.HEADERS, http2.END_HEADERS, sid, head) + http2.frame(http2.DATA, http2.END_STREAM, sid, struct.pack(">BI", 0, len(body)) + body)
+
+    async def main() -> dict[int, tuple[int | None, str]]:
+        method = Method(handler, rpc_pb2.RangeRequest, False, False, quick)
+        server = await RpcServer({"/etcdserverpb.KV/Range": method}).start("127.0.0.1", 0)
+        answers: dict[int, tuple[int | None, str]] = {}
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.server.sockets[0].getsockname()[1])
+            decoder, counts = hpack.Decoder(), {}
+
+            async def until(n: int) -> None:
+                while len(answers) < n:
+                    head = await asyncio.wait_for(reader.readexactly(9), 10)
+                    payload = await reader.readexactly(int.from_bytes(head[:3], "big"))
+                    sid = int.from_bytes(head[5:9], "big")
+                    if head[3] == http2.DATA:
+                        counts[sid] = rpc_pb2.RangeResponse.FromString(payload[5:]).count
+                    elif head[3] == http2.HEADERS:
+                        fields = dict(decoder.decode(payload))
+                        if head[4] & http2.END_STREAM:
+                            answers[sid] = (counts.get(sid), fields["grpc-status"])
+
+            writer.write(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + call(1, b"a") + call(3, b"b") + call(5, b"c", "100m") + call(7, b"handler"))
+            await until(1)  # the handler's (it waits for no barrier)
+            assert answers == {7: (-1, "0")} and len(quick.asked) == 1  # one barrier for the three
+            writer.write(call(9, b"late"))
+            while len(quick.asked) < 2:
+                await asyncio.sleep(0.01)
+            await until(2)  # 5's timeout
+            quick.asked[0].set_result(1)
+            await until(4)
+            assert 9 not in answers  # not answered from the first barrier
+            quick.asked[1].set_result(2)
+            await until(5)
+            writer.write(call(11, b"x") + call(13, b"y"))
+            while len(quick.asked) < 3:
+                await asyncio.sleep(0.01)
+            quick.asked[2].set_exception(RuntimeError("lost"))
+            await until(7)
+            writer.close()
+        finally:
+            await server.stop(1)
+        return answers
+
+    answers = asyncio.run(main())
+    ok, late, unavailable = "0", str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0]), str(grpc.StatusCode.UNAVAILABLE.value[0])
+    assert answers == {7: (-1, ok), 5: (None, late), 1: (1, ok), 3: (1, ok), 9: (2, ok), 11: (None, unavailable), 13: (None, unavailable)}, answers
+
+
 class _Transport:
     """What a Connection uses of its asyncio transport."""
 

@@ -42,18 +42,25 @@ class Access:
         self.counts = counts if counts is not None else CallCounts()
 
     def __call__(self, context, role: str, ranges: list[tuple[bytes, bytes]]) -> _Guarded:
-        calls = self.counts.calls
-        calls[self.front] = calls.get(self.front, 0) + 1
+        self.count()
         return _Guarded(self, context, role, ranges)
 
-    async def refuse(self, context, e: Exception) -> None:
-        """End the call with e's status (context.abort raises)."""
+    def count(self) -> None:
+        calls = self.counts.calls
+        calls[self.front] = calls.get(self.front, 0) + 1
+
+    def status(self, e: Exception) -> tuple[grpc.StatusCode, str]:
+        """The status a call ends with for e (etcd's code and text), counted."""
         code, message = wire.status_of(e)
         errors = self.counts.errors
         errors[code.name] = errors.get(code.name, 0) + 1
         if code == grpc.StatusCode.INTERNAL:
             log.exception("etcd API call failed", exc_info=e)
-        await context.abort(code, message)
+        return code, message
+
+    async def refuse(self, context, e: Exception) -> None:
+        """End the call with e's status (context.abort raises)."""
+        await context.abort(*self.status(e))
 
     def check(self, context, role: str, ranges: list[tuple[bytes, bytes]]) -> None:
         """role: read, write, admin, lease (etcd's Lease service: a write token whose

@@ -17,20 +17,28 @@ from .proto import rpc_pb2, rpc_pb2_grpc
 from .wire import Abort
 
 
+def is_get(r: rpc_pb2.RangeRequest) -> bool:
+    """A Range of one key as of now with every option at its default: etcd's get, the
+    common call, answered without a range's machinery (KVService.get)."""
+    return not (
+        r.range_end or r.revision > 0 or r.keys_only or r.count_only or r.sort_order or r.sort_target
+        or r.min_mod_revision or r.max_mod_revision or r.min_create_revision or r.max_create_revision
+    )
+
+
 class KVService(rpc_pb2_grpc.KVServicer):
     def __init__(self, node, access: Access) -> None:
         self.node, self.access = node, access
         self.header = wire.Headers(node)
         self.max_ops = node.config.max_txn_ops
+        self.after_barrier = {"Range": GetsAfterOneBarrier(self)}  # (rpc.RpcServer)
 
     async def Range(self, request, context):
         async with self.access(context, "read", [(request.key, request.range_end)]):
             consistency = "stale" if request.serializable else "linearizable"
-            if not (request.range_end or request.revision > 0 or request.keys_only or request.count_only or request.sort_order or request.sort_target
-                    or request.min_mod_revision or request.max_mod_revision or request.min_create_revision or request.max_create_revision):
-                # One key as of now, every option at its default: etcd's get, the common call.
-                kv, index = await self.node.etcd_get(wire.range_start(request.key, b""), consistency=consistency)
-                return rpc_pb2.RangeResponse(header=self.header(index), kvs=(wire.kv_message(kv),) if kv else (), count=1 if kv else 0)
+            if is_get(request):
+                key = wire.range_start(request.key, b"")
+                return self.get(key, await self.node.read_barrier(consistency))
             req = wire.range_req(request)
             revision = request.revision if request.revision > 0 else None
             if request.limit > 0 and wire.reads_whole(request) and not (request.keys_only or request.count_only) and request.sort_target != rpc_pb2.RangeRequest.VALUE:
@@ -38,6 +46,11 @@ class KVService(rpc_pb2_grpc.KVServicer):
             got, index = await self.node.etcd_range(req, consistency=consistency, revision=revision)
             self.check_whole(req, got)
             return wire.finish_range(request, got, self.header(index))
+
+    def get(self, key: bytes, index: int) -> rpc_pb2.RangeResponse:
+        """etcd's answer to a get of key, read after a barrier that returned `index`."""
+        kv = self.node.etcd_key(key)
+        return rpc_pb2.RangeResponse(header=self.header(index), kvs=(wire.kv_message(kv),) if kv else (), count=1 if kv else 0)
 
     async def _sorted_page(self, request, req: cmds.RangeReq, consistency: str, revision: int | None) -> rpc_pb2.RangeResponse:
         """A limited range sorted (by anything but the value) or filtered: every key's
@@ -305,3 +318,34 @@ def txn_response(request: rpc_pb2.TxnRequest, r: cmds.TxnResp, header) -> rpc_pb
         else:
             responses.append(rpc_pb2.ResponseOp(response_txn=txn_response(op.request_txn, got, header)))
     return rpc_pb2.TxnResponse(header=header(r.index), succeeded=r.succeeded, responses=responses)
+
+
+class GetsAfterOneBarrier:
+    """etcd's gets (is_get) over gRPC without a task each: every get arriving in one turn
+    of the loop awaits one read barrier, then all are answered at once (rpc.RpcServer runs
+    this; a get its caller may not make goes to Range, which refuses it with the reason).
+    What a get reads is as fresh as its own barrier would have made it: the shared one is
+    asked for after the last of them has arrived."""
+
+    def __init__(self, kv: KVService) -> None:
+        self.kv = kv
+
+    def barrier_for(self, request: rpc_pb2.RangeRequest, context) -> str | None:
+        """The barrier this request needs (linearizable, stale), or None: Range serves it."""
+        if not request.key or not is_get(request):
+            return None
+        try:
+            self.kv.access.check(context, "read", [(request.key, b"")])
+        except Exception:
+            return None
+        self.kv.access.count()
+        return "stale" if request.serializable else "linearizable"
+
+    async def barrier(self, consistency: str) -> int:
+        return await self.kv.node.read_barrier(consistency)
+
+    def answer(self, request: rpc_pb2.RangeRequest, index: int) -> rpc_pb2.RangeResponse:
+        return self.kv.get(wire.range_start(request.key, b""), index)
+
+    def status(self, e: Exception):
+        return self.kv.access.status(e)

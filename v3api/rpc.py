@@ -13,6 +13,7 @@ import ssl
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import quote
 
 import grpc
@@ -36,12 +37,30 @@ _END = object()
 CACHED_HEADS = 256
 
 
+class AfterBarrier(Protocol):
+    """A unary method's common requests, answered without a task each: every such request
+    arriving in one turn of the loop awaits one barrier (asked for once the turn is over),
+    then each is answered at once. A servicer lists them by method name in its
+    `after_barrier` dict (kv_service.GetsAfterOneBarrier)."""
+
+    def barrier_for(self, request, context) -> str | None:
+        """The barrier the request needs, or None: the method's handler serves it."""
+
+    async def barrier(self, kind: str) -> int: ...
+
+    def answer(self, request, state: int):
+        """The response, after the barrier returned `state`."""
+
+    def status(self, e: Exception) -> tuple[grpc.StatusCode, str]: ...
+
+
 @dataclass(frozen=True)
 class Method:
     handler: object  # the bound method of a servicer
     request: type  # its request message class
     streaming_request: bool
     streaming_response: bool
+    after_barrier: AfterBarrier | None = None
 
 
 def methods_of(descriptor, servicers: dict[str, object], messages) -> dict[str, Method]:
@@ -52,8 +71,11 @@ def methods_of(descriptor, servicers: dict[str, object], messages) -> dict[str, 
         servicer = servicers.get(service.name)
         if servicer is None:
             continue
+        quick = getattr(servicer, "after_barrier", {})
         for m in service.methods:
-            out[f"/{service.full_name}/{m.name}"] = Method(getattr(servicer, m.name), getattr(messages, m.input_type.name), m.client_streaming, m.server_streaming)
+            out[f"/{service.full_name}/{m.name}"] = Method(
+                getattr(servicer, m.name), getattr(messages, m.input_type.name), m.client_streaming, m.server_streaming, quick.get(m.name)
+            )
     return out
 
 
@@ -78,7 +100,7 @@ class Call:
     def __init__(self, stream: Stream, method: Method, context: CallContext) -> None:
         self.stream, self.method, self.context = stream, method, context
         self.buf = bytearray()
-        self.request: bytes | None = None
+        self.request: bytes | None = None  # (parsed, once an AfterBarrier has looked at it)
         self.queue: asyncio.Queue | None = asyncio.Queue() if method.streaming_request else None
         self.queued = self.held = 0  # bytes of messages the service has not read; bytes not credited for them
         self.task: asyncio.Task | None = None
@@ -200,6 +222,7 @@ class RpcServer:
         # What a call's headers say, by header block (hpack.Decoder hands out the same
         # tuple for the same block): a client sends the same few blocks again and again.
         self._heads: dict[tuple, tuple] = {}
+        self._barriers: dict[tuple[int, str], list[tuple[Call, object]]] = {}  # (id of the Method, kind): requests waiting for a barrier not yet asked for
         # Where an HTTP/1 connection to this port goes: the node's HTTP server (set once it
         # runs), so that the client URLs MemberList gives serve etcd's JSON gateway, as
         # etcd's do (Patroni takes its endpoints from them). None: told to use --http.
@@ -290,6 +313,17 @@ class RpcServer:
             call.queue.put_nowait(_END)
         elif call.buf or call.request is None:
             self._fail(call, grpc.StatusCode.INTERNAL, "grpc: the request ended without a whole message")
+        elif call.method.after_barrier is not None:
+            try:
+                call.request = request = call.method.request.FromString(call.request)
+            except DecodeError:
+                self._fail(call, grpc.StatusCode.INTERNAL, f"grpc: error unmarshalling request: not a {call.method.request.__name__}")
+                return
+            kind = call.method.after_barrier.barrier_for(request, call.context)
+            if kind is None:
+                self._run(call)
+            else:
+                self._after(call, request, kind)
         else:
             self._run(call)
 
@@ -307,6 +341,42 @@ class RpcServer:
         call.task = task
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def _after(self, call: Call, request, kind: str) -> None:
+        key = (id(call.method), kind)
+        waiting = self._barriers.get(key)
+        if waiting is None:
+            self._barriers[key] = waiting = []
+            task = asyncio.get_running_loop().create_task(self._answer_after(key, call.method.after_barrier, kind, waiting))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+        waiting.append((call, request))
+
+    async def _answer_after(self, key: tuple[int, str], quick: AfterBarrier, kind: str, waiting: list[tuple[Call, object]]) -> None:
+        """Answer every request of `waiting` after one barrier. The list is closed before the
+        barrier is asked for: a request that arrives later waits for the next one (a read
+        must not take a read index from before it arrived)."""
+        del self._barriers[key]
+        try:
+            state = await quick.barrier(kind)
+        except asyncio.CancelledError:
+            for call, _ in waiting:
+                if not call.stream.closed:
+                    call.finish(grpc.StatusCode.CANCELLED, "the call was cancelled (the server is stopping)")
+            return
+        except Exception as e:
+            code, message = quick.status(e)
+            for call, _ in waiting:
+                if not call.stream.closed:
+                    call.finish(code, message)
+            return
+        for call, request in waiting:
+            if call.stream.closed:  # expired, or reset by the client
+                continue
+            try:
+                call.answer(quick.answer(request, state))
+            except Exception as e:
+                call.finish(*quick.status(e))
 
     def expire(self, call: Call) -> None:
         call.expired = True
@@ -330,7 +400,7 @@ class RpcServer:
                 result = m.handler(call.requests(), call.context)
             else:
                 try:
-                    request = m.request.FromString(call.request)
+                    request = call.request if type(call.request) is not bytes else m.request.FromString(call.request)
                 except DecodeError:
                     raise Abort(grpc.StatusCode.INTERNAL, f"grpc: error unmarshalling request: not a {m.request.__name__}") from None
                 result = m.handler(request, call.context)
