@@ -167,6 +167,9 @@ def test_grpc_errors_for_unknown_methods_compression_and_messages_over_the_limit
         with pytest.raises(grpc.RpcError) as e:
             ch.unary_unary("/etcdserverpb.KV/Nope")(b"", timeout=10)
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "/etcdserverpb.KV/Nope" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # etcdctl defrag: what to use instead
+            ch.unary_unary("/etcdserverpb.Maintenance/Defragment")(b"", timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "docs/etcd.md" in e.value.details() and "kv member" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             rpc_pb2_grpc.KVStub(ch).Put(rpc_pb2.PutRequest(key=b"h2/big", value=b"x" * (3 << 20)), timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -177,6 +180,28 @@ def test_grpc_errors_for_unknown_methods_compression_and_messages_over_the_limit
             ch.unary_unary("/etcdserverpb.KV/Range")(b"\xff\xff", timeout=10)  # not a RangeRequest
         assert e.value.code() == grpc.StatusCode.INTERNAL
         assert rpc_pb2_grpc.KVStub(ch).Range(rpc_pb2.RangeRequest(key=b"h2/big"), timeout=10).count == 0  # nothing written
+    _serves(node)
+
+
+def test_an_http2_request_that_is_not_a_grpc_call_is_told_what_to_use(node):
+    """curl over TLS offers h2 and sends etcd's JSON gateway calls over it: 415, with a
+    body that says to use HTTP/1.1 or the --http port (it was an empty 415)."""
+    s = _connect(node)
+    block = b"\x83\x86" + hpack.literal(":path", "/v3/kv/range") + hpack.literal("content-type", "application/json")
+    s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, block))
+    s.settimeout(10)
+    data, frames = b"", []
+    while not any(kind == http2.DATA and flags & http2.END_STREAM for kind, flags, _, _ in frames):
+        data += s.recv(65536)
+        frames, pos = [], 0
+        while len(data) - pos >= 9 and len(data) - pos - 9 >= int.from_bytes(data[pos : pos + 3], "big"):
+            n = int.from_bytes(data[pos : pos + 3], "big")
+            frames.append((data[pos + 3], data[pos + 4], int.from_bytes(data[pos + 5 : pos + 9], "big"), data[pos + 9 : pos + 9 + n]))
+            pos += 9 + n
+    s.close()
+    (head,) = [p for kind, _, sid, p in frames if kind == http2.HEADERS and sid == 1]
+    (body,) = [p for kind, _, sid, p in frames if kind == http2.DATA and sid == 1]
+    assert (":status", "415") in hpack.Decoder().decode(head) and b"--http1.1" in body and b"--http port" in body
     _serves(node)
 
 

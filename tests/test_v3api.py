@@ -626,6 +626,10 @@ def test_the_gateway_answers_as_etcd_34s_where_a_differential_run_found_it_did_n
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
+    # A call ledgerkv does not serve: etcd's error body, UNIMPLEMENTED (was a 404 of ledgerkv's own shape)
+    status, body = raw("/v3/maintenance/defragment", b"{}")
+    err = json.loads(body)
+    assert status == 501 and err["code"] == grpc.StatusCode.UNIMPLEMENTED.value[0] and "docs/etcd.md" in err["error"] == err["message"], (status, body)
     # A body of 500 KB is read whole (only what had arrived was read: a valid put refused)
     big = b"x" * 500_000
     assert gw(cluster, "/v3/kv/put", {"key": b64(b"gwd/big"), "value": b64(big)})[0] == 200
@@ -919,6 +923,15 @@ def test_a_tokens_role_and_prefix_hold_on_the_etcd_api(tmp_path):
             assert s.maintenance.HashKV(rpc_pb2.HashKVRequest(), metadata=admin, timeout=10).hash != 0
             # MemberList needs no token, as etcd's (etcdctl --cluster asks it without one)
             assert [m.name for m in s.cluster.MemberList(rpc_pb2.MemberListRequest(), timeout=10).members] == ["n1"]
+            # and so do Status and the list of alarms (etcdctl endpoint status, alarm list); raising one takes an admin
+            assert s.maintenance.Status(rpc_pb2.StatusRequest(), timeout=10).raftIndex > 0
+            assert list(s.maintenance.Alarm(rpc_pb2.AlarmRequest(), timeout=10).alarms) == []
+            raise_one = rpc_pb2.AlarmRequest(action=rpc_pb2.AlarmRequest.ACTIVATE, alarm=rpc_pb2.NOSPACE)
+            for m in (reader, writer):
+                refused(s.maintenance.Alarm, raise_one, metadata=m)
+            with pytest.raises(grpc.RpcError) as e:
+                s.maintenance.Alarm(raise_one, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             status, body = gw(c, "/v3/lease/grant", {"TTL": 60}, node="n1", token="w-all")  # the JSON gateway: the same checks
             assert status == 200 and int(body["ID"]) > 0, body
             granted.append(int(body["ID"]))

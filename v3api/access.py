@@ -64,8 +64,9 @@ class Access:
 
     def check(self, context, role: str, ranges: list[tuple[bytes, bytes]]) -> None:
         """role: read, write, admin, lease (etcd's Lease service: a write token whose
-        reach is not limited to a prefix), or anyone (no token needed: MemberList, which
-        etcd answers without one and etcdctl --cluster asks without credentials).
+        reach is not limited to a prefix), or anyone (no token needed: MemberList, Status and
+        the list of alarms, which etcd answers without one and etcdctl asks without
+        credentials).
         ranges: the keys touched, as (key, range_end)."""
         if self.grants is None or role == "anyone":
             return

@@ -230,7 +230,14 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
     for prefix in ("/v3/", "/v3beta/"):
         out += [web.post(prefix + path, unary_handler(call, cls)) for path, (call, cls) in unary.items()]
         out += [web.post(prefix + path, stream_handler(call, cls, goes_on)) for path, (call, cls, goes_on) in streams.items()]
+        out.append(web.post(prefix + "{call:.+}", unserved))  # (after the routes above: they match first)
     return out
+
+
+async def unserved(request: web.Request) -> web.Response:
+    """A gateway call ledgerkv does not serve (defragment, users and roles...): etcd's error
+    body, UNIMPLEMENTED, as its gRPC port answers the same call."""
+    return _error(grpc.StatusCode.UNIMPLEMENTED, f"ledgerkv does not serve etcd's {request.match_info['call']}: docs/etcd.md lists what it serves")
 
 
 async def version(request: web.Request) -> web.Response:

@@ -35,6 +35,12 @@ _prefix = struct.Struct(">BI")
 _OK_TRAILERS = hpack.literal("grpc-status", "0")
 _END = object()
 CACHED_HEADS = 256
+# An HTTP/2 request that is not a gRPC call: 415, and what to do instead
+_NOT_GRPC_HEADERS = b"\x08\x03415" + hpack.literal("content-type", "text/plain")  # (:status a literal with static name 8)
+_NOT_GRPC = (
+    b"this port speaks gRPC over HTTP/2; etcd's JSON gateway (/v3/...) is served here over HTTP/1.1 "
+    b"(curl --http1.1), and on the node's --http port\n"
+)
 
 
 class AfterBarrier(Protocol):
@@ -280,11 +286,12 @@ class RpcServer:
             self._heads[s.headers] = head
         path, ctype, encoding, deadline, metadata = head
         if ctype is None or not ctype.startswith("application/grpc"):
-            s.send_headers(b"\x08\x03415", end=True)  # :status 415 (a literal with static name 8)
+            # (curl over TLS, say, offered h2, sending etcd's JSON gateway calls here)
+            s.send_whole(_NOT_GRPC_HEADERS, _NOT_GRPC)
             return
         method = self.methods.get(path)
         if method is None:
-            _trailers_only(s, status_block(grpc.StatusCode.UNIMPLEMENTED, f"unknown method {path}"))
+            _trailers_only(s, status_block(grpc.StatusCode.UNIMPLEMENTED, unserved(path)))
             return
         if encoding not in (None, "identity"):
             _trailers_only(s, status_block(grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported (identity only)"))
@@ -426,6 +433,16 @@ class RpcServer:
         except Exception as e:
             log.exception("etcd API call %s failed", m.handler.__qualname__)
             call.finish(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+
+
+def unserved(path: str) -> str:
+    """What a call of a method this server does not serve is told."""
+    if path.startswith("/etcdserverpb."):
+        return (
+            f"ledgerkv does not serve etcd's {path}: docs/etcd.md lists what it serves "
+            "(membership changes: kv member; moving the leader: kv leader transfer)"
+        )
+    return f"unknown method {path}"
 
 
 def _call_head(headers: tuple[tuple[str, str], ...]) -> tuple:

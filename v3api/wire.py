@@ -74,8 +74,8 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.OUT_OF_RANGE, ERR_COMPACTED
     if isinstance(e, FutureRevision):
         return grpc.StatusCode.OUT_OF_RANGE, ERR_FUTURE_REV
-    if isinstance(e, ValueTooLarge):
-        return grpc.StatusCode.INVALID_ARGUMENT, ERR_TOO_LARGE
+    if isinstance(e, ValueTooLarge):  # (etcd's text, which clients map; the log says which limit)
+        return _logged(e, grpc.StatusCode.INVALID_ARGUMENT, ERR_TOO_LARGE)
     # etcd's exact texts: clients compare them (what ledgerkv would add goes to the log)
     if isinstance(e, (NotLeader, NoQuorum)):
         return _logged(e, grpc.StatusCode.UNAVAILABLE, ERR_NO_LEADER)
