@@ -23,6 +23,7 @@ import asyncio
 import logging
 import re
 import urllib.parse
+from collections.abc import Callable
 from types import SimpleNamespace
 
 from aiohttp import web
@@ -32,6 +33,7 @@ from .context import CONTEXT
 
 log = logging.getLogger("kv.http")
 
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # how an HTTP/2 client opens (RFC 9113 §3.4)
 HEAD_MAX = 8190  # a longer head goes to aiohttp, which refuses it (its line limit)
 BODY_MAX = 64 << 10  # a larger body goes to aiohttp, which reads it with a timeout
 MAX_HEADERS = 32  # more go to aiohttp, which has its own limit
@@ -130,6 +132,10 @@ class FastFront:
         self.context = app[CONTEXT]
         self.handle = handle  # http.app.handle: auth, errors, metrics, access log; returns an Answer
         self.server = server  # aiohttp's protocol factory, for the connections handed over
+        # Where a connection that opens with HTTP/2's preface goes: the etcd API's gRPC
+        # server, when the node serves it (etcd's clients pointed at this port, as at etcd's
+        # one client port). None: aiohttp answers it 400.
+        self.http2: Callable[[], asyncio.Protocol] | None = None
         self.idle_timeout_s = idle_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s  # how long stop() lets requests in flight finish
         self.connections: set[FastProtocol] = set()
@@ -236,6 +242,10 @@ class FastProtocol(asyncio.Protocol):
             self.transport.resume_reading()
         if not self.buf:
             return
+        if self.front.http2 is not None and self.buf[:3] == b"PRI" and H2_PREFACE.startswith(self.buf[: len(H2_PREFACE)]):
+            if len(self.buf) >= len(H2_PREFACE):
+                self._hand_off(self.front.http2())
+            return
         end = self.buf.find(b"\r\n\r\n", 0, HEAD_MAX + 4)
         if end < 0:
             if len(self.buf) > HEAD_MAX or self.buf.count(b"\n") != self.buf.count(b"\r\n"):
@@ -319,12 +329,12 @@ class FastProtocol(asyncio.Protocol):
         else:
             self._next()
 
-    def _hand_off(self) -> None:
-        """Give the connection to aiohttp, from the first byte of the request at hand."""
+    def _hand_off(self, proto: asyncio.Protocol | None = None) -> None:
+        """Give the connection to aiohttp (or `proto`), from the first byte of the request at hand."""
         transport, data = self.transport, self.buf
         self.front.connections.discard(self)
         self.transport, self.buf = None, b""
-        proto = self.front.server()
+        proto = proto or self.front.server()
         transport.set_protocol(proto)
         proto.connection_made(transport)
         if self.read_paused:

@@ -183,6 +183,21 @@ def test_grpc_errors_for_unknown_methods_compression_and_messages_over_the_limit
     _serves(node)
 
 
+def test_etcds_clients_pointed_at_the_http_port_are_served_there(node):
+    """etcd has one client port; a user who points etcdctl at ledgerkv's HTTP port (the
+    'client endpoint' kv cluster up prints) is served there too: a connection that opens
+    with HTTP/2's preface goes to the gRPC server (it waited 5 s for 'context deadline
+    exceeded'). HTTP/1 requests on that port are served as before."""
+    import urllib.request
+
+    with grpc.insecure_channel(node.http["n1"]) as ch:
+        kv = rpc_pb2_grpc.KVStub(ch)
+        kv.Put(rpc_pb2.PutRequest(key=b"h2/via-http-port", value=b"1"), timeout=10)
+        assert kv.Range(rpc_pb2.RangeRequest(key=b"h2/via-http-port"), timeout=10).kvs[0].value == b"1"
+    with urllib.request.urlopen(f"http://{node.http['n1']}/v1/kv/h2/via-http-port", timeout=10) as r:
+        assert r.read() == b"1"
+
+
 def test_an_http2_request_that_is_not_a_grpc_call_is_told_what_to_use(node):
     """curl over TLS offers h2 and sends etcd's JSON gateway calls over it: 415, with a
     body that says to use HTTP/1.1 or the --http port (it was an empty 415)."""

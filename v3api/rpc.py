@@ -242,7 +242,7 @@ class RpcServer:
             ctx.load_cert_chain(tls[0], tls[1])
             ctx.set_alpn_protocols(["h2", "http/1.1"])
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: Connection(self, self.connections), host, port, ssl=ctx, reuse_address=True, backlog=1024)
+        self.server = await loop.create_server(self.connection, host, port, ssl=ctx, reuse_address=True, backlog=1024)
         return self
 
     async def stop(self, grace: float) -> None:
@@ -263,6 +263,11 @@ class RpcServer:
                 c.transport.abort()
         if self.server is not None:
             await self.server.wait_closed()
+
+    def connection(self) -> Connection:
+        """A protocol for a connection handed over from another port (the node's HTTP port,
+        when a client opens it with HTTP/2's preface)."""
+        return Connection(self, self.connections)
 
     def room_for(self, answer_bytes: int) -> None:
         """Refuse a large answer while clients that do not read hold --http-unread-bytes of

@@ -116,6 +116,10 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
                 raise listen_error(e, "--http ", config.http) from e
             if grpc_server is not None:
                 grpc_server.http1 = runner.server  # (the etcd API's port answers HTTP/1 with it)
+                if not sslctx:  # and this port gRPC, in plain text (over TLS a gRPC client asks ALPN for h2: the --grpc port's)
+                    for site in runner.sites:
+                        if getattr(site, "fast", None) is not None:
+                            site.fast.http2 = grpc_server.connection
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
