@@ -149,6 +149,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, server, connections: set) -> None:
         self.server, self.connections = server, connections
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # (connection_made)
         self.buf = bytearray()
         self.preface = False
         self.decoder = Decoder()
@@ -171,7 +172,10 @@ class Connection(asyncio.Protocol):
         self.transport = transport
         transport.set_write_buffer_limits(high=WRITE_BUFFER)
         self.connections.add(self)
-        self.preface_timer = asyncio.get_running_loop().call_later(PREFACE_TIMEOUT_S, self._no_preface)
+        # (kept: asyncio.get_running_loop() is a getpid() each time in Python 3.11, and a
+        # write asks for the loop on every answer)
+        self.loop = asyncio.get_running_loop()
+        self.preface_timer = self.loop.call_later(PREFACE_TIMEOUT_S, self._no_preface)
 
     def _settings_out(self) -> None:
         """This side's preface, once the client's has come (so that an HTTP/1 request can
@@ -406,7 +410,7 @@ class Connection(asyncio.Protocol):
         self.out.append(data)
         if not self.flush_scheduled:
             self.flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self.flush_scheduled = False

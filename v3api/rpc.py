@@ -303,7 +303,7 @@ class RpcServer:
             return
         s.call = call = Call(s, method, CallContext(metadata))
         if deadline is not None:
-            call.due = self.deadlines.add(asyncio.get_running_loop().time() + deadline, call)
+            call.due = self.deadlines.add(s.conn.loop.time() + deadline, call)
         if method.streaming_request:
             self._run(call)
 
@@ -349,7 +349,7 @@ class RpcServer:
     # -- calls -----------------------------------------------------------------------------
 
     def _run(self, call: Call) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(call))
+        task = call.stream.conn.loop.create_task(self._serve(call))
         call.task = task
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -359,7 +359,7 @@ class RpcServer:
         waiting = self._barriers.get(key)
         if waiting is None:
             self._barriers[key] = waiting = []
-            task = asyncio.get_running_loop().create_task(self._answer_after(key, call.method.after_barrier, kind, waiting))
+            task = call.stream.conn.loop.create_task(self._answer_after(key, call.method.after_barrier, kind, waiting))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
         waiting.append((call, request))
