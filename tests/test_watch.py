@@ -127,6 +127,22 @@ async def test_a_watcher_that_falls_behind_reads_on_from_the_ledger(node):
     assert [e.index for e in await drain(node.watch("s/", start_index=e.value.resume_index), writes[-1])] == writes
 
 
+async def test_a_change_reaches_a_watch_once_whatever_longer_prefixes_are_watched(node):
+    """Found by a differential run against etcd's gateway: a watch of "k" got a put of "k"
+    once for every longer prefix some other watch had ("k"[:n] is "k" again for every
+    n over 1), over gRPC too (etcdctl watch k showed it twice)."""
+    for rich in (False, True):
+        w = node.watch("k", rich=rich)
+        others = [node.watch("k" + "x" * n, rich=rich) for n in range(1, 4)]
+        for o in (w, *others):
+            assert (await o.next_batch(0.01))[0] == []  # each is live now: the put reaches it from the fan-out
+        index = (await node.put("k", b"1")).index
+        got = await drain(w, index)
+        assert [(e.key, e.index) for e in got] == [("k", index)], got
+        for o in (w, *others):
+            o.close()
+
+
 async def test_a_watch_from_an_index_ahead_of_now_starts_there(node):
     """It started from now: the changes before the index asked for came too."""
     for rich in (False, True):

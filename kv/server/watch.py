@@ -286,6 +286,8 @@ class WatchHub:
             index, key, value = change[0], change[1], change[2]
             ev = None
             for n in lengths:
+                if n > len(key):  # (a longer prefix cannot hold the key: key[:n] would be the key again, matched once more)
+                    break
                 ws = by_prefix.get(key[:n])
                 if not ws:
                     continue
