@@ -48,6 +48,7 @@ HTTP_STATUS = {
     grpc.StatusCode.DATA_LOSS: 500,
 }
 MAX_BODY = 4 << 20  # a request's JSON (its values base64-encoded)
+GONE_CHECK_S = 1.0  # how often a stream whose answers go on looks whether its client is still there
 
 
 class _Context:
@@ -202,7 +203,12 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
                 for m in msgs:
                     yield m
                 if goes_on:
-                    await asyncio.Event().wait()  # the client's side stays open, as a gRPC stream's would
+                    # The client's side stays open, as a gRPC stream's would, until the client
+                    # goes: aiohttp tells a handler so only when it writes, and a watch of a
+                    # quiet key may not write for hours (its watches stayed until then).
+                    while not _gone(request):
+                        await asyncio.sleep(GONE_CHECK_S)
+                    raise wire.Abort(grpc.StatusCode.CANCELLED, "the client closed the connection")
 
             response = web.StreamResponse(headers={"Content-Type": "application/json"})
             try:
@@ -211,6 +217,8 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
                         await response.prepare(request)
                     await response.write(b'{"result":' + _json(out) + b"}\n")
             except wire.Abort as e:
+                if _gone(request):
+                    return response
                 if not response.prepared:
                     return _error(e.code, e.message)
                 await response.write(orjson.dumps({"error": {"grpc_code": e.code.value[0], "http_code": HTTP_STATUS.get(e.code, 500), "message": e.message}}) + b"\n")
@@ -238,6 +246,10 @@ async def unserved(request: web.Request) -> web.Response:
     """A gateway call ledgerkv does not serve (defragment, users and roles...): etcd's error
     body, UNIMPLEMENTED, as its gRPC port answers the same call."""
     return _error(grpc.StatusCode.UNIMPLEMENTED, f"ledgerkv does not serve etcd's {request.match_info['call']}: docs/etcd.md lists what it serves")
+
+
+def _gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
 
 
 async def version(request: web.Request) -> web.Response:
