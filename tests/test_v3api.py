@@ -657,6 +657,10 @@ def test_the_gateway_answers_as_etcd_34s_where_a_differential_run_found_it_did_n
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
+    # A request's message given as something else than an object: refused (a watch of the key "\0" was created)
+    status, body = raw("/v3/watch", b'{"create_request":"abc"}')
+    assert status == 500 and json.loads(body)["code"] == grpc.StatusCode.UNKNOWN.value[0], (status, body)
+    assert gw(cluster, "/v3/kv/txn", {"compare": ["abc"]})[0] == 400
     # A call ledgerkv does not serve: etcd's error body, UNIMPLEMENTED (was a 404 of ledgerkv's own shape)
     status, body = raw("/v3/maintenance/defragment", b"{}")
     err = json.loads(body)

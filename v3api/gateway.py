@@ -123,7 +123,9 @@ def check_json(obj: dict, descriptor) -> None:
                 raise ValueError(f"{name}: illegal base64 data {v!r:.40}")
             if f.type == f.TYPE_ENUM and not (type(v) is int or (isinstance(v, str) and f.enum_type.values_by_name.get(v) is not None)):
                 raise ValueError(f"{name}: unknown value {v!r:.40} for enum {f.enum_type.full_name}")
-            if f.type == f.TYPE_MESSAGE and isinstance(v, dict):
+            if f.type == f.TYPE_MESSAGE:
+                if not isinstance(v, dict):  # (json_format reads a string's characters as field names, and ignores them)
+                    raise ValueError(f"{name}: expected an object, not {type(v).__name__}")
                 check_json(v, f.message_type)
 
 
