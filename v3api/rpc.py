@@ -265,8 +265,8 @@ class RpcServer:
             await self.server.wait_closed()
 
     def connection(self) -> Connection:
-        """A protocol for a connection handed over from another port (the node's HTTP port,
-        when a client opens it with HTTP/2's preface)."""
+        """The protocol of a client connection: one of this port's, or one the node's HTTP
+        port hands over (a client that opened it with HTTP/2's preface)."""
         return Connection(self, self.connections)
 
     def room_for(self, answer_bytes: int) -> None:
