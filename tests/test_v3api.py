@@ -657,6 +657,9 @@ def test_the_gateway_answers_as_etcd_34s_where_a_differential_run_found_it_did_n
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
+    # /v3/maintenance/hash is etcd's Hash there (it answered HashKV's compact_revision too); a revision is ignored
+    status, h = gw(cluster, "/v3/maintenance/hash", {"revision": "1"})
+    assert status == 200 and set(h) == {"header", "hash"}, h
     # A request's message given as something else than an object: refused (a watch of the key "\0" was created)
     status, body = raw("/v3/watch", b'{"create_request":"abc"}')
     assert status == 500 and json.loads(body)["code"] == grpc.StatusCode.UNKNOWN.value[0], (status, body)

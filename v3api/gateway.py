@@ -176,7 +176,7 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
         "cluster/member/list": (cluster.MemberList, rpc_pb2.MemberListRequest),
         "maintenance/status": (maintenance.Status, rpc_pb2.StatusRequest),
         "maintenance/alarm": (maintenance.Alarm, rpc_pb2.AlarmRequest),
-        "maintenance/hash": (maintenance.HashKV, rpc_pb2.HashKVRequest),
+        "maintenance/hash": (maintenance.Hash, rpc_pb2.HashRequest),  # (etcd 3.4's gateway: Hash, though HashKV names the same path)
         "auth/authenticate": (AuthService(node, access).Authenticate, rpc_pb2.AuthenticateRequest),
     }
     streams = {  # (whether the answers go on after the requests: a watch's do, keepalives' do not)
