@@ -22,7 +22,7 @@ class HttpContext:
     access_log: bool = False  # log one line per request (kv serve --access-log)
     metrics_public: bool = False  # /metrics without the token (kv serve --metrics-public)
     session: aiohttp.ClientSession | None = None  # pooled connections to the leader
-    watch_streams: set = field(default_factory=set)  # the open GET /v1/watch streams' watches
+    watch_streams: set = field(default_factory=set)  # the open watch streams (GET /v1/watch's watches, the etcd gateway's): closed as the server stops
     unread: int = 0  # bytes of answers queued for clients not reading them (http/fastpath.py counts them)
     refused: Callable[[], int] = lambda: 0  # connections refused beyond --max-http-connections (the listener's count)
 

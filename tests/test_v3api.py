@@ -645,6 +645,30 @@ def test_a_gateway_watch_ends_when_its_client_goes_though_its_key_never_changes(
         time.sleep(0.2)
 
 
+def test_a_gateway_watch_ends_whole_with_etcds_last_line_when_the_node_stops(tmp_path):
+    """etcd ends a gateway watch, as it stops, with an error line (UNAVAILABLE, "transport
+    is closing") and the chunked answer's last chunk; ledgerkv dropped the connection
+    mid-answer (curl: 'transfer closed with outstanding read data remaining')."""
+    c = ProcCluster(str(tmp_path / "c"), 1, proxies=False)
+    c.serve_etcd_api()
+    with c:
+        c.start()
+        c.leader()
+        host, port = c.http["n1"].split(":")
+        body = json.dumps({"create_request": {"key": b64(b"stop/k")}}).encode()
+        s = socket.create_connection((host, int(port)), timeout=20)
+        s.sendall(b"POST /v3/watch HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        got = b""
+        while b'"created":true' not in got:
+            got += s.recv(4096)
+        c.stop("n1")  # SIGTERM, then waits for the process
+        while chunk := s.recv(4096):
+            got += chunk
+        s.close()
+    assert b'"message":"transport is closing"' in got and b'"grpc_code":14' in got and b'"http_status":"Service Unavailable"' in got, got
+    assert got.endswith(b"\r\n0\r\n\r\n"), got[-80:]  # the chunked answer ends whole
+
+
 def test_the_gateway_answers_as_etcd_34s_where_a_differential_run_found_it_did_not(cluster):
     """Found by sending the same requests to etcd 3.4's gateway and a ledgerkv follower."""
     follower = cluster.http[cluster.follower]

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import json
 import re
+from http import HTTPStatus
 
 import grpc
 import orjson
@@ -19,6 +20,7 @@ from aiohttp import web
 from google.protobuf import json_format
 
 from kv import KVError
+from kv.http.context import ctx
 
 from . import wire
 from .access import Access, CallCounts
@@ -201,6 +203,8 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
             except wire.Abort as e:
                 return _error(e.code, e.message)
 
+            closing = _Closing()  # the node's HTTP server is stopping (it closes the open watch streams)
+
             async def requests():
                 for m in msgs:
                     yield m
@@ -208,11 +212,15 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
                     # The client's side stays open, as a gRPC stream's would, until the client
                     # goes: aiohttp tells a handler so only when it writes, and a watch of a
                     # quiet key may not write for hours (its watches stayed until then).
-                    while not _gone(request):
+                    while not _gone(request) and not closing.closed:
                         await asyncio.sleep(GONE_CHECK_S)
+                    if closing.closed:  # (etcd's last line then; the stream ends whole)
+                        raise wire.Abort(grpc.StatusCode.UNAVAILABLE, "transport is closing")
                     raise wire.Abort(grpc.StatusCode.CANCELLED, "the client closed the connection")
 
             response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            streams = ctx(request).watch_streams
+            streams.add(closing)
             try:
                 async for out in call(requests(), _Context(request)):
                     if not response.prepared:
@@ -223,9 +231,13 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
                     return response
                 if not response.prepared:
                     return _error(e.code, e.message)
-                await response.write(orjson.dumps({"error": {"grpc_code": e.code.value[0], "http_code": HTTP_STATUS.get(e.code, 500), "message": e.message}}) + b"\n")
+                http_code = HTTP_STATUS.get(e.code, 500)
+                line = {"error": {"grpc_code": e.code.value[0], "http_code": http_code, "message": e.message, "http_status": HTTPStatus(http_code).phrase}}
+                await response.write(orjson.dumps(line) + b"\n")
             except (ConnectionResetError, KVError):
                 pass
+            finally:
+                streams.discard(closing)
             return response
 
         return handler
@@ -248,6 +260,18 @@ async def unserved(request: web.Request) -> web.Response:
     """A gateway call ledgerkv does not serve (defragment, users and roles...): etcd's error
     body, UNIMPLEMENTED, as its gRPC port answers the same call."""
     return _error(grpc.StatusCode.UNIMPLEMENTED, f"ledgerkv does not serve etcd's {request.match_info['call']}: docs/etcd.md lists what it serves")
+
+
+class _Closing:
+    """A gateway stream in the node's set of open watch streams, closed when its HTTP server stops."""
+
+    __slots__ = ("closed",)
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def _gone(request: web.Request) -> bool:
