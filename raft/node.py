@@ -131,7 +131,6 @@ class Applied(NamedTuple):
     result: Any
 
 
-
 class ReadBatch:
     """The reads asked for in one turn of the loop with the same lease flag and deadline:
     one ask of the core under one ctx (the core answers every read waiting for its next
@@ -158,6 +157,7 @@ class ReadBatch:
         for w in self.waiters:
             if not w.done():
                 w.set_exception(exc)
+
 
 class PeerProgress(NamedTuple):
     """The leader's view of one follower's replication."""
