@@ -162,13 +162,14 @@ def test_kv_serve_on_a_dir_of_another_cluster_is_refused_and_changes_nothing(tmp
 
 
 def _free_base_port() -> int:
-    """A base port B with B..B+2 and B+100..B+102 free (the layout of `kv cluster up`)."""
+    """A base port B with B..B+2, B+100..B+102 and B+200..B+202 free (the layout of `kv
+    cluster up`: HTTP, peers, etcd API)."""
     for _ in range(50):
         base = free_port()
-        if base + 102 >= 60000:
+        if base + 202 >= 60000:
             continue
         try:
-            for p in (base, base + 1, base + 2, base + 100, base + 101, base + 102):
+            for p in (base + off + i for off in (0, 100, 200) for i in range(3)):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", p))
             return base
