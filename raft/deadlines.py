@@ -22,6 +22,19 @@ from collections.abc import Callable
 PER_S = 100  # buckets per second
 
 
+def bucket_of(deadline: float) -> int | None:
+    """The bucket a deadline (loop.time()) falls due in, rounded up (never early); None for
+    one that never does (an infinite timeout)."""
+    if not math.isfinite(deadline):
+        if deadline > 0 or deadline != deadline:
+            return None
+        deadline = 0.0
+    n = math.ceil(deadline * PER_S)
+    if n / PER_S < deadline:  # the product was rounded down
+        n += 1
+    return n
+
+
 class Deadlines:
     def __init__(self, make_error: Callable[[], BaseException]) -> None:
         # make_error gives each expired waiter its own exception instance
@@ -38,13 +51,9 @@ class Deadlines:
         Returns the bucket it is filed in, for discard (None: not filed)."""
         if self._closed:
             return None
-        if not math.isfinite(deadline):
-            if deadline > 0 or deadline != deadline:
-                return None  # an infinite timeout: never due
-            deadline = 0.0
-        n = math.ceil(deadline * PER_S)
-        if n / PER_S < deadline:  # the product was rounded down
-            n += 1
+        n = bucket_of(deadline)
+        if n is None:
+            return None
         bucket = self._buckets.get(n)
         if bucket is not None:
             bucket[fut] = None

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +42,7 @@ from . import failpoints
 from .committed import CommittedFeed
 from .config import CoreConfig
 from .core import RaftCore, Ready
-from .deadlines import PER_S, AllOf, Deadlines
+from .deadlines import AllOf, Deadlines, bucket_of
 from .disk import DISK_RETRY_S, EIO_AFTER_FULL_S, is_disk_full, is_io_error
 from .errors import LeaderChanged, MemberRemoved, NoSpace, NotLeader, RaftError, TransferInProgress
 from .ledger import Ledger, LedgerWrite
@@ -454,7 +453,7 @@ class RaftNode:
         self._check_running()
         fut = self.loop.create_future()
         # (deadlines within one of the Deadlines' buckets fail together anyway)
-        key = (lease, None if deadline is None else math.ceil(deadline * PER_S))
+        key = (lease, None if deadline is None else bucket_of(deadline))
         batch = self._read_batches.get(key)
         if batch is None:
             self._read_batches[key] = batch = ReadBatch(fut)

@@ -251,6 +251,7 @@ async def test_reads_asked_together_share_one_ask_and_a_cancelled_one_takes_no_o
         assert [g.value for i, g in enumerate(got) if i != 3] == [b"v"] * 19 and all(g.mod_index == w.index for i, g in enumerate(got) if i != 3)
         assert len(asks) == 1, asks
         assert not node.raft._read_futs and not node.raft._read_batches
+        assert (await node.get("k", timeout=float("inf"))).value == b"v"  # (a deadline that is never due)
     # Every reader of an ask cancelled before its answer: the ask is let go of at once.
     f1, f2 = await cluster.followers()
     await cluster.stop(f1.config.id, f2.config.id)  # the leader's round can never be confirmed

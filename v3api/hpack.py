@@ -237,11 +237,15 @@ class Decoder:
 
     def _add(self, name: str, value: str) -> None:
         size = len(name) + len(value) + 32  # RFC 7541 §4.1
-        self._changes += 1
-        self._decoded.clear()
+        self._changed()
         self.table.insert(0, (name, value))
         self.size += size
         self._evict()
+
+    def _changed(self) -> None:
+        """The table changes: the blocks remembered may mean other fields now."""
+        self._changes += 1
+        self._decoded.clear()
 
     def _evict(self) -> None:
         while self.size > self.max_size and self.table:
@@ -278,8 +282,7 @@ class Decoder:
                 if size > self.max_allowed:
                     raise HpackError(f"a table size update to {size} exceeds the {self.max_allowed} allowed")
                 self.max_size = size
-                self._changes += 1
-                self._decoded.clear()
+                self._changed()
                 self._evict()
                 continue
             indexing = b & 0xC0 == 0x40

@@ -103,13 +103,6 @@ class Stream:
         conn.write(frame(HEADERS, END_HEADERS, sid, headers) + frame(DATA, 0, sid, data) + frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers))
         conn.finished(self)
 
-    def send_whole(self, headers: bytes, body: bytes) -> None:
-        """A short answer that is not a gRPC call's: headers, then the body, which ends the
-        stream (within the windows every peer starts with)."""
-        if not self.closed:
-            self.conn.write(frame(HEADERS, END_HEADERS, self.id, headers) + frame(DATA, END_STREAM, self.id, body))
-            self.conn.finished(self)
-
     def send_trailers(self, block: bytes) -> None:
         """The last frame of the answer, after every byte of data."""
         if self.closed:

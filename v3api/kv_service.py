@@ -332,9 +332,10 @@ class GetsAfterOneBarrier:
 
     def barrier_for(self, request: rpc_pb2.RangeRequest, context) -> str | None:
         """The barrier this request needs (linearizable, stale), or None: Range serves it."""
-        if not request.key or not is_get(request):
+        if not is_get(request):
             return None
-        try:
+        try:  # (a key or a caller Range refuses is refused there, without waiting for a barrier)
+            wire.range_start(request.key, b"")
             self.kv.access.check(context, "read", [(request.key, b"")])
         except Exception:
             return None
@@ -345,7 +346,7 @@ class GetsAfterOneBarrier:
         return await self.kv.node.read_barrier(consistency)
 
     def answer(self, request: rpc_pb2.RangeRequest, index: int) -> rpc_pb2.RangeResponse:
-        return self.kv.get(wire.range_start(request.key, b""), index)
+        return self.kv.get(request.key, index)  # (checked by barrier_for)
 
     def status(self, e: Exception):
         return self.kv.access.status(e)

@@ -106,7 +106,7 @@ class Call:
     def __init__(self, stream: Stream, method: Method, context: CallContext) -> None:
         self.stream, self.method, self.context = stream, method, context
         self.buf = bytearray()
-        self.request: bytes | None = None  # (parsed, once an AfterBarrier has looked at it)
+        self.request: bytes | object | None = None  # its bytes; the message, once an AfterBarrier has parsed it
         self.queue: asyncio.Queue | None = asyncio.Queue() if method.streaming_request else None
         self.queued = self.held = 0  # bytes of messages the service has not read; bytes not credited for them
         self.task: asyncio.Task | None = None
@@ -292,7 +292,7 @@ class RpcServer:
         path, ctype, encoding, deadline, metadata = head
         if ctype is None or not ctype.startswith("application/grpc"):
             # (curl over TLS, say, offered h2, sending etcd's JSON gateway calls here)
-            s.send_whole(_NOT_GRPC_HEADERS, _NOT_GRPC)
+            s.send_answer(_NOT_GRPC_HEADERS, _NOT_GRPC, b"")  # (empty trailers end it)
             return
         method = self.methods.get(path)
         if method is None:
