@@ -597,3 +597,42 @@ def test_a_csv_export_is_read_back_by_pandas_and_by_the_import(spark, cluster, t
     assert kvspark.write(back, eps).written == len(awkward)
     with kv.Client(eps) as c:
         assert {i.key[5:]: i.value.decode() for i in c.scan("csv2/")} == {k[4:]: v for k, v in awkward.items()}
+
+
+WARM_UP_CHECK = r"""
+import sys, threading, time
+import kv.spark as kvspark
+t0 = time.time()
+s = kvspark.session("local[1]", "warm-up-check")
+(warm,) = [t for t in threading.enumerate() if t.name == "kv-spark-warm-up"]
+warm.join(120)
+time.sleep(1)  # (Spark takes a finished task's worker back a moment after the job ends)
+submitted = time.time()
+
+def task(batches):
+    import os, sys
+    import pyarrow as pa
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        age_ticks = float(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        age = float(f.read().split()[0]) - age_ticks / os.sysconf("SC_CLK_TCK")
+    ready = all(m in sys.modules for m in ("kv.spark.bulk", "kv.client.async_client", "pyarrow.compute"))
+    yield pa.RecordBatch.from_arrays([pa.array([age]), pa.array([ready])], names=["age", "ready"])
+
+(row,) = s.range(1).coalesce(1).mapInArrow(task, "age double, ready boolean").collect()
+print(row.ready, row.age > time.time() - submitted)
+s.stop()
+quiet = kvspark.session("local[1]", "stopped-at-once")
+quiet.stop()
+"""
+
+
+def test_a_local_session_readies_its_first_tasks_worker(tmp_path):
+    """kv.spark.session with a local master starts the first task's Python worker in the
+    background (kv/spark/warmup.py): the next task runs in a worker that was started before
+    the task was submitted, with ledgerkv's task modules imported already. A session stopped
+    at once, its warm-up still running, says nothing."""
+    r = subprocess.run([sys.executable, "-c", WARM_UP_CHECK], capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["True", "True"], r.stdout
+    assert "Traceback" not in r.stderr and "ERROR" not in r.stderr, r.stderr[-2000:]

@@ -177,7 +177,7 @@ def worker_python(master: str, settings: dict[str, str]) -> str | None:
     return settings.get("spark.pyspark.python") or sys.executable
 
 
-def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, str] | None = None, *, quiet: bool = True, ship_package: bool = False):
+def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, str] | None = None, *, quiet: bool = True, ship_package: bool = False, warm_up: bool = True):
     """A SparkSession for ledgerkv's pipeline.
 
     `master`: None follows Spark's configuration, local[2] if it has none (see the module's
@@ -185,7 +185,9 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
     workers run this same Python (PYSPARK_PYTHON, unless set); on a cluster Spark's own
     setting (PYSPARK_PYTHON, spark.pyspark.python) is left alone. `quiet`: no JVM log on
     stderr. `ship_package`: add this ledgerkv to the executors' Python path (a zip built
-    from the installed layout, package_zip)."""
+    from the installed layout, package_zip). `warm_up`: with a local master, start the
+    Python worker for the first task in the background now (kv/spark/warmup.py): a
+    one-row job that saves that task 2-3 s."""
     from pyspark.sql import SparkSession
 
     settings, chosen, _ = session_settings(master, app, conf, quiet=quiet)
@@ -215,6 +217,10 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
         where = tempfile.mkdtemp(prefix="kv-ship-")
         atexit.register(shutil.rmtree, where, True)  # Spark serves the file from there until then
         s.sparkContext.addPyFile(package_zip(where))
+    if warm_up and is_local(chosen):
+        from .warmup import start
+
+        start(s)
     return s
 
 
