@@ -24,8 +24,9 @@ def warm_task(batches):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from ..client import async_client  # noqa: F401  (the writers' HTTP client: aiohttp)
-    from . import export  # noqa: F401  (an export's tasks)
+    from ..client import async_client, blocking  # noqa: F401  (the writers' and the readers' HTTP clients)
+    from ..snapshot import format as snapshot_format  # noqa: F401  (and below, what an export's tasks use: kv.spark.export itself would make an import cycle)
+    from . import progress, snapshot_http, views  # noqa: F401
     from .bulk import ArrowRows, binary
     from .importer import check_task
 
