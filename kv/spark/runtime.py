@@ -186,8 +186,8 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
     setting (PYSPARK_PYTHON, spark.pyspark.python) is left alone. `quiet`: no JVM log on
     stderr. `ship_package`: add this ledgerkv to the executors' Python path (a zip built
     from the installed layout, package_zip). `warm_up`: with a local master, start the
-    Python worker for the first task in the background now (kv/spark/warmup.py): a
-    one-row job that saves that task 2-3 s."""
+    Python worker for the first task in the background now (kv/spark/warmup.py), a
+    one-row job: a first task that comes a few seconds later starts 2-3 s sooner."""
     from pyspark.sql import SparkSession
 
     settings, chosen, _ = session_settings(master, app, conf, quiet=quiet)
