@@ -562,7 +562,7 @@ def test_values_exported_as_text_must_be_utf8(spark, tmp_path):
     assert sorted(tuple(r) for r in with_value_type(ok, "string", None).collect()) == [("a", "é", 1), ("n", None, 2)]
     bad = spark.createDataFrame([("a", bytearray(b"ok"), 1), ("k/\u00e9", bytearray(b"bad\xff"), 2)], "key string, value binary, mod_index long")
     out = str(tmp_path / "out.json")
-    with pytest.raises(Exception, match="the value of key k/é is not UTF-8, and --value-type string would alter it"):
+    with pytest.raises(Exception, match="the value of key k/é is not UTF-8, and text .--value-type string, or CSV. would alter it"):
         save(with_value_type(bad, "string", None), out, "json", False)
     assert not os.path.exists(out)
 
@@ -581,14 +581,21 @@ def test_an_export_that_fails_leaves_no_folder_behind(spark, tmp_path):
 
 def test_a_csv_export_is_read_back_by_pandas_and_by_the_import(spark, cluster, tmp_path):
     """A CSV export has a header line and RFC 4180 quoting (a quote doubled, a line break
-    inside quotes): pandas reads it as it is, and `kv spark import` takes it back unchanged."""
+    inside quotes; spaces at a value's ends kept): pandas reads it as it is, and `kv spark
+    import` takes it back unchanged. Values are text in CSV (binary is refused), the change
+    feed's too."""
     import pandas as pd
 
-    awkward = {"csv/1": 'a "quoted", comma', "csv/2": "two\nlines", "csv/3": "back\\slash \u00e9", "csv/5": "plain"}
+    from kv.spark.export import save
+
+    awkward = {"csv/1": 'a "quoted", comma', "csv/2": "two\nlines", "csv/3": "back\\slash \u00e9", "csv/4": "  spaces at both ends\t ", "csv/5": "plain"}
     eps = endpoints(cluster)
     assert kvspark.write(spark.createDataFrame(list(awkward.items()), "key string, value string"), eps).written == len(awkward)
     out = str(tmp_path / "out.csv")
-    meta = kvspark.export_snapshot(spark, out, endpoints=eps, prefix="csv/", fmt="csv", value_type="string")
+    with pytest.raises(BadRequest, match="CSV holds text: binary values would be written as their bytes in hex"):
+        kvspark.export_snapshot(spark, out, endpoints=eps, prefix="csv/", fmt="csv", value_type="binary")
+    assert not os.path.exists(out)
+    meta = kvspark.export_snapshot(spark, out, endpoints=eps, prefix="csv/", fmt="csv")  # (values as text: CSV's default)
     assert meta["rows"] == len(awkward)
     got = pd.concat([pd.read_csv(f, keep_default_na=False) for f in sorted(glob.glob(os.path.join(out, "part-*.csv")))])
     assert list(got.columns) == ["key", "value", "mod_index"]
@@ -597,6 +604,12 @@ def test_a_csv_export_is_read_back_by_pandas_and_by_the_import(spark, cluster, t
     assert kvspark.write(back, eps).written == len(awkward)
     with kv.Client(eps) as c:
         assert {i.key[5:]: i.value.decode() for i in c.scan("csv2/")} == {k[4:]: v for k, v in awkward.items()}
+    # the change feed as CSV: its values as text too, not Spark's hex of their bytes
+    log = str(tmp_path / "changes.csv")
+    start, end = kvspark.log_range(eps, None, None)
+    save(kvspark.read_changes(spark, eps, start, end, prefix="csv/"), log, "csv", False)
+    got = pd.concat([pd.read_csv(f, keep_default_na=False) for f in sorted(glob.glob(os.path.join(log, "part-*.csv")))])
+    assert dict(zip(got.key, got.value)) == awkward
 
 
 WARM_UP_CHECK = r"""

@@ -16,6 +16,7 @@ from .snapshot_http import is_url, open_snapshot
 from .views import close_view, open_view
 
 VALUE_TYPES = ("binary", "string")
+TEXT_FORMATS = ("csv",)  # formats that hold text only: Spark would write a binary value as '[6F 6E ...]'
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def export_snapshot(
     fmt: str = "parquet",
     partitions: int | None = None,
     overwrite: bool = False,
-    value_type: str = "binary",
+    value_type: str | None = None,
     json_schema: str | None = None,
     progress: bool = False,
 ) -> dict:
@@ -92,11 +93,11 @@ def export_snapshot(
     `out` must not exist unless overwrite. A cluster's keys are read from a view its leader
     pins (POST /v1/export, after a linearizable read barrier), each executor streaming its
     own key ranges from that node; a snapshot file must be at a path every executor can
-    open. `progress`: a progress line on stderr while the records are read and written."""
+    open. `value_type`: the value column's, binary or string (None: string for CSV, else
+    binary). `progress`: a progress line on stderr while the records are read and written."""
     from .progress import ProgressLine
 
-    if value_type not in VALUE_TYPES:
-        raise BadRequest(f"--value-type must be one of {', '.join(VALUE_TYPES)}")
+    value_type = resolve_value_type(value_type, fmt)
     if os.path.exists(out) and not overwrite:
         raise BadRequest(f"{out} exists: choose another path, or replace it with --overwrite")
     if snapshot is None:  # the executors read a view the node pins, by key ranges: nothing written, no shared folder
@@ -122,9 +123,22 @@ def export_snapshot(
     return meta
 
 
+def resolve_value_type(value_type: str | None, fmt: str) -> str:
+    """The value column's type for an export in `fmt`: string for CSV unless given, binary
+    for the rest; binary is refused for CSV, which holds text."""
+    if value_type is None:
+        return "string" if fmt in TEXT_FORMATS else "binary"
+    if value_type not in VALUE_TYPES:
+        raise BadRequest(f"--value-type must be one of {', '.join(VALUE_TYPES)}")
+    if value_type == "binary" and fmt in TEXT_FORMATS:
+        raise BadRequest(f"{fmt.upper()} holds text: binary values would be written as their bytes in hex ('[6F 6E ...]'); export them as text (--value-type string, the default for {fmt.upper()}), or choose --format parquet or json")
+    return value_type
+
+
 def save(df, out: str, fmt: str, overwrite: bool) -> int:
     """Write df to `out`; returns how many rows were written. A write that fails leaves no
-    folder behind where there was none (a second try would be refused: `out` exists)."""
+    folder behind where there was none (a second try would be refused: `out` exists). In
+    a format that holds text only (CSV) a binary value column is written as text, checked."""
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
@@ -138,6 +152,8 @@ def save(df, out: str, fmt: str, overwrite: bool) -> int:
     # CSV as pandas, Excel and `kv spark import` read it: a header line, RFC 4180 quoting
     # (Spark's own default is neither: no header, and a quote escaped with a backslash).
     options = CSV_WRITTEN if fmt == "csv" else {}
+    if fmt in TEXT_FORMATS and dict(df.dtypes).get("value") == "binary":  # (the change feed's)
+        df = with_value_type(df, "string", None)
     try:
         df.observe(written, F.count(F.lit(1)).alias("rows")).write.mode("overwrite" if overwrite else "errorifexists").format(fmt).options(**options).save(out)
     except BaseException:
@@ -167,7 +183,7 @@ def with_value_type(df, value_type: str, json_schema: str | None):
     # for its bytes without a word.
     text = F.col("value").cast("string")
     refuse = F.raise_error(F.concat(
-        F.lit("the value of key "), F.col("key"), F.lit(" is not UTF-8, and --value-type string would alter it: export values as binary (the default), or leave that key out with --prefix"),
+        F.lit("the value of key "), F.col("key"), F.lit(" is not UTF-8, and text (--value-type string, or CSV) would alter it: export values as binary to parquet or json, or leave that key out with --prefix"),
     ))
     return df.withColumn("value", F.when(F.col("value").isNull() | F.expr("is_valid_utf8(cast(value as string))"), text).otherwise(refuse))
 

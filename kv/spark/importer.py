@@ -30,7 +30,9 @@ from .bulk import BATCH_BYTES, CONCURRENCY
 FORMATS = {"parquet": "parquet", "csv": "csv", "json": "json", "jsonl": "json", "ndjson": "json"}
 # RFC 4180, as pandas, Excel and Spark write it: quotes inside a quoted field are doubled,
 # and a quoted field may span lines.
-CSV_WRITTEN = {"header": "true", "quote": '"', "escape": '"'}  # (how an export writes CSV: this reads it back)
+# (How an export writes CSV: this reads it back. Spark's CSV writer trims spaces from both
+# ends of a value unless told not to; its reader keeps them.)
+CSV_WRITTEN = {"header": "true", "quote": '"', "escape": '"', "ignoreLeadingWhiteSpace": "false", "ignoreTrailingWhiteSpace": "false"}
 CSV_DEFAULTS = {**CSV_WRITTEN, "multiLine": "true"}
 DUPLICATES = ("refuse", "last")
 DEFAULT_MAX_VALUE_BYTES = 1 << 20  # the cluster's default --max-value-bytes
