@@ -649,3 +649,33 @@ def test_a_local_session_readies_its_first_tasks_worker(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["True", "True"], r.stdout
     assert "Traceback" not in r.stderr and "ERROR" not in r.stderr, r.stderr[-2000:]
+
+
+def test_ctrl_c_cancels_the_import_and_says_so_in_one_line(cluster, tmp_path):
+    """SIGINT while Spark writes: the jobs are cancelled, and the command ends with one line
+    saying what is left, exit status 130 — not PySpark's 48 lines of py4j errors (its own
+    handler cancels from inside the signal, in the middle of a call to the JVM)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 400_000
+    path = str(tmp_path / "big.parquet")
+    pq.write_table(pa.table({"key": [f"intr/{i:07d}" for i in range(n)], "value": ["v" * 100] * n}), path)
+    lead = cluster.leader()
+    before = cluster.status(lead)["commit_index"]
+    p = subprocess.Popen([sys.executable, "-m", "kv", "spark", "import", path, "--master", "local[2]", "--endpoints", endpoints(cluster)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while cluster.status(lead)["commit_index"] < before + 3 and p.poll() is None and time.time() < deadline:
+            time.sleep(0.1)  # until the writes are under way
+        assert p.poll() is None, "the import ended before it could be interrupted"
+        p.send_signal(2)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, err[-2000:]
+    assert err.strip().splitlines() == ["kv spark import: interrupted (Ctrl-C): the rows written so far stay written; run the same import again to finish it (the rows the cluster holds already are skipped)"], err[-3000:]
+    assert out == ""

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -146,12 +147,53 @@ def _run(args: argparse.Namespace) -> int:
         conf.setdefault("spark.ui.showConsoleProgress", "false")
     s = kvspark.session(args.master, conf=conf, quiet=not debug_wanted(args.debug), ship_package=args.ship_package)
     try:
-        if args.spark_cmd == "import":
-            return _import(s, args, options)
-        with _deadline(s, args):
-            return _export(kvspark, s, args)
+        with _interruptible(s, args):
+            if args.spark_cmd == "import":
+                return _import(s, args, options)
+            with _deadline(s, args):
+                return _export(kvspark, s, args)
     finally:
         s.stop()
+
+
+@contextlib.contextmanager
+def _interruptible(s, args: argparse.Namespace):
+    """Ctrl-C while Spark works: its jobs are cancelled from a thread of their own and the
+    command ends with one line saying what is left (exit status 130); a second Ctrl-C stops
+    at once. (PySpark's own handler cancels from inside the signal, in the middle of the
+    main thread's call to the JVM: 48 lines of py4j errors, then the traceback.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    interrupted, done = threading.Event(), threading.Event()
+
+    def cancel() -> None:
+        while not done.is_set():  # (a job submitted after the first cancel is cancelled too)
+            with contextlib.suppress(Exception):
+                s.sparkContext.cancelAllJobs()
+            done.wait(0.2)
+
+    def on_sigint(signum, frame) -> None:
+        if interrupted.is_set():
+            raise KeyboardInterrupt
+        interrupted.set()
+        threading.Thread(target=cancel, name="kv-spark-interrupt", daemon=True).start()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    except Exception:
+        if not interrupted.is_set():
+            raise
+        if args.spark_cmd == "import":
+            left = "the rows written so far stay written; run the same import again to finish it (the rows the cluster holds already are skipped)"
+        else:
+            left = f"nothing was left at {args.out}" if not os.path.exists(args.out) else f"{args.out} may be incomplete"
+        print(f"{args.prog_name}: interrupted (Ctrl-C): {left}", file=sys.stderr)
+        raise KeyboardInterrupt from None
+    finally:
+        done.set()
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
