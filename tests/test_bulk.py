@@ -282,7 +282,7 @@ def test_an_import_reports_rows_sent_without_an_answer_as_unknown_not_unwritten(
     def rows():
         return bulk.ArrowRows(pa.array([b"u/1", b"u/2"]), pa.array([b"1", b"2"]), np.zeros(2, np.uint64))
 
-    for unknown, says in ((True, "outcome unknown (it was sent, and may have been written"), (False, "not written: the cluster could not be read")):
+    for unknown, says in ((True, "outcome unknown (it was sent, and an attempt may have been written"), (False, "not written: the cluster could not be read")):
         out = bulk.Outcome()
         w = bulk._Writer(None, bulk.Settings(["http://127.0.0.1:1"]), out)
         w.stopped = "the cluster could not be read (no leader)"  # another batch's read found no leader

@@ -679,3 +679,26 @@ def test_ctrl_c_cancels_the_import_and_says_so_in_one_line(cluster, tmp_path):
     assert p.returncode == 130, err[-2000:]
     assert err.strip().splitlines() == ["kv spark import: interrupted (Ctrl-C): the rows written so far stay written; run the same import again to finish it (the rows the cluster holds already are skipped)"], err[-3000:]
     assert out == ""
+
+
+def test_an_unreachable_standalone_master_is_refused_at_once():
+    """A spark:// master no host of which takes a connection fails in a moment, naming it;
+    Spark itself would try for a minute, then say only 'Cannot call methods on a stopped
+    SparkContext'. A master that answers passes (the standalone test starts a real one)."""
+    import socket
+
+    from kv.bench.harness import free_port
+    from kv.spark.runtime import SparkDidNotStart, refuse_unreachable_master
+
+    dead = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(SparkDidNotStart, match=rf"the master spark://127.0.0.1:{dead} \(from --master\) does not answer \(127.0.0.1:{dead}: Connection refused\)"):
+        refuse_unreachable_master(f"spark://127.0.0.1:{dead}", "--master")
+    assert time.monotonic() - t0 < 5
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        refuse_unreachable_master(f"spark://127.0.0.1:{dead},127.0.0.1:{live.getsockname()[1]}", "$MASTER")  # one of two answers
+    refuse_unreachable_master("yarn", "--master")
+    r = subprocess.run([sys.executable, "-m", "kv", "spark", "export", "out", "--master", f"spark://127.0.0.1:{dead}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "does not answer" in r.stderr, r.stderr

@@ -70,8 +70,10 @@ class Outcome:
 
 
 def _unknown(e: Exception) -> str:
-    """Why a row sent once already, with no answer, is reported failed: it may be written."""
-    return f"outcome unknown (it was sent, and may have been written: import again to settle it): {e}"
+    """Why a row sent once already, with no answer, is reported failed: it may be written.
+    `e` is the last attempt's error, which may say that attempt was not carried out: an
+    earlier one may have been."""
+    return f"outcome unknown (it was sent, and an attempt may have been written: import again to settle it); the last attempt: {e}"
 
 
 class _Stop(Exception):

@@ -190,7 +190,8 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
     one-row job: a first task that comes a few seconds later starts 2-3 s sooner."""
     from pyspark.sql import SparkSession
 
-    settings, chosen, _ = session_settings(master, app, conf, quiet=quiet)
+    settings, chosen, source = session_settings(master, app, conf, quiet=quiet)
+    refuse_unreachable_master(chosen, source)
     python = worker_python(chosen, settings)
     if python:
         os.environ.setdefault("PYSPARK_PYTHON", python)
@@ -222,6 +223,25 @@ def session(master: str | None = None, app: str = "ledgerkv", conf: dict[str, st
 
         start(s)
     return s
+
+
+def refuse_unreachable_master(master: str, source: str, timeout: float = 3.0) -> None:
+    """SparkDidNotStart, at once, if no host of a standalone master URL (spark://h:p[,h2:p2])
+    takes a connection: Spark itself would try for a minute, then say only that the context
+    was stopped."""
+    import socket
+
+    if not master.startswith("spark://"):
+        return
+    why = []
+    for hostport in master[len("spark://") :].split(","):
+        host, _, port = hostport.strip().rpartition(":") if ":" in hostport else (hostport.strip(), "", "7077")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+                return
+        except (OSError, ValueError) as e:
+            why.append(f"{host}:{port}: {e.strerror or e}" if isinstance(e, OSError) else f"{hostport}: {e}")
+    raise SparkDidNotStart(f"Spark did not start: the master {master} (from {source}) does not answer ({'; '.join(why)}) — is it running? Check --master")
 
 
 class SparkDidNotStart(KVError):
