@@ -331,3 +331,28 @@ def test_an_import_reads_ahead_and_each_chunk_is_compared_with_its_own_range(tmp
             assert cl.get("k/0000").value == b"new0"
     gc.collect()  # (asyncio logs a task's error that nobody looked at when the task is collected)
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+def test_rows_that_failed_alike_are_one_line_on_stderr(capsys, tmp_path):
+    """A cluster that stops answering fails thousands of rows with one reason: the command
+    prints that as one line (how many, the reason, a few keys), not ten lines of it; every
+    row is still in --errors."""
+    import argparse
+    import json
+
+    from kv.cli.spark import _report
+    from kv.spark.importer import ImportReport
+
+    down = "outcome unknown (...); the last attempt: no endpoint answered"
+    failures = [(f"k/{i:05d}", down) for i in range(5000)] + [("big", "value too large")] + [(f"m/{i}", "not written: x") for i in range(3)]
+    errors = str(tmp_path / "errors.jsonl")
+    code = _report(ImportReport(rows=6000, written=996, failures=failures, seconds=1.0), argparse.Namespace(errors=errors))
+    out, err = capsys.readouterr()
+    assert code == 1 and out.startswith("imported 6000 rows")
+    assert err.splitlines() == [
+        f"  5,000 rows failed: {down} (e.g. 'k/00000', 'k/00001', 'k/00002')",
+        "  3 rows failed: not written: x (e.g. 'm/0', 'm/1', 'm/2')",
+        "  failed: 'big': value too large",
+    ]
+    with open(errors) as f:
+        assert [json.loads(line)["key"] for line in f] == [k for k, _ in failures]

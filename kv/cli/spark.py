@@ -304,8 +304,18 @@ def _report(report, args: argparse.Namespace) -> int:
         with open(args.errors, "wb") as f:
             for key, error in report.failures:
                 f.write(orjson.dumps({"key": key, "error": error}) + b"\n")
-    for key, error in report.failures[:10]:
-        print(f"  failed: {key!r}: {error}", file=sys.stderr)
-    if len(report.failures) > 10:
-        print(f"  ... and {len(report.failures) - 10} more" + (f" (all in {args.errors})" if args.errors else " (--errors PATH lists them all)"), file=sys.stderr)
+    # Rows that failed alike (a cluster that stopped answering fails thousands with one
+    # reason) are one line: how many, the reason, a few of their keys.
+    alike: dict[str, list[str]] = {}
+    for key, error in report.failures:
+        alike.setdefault(error, []).append(key)
+    groups = sorted(alike.items(), key=lambda g: -len(g[1]))
+    for error, keys in groups[:10]:
+        if len(keys) == 1:
+            print(f"  failed: {keys[0]!r}: {error}", file=sys.stderr)
+        else:
+            print(f"  {len(keys):,} rows failed: {error} (e.g. {', '.join(map(repr, keys[:3]))})", file=sys.stderr)
+    if len(groups) > 10:
+        rest = sum(len(keys) for _, keys in groups[10:])
+        print(f"  ... and {rest:,} more" + (f" (all in {args.errors})" if args.errors else " (--errors PATH lists them all)"), file=sys.stderr)
     return 1 if report.failures else 0
