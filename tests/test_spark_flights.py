@@ -175,7 +175,7 @@ def test_a_row_the_cluster_refuses_fails_alone_and_is_named(spark, cluster, tmp_
     assert "18 written, 0 skipped (already held, or superseded by a later row of their key), 2 failed" in r.stdout
     failed = [json.loads(x) for x in open(errors)]
     assert sorted(f["key"] for f in failed) == ["size/04", "size/13"] and "1048576" in failed[0]["error"]
-    assert "failed: 'size/04'" in r.stderr and "Traceback" not in r.stderr
+    assert "2 rows failed: " in r.stderr and "(e.g. 'size/04', 'size/13')" in r.stderr and "Traceback" not in r.stderr  # (alike: one line)
     for k, v in rows:
         code, body, _ = cluster.get(cluster.ids[0], k)
         assert code == 404 if k in ("size/04", "size/13") else (code, body) == (200, v)
