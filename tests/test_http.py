@@ -833,3 +833,18 @@ async def test_a_page_of_large_values_stops_at_the_read_limit_and_paging_on_lose
     finally:
         await api.close()
         await node.stop()
+
+
+def test_the_hint_every_endpoint_ends_with_is_said_once():
+    """kv spark's 'no endpoint answered' lists each endpoint's failure, and the hint they all
+    end with once (it was three times: a 700-character line); differing hints stay each
+    with its endpoint."""
+    from kv.client.endpoints import HINT, none_answered
+
+    hint = "connection refused: is the cluster running (kv cluster up)?"
+    answers = [(f"http://h:{p}", Exception(f"http://h:{p} did not answer (4 tries): refused{HINT}{hint}")) for p in (1, 2)]
+    assert none_answered("no endpoint answered", answers) == (
+        f"no endpoint answered: http://h:1 did not answer (4 tries): refused; http://h:2 did not answer (4 tries): refused{HINT}{hint}"
+    )
+    mixed = [("http://h:1", Exception(f"refused{HINT}{hint}")), ("http://h:2", Exception("401 unauthorized"))]
+    assert none_answered("no endpoint answered", mixed) == f"no endpoint answered: http://h:1: refused{HINT}{hint}; http://h:2: 401 unauthorized"

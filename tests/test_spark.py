@@ -283,6 +283,8 @@ def test_conf_and_master_on_every_command_that_starts_spark():
         assert a.master is None and parse_conf(a.conf) == {"spark.a": "1", "spark.b": "x=y"}, argv
     with pytest.raises(BadRequest, match="KEY=VALUE"):
         parse_conf(["spark.a"])
+    with pytest.raises(BadRequest, match=r"--conf 'executor.memory=4g': Spark takes only settings whose names start with 'spark.'"):
+        parse_conf(["executor.memory=4g"])
 
 
 def test_an_export_range_cut_short_says_to_run_the_export_again():

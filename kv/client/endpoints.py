@@ -205,6 +205,16 @@ def unreachable_hint(e: Exception | None) -> str:
     return f"{HINT}{why}: {_ASK[why]}" if why else ""
 
 
+def none_answered(what: str, answers) -> str:
+    """`what`, then why each (endpoint, error) of `answers` failed; the hint they all end
+    with (unreachable_hint's) said once, at the end, rather than once per endpoint."""
+    texts = [str(e) if str(e).startswith(ep) else f"{ep}: {e}" for ep, e in answers]
+    hints = {t.partition(HINT)[2] for t in texts}
+    if len(hints) == 1 and "" not in hints:
+        return f"{what}: {'; '.join(t.partition(HINT)[0] for t in texts)}{HINT}{hints.pop()}"
+    return f"{what}: {'; '.join(texts)}"
+
+
 class Rotation:
     """The endpoints in turn, starting at a random one (clients spread over the nodes),
     passing over those that failed in the last RECENT_FAILURE_S."""

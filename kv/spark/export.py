@@ -360,12 +360,13 @@ def log_bounds(endpoints: str, token: str | None = None) -> list[tuple[str, int,
     """(endpoint, first, last) of every node that answers: the committed log range its
     ledger holds (from the oldest entry not compacted into a snapshot to its applied index)."""
     from ..client.blocking import Client
+    from ..client.endpoints import none_answered
 
     with Client(endpoints, token=token) as c:
         answers = c.status_all()
     nodes = [(ep, s["ledger_begin_index"] + 1, s["applied_index"]) for ep, s in answers if isinstance(s, dict)]
     if not nodes:
-        raise KVError("no node answered: " + "; ".join(f"{ep}: {s}" for ep, s in answers))
+        raise KVError(none_answered("no node answered", answers))
     return nodes
 
 

@@ -274,7 +274,7 @@ def live_endpoints(endpoints: str, token: str | None, timeout: float = 3.0) -> l
     """(endpoint, status) of the nodes that answer now, leader first: a dead endpoint is
     left out at once instead of being tried batch after batch."""
     from ..client.blocking import Client
-    from ..client.endpoints import parse_endpoints
+    from ..client.endpoints import none_answered, parse_endpoints
 
     with Client(parse_endpoints(endpoints), token=token, timeout=timeout) as c:
         answers = c.status_all()
@@ -283,7 +283,7 @@ def live_endpoints(endpoints: str, token: str | None, timeout: float = 3.0) -> l
         refused = [s for _, s in answers if isinstance(s, (Unauthorized, Forbidden))]
         if refused and len(refused) == len(answers):  # every node answered: the token is at fault
             raise refused[0]
-        raise Unavailable("no endpoint answered: " + "; ".join(str(s) if str(s).startswith(ep) else f"{ep}: {s}" for ep, s in answers))
+        raise Unavailable(none_answered("no endpoint answered", answers))
     return sorted(live, key=lambda a: a[1].get("role") != "leader")
 
 

@@ -40,6 +40,8 @@ def parse_conf(pairs: list[str] | None, flag: str = "--conf") -> dict[str, str]:
         k, eq, v = p.partition("=")
         if not eq or not k.strip():
             raise BadRequest(f"{flag} {p!r}: give KEY=VALUE, e.g. {flag} spark.executor.memory=4g")
+        if not k.strip().startswith("spark."):  # (spark-submit ignores it with a warning: a typo would go unseen)
+            raise BadRequest(f"{flag} {p!r}: Spark takes only settings whose names start with 'spark.' and would ignore this one (Hadoop's go as spark.hadoop.KEY)")
         out[k.strip()] = v
     return out
 
