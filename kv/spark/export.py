@@ -99,7 +99,7 @@ def export_snapshot(
 
     value_type = resolve_value_type(value_type, fmt)
     if os.path.exists(out) and not overwrite:
-        raise BadRequest(f"{out} exists: choose another path, or replace it with --overwrite")
+        raise BadRequest(f"{out} exists: choose another path, or replace it with --overwrite (overwrite=True from Python)")
     if snapshot is None:  # the executors read a view the node pins, by key ranges: nothing written, no shared folder
         view = pin_view(endpoints, token, prefix or "", partitions or spark.sparkContext.defaultParallelism * 2)
         source, index, term = view["endpoint"], view["index"], view["term"]
@@ -129,7 +129,7 @@ def resolve_value_type(value_type: str | None, fmt: str) -> str:
     if value_type is None:
         return "string" if fmt in TEXT_FORMATS else "binary"
     if value_type not in VALUE_TYPES:
-        raise BadRequest(f"--value-type must be one of {', '.join(VALUE_TYPES)}")
+        raise BadRequest(f"--value-type (value_type=) must be one of {', '.join(VALUE_TYPES)}")
     if value_type == "binary" and fmt in TEXT_FORMATS:
         raise BadRequest(f"{fmt.upper()} holds text: binary values would be written as their bytes in hex ('[6F 6E ...]'); export them as text (--value-type string, the default for {fmt.upper()}), or choose --format parquet or json")
     return value_type

@@ -119,7 +119,7 @@ def shape(df, *, key_col: str = "key", value_col: str = "value", key_expr: str |
 
 def refuse_unknown_choice(on_duplicate: str) -> None:
     if on_duplicate not in DUPLICATES:
-        raise BadRequest(f"--on-duplicate must be one of {', '.join(DUPLICATES)}")
+        raise BadRequest(f"--on-duplicate (on_duplicate=) must be one of {', '.join(DUPLICATES)}")
 
 
 def check(kv, *, max_value_bytes: int, on_duplicate: str = "refuse", partitions: int = 4):
@@ -197,7 +197,7 @@ class Checked:
             out.append(
                 f"{self.dup_keys} keys occur more than once ({self.dup_rows} extra rows)"
                 + eg(f"{k!r} ×{n}" for k, n in self.dup_examples)
-                + " — make the keys unique (--key-expr), or keep the last row of each with --on-duplicate last"
+                + " — make the keys unique (--key-expr; key_expr= from Python), or keep the last row of each with --on-duplicate last (on_duplicate=\"last\")"
             )
         if self.big:
             out.append(f"{self.big} values are larger than the cluster's limit of {limit} bytes (--max-value-bytes)" + eg(f"{k!r} ({n} bytes)" for k, n in self.big_examples))
