@@ -701,6 +701,8 @@ def test_an_unreachable_standalone_master_is_refused_at_once():
         live.bind(("127.0.0.1", 0))
         live.listen()
         refuse_unreachable_master(f"spark://127.0.0.1:{dead},127.0.0.1:{live.getsockname()[1]}", "$MASTER")  # one of two answers
+    with pytest.raises(SparkDidNotStart, match=rf"\[::1\]:{dead}: "):  # an IPv6 host, with its port
+        refuse_unreachable_master(f"spark://[::1]:{dead}", "--master")
     refuse_unreachable_master("yarn", "--master")
     r = subprocess.run([sys.executable, "-m", "kv", "spark", "export", "out", "--master", f"spark://127.0.0.1:{dead}"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and r.stderr.count("\n") == 1 and "does not answer" in r.stderr, r.stderr

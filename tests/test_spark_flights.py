@@ -261,6 +261,14 @@ def test_export_is_current_refuses_an_existing_path_and_leaves_no_temp_files(spa
     assert r.returncode == 0, r.stderr[-2000:]
     (row,) = spark.read.parquet(out).collect()
     assert row.key == "ap/JFK" and json.loads(row.value)["name"] == jfk["name"]
+    # as CSV from the command line: the values as text without --value-type (not Spark's hex of their bytes)
+    r = kv_cli("export", out + ".csv", "--prefix", "ap/JF", "--format", "csv", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import pandas as pd
+
+    parts = sorted(f for f in os.listdir(out + ".csv") if f.endswith(".csv"))  # (one a key range, some empty)
+    got_csv = pd.concat([pd.read_csv(os.path.join(out + ".csv", f), keep_default_na=False) for f in parts])
+    assert list(got_csv.key) == ["ap/JFK"] and json.loads(got_csv.value[0])["name"] == jfk["name"]
     assert list(tmp.iterdir()) == []
 
 

@@ -9,6 +9,7 @@ error body `{"error", "code", "message"}` with its HTTP status."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import re
@@ -212,9 +213,11 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
                     # The client's side stays open, as a gRPC stream's would, until the client
                     # goes: aiohttp tells a handler so only when it writes, and a watch of a
                     # quiet key may not write for hours (its watches stayed until then).
-                    while not _gone(request) and not closing.closed:
-                        await asyncio.sleep(GONE_CHECK_S)
-                    if closing.closed:  # (etcd's last line then; the stream ends whole)
+                    while not _gone(request) and not closing.is_set():
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(GONE_CHECK_S):
+                                await closing.wait()  # (the stop ends it at once)
+                    if closing.is_set():  # (etcd's last line then; the stream ends whole)
                         raise wire.Abort(grpc.StatusCode.UNAVAILABLE, "transport is closing")
                     raise wire.Abort(grpc.StatusCode.CANCELLED, "the client closed the connection")
 
@@ -262,16 +265,12 @@ async def unserved(request: web.Request) -> web.Response:
     return _error(grpc.StatusCode.UNIMPLEMENTED, f"ledgerkv does not serve etcd's {request.match_info['call']}: docs/etcd.md lists what it serves")
 
 
-class _Closing:
-    """A gateway stream in the node's set of open watch streams, closed when its HTTP server stops."""
-
-    __slots__ = ("closed",)
-
-    def __init__(self) -> None:
-        self.closed = False
+class _Closing(asyncio.Event):
+    """A gateway stream in the node's set of open watch streams, closed (set) when its HTTP
+    server stops."""
 
     def close(self) -> None:
-        self.closed = True
+        self.set()
 
 
 def _gone(request: web.Request) -> bool:

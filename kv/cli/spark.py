@@ -167,17 +167,11 @@ def _interruptible(s, args: argparse.Namespace):
         return
     interrupted, done = threading.Event(), threading.Event()
 
-    def cancel() -> None:
-        while not done.is_set():  # (a job submitted after the first cancel is cancelled too)
-            with contextlib.suppress(Exception):
-                s.sparkContext.cancelAllJobs()
-            done.wait(0.2)
-
     def on_sigint(signum, frame) -> None:
         if interrupted.is_set():
             raise KeyboardInterrupt
         interrupted.set()
-        threading.Thread(target=cancel, name="kv-spark-interrupt", daemon=True).start()
+        threading.Thread(target=_cancel_jobs_until, args=(s, done), name="kv-spark-interrupt", daemon=True).start()
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
@@ -196,6 +190,15 @@ def _interruptible(s, args: argparse.Namespace):
         signal.signal(signal.SIGINT, previous)
 
 
+def _cancel_jobs_until(s, done: threading.Event) -> None:
+    """Cancel the session's jobs until `done`, from a thread of its own: a job submitted
+    after the first cancel (a download or planning that took that long) is cancelled too."""
+    while not done.is_set():
+        with contextlib.suppress(Exception):  # (a session stopping meanwhile)
+            s.sparkContext.cancelAllJobs()
+        done.wait(0.2)
+
+
 @contextlib.contextmanager
 def _deadline(s, args: argparse.Namespace):
     """--timeout for an export: cancel Spark's jobs when it passes, remove what was written."""
@@ -207,14 +210,10 @@ def _deadline(s, args: argparse.Namespace):
     passed, done = threading.Event(), threading.Event()
 
     def give_up():
-        # Cancel until the export ends: a job submitted after the deadline (the download or
-        # the planning took that long) is cancelled too.
         if done.wait(args.timeout):
             return
         passed.set()
-        while not done.is_set():
-            s.sparkContext.cancelAllJobs()
-            done.wait(0.2)
+        _cancel_jobs_until(s, done)
 
     threading.Thread(target=give_up, name="kv-spark-deadline", daemon=True).start()
     try:

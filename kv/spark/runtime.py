@@ -237,7 +237,8 @@ def refuse_unreachable_master(master: str, source: str, timeout: float = 3.0) ->
         return
     why = []
     for hostport in master[len("spark://") :].split(","):
-        host, _, port = hostport.strip().rpartition(":") if ":" in hostport else (hostport.strip(), "", "7077")
+        hostport = hostport.strip()
+        host, _, port = hostport.rpartition(":") if ":" in hostport.rpartition("]")[2] else (hostport, "", "7077")  # ([v6]:port)
         try:
             with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
                 return
@@ -248,7 +249,8 @@ def refuse_unreachable_master(master: str, source: str, timeout: float = 3.0) ->
 
 class SparkDidNotStart(KVError):
     """The driver JVM exited before it answered (a bad master URL, a bad spark-submit
-    argument, no Java): the message is its root cause."""
+    argument, no Java), or the standalone master it would join does not answer: the
+    message is its root cause."""
 
 
 def _silence_query_context_loggers() -> None:
