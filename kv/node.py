@@ -51,6 +51,7 @@ from .server.session_sweeper import SessionSweeper
 from .server.snapshot_host import SnapshotHost
 from .server.watch import Watch, WatchHub
 from .server.writes import Writer
+from .common.sessions import Slot
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
 from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt
@@ -287,17 +288,42 @@ class Node(AsyncRecipes):
         at most once however often they are sent; it closes after --session-ttl-s unused."""
         return await self._writing().open_session(timeout=timeout)
 
-    def propose_now(self, slots: Sequence) -> None:
-        """kv.open's write path: see kv.server.writes.Writer.propose_now."""
+    def propose_now(self, slots: Sequence[Slot]) -> None:
+        """The write path without a task per write (kv.open's, the etcd API's plain puts):
+        see kv.server.writes.Writer.propose_now; then settle(slot) once it is resolved."""
         if self.writer is None:
             for s in slots:
                 s.give_up()
             return
         self.writer.propose_now(slots)
 
+    def settle(self, slot: Slot) -> Applied | None:
+        """A resolved slot's Applied, or None: then `await resubmit(slot)` (Writer.settle)."""
+        if self.writer is None:
+            return None
+        return self.writer.settle(slot)
+
+    async def resubmit(self, slot: Slot) -> Applied:
+        return await self._writing().resubmit(slot)
+
+    @staticmethod
+    def put_result(applied: Applied) -> WriteResult:
+        """What put() returns for a put's Applied (raising what put() raises)."""
+        return write_result(applied)
+
+    def abandon(self, slot: Slot) -> None:
+        """Nobody waits for a settled slot's write any more: its session is free."""
+        if self.writer is not None:
+            self.writer.abandon(slot)
+
     def _writing(self) -> Writer:
         self._running()
         return self.writer
+
+    def leads(self) -> bool:
+        """Whether this node is the Raft leader now."""
+        raft = self.raft
+        return raft is not None and raft.role == Role.LEADER
 
     def _leading(self) -> tuple[bool, int, str | None]:
         raft = self.raft

@@ -19,9 +19,9 @@ from collections.abc import Iterator, Sequence
 from .client.recipes import AsyncElection, AsyncLease, AsyncLock, Election, Lease, Lock
 from .common.loop import LoopThread
 from .common.results import BulkResult, DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
-from .errors import BadRequest, NotLeader, SessionExpired, Unavailable
+from .errors import BadRequest, Unavailable
 from .node import Node
-from .raft.node import DeadlineExceeded, NeverCommitted, NodeStopped, OutcomeUnknown
+from .common.sessions import Slot
 from .server.answers import bulk_result, delete_result, prefix_delete_result, public_error, txn_result, validate_key, write_result
 from .server.config import NodeConfig
 from .server.reads import CONSISTENCY
@@ -32,35 +32,17 @@ LOCAL_ID = "local"
 EMBEDDED_MAX_REQUEST_BYTES = 256 << 20
 
 
-class _Slot:
-    """One caller's write, waiting on a plain lock until the event loop resolves it (it is
-    a raft.node.Waiter: the driver calls set_result / set_exception directly). kv.Node's
-    propose_now sends it as request `rid` of the session `lane`."""
+class _Slot(Slot):
+    """One caller's write, waiting on a plain lock until the event loop resolves it."""
 
-    __slots__ = ("cmd", "payload", "lock", "applied", "error", "fallback", "_done", "lane", "rid")
+    __slots__ = ("lock",)
 
     def __init__(self, cmd, payload: bytes) -> None:
-        self.cmd, self.payload = cmd, payload
+        super().__init__(cmd, payload)
         self.lock = threading.Lock()
         self.lock.acquire()
-        self.applied = self.error = None
-        self.fallback = self._done = False
-        self.lane = self.rid = None
 
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, applied) -> None:
-        self.applied, self._done = applied, True
-        self.lock.release()
-
-    def set_exception(self, exc: BaseException) -> None:
-        self.error, self._done = exc, True
-        self.lock.release()
-
-    def give_up(self) -> None:
-        """Nothing was appended: the caller takes the general path."""
-        self.fallback, self._done = True, True
+    def resolved(self) -> None:
         self.lock.release()
 
 
@@ -166,27 +148,10 @@ class Store:
             self._drain_scheduled = True
             self._loop.call_soon_threadsafe(self._drain)
         slot.lock.acquire()
-        lane = slot.lane
-        try:
-            err = slot.error
-            if err is None and not slot.fallback:
-                if type(slot.applied.result) is not cmds.SessionExpired:
-                    return slot.applied
-                lane = slot.rid = None  # the session closed before this write reached it: applied nowhere
-            elif isinstance(err, (DeadlineExceeded, NodeStopped)):
-                raise public_error(err, written=not isinstance(err, NeverCommitted), wait=self.config.write_timeout_s)
-            elif err is not None and not isinstance(err, (NotLeader, OutcomeUnknown)):
-                raise err
-            if slot.rid is None:
-                return self._call(self._node.submit(cmd))
-            try:  # not appended, replaced, or its outcome unknown: the same request again
-                return self._call(self._node.submit(cmd, request_id=slot.rid, resent=isinstance(err, OutcomeUnknown)))
-            except SessionExpired:  # and it was applied nowhere
-                lane = None
-                return self._call(self._node.submit(cmd))
-        finally:
-            if lane is not None:
-                self._node.sessions.release(lane)
+        applied = self._node.settle(slot)
+        if applied is not None:
+            return applied
+        return self._call(self._node.resubmit(slot))
 
     def _drain(self) -> None:
         self._drain_scheduled = False  # first: a write queued from now on schedules again

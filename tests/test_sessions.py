@@ -11,7 +11,8 @@ from test_http import make_client
 
 import kv
 from kv.raft.messages import Entry, EntryKind
-from kv.common.sessions import RequestId, SessionPool
+from kv.raft.node import OutcomeUnknown
+from kv.common.sessions import RequestId, SessionPool, Slot
 from kv.server.session_sweeper import IdleSessions
 from kv.statemachine import commands as c
 from kv.statemachine.leveldb import LevelDBStateMachine
@@ -188,6 +189,52 @@ async def test_a_nodes_own_session_that_expired_is_replaced_and_a_callers_is_ref
         w = await node.put("b", b"2")  # the node opens another session for its own writes
         assert node.sessions.opened == opened + 1 and (await node.get("b")).mod_index == w.index
         assert (await node.get("a")).value == b"1"
+    finally:
+        await node.stop()
+
+
+class _Waiting(Slot):
+    """A write for propose_now whose resolution a test awaits."""
+
+    __slots__ = ("fut",)
+
+    def __init__(self, node, cmd) -> None:
+        super().__init__(cmd, node.encode_request(cmd))
+        self.fut = asyncio.get_running_loop().create_future()
+
+    def resolved(self) -> None:
+        self.fut.set_result(None)
+
+
+async def test_a_write_proposed_without_a_task_goes_again_as_the_same_request_when_its_outcome_is_unknown(tmp_path):
+    """The write path without a task per write (kv.open's; the etcd API's plain puts on
+    the leader): a write it cannot send (no free session yet) goes the general way; one it
+    sent whose outcome became unknown (its leader replaced, say) goes again as the same
+    session request, and is applied once."""
+    node = kv.Node(kv.NodeConfig(id="n1", data_dir=str(tmp_path / "n1")))
+    await node.start()
+    try:
+        await node.wait_leader(timeout=10)
+        first = _Waiting(node, node.put_command("a", b"1"))
+        node.propose_now([first])  # the pool has no session yet: given up, nothing appended
+        assert first.done() and first.fallback and first.rid is None and node.settle(first) is None
+        w1 = node.put_result(await node.resubmit(first))  # the general way opens a session, and gives it back
+        assert len(node.sessions) == 1
+        second = _Waiting(node, node.put_command("b", b"1"))
+        node.propose_now([second])
+        await second.fut
+        w2 = node.put_result(node.settle(second))
+        assert second.rid is not None and w2.index > w1.index and len(node.sessions) == 1
+        # Its answer lost (say its leader was replaced as it applied): sent again, the same
+        # request is answered with the first result, not applied a second time.
+        again = _Waiting(node, second.cmd)
+        again.lane, again.rid, again.writer = node.sessions.take(), second.rid, second.writer  # (as propose_now had set them)
+        again.set_exception(OutcomeUnknown("the leader it went to was replaced"))
+        assert node.settle(again) is None
+        assert node.put_result(await node.resubmit(again)).index == w2.index and len(node.sessions) == 1
+        b = node.etcd_key(b"b")
+        assert (b.mod_revision, b.version) == (w2.index, 1)
+        assert node.counters["writes"] == 2  # each write once, however it went
     finally:
         await node.stop()
 

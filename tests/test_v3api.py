@@ -107,6 +107,36 @@ def test_put_and_range_report_etcd_revisions_and_versions(etcd, cluster):
         other.channel.close()
 
 
+def test_plain_puts_to_the_leader_at_once_are_each_applied_once_and_counted(cluster):
+    """Plain puts on the leader are proposed together without a task each (PutsAtOnce):
+    many at once, each is applied once, answered with its own revision, and counted in the
+    metrics as any call and write; a put it does not take (one with prev_kv) or refuses (a
+    key too long) still gets the handler's answer."""
+    def metric(name: str) -> float:
+        with urllib.request.urlopen(f"http://{cluster.http[cluster.leader_id]}/metrics", timeout=10) as r:
+            found = re.search(rf"^{re.escape(name)} (\S+)$", r.read().decode(), re.M)
+        return float(found.group(1)) if found else 0.0  # (a front no call came through yet has no line)
+
+    leader = Stubs(cluster.grpc[cluster.leader_id])
+    try:
+        calls, commits = metric('kv_etcd_api_calls_total{front="grpc"}'), metric("kv_commit_latency_seconds_count")
+        keys = [b"at-once/%03d" % i for i in range(200)]
+        pending = [leader.kv.Put.future(rpc_pb2.PutRequest(key=k, value=k), timeout=10) for k in keys]
+        revisions = [p.result().header.revision for p in pending]
+        assert len(set(revisions)) == len(keys)  # one entry each
+        got = leader.kv.Range(rpc_pb2.RangeRequest(key=b"at-once/", range_end=b"at-once0"), timeout=10)
+        assert [(kv.key, kv.value, kv.version, kv.mod_revision) for kv in got.kvs] == [(k, k, 1, r) for k, r in zip(keys, revisions)]
+        assert metric('kv_etcd_api_calls_total{front="grpc"}') >= calls + 201
+        assert metric("kv_commit_latency_seconds_count") >= commits + 200
+        again = put(leader, keys[0], b"second", prev_kv=True)
+        assert (again.prev_kv.value, again.prev_kv.mod_revision) == (keys[0], revisions[0])
+        with pytest.raises(grpc.RpcError) as e:
+            put(leader, b"k" * 5000, b"x")
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        leader.channel.close()
+
+
 def test_range_limits_sorts_counts_and_filters(etcd):
     for i in range(5):
         put(etcd, b"v3r/%d" % i, b"x" * (5 - i))

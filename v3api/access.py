@@ -45,6 +45,10 @@ class Access:
         self.count()
         return _Guarded(self, context, role, ranges)
 
+    def guarded(self, context, role: str, ranges: list[tuple[bytes, bytes]]) -> _Guarded:
+        """The same, for a call counted already."""
+        return _Guarded(self, context, role, ranges)
+
     def count(self) -> None:
         calls = self.counts.calls
         calls[self.front] = calls.get(self.front, 0) + 1

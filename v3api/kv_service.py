@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from kv.common.sessions import Slot
 from kv.statemachine import commands as cmds
 
 from . import wire
@@ -26,12 +27,18 @@ def is_get(r: rpc_pb2.RangeRequest) -> bool:
     )
 
 
+def is_plain(p: rpc_pb2.PutRequest) -> bool:
+    """A put with every option at its default: the common one, a plain Put of the state machine."""
+    return not (p.prev_kv or p.lease or p.ignore_value or p.ignore_lease)
+
+
 class KVService(rpc_pb2_grpc.KVServicer):
     def __init__(self, node, access: Access) -> None:
         self.node, self.access = node, access
         self.header = wire.Headers(node)
         self.max_ops = node.config.max_txn_ops
         self.after_barrier = {"Range": GetsAfterOneBarrier(self)}  # (rpc.RpcServer)
+        self.at_once = {"Put": PutsAtOnce(self)}
 
     async def Range(self, request, context):
         async with self.access(context, "read", [(request.key, request.range_end)]):
@@ -73,9 +80,10 @@ class KVService(rpc_pb2_grpc.KVServicer):
         # A put to a lease takes the Lease service's role: a token scoped to a prefix would
         # otherwise attach its keys to leases it cannot see (ledgerkv's HTTP API hides them).
         async with self.access(context, "lease" if request.lease else "write", [(request.key, b"")]):
-            if not (request.prev_kv or request.lease or request.ignore_value or request.ignore_lease):
+            if is_plain(request):
                 # The common put as a plain Put: the state machine's hot path, with the same
                 # effect as a TxnReq of one PutReq (revision, version, the lease detached).
+                # (On the leader, PutsAtOnce serves it without this task.)
                 w = await self.node.put(wire.key_of(request.key), request.value)
                 await self.node.wait_applied(w.index, timeout=self.node.config.write_timeout_s)
                 return rpc_pb2.PutResponse(header=self.header(w.index))
@@ -350,3 +358,76 @@ class GetsAfterOneBarrier:
 
     def status(self, e: Exception):
         return self.kv.access.status(e)
+
+
+class PutsAtOnce:
+    """Plain puts on the leader, served without a task each (rpc.AtOnce): the puts that
+    arrive in one turn of the loop are proposed together once it is over (kv.Node's
+    propose_now: one Ready, one fsync), each answered from its slot once applied. Any
+    other put, or one this way cannot take (a follower, a refusal, no free session, a
+    leader change), goes the handler's way: a slot already sent in a session goes again
+    as the same session request, so it is applied once."""
+
+    def __init__(self, kv: KVService) -> None:
+        self.kv = kv
+        self._slots: list[_PutSlot] = []
+
+    def take(self, call, request: rpc_pb2.PutRequest) -> bool:
+        kv = self.kv
+        node = kv.node
+        if not is_plain(request) or not node.leads():
+            return False
+        try:
+            kv.access.check(call.context, "write", [(request.key, b"")])
+            cmd = node.put_command(wire.key_of(request.key), request.value)
+            slot = _PutSlot(self, call, cmd, node.encode_request(cmd))
+        except Exception:
+            return False  # the handler refuses it, with etcd's code and text
+        kv.access.count()
+        if not self._slots:
+            call.stream.conn.loop.call_soon(self._propose)
+        self._slots.append(slot)
+        return True
+
+    def _propose(self) -> None:
+        slots, self._slots = self._slots, []
+        self.kv.node.propose_now(slots)
+
+    def settled(self, slot: _PutSlot) -> None:
+        call, kv = slot.call, self.kv
+        try:
+            applied = kv.node.settle(slot)
+        except Exception as e:
+            if not call.stream.closed:
+                call.finish(*kv.access.status(e))
+            return
+        if call.stream.closed:  # expired, or reset by its client
+            if applied is None:
+                kv.node.abandon(slot)
+        elif applied is None:
+            call.stream.conn.server.run(call, lambda: self._resubmitted(slot))
+        else:
+            try:
+                index = kv.node.put_result(applied).index
+            except Exception as e:
+                call.finish(*kv.access.status(e))
+                return
+            call.answer(rpc_pb2.PutResponse(header=kv.header(index)))
+
+    async def _resubmitted(self, slot: _PutSlot) -> rpc_pb2.PutResponse:
+        kv = self.kv
+        async with kv.access.guarded(slot.call.context, "write", []):
+            w = kv.node.put_result(await kv.node.resubmit(slot))
+            await kv.node.wait_applied(w.index, timeout=kv.node.config.write_timeout_s)  # (forwarded, if this node no longer leads)
+            return rpc_pb2.PutResponse(header=kv.header(w.index))
+
+
+class _PutSlot(Slot):
+    __slots__ = ("puts", "call")
+
+    def __init__(self, puts: PutsAtOnce, call, cmd, payload: bytes) -> None:
+        super().__init__(cmd, payload)
+        self.puts, self.call = puts, call
+
+    def resolved(self) -> None:
+        self.puts.settled(self)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import ssl
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import quote
@@ -60,6 +60,15 @@ class AfterBarrier(Protocol):
     def status(self, e: Exception) -> tuple[grpc.StatusCode, str]: ...
 
 
+class AtOnce(Protocol):
+    """A unary method's common requests, served without a task each: a servicer lists
+    them by method name in its `at_once` dict (kv_service.PutsAtOnce)."""
+
+    def take(self, call: Call, request) -> bool:
+        """Whether it serves the call (and answers it later, with call.answer or
+        call.finish, or hands it to RpcServer.run); False: the method's handler serves it."""
+
+
 @dataclass(frozen=True)
 class Method:
     handler: object  # the bound method of a servicer
@@ -67,6 +76,7 @@ class Method:
     streaming_request: bool
     streaming_response: bool
     after_barrier: AfterBarrier | None = None
+    at_once: AtOnce | None = None
 
 
 def methods_of(descriptor, servicers: dict[str, object], messages) -> dict[str, Method]:
@@ -77,10 +87,11 @@ def methods_of(descriptor, servicers: dict[str, object], messages) -> dict[str, 
         servicer = servicers.get(service.name)
         if servicer is None:
             continue
-        quick = getattr(servicer, "after_barrier", {})
+        quick, at_once = getattr(servicer, "after_barrier", {}), getattr(servicer, "at_once", {})
         for m in service.methods:
             out[f"/{service.full_name}/{m.name}"] = Method(
-                getattr(servicer, m.name), getattr(messages, m.input_type.name), m.client_streaming, m.server_streaming, quick.get(m.name)
+                getattr(servicer, m.name), getattr(messages, m.input_type.name), m.client_streaming, m.server_streaming,
+                quick.get(m.name), at_once.get(m.name),
             )
     return out
 
@@ -305,7 +316,7 @@ class RpcServer:
         if deadline is not None:
             call.due = self.deadlines.add(s.conn.loop.time() + deadline, call)
         if method.streaming_request:
-            self._run(call)
+            self.run(call)
 
     def data_received(self, s: Stream, data: bytes) -> None:
         call = s.call
@@ -325,19 +336,23 @@ class RpcServer:
             call.queue.put_nowait(_END)
         elif call.buf or call.request is None:
             self._fail(call, grpc.StatusCode.INTERNAL, "grpc: the request ended without a whole message")
-        elif call.method.after_barrier is not None:
+        elif call.method.after_barrier is not None or call.method.at_once is not None:
             try:
                 call.request = request = call.method.request.FromString(call.request)
             except DecodeError:
                 self._fail(call, grpc.StatusCode.INTERNAL, f"grpc: error unmarshalling request: not a {call.method.request.__name__}")
                 return
+            if call.method.at_once is not None:
+                if not call.method.at_once.take(call, request):
+                    self.run(call)
+                return
             kind = call.method.after_barrier.barrier_for(request, call.context)
             if kind is None:
-                self._run(call)
+                self.run(call)
             else:
                 self._after(call, request, kind)
         else:
-            self._run(call)
+            self.run(call)
 
     def stream_reset(self, s: Stream) -> None:
         call = s.call
@@ -348,8 +363,10 @@ class RpcServer:
 
     # -- calls -----------------------------------------------------------------------------
 
-    def _run(self, call: Call) -> None:
-        task = call.stream.conn.loop.create_task(self._serve(call))
+    def run(self, call: Call, answer: Callable[[], Awaitable] | None = None) -> None:
+        """Serve the call in a task of its own: with its method's handler, or with
+        `await answer()`, its response (an AtOnce's way for a call it took)."""
+        task = call.stream.conn.loop.create_task(self._serve(call, answer))
         call.task = task
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -405,10 +422,12 @@ class RpcServer:
             if not call.stream.remote_done:  # answered: the client need not send the rest
                 call.stream.reset(NO_ERROR)
 
-    async def _serve(self, call: Call) -> None:
+    async def _serve(self, call: Call, answer: Callable[[], Awaitable] | None) -> None:
         m, stream = call.method, call.stream
         try:
-            if m.streaming_request:
+            if answer is not None:
+                call.answer(await answer())
+            elif m.streaming_request:
                 result = m.handler(call.requests(), call.context)
             else:
                 try:

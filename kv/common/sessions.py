@@ -95,3 +95,42 @@ class SessionPool:
 
     def __len__(self) -> int:
         return len(self._free)
+
+
+class Slot:
+    """One write for kv.Node.propose_now (kv/server/writes.py), the write path without a
+    task per write: its command and encoded request. The Raft driver resolves it like a
+    future (a kv.raft.node.Waiter); propose_now sets the session request it went as (the
+    `lane` of a SessionPool and the `rid`) and the writer that counts it. `resolved()` is
+    called once its outcome is in, on the event loop: then kv.Node.settle says what it came to."""
+
+    __slots__ = ("cmd", "payload", "applied", "error", "fallback", "_done", "lane", "rid", "proposed_at", "writer")
+
+    def __init__(self, cmd, payload: bytes) -> None:
+        self.cmd, self.payload = cmd, payload
+        self.applied = None  # a kv.raft.node.Applied
+        self.error: BaseException | None = None
+        self.fallback = self._done = False
+        self.lane = self.rid = self.writer = None
+        self.proposed_at = 0.0
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, applied) -> None:
+        self.applied, self._done = applied, True
+        self.writer.resolved(self)
+        self.resolved()
+
+    def set_exception(self, exc: BaseException) -> None:
+        self.error, self._done = exc, True
+        self.writer.resolved(self)
+        self.resolved()
+
+    def give_up(self) -> None:
+        """Nothing was appended: the write goes the general way (Writer.settle)."""
+        self.fallback, self._done = True, True
+        self.resolved()
+
+    def resolved(self) -> None:
+        raise NotImplementedError

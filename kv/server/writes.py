@@ -14,9 +14,9 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 
-from ..common.sessions import RequestId, SessionPool, new_session_id
+from ..common.sessions import RequestId, SessionPool, Slot, new_session_id
 from .config import NodeConfig
-from ..errors import KVError, NoQuorum, NoSpace, NotLeader, Timeout, Unavailable
+from ..errors import KVError, NoQuorum, NoSpace, NotLeader, SessionExpired, Timeout, Unavailable
 from ..raft import failpoints
 from ..raft.errors import TransferInProgress
 from ..raft.messages import EntryKind, ForwardCode, Role
@@ -69,13 +69,14 @@ class Writer:
         return payload
 
     async def submit(
-        self, cmd: cmds.Command | cmds.LocalCommand, timeout: float | None = None, *, request_id: RequestId | None = None, resent: bool = False
+        self, cmd: cmds.Command | cmds.LocalCommand, timeout: float | None = None, *, request_id: RequestId | None = None, resent: bool = False,
+        counted: bool = False,
     ) -> Applied:
         """Replicate a command and wait until it is applied here. A write goes in a client
         session, its caller's (`request_id`; `resent`: the caller sent it before and does
         not know how that ended) or one of this node's: then it is sent again whenever its
         outcome is unknown (a leader died, a forward was lost), until the deadline, and
-        applied once."""
+        applied once. `counted`: the write was counted already (propose_now sent it)."""
         try:
             payload = self.encode_request(cmd)
             raft = self.raft
@@ -85,7 +86,8 @@ class Writer:
                 raise NoSpace(NOSPACE_ALARM)
             wait = timeout if timeout is not None else self.config.write_timeout_s
             deadline = raft.loop.time() + wait
-            self.counters["writes"] += 1
+            if not counted:
+                self.counters["writes"] += 1
             if payload[1:2] not in cmds.SESSION_OPCODES:  # a lease keepalive or query, a session's opening or expiry
                 return (await self._send(payload, deadline, wait))[0]
             if request_id is not None:
@@ -124,25 +126,28 @@ class Writer:
         wait = timeout if timeout is not None else self.config.write_timeout_s
         return await self._open_session(raft.loop.time() + wait, wait)  # a new one: never one of the node's own
 
-    def propose_now(self, slots: Sequence) -> None:
-        """kv.open's write path, on the event loop: propose writes encoded by
-        encode_request at once (one Ready, one fsync for all), each as the next request of
-        a session from this node's pool, resolving each slot (a kv.raft.node.Waiter with
-        `.payload`, and `.rid` and `.lane` set here) when it is applied. A slot that cannot
-        go this way (no free session, no leader here) is given up (`slot.give_up()`): its
-        caller takes submit(), with the slot's request id if it has one."""
+    def propose_now(self, slots: Sequence[Slot]) -> None:
+        """The write path without a task per write (kv.open's, and the etcd API's plain
+        puts), on the event loop: propose the slots' writes, encoded by encode_request, at
+        once (one Ready, one fsync for all), each as the next request of a session from this
+        node's pool; each slot is resolved when its write is applied, then `settle(slot)`
+        says what it came to. A slot that cannot go this way (no leader here, no free
+        session, writes refused for want of disk, a fault test holding answers) is given
+        up (`slot.give_up()`): settle sends it the general way."""
         raft = self.raft
-        if raft is None or raft.role != Role.LEADER:
+        if raft.role != Role.LEADER or self.disk.low or self.alarms() or _HOLD_ANSWER:
             for s in slots:
                 s.give_up()
             return
         items = []
+        now = time.perf_counter()
         for s in slots:
             s.lane = lane = self.sessions.take()
             if lane is None:
                 s.give_up()
                 continue
             s.rid = rid = RequestId(lane.id, lane.next_seq())
+            s.proposed_at, s.writer = now, self
             items.append((EntryKind.NORMAL, cmds.in_session(rid.session, rid.seq, s.payload), s))
         if not items:
             return
@@ -151,6 +156,60 @@ class Writer:
         except Exception:  # nothing was appended
             for *_, s in items:
                 s.give_up()
+            return
+        self.counters["writes"] += len(items)
+
+    def resolved(self, slot: Slot) -> None:
+        """A proposed slot's outcome is in: its metrics, on the event loop."""
+        err = slot.error
+        if err is None:
+            if type(slot.applied.result) is not cmds.SessionExpired:
+                self._observe_commit(time.perf_counter() - slot.proposed_at)
+        elif not isinstance(err, (NotLeader, OutcomeUnknown)):
+            self.counters["proposals_failed"] += 1
+
+    def settle(self, slot: Slot) -> Applied | None:
+        """What a slot propose_now resolved comes to: its Applied, or None when it goes the
+        general way, `await resubmit(slot)` (it was given up, not appended, replaced by
+        another leader's entry or its outcome is unknown). Raises what its caller is to
+        see. Its session is given back here unless resubmit still needs it."""
+        err = slot.error
+        if err is None and not slot.fallback:
+            applied = slot.applied
+            if type(applied.result) is cmds.SessionExpired:  # it closed before this write reached it: applied nowhere
+                slot.lane = slot.rid = None
+                return None
+            self.sessions.release(slot.lane)
+            return session_answer(applied, slot.rid.session, slot.rid.seq, None, False)
+        if err is None or isinstance(err, (NotLeader, OutcomeUnknown)):
+            return None
+        self.abandon(slot)
+        if isinstance(err, (DeadlineExceeded, NodeStopped)):
+            raise public_error(err, written=not isinstance(err, NeverCommitted), wait=self.config.write_timeout_s) from err
+        raise err
+
+    async def resubmit(self, slot: Slot) -> Applied:
+        """A slot settle() sent the general way: submit(), as the same session request
+        where it was sent in one (a resend when its outcome is unknown)."""
+        lane = slot.lane
+        try:
+            if slot.rid is None:
+                return await self.submit(slot.cmd)
+            try:
+                return await self.submit(slot.cmd, request_id=slot.rid, resent=isinstance(slot.error, OutcomeUnknown), counted=True)
+            except SessionExpired:  # and it was applied nowhere
+                lane = None
+                return await self.submit(slot.cmd)
+        finally:
+            if lane is not None:
+                self.sessions.release(lane)
+
+    def abandon(self, slot: Slot) -> None:
+        """Nobody waits for the slot any more (settled with an error, or its caller gone):
+        its session is free for the next write."""
+        if slot.lane is not None:
+            self.sessions.release(slot.lane)
+            slot.lane = None
 
     async def _new_lane(self, deadline: float, wait: float):
         try:
