@@ -11,6 +11,7 @@ from test_http import make_client
 
 import kv
 from kv.raft.messages import Entry, EntryKind
+from kv.raft.errors import TransferInProgress
 from kv.raft.node import OutcomeUnknown
 from kv.common.sessions import RequestId, SessionPool, Slot
 from kv.server.session_sweeper import IdleSessions
@@ -235,6 +236,16 @@ async def test_a_write_proposed_without_a_task_goes_again_as_the_same_request_wh
         b = node.etcd_key(b"b")
         assert (b.mod_revision, b.version) == (w2.index, 1)
         assert node.counters["writes"] == 2  # each write once, however it went
+        # Refused as the leadership was being handed over (the driver fails the proposals
+        # it had queued): not appended, so it goes the general way, which waits for the
+        # next leader (it was answered UNKNOWN with the transfer's message).
+        third = _Waiting(node, node.put_command("c", b"1"))
+        lane = node.sessions.take()
+        third.lane, third.rid, third.writer = lane, RequestId(lane.id, lane.next_seq()), second.writer
+        third.set_exception(TransferInProgress("n2"))
+        assert node.settle(third) is None
+        w3 = node.put_result(await node.resubmit(third))
+        assert node.etcd_key(b"c").mod_revision == w3.index and len(node.sessions) == 1
     finally:
         await node.stop()
 

@@ -432,8 +432,8 @@ class RpcServer:
     async def _serve(self, call: Call, answer: Callable[[], Awaitable] | None) -> None:
         m, stream = call.method, call.stream
         try:
-            if answer is not None:
-                call.answer(await answer())
+            if answer is not None:  # (an AtOnce's, of a unary method)
+                result = answer()
             elif m.streaming_request:
                 result = m.handler(call.requests(), call.context)
             else:

@@ -1,7 +1,7 @@
 """`kv cluster up`: a local cluster of `kv serve` processes in the foreground.
 
-Node i (1-based) serves HTTP on base_port + i - 1 and peers on base_port + 100 + i - 1, with
-its data under DATA_DIR/n<i>. The command prints the endpoints, waits for a leader, then
+Node i (1-based) serves HTTP on base_port + i - 1, peers on base_port + 100 + i - 1 and etcd's
+gRPC API on base_port + 200 + i - 1, with its data under DATA_DIR/n<i>. The command prints the endpoints, waits for a leader, then
 reports leader changes and nodes that exit, until Ctrl-C stops them all.
 """
 
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
     up = c.add_parser("up", help="run a local cluster in the foreground; Ctrl-C stops it")
     up.add_argument("--nodes", type=at_least(1), default=3, help="how many nodes (default 3)")
     up.add_argument("--data-dir", default="./kvdata", help="where the nodes keep their data (default ./kvdata)")
-    up.add_argument("--base-port", type=_base_port, default=8001, help="HTTP port of n1; peers listen 100 higher (default 8001)")
+    up.add_argument("--base-port", type=_base_port, default=8001, help="HTTP port of n1; peers listen 100 higher, etcd's gRPC API 200 higher (default 8001)")
     up.add_argument("--heartbeat-ms", type=float, default=None)
     up.add_argument("--election-timeout-ms", type=float, default=None)
 

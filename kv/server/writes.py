@@ -165,13 +165,14 @@ class Writer:
         if err is None:
             if type(slot.applied.result) is not cmds.SessionExpired:
                 self._observe_commit(time.perf_counter() - slot.proposed_at)
-        elif not isinstance(err, (NotLeader, OutcomeUnknown)):
+        elif not isinstance(err, (NotLeader, TransferInProgress, OutcomeUnknown)):
             self.counters["proposals_failed"] += 1
 
     def settle(self, slot: Slot) -> Applied | None:
         """What a slot propose_now resolved comes to: its Applied, or None when it goes the
-        general way, `await resubmit(slot)` (it was given up, not appended, replaced by
-        another leader's entry or its outcome is unknown). Raises what its caller is to
+        general way, `await resubmit(slot)` (it was given up, not appended, refused while
+        the leadership is handed over, replaced by another leader's entry, or its outcome is
+        unknown). Raises what its caller is to
         see. Its session is given back here unless resubmit still needs it."""
         err = slot.error
         if err is None and not slot.fallback:
@@ -181,7 +182,7 @@ class Writer:
                 return None
             self.sessions.release(slot.lane)
             return session_answer(applied, slot.rid.session, slot.rid.seq, None, False)
-        if err is None or isinstance(err, (NotLeader, OutcomeUnknown)):
+        if err is None or isinstance(err, (NotLeader, TransferInProgress, OutcomeUnknown)):
             return None
         self.abandon(slot)
         if isinstance(err, (DeadlineExceeded, NodeStopped)):
@@ -196,7 +197,7 @@ class Writer:
             if slot.rid is None:
                 return await self.submit(slot.cmd)
             try:
-                return await self.submit(slot.cmd, request_id=slot.rid, resent=isinstance(slot.error, OutcomeUnknown), counted=True)
+                return await self.submit(slot.cmd, request_id=slot.rid, resent=isinstance(slot.error, OutcomeUnknown), counted=not slot.fallback)
             except SessionExpired:  # and it was applied nowhere
                 lane = None
                 return await self.submit(slot.cmd)
