@@ -12,7 +12,7 @@ from test_http import make_client
 import kv
 from kv.raft.messages import Entry, EntryKind
 from kv.raft.errors import TransferInProgress
-from kv.raft.node import OutcomeUnknown
+from kv.raft.node import DeadlineExceeded, OutcomeUnknown
 from kv.common.sessions import RequestId, SessionPool, Slot
 from kv.server.session_sweeper import IdleSessions
 from kv.statemachine import commands as c
@@ -246,6 +246,16 @@ async def test_a_write_proposed_without_a_task_goes_again_as_the_same_request_wh
         assert node.settle(third) is None
         w3 = node.put_result(await node.resubmit(third))
         assert node.etcd_key(b"c").mod_revision == w3.index and len(node.sessions) == 1
+        # Past its deadline (DeadlineExceeded is an OutcomeUnknown too) it is not sent again:
+        # its outcome is unknown, and the caller is told so (a resend found the disk full and
+        # answered NoSpace for a write that was applied once there was room).
+        late = _Waiting(node, node.put_command("d", b"1"))
+        lane = node.sessions.take()
+        late.lane, late.rid, late.writer = lane, RequestId(lane.id, lane.next_seq()), second.writer
+        late.set_exception(DeadlineExceeded("not answered in time"))
+        with pytest.raises(kv.Timeout, match="may or may not"):
+            node.settle(late)
+        assert len(node.sessions) == 1  # its session free again
     finally:
         await node.stop()
 

@@ -32,6 +32,14 @@ from .samples import Sample, counter
 _HOLD_ANSWER = failpoints.delay("write.before_answer")  # a fault test's wide window (raft/failpoints.py)
 
 
+def _goes_again(err: BaseException) -> bool:
+    """Whether a proposal that failed with err is sent again (as the same session request):
+    not appended, refused during a hand-over, replaced by another leader's entry, or of
+    unknown outcome; but not once its deadline has passed (DeadlineExceeded, an
+    OutcomeUnknown too) or the node stops."""
+    return isinstance(err, (NotLeader, TransferInProgress, OutcomeUnknown)) and not isinstance(err, (DeadlineExceeded, NodeStopped))
+
+
 class Writer:
     """Sends commands to the leader's log for a node whose Raft driver is `raft`.
     `answer_local(cmd)` answers a keepalive or a lease query on the leader (the lessor);
@@ -165,7 +173,7 @@ class Writer:
         if err is None:
             if type(slot.applied.result) is not cmds.SessionExpired:
                 self._observe_commit(time.perf_counter() - slot.proposed_at)
-        elif not isinstance(err, (NotLeader, TransferInProgress, OutcomeUnknown)):
+        elif not _goes_again(err):
             self.counters["proposals_failed"] += 1
 
     def settle(self, slot: Slot) -> Applied | None:
@@ -182,7 +190,7 @@ class Writer:
                 return None
             self.sessions.release(slot.lane)
             return session_answer(applied, slot.rid.session, slot.rid.seq, None, False)
-        if err is None or isinstance(err, (NotLeader, TransferInProgress, OutcomeUnknown)):
+        if err is None or _goes_again(err):
             return None
         self.abandon(slot)
         if isinstance(err, (DeadlineExceeded, NodeStopped)):
