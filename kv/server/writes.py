@@ -189,7 +189,9 @@ class Writer:
                 slot.lane = slot.rid = None
                 return None
             self.sessions.release(slot.lane)
-            return session_answer(applied, slot.rid.session, slot.rid.seq, None, False)
+            if type(applied.result) in cmds.NOT_APPLIED:
+                return session_answer(applied, slot.rid.session, slot.rid.seq, None, False)
+            return applied
         if err is None or _goes_again(err):
             return None
         self.abandon(slot)
