@@ -304,7 +304,8 @@ class Node(AsyncRecipes):
         return self.writer.settle(slot)
 
     async def resubmit(self, slot: Slot) -> Applied:
-        return await self._writing().resubmit(slot)
+        """A settled slot's write the general way (Writer.resubmit)."""
+        return await (self.writer or self._writing()).resubmit(slot)  # (a failed node: resubmit says how the write ended)
 
     @staticmethod
     def put_result(applied: Applied) -> WriteResult:

@@ -340,6 +340,57 @@ def test_a_call_past_its_grpc_timeout_is_ended_by_the_server_with_deadline_excee
     assert 0.3 <= took < 3 and cancelled == [True]
 
 
+def test_a_call_whose_task_is_cancelled_before_it_runs_is_answered_and_its_cleanup_runs():
+    """A call an AtOnce hands to a task of its own (rpc.RpcServer.run), whose deadline ends
+    it in the same turn of the loop: the task never runs a step (the servicer's code, which
+    answers and cleans up, never starts), yet the client gets DEADLINE_EXCEEDED and the
+    task's done callbacks (PutsAtOnce frees the write's session there) run."""
+    import asyncio
+
+    from kv.v3api.rpc import Method, RpcServer
+
+    started, cleaned, server = [], [], None
+
+    async def answer():
+        started.append(True)
+        return rpc_pb2.RangeResponse()
+
+    class HandedOver:
+        def take(self, call, request) -> bool:
+            server.run(call, answer)
+            call.task.add_done_callback(lambda _: cleaned.append(True))
+            server.expire(call)  # (its grpc-timeout, in the same turn)
+            return True
+
+    async def handler(request, context):
+        raise AssertionError("not called")
+
+    async def main() -> list[tuple[str, str]]:
+        nonlocal server
+        server = await RpcServer({"/etcdserverpb.KV/Range": Method(handler, rpc_pb2.RangeRequest, False, False, None, HandedOver())}).start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.server.sockets[0].getsockname()[1])
+            block = b"\x83\x86" + hpack.literal(":path", "/etcdserverpb.KV/Range") + hpack.literal("content-type", "application/grpc")
+            body = rpc_pb2.RangeRequest(key=b"k").SerializeToString()
+            writer.write(
+                http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, block)
+                + http2.frame(http2.DATA, http2.END_STREAM, 1, struct.pack(">BI", 0, len(body)) + body)
+            )
+            decoder = hpack.Decoder()
+            while True:
+                head = await asyncio.wait_for(reader.readexactly(9), 5)
+                payload = await reader.readexactly(int.from_bytes(head[:3], "big"))
+                if head[3] == http2.HEADERS and int.from_bytes(head[5:9], "big") == 1 and head[4] & http2.END_STREAM:
+                    writer.close()
+                    return decoder.decode(payload)
+        finally:
+            await server.stop(1)
+
+    fields = asyncio.run(main())
+    assert ("grpc-status", str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])) in fields, fields
+    assert started == [] and cleaned == [True]
+
+
 def test_requests_answered_after_a_shared_barrier_share_it_and_one_that_comes_later_waits_for_the_next():
     """rpc.AfterBarrier (how etcd's gets are served): the requests that arrive in one turn
     share one barrier; one that arrives while it is being waited for is not answered from

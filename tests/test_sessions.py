@@ -256,6 +256,19 @@ async def test_a_write_proposed_without_a_task_goes_again_as_the_same_request_wh
         with pytest.raises(kv.Timeout, match="may or may not"):
             node.settle(late)
         assert len(node.sessions) == 1  # its session free again
+        # Its outcome unknown (a snapshot from the next leader covered it), and its copy
+        # refused (a NOSPACE alarm raised meanwhile): the caller is told the outcome is
+        # unknown, not that the write was refused (it may be in that snapshot).
+        await node.set_alarm(0, 1, True)
+        assert node.sm.nospace
+        unsure = _Waiting(node, node.put_command("e", b"1"))
+        lane = node.sessions.take()
+        unsure.lane, unsure.rid, unsure.writer = lane, RequestId(lane.id, lane.next_seq()), second.writer
+        unsure.set_exception(OutcomeUnknown("a snapshot covered it"))
+        assert node.settle(unsure) is None
+        with pytest.raises(kv.Timeout, match="a snapshot covered it: read the key"):
+            await node.resubmit(unsure)
+        assert len(node.sessions) == 1 and unsure.lane is None  # given back once
     finally:
         await node.stop()
 

@@ -406,6 +406,8 @@ class PutsAtOnce:
                 kv.node.abandon(slot)
         elif applied is None:
             call.stream.conn.server.run(call, lambda: self._resubmitted(slot))
+            # (a task cancelled before its first step never runs: its slot's session is freed here)
+            call.task.add_done_callback(lambda _: kv.node.abandon(slot))
         else:
             try:
                 index = kv.node.put_result(applied).index

@@ -34,6 +34,8 @@ _NOT_METADATA = frozenset(("content-type", "te", "user-agent", "grpc-timeout", "
 _prefix = struct.Struct(">BI")
 _OK_TRAILERS = hpack.literal("grpc-status", "0")
 _END = object()
+_EXPIRED = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+_CANCELLED = (grpc.StatusCode.CANCELLED, "the call was cancelled (the server is stopping)")
 CACHED_HEADS = 256
 # An HTTP/2 request that is not a gRPC call: 415, and what to do instead
 _NOT_GRPC_HEADERS = b"\x08\x03415" + hpack.literal("content-type", "text/plain")  # (:status a literal with static name 8)
@@ -377,6 +379,14 @@ class RpcServer:
         call.task = task
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(lambda _: self._unanswered(call))
+
+    @staticmethod
+    def _unanswered(call: Call) -> None:
+        """A call whose task was cancelled before its first step (its deadline, a reset, a
+        stop in the same turn of the loop) never ran _serve, which answers every other way."""
+        if not call.stream.closed and not call.answered:
+            call.finish(*(_EXPIRED if call.expired else _CANCELLED))
 
     def _after(self, call: Call, request, kind: str) -> None:
         key = (id(call.method), kind)
@@ -398,7 +408,7 @@ class RpcServer:
         except asyncio.CancelledError:
             for call, _ in waiting:
                 if not call.stream.closed:
-                    call.finish(grpc.StatusCode.CANCELLED, "the call was cancelled (the server is stopping)")
+                    call.finish(*_CANCELLED)
             return
         except Exception as e:
             code, message = quick.status(e)
@@ -419,7 +429,7 @@ class RpcServer:
         if call.task is not None:
             call.task.cancel()
         else:
-            self._fail(call, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self._fail(call, *_EXPIRED)
 
     def _fail(self, call: Call, code: grpc.StatusCode, message: str) -> None:
         if call.task is not None:
@@ -458,9 +468,9 @@ class RpcServer:
             call.finish(e.code, e.message)
         except asyncio.CancelledError:
             if call.expired:
-                call.finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                call.finish(*_EXPIRED)
             elif not stream.closed:
-                call.finish(grpc.StatusCode.CANCELLED, "the call was cancelled (the server is stopping)")
+                call.finish(*_CANCELLED)
         except Exception as e:
             log.exception("etcd API call %s failed", m.handler.__qualname__)
             call.finish(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")

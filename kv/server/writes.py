@@ -201,16 +201,25 @@ class Writer:
 
     async def resubmit(self, slot: Slot) -> Applied:
         """A slot settle() sent the general way: submit(), as the same session request
-        where it was sent in one (a resend when its outcome is unknown)."""
-        lane = slot.lane
+        where it was sent in one. When its first copy's outcome is unknown, so is the
+        write's whatever refuses the copy sent now (a full disk, a stopping node): Timeout,
+        never a refusal that says it was not carried out."""
+        lane, slot.lane = slot.lane, None  # (given back below, once: abandon() after this finds none)
+        counted = slot.writer is not None and not slot.fallback  # propose_now counted it
+        unknown = slot.error if isinstance(slot.error, OutcomeUnknown) else None
+        if unknown is not None:
+            self.counters["writes_resent"] += 1
         try:
-            if slot.rid is None:
-                return await self.submit(slot.cmd)
-            try:
-                return await self.submit(slot.cmd, request_id=slot.rid, resent=isinstance(slot.error, OutcomeUnknown), counted=not slot.fallback)
-            except SessionExpired:  # and it was applied nowhere
-                lane = None
-                return await self.submit(slot.cmd)
+            if slot.rid is not None:
+                try:
+                    return await self.submit(slot.cmd, request_id=slot.rid, resent=unknown is not None, counted=counted)
+                except SessionExpired:  # (never for a resend, whose answer then is Timeout) applied nowhere
+                    lane, counted = None, True
+            return await self.submit(slot.cmd, counted=counted)
+        except KVError as e:
+            if unknown is None or isinstance(e, Timeout):
+                raise
+            raise unknown_outcome(unknown, self.config.write_timeout_s) from e
         finally:
             if lane is not None:
                 self.sessions.release(lane)
