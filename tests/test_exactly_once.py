@@ -288,8 +288,9 @@ def test_etcd_api_puts_on_the_leader_apply_once_across_leader_changes(tmp_path):
     transfers; the followers' answers to the leader cut (its puts reach them and commit
     under the next leader, and the old one answers them once the cut heals); the leader
     isolated (its puts reach nobody, the next leader's entries replace them, and they go
-    again, as the same session requests, to it). Every put answered OK is there, and every
-    key has version 1: none was applied twice."""
+    again, as the same session requests, to it); the leader killed -9 with puts in flight,
+    then restarted. Every put answered OK is there, every key has version 1 (none was
+    applied twice), and no put refused outright was applied."""
     import grpc
     from kv.v3api.proto import rpc_pb2, rpc_pb2_grpc
 
@@ -297,7 +298,7 @@ def test_etcd_api_puts_on_the_leader_apply_once_across_leader_changes(tmp_path):
     ports = c.serve_etcd_api()
     stop = threading.Event()
     acked: list[bytes] = []
-    failed: list[str] = []
+    failed: list[tuple[bytes, str]] = []
 
     def worker(w: int) -> None:
         channels = [grpc.insecure_channel(ports[i]) for i in c.ids]
@@ -310,7 +311,7 @@ def test_etcd_api_puts_on_the_leader_apply_once_across_leader_changes(tmp_path):
                     stubs[n % 3].Put(rpc_pb2.PutRequest(key=key, value=key), timeout=15)
                     acked.append(key)
                 except grpc.RpcError as e:
-                    failed.append(e.code().name)
+                    failed.append((key, e.code().name))
                 n += 1
         finally:
             for ch in channels:
@@ -323,11 +324,15 @@ def test_etcd_api_puts_on_the_leader_apply_once_across_leader_changes(tmp_path):
         for t in threads:
             t.start()
         try:
-            for step in range(4):
+            for step in range(5):
                 time.sleep(0.7)
                 cur = c.leader()
                 others = [i for i in c.ids if i != cur]
-                if step % 2:
+                if step == 4:  # killed between appending puts and answering them, then back
+                    c.kill(cur)
+                    time.sleep(1.5)
+                    c.start(cur)
+                elif step % 2:
                     if step == 1:
                         for f in others:
                             c.cut(f, cur, both=False)
@@ -355,3 +360,7 @@ def test_etcd_api_puts_on_the_leader_apply_once_across_leader_changes(tmp_path):
     assert len(acked) > 500, (len(acked), failed[:5])
     assert [k for k in acked if k not in versions] == [], "acknowledged puts are missing"
     assert {k: v for k, v in versions.items() if v != 1} == {}, "a put was applied twice"
+    # A refusal is the truth: only an answer that leaves the outcome open (the node went
+    # away, a timeout) may belong to a put that was applied.
+    open_ended = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN", "CANCELLED"}
+    assert [(k, code) for k, code in failed if code not in open_ended and k in versions] == []

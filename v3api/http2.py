@@ -158,6 +158,7 @@ class Connection(asyncio.Protocol):
         self.flush_scheduled = False
         self.closing = self.paused = False
         self.preface_timer: asyncio.TimerHandle | None = None
+        self.lost: asyncio.Future | None = None  # done when the connection is gone (a server's stop waits on it)
 
     # -- the transport's side ---------------------------------------------------------------
 
@@ -168,6 +169,7 @@ class Connection(asyncio.Protocol):
         # (kept: asyncio.get_running_loop() is a getpid() each time in Python 3.11, and a
         # write asks for the loop on every answer)
         self.loop = asyncio.get_running_loop()
+        self.lost = self.loop.create_future()
         self.preface_timer = self.loop.call_later(PREFACE_TIMEOUT_S, self._no_preface)
 
     def _settings_out(self) -> None:
@@ -194,6 +196,8 @@ class Connection(asyncio.Protocol):
             self.finished(s)
             self.server.stream_reset(s)
         self.transport = None
+        if self.lost is not None and not self.lost.done():
+            self.lost.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         self.buf += data

@@ -84,9 +84,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
                 # The common put as a plain Put: the state machine's hot path, with the same
                 # effect as a TxnReq of one PutReq (revision, version, the lease detached).
                 # (On the leader, PutsAtOnce serves it without this task.)
-                w = await self.node.put(wire.key_of(request.key), request.value)
-                await self.node.wait_applied(w.index, timeout=self.node.config.write_timeout_s)
-                return rpc_pb2.PutResponse(header=self.header(w.index))
+                return await self.answer_put(await self.node.put(wire.key_of(request.key), request.value))
             req = self.put_req(request)
             if request.lease and request.ignore_value:
                 # A Put checks its lease before its key (a Txn's puts, which the state
@@ -97,6 +95,11 @@ class KVService(rpc_pb2_grpc.KVServicer):
             r = await self.node.etcd_txn(cmds.TxnReq((), (req,), ()))
             (put,) = r.responses
             return rpc_pb2.PutResponse(header=self.header(r.index), prev_kv=wire.kv_message(put.prev_kv) if put.prev_kv else None)
+
+    async def answer_put(self, w) -> rpc_pb2.PutResponse:
+        """A plain put's answer, once this node has applied it (a follower forwarded it)."""
+        await self.node.wait_applied(w.index, timeout=self.node.config.write_timeout_s)
+        return rpc_pb2.PutResponse(header=self.header(w.index))
 
     async def DeleteRange(self, request, context):
         async with self.access(context, "write", [(request.key, request.range_end)]):
@@ -397,31 +400,24 @@ class PutsAtOnce:
         call, kv = slot.call, self.kv
         try:
             applied = kv.node.settle(slot)
+            w = kv.node.put_result(applied) if applied is not None else None
         except Exception as e:
             if not call.stream.closed:
                 call.finish(*kv.access.status(e))
             return
         if call.stream.closed:  # expired, or reset by its client
-            if applied is None:
-                kv.node.abandon(slot)
-        elif applied is None:
+            kv.node.abandon(slot)
+        elif w is None:
             call.stream.conn.server.run(call, lambda: self._resubmitted(slot))
             # (a task cancelled before its first step never runs: its slot's session is freed here)
             call.task.add_done_callback(lambda _: kv.node.abandon(slot))
         else:
-            try:
-                index = kv.node.put_result(applied).index
-            except Exception as e:
-                call.finish(*kv.access.status(e))
-                return
-            call.answer(rpc_pb2.PutResponse(header=kv.header(index)))
+            call.answer(rpc_pb2.PutResponse(header=kv.header(w.index)))
 
     async def _resubmitted(self, slot: _PutSlot) -> rpc_pb2.PutResponse:
         kv = self.kv
         async with kv.access.guarded(slot.call.context, "write", []):
-            w = kv.node.put_result(await kv.node.resubmit(slot))
-            await kv.node.wait_applied(w.index, timeout=kv.node.config.write_timeout_s)  # (forwarded, if this node no longer leads)
-            return rpc_pb2.PutResponse(header=kv.header(w.index))
+            return await kv.answer_put(kv.node.put_result(await kv.node.resubmit(slot)))
 
 
 class _PutSlot(Slot):

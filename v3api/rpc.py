@@ -264,15 +264,12 @@ class RpcServer:
             self.server.close()
         for c in list(self.connections):
             c.goaway(NO_ERROR)
-        # Every call open: those with a task, and those an AtOnce serves without one (a
-        # plain put waiting for its entry to apply), which end with their stream.
-        loop = asyncio.get_running_loop()
-        until = loop.time() + grace
-        while (self.tasks or any(c.streams for c in self.connections)) and (left := until - loop.time()) > 0:
-            if self.tasks:
-                await asyncio.wait(list(self.tasks), timeout=min(left, 0.05))
-            else:
-                await asyncio.sleep(min(left, 0.01))
+        # Every call open gets the grace: those with a task, and those an AtOnce serves
+        # without one (a plain put waiting for its entry), whose connection closes after
+        # the GOAWAY once its last stream ends.
+        waiting = [*self.tasks, *(c.lost for c in self.connections if c.lost is not None)]
+        if waiting:
+            await asyncio.wait(waiting, timeout=grace)
         for t in list(self.tasks):
             t.cancel()
         self.deadlines.close()

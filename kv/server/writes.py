@@ -180,15 +180,15 @@ class Writer:
         """What a slot propose_now resolved comes to: its Applied, or None when it goes the
         general way, `await resubmit(slot)` (it was given up, not appended, refused while
         the leadership is handed over, replaced by another leader's entry, or its outcome is
-        unknown). Raises what its caller is to
-        see. Its session is given back here unless resubmit still needs it."""
+        unknown). Raises what its caller is to see. Its session is given back here unless
+        resubmit still needs it."""
         err = slot.error
         if err is None and not slot.fallback:
             applied = slot.applied
             if type(applied.result) is cmds.SessionExpired:  # it closed before this write reached it: applied nowhere
                 slot.lane = slot.rid = None
                 return None
-            self.sessions.release(slot.lane)
+            self.abandon(slot)  # (its request is over: the session is free)
             if type(applied.result) in cmds.NOT_APPLIED:
                 return session_answer(applied, slot.rid.session, slot.rid.seq, None, False)
             return applied
@@ -225,8 +225,8 @@ class Writer:
                 self.sessions.release(lane)
 
     def abandon(self, slot: Slot) -> None:
-        """Nobody waits for the slot any more (settled with an error, or its caller gone):
-        its session is free for the next write."""
+        """The slot's request is over, or nobody waits for it any more: its session is free
+        for the next write (once: a second call finds none)."""
         if slot.lane is not None:
             self.sessions.release(slot.lane)
             slot.lane = None
