@@ -61,9 +61,16 @@ def version_key(raw: bytes, revision: int, n: int) -> bytes:
 
 
 def version_value(revision: int, prev: KeyValue | None) -> bytes:
+    """The history record of a change at `revision` of a key that held prev (None: nothing)."""
     if prev is None:
         return _U64.pack(revision)
-    return _VERSION.pack(revision, prev.create_revision, prev.mod_revision, prev.version, prev.lease) + prev.value
+    return past_record(revision, prev.create_revision, prev.mod_revision, prev.version, prev.lease, prev.value)
+
+
+def past_record(revision: int, create: int, mod: int, version: int, lease: int, value: bytes) -> bytes:
+    """version_value of a key that held these, without making a KeyValue of them (the put's
+    hot path)."""
+    return _VERSION.pack(revision, create, mod, version, lease) + value
 
 
 def change_key(revision: int, n: int) -> bytes:

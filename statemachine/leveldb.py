@@ -794,27 +794,28 @@ class LevelDBStateMachine:
             old = self._current(k, overlay)
         mk = _META + raw
         if old is None:
-            create, version, prev = index, 1, None
+            create, version = index, 1
             overlay[mk] = None  # (a key's meta record goes when the key does)
             if touched:
-                self._keep(raw, index, None, wb)
+                self._keep(raw, index, history.version_value(index, None), wb)
             else:
                 self._list_change(raw, index, wb)
         else:
             meta = self._current(mk, overlay)
             create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (old[0], 1)
-            prev = KeyValue(key, create, old[0], version, old[1], self.leases.attached.get(key, 0))
+            held = self.leases.attached.get(key, 0)
+            self._keep(raw, index, history.past_record(index, create, old[0], version, held, old[1]), wb)
             version += 1
             v = _META_VALUE.pack(create, version)
             overlay[mk] = (index, v)
             wb.put(mk, _U64.pack(index) + v)
-            self._keep(raw, index, prev, wb)
         overlay[k] = (index, value)
         wb.put(k, _U64.pack(index) + value)
         if changes is not None:
             if not self.rich_changes:
                 changes.append((index, key, value))
                 return
+            prev = None if old is None else KeyValue(key, create, old[0], version - 1, old[1], held)
             changes.append((index, key, value, KeyValue(key, create, index, version, value, lease), prev))
 
     def _unstamp(self, key: str, raw: bytes, index: int, wb, overlay: dict, cur: tuple[int, bytes], lease: int, changes: list | None) -> None:
@@ -823,7 +824,7 @@ class LevelDBStateMachine:
         meta = self._current(mk, overlay)
         create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (cur[0], 1)
         prev = KeyValue(key, create, cur[0], version, cur[1], lease)
-        self._keep(raw, index, prev, wb)
+        self._keep(raw, index, history.version_value(index, prev), wb)
         if changes is not None:
             if not self.rich_changes:
                 changes.append((index, key, None))
@@ -832,11 +833,11 @@ class LevelDBStateMachine:
         overlay[mk] = None
         wb.delete(mk)
 
-    def _keep(self, raw: bytes, index: int, prev: KeyValue | None, wb) -> None:
-        """Move what key raw held before this change (of entry `index`) into the history,
-        and list the change (history.py)."""
+    def _keep(self, raw: bytes, index: int, past: bytes, wb) -> None:
+        """Move what key raw held before this change (of entry `index`; `past`: its
+        history.version_value) into the history, and list the change (history.py)."""
         n = self._list_change(raw, index, wb)
-        wb.put(history.version_key(raw, index, n), history.version_value(index, prev))
+        wb.put(history.version_key(raw, index, n), past)
 
     def _list_change(self, raw: bytes, index: int, wb) -> int:
         """List a change of key raw, the n-th of entry `index`'s; returns n."""
