@@ -5,14 +5,18 @@ Layout:
     b"\\x00applied"     index + term of the last applied entry (2 x u64, big-endian)
     b"\\x00membership"  the membership as of the applied index (from CONFIG entries)
     b"\\x00restoring"   present while a snapshot is being loaded: the state is incomplete
-    b"k" + key         mod_index (u64) + value
+    b"k" + key         mod_index (u64) + value: a key's first version (created at its mod_index,
+                       version 1); or, once it has changed, mod_index with its top bit set
+                       (STAMPED) + create_revision (u64) + version (u64) + value: what etcd's
+                       v3 API reports, read with the value in one get
     b"k\x00..."        reserved records: leases and the keys attached to them (leases.py)
     b"k\x00compact"    the compact revision (etcd's Compact), after the usual mod_index
     b"k\x00alarm/" + member (16 hex digits) + "/" + alarm   a raised alarm (etcd's AlarmMember)
     b"k\x00meta/" + key  create_revision (u64) + version (u64) of a key, after the usual
-                       mod_index: what etcd's v3 API reports. A key without one (written once
-                       since it was created, or before these records) has its mod_index for
-                       create_revision and version 1: a creation writes none.
+                       mod_index: where earlier versions kept them, and where snapshots still
+                       do (LevelDBView.blocks writes them, so every version reads them). A
+                       state that has them folds them into the keys' records when it opens
+                       or is restored (_fold_meta_records).
     b"k\x00hist/...", b"k\x00hrev/..."  the history: every key's earlier versions (history.py)
     b"k\x00hfrom"      the first revision whose changes the history holds (after the usual mod_index)
     b"\\x00sessions_at"  the index as of which every client session's record is up to date
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import json
 import operator
 import os
@@ -120,6 +125,10 @@ _USER_DATA = _DATA + b"\x01"  # where user keys start: the reserved ones sort be
 _META = _DATA + RESERVED + b"meta/"  # + key: its create_revision and version
 _META_END = _DATA + RESERVED + b"meta0"  # ("0" follows "/")
 _META_VALUE = struct.Struct(">QQ")
+STAMPED = 1 << 63  # in a user key's mod_index: create_revision and version follow it
+_STAMP = struct.Struct(">QQQ")  # mod_index | STAMPED, create_revision, version
+_NO_STAMP = bytes(range(128)) * 2  # bytes.translate table: a byte without its top bit
+_FOLD_BATCH = 10_000
 _UNREAD = object()  # (_write: the caller has not read the key)
 _SPLIT_SAMPLE = 4096  # keys user_key_splits keeps at least (of those it visits), to cut among
 _SPLIT_BYTES = 8 << 20  # below this estimate of a range's files, user_key_splits counts its keys
@@ -148,9 +157,9 @@ DAMAGED_MARKER = "DAMAGED"  # written into the state dir when a read finds corru
 
 def _open(path: str):
     # The bloom filter answers "no such key" without reading a table: every put reads the
-    # key's meta record (its version), which a new key does not have. A 16 MiB memtable
-    # (LevelDB's default is 4) flushes a quarter as often: each put writes four records
-    # (the value, its meta, two history records), and with 4 MiB an import of 336k rows
+    # key's record, which a new key does not have. A 16 MiB memtable (LevelDB's default is
+    # 4) flushes a quarter as often: an update writes three records (the value with its
+    # version, two history records), and with 4 MiB an import of 336k rows
     # spent half of its CPU in compactions (22 µs a row applied, 11 with 16 MiB). It costs
     # at most twice that in memory (the memtable and the one being flushed).
     # No compression (LevelDB's default is Snappy), as etcd's bbolt: compactions rewrite
@@ -160,6 +169,27 @@ def _open(path: str):
     # state a node instead of 130 MB; the Raft log holds the same data uncompressed until
     # it is compacted). Files written with Snappy by an earlier version are read as before.
     return plyvel.DB(path, create_if_missing=True, paranoid_checks=True, bloom_filter_bits=10, write_buffer_size=16 << 20, compression=None)
+
+
+def _record(raw: bytes) -> tuple[int, bytes, int, int]:
+    """A data record as (mod_index, value, create_revision, version)."""
+    if raw[0] < 0x80:
+        mod = _U64.unpack_from(raw)[0]
+        return mod, raw[8:], mod, 1
+    mod, create, version = _STAMP.unpack_from(raw)
+    return mod - STAMPED, raw[24:], create, version
+
+
+def _values_and_mods(records_values: list[bytes]) -> tuple[list[bytes], bytes]:
+    """The values of user keys' records, and their mod_indexes (u64 big-endian, joined),
+    without a key's create_revision and version: C loops when no record has them."""
+    heads = b"".join(map(_VALUE_HEAD, records_values))
+    tops = heads[::8]
+    if not tops or max(tops) < 0x80:
+        return list(map(_VALUE_TAIL, records_values)), heads
+    stamped = bytearray(heads)
+    stamped[::8] = tops.translate(_NO_STAMP)
+    return [v[24:] if v[0] >= 0x80 else v[8:] for v in records_values], bytes(stamped)
 
 
 class LevelDBStateMachine:
@@ -181,6 +211,8 @@ class LevelDBStateMachine:
             self.leases = LeaseTable()
             self.sessions = SessionTable()
             self._load_reserved()
+            if not self.incomplete:
+                self._fold_meta_records()
         except plyvel.Error as e:
             if getattr(self, "_db", None) is not None:
                 self._db.close()
@@ -237,7 +269,8 @@ class LevelDBStateMachine:
             raise self._damaged(e) from e
         if raw is None:
             return None
-        return _U64.unpack_from(raw)[0], raw[8:]
+        mod, value, _, _ = _record(raw)
+        return mod, value
 
     def scan(
         self, prefix: str = "", after: str | None = None, limit: int = 1000, max_bytes: int | None = None, revision: int | None = None
@@ -272,7 +305,8 @@ class LevelDBStateMachine:
         it = self._page_records(prefix, after)
         try:
             for k, v in it:
-                yield key_text(k[1:]), v[8:], _U64.unpack_from(v)[0]
+                mod, value, _, _ = _record(v)
+                yield key_text(k[1:]), value, mod
         except plyvel.CorruptionError as e:
             raise self._damaged(e) from e
         finally:
@@ -293,7 +327,7 @@ class LevelDBStateMachine:
             for k, v in it:
                 records_keys.append(k)
                 records_values.append(v)
-                size += len(k) + len(v) - len(_DATA) - _U64.size
+                size += len(k) + len(v) - len(_DATA) - (_U64.size if v[0] < 0x80 else _STAMP.size)
                 if size >= max_bytes:
                     more = True
                     break
@@ -304,7 +338,8 @@ class LevelDBStateMachine:
             raise self._damaged(e) from e
         finally:
             it.close()
-        body = pack_columns(list(map(_KEY_TAIL, records_keys)), list(map(_VALUE_TAIL, records_values)), b"".join(map(_VALUE_HEAD, records_values)))
+        values, mods = _values_and_mods(records_values)
+        body = pack_columns(list(map(_KEY_TAIL, records_keys)), values, mods)
         return body, len(records_keys), size, more
 
     # -- the history (history.py) -----------------------------------------------------------
@@ -340,7 +375,7 @@ class LevelDBStateMachine:
             kv = past.kv
         else:
             cur = cur if cur is not None else self._current(_DATA + raw, {})
-            kv = self._kv(raw, cur, {}) if cur is not None else None
+            kv = self._kv(raw, cur) if cur is not None else None
         return kv if kv is not None and kv.create_revision <= revision else None
 
     def _items_at(self, key: bytes, end: bytes, revision: int) -> Iterator[tuple[bytes, KeyValue]]:
@@ -599,11 +634,13 @@ class LevelDBStateMachine:
         """Ids that were members and were removed (a re-added id leaves this set)."""
         return frozenset(self._removed)
 
-    def _current(self, k: bytes, overlay: dict) -> tuple[int, bytes] | None:
+    def _current(self, k: bytes, overlay: dict) -> tuple[int, bytes, int, int] | None:
+        """A data record as this batch leaves it: (mod_index, value, create_revision,
+        version) (a reserved record's last two mean nothing), or None."""
         if k in overlay:
             return overlay[k]
         raw = self._db.get(k)
-        return None if raw is None else (_U64.unpack_from(raw)[0], raw[8:])
+        return None if raw is None else _record(raw)
 
     def _check(self, cond: Cond | None, overlay: dict) -> ConditionFailed | None:
         if cond is None:
@@ -780,37 +817,32 @@ class LevelDBStateMachine:
     # -- create_revision and version (etcd's v3 API) --------------------------------------
 
     def _write(self, key: str, raw: bytes, index: int, wb, overlay: dict, value: bytes, lease: int, changes: list | None, old=_UNREAD) -> None:
-        """Put a value at a key (raw: its bytes) at index, leases aside: its data record; its
-        meta record moves on (version + 1); what it held goes to the history; and the change
-        is listed for watchers (with the key before and after, in rich_changes mode). `old`:
-        what the key holds, when the caller has read it.
+        """Put a value at a key (raw: its bytes) at index, leases aside: its record, with its
+        create_revision and version (version + 1); what it held goes to the history; and the
+        change is listed for watchers (with the key before and after, in rich_changes mode).
+        `old`: what the key holds (_current), when the caller has read it.
 
-        A key created here gets no meta record (a key without one reads as created at its
-        mod_index, version 1) and, unless this batch changed it before, no history record
-        (history.py): two records of the four an update writes."""
+        A key created here is written as its first version (no create_revision and version:
+        they are its mod_index and 1) and, unless this batch changed it before, keeps no
+        history record (history.py): one record of the three an update writes."""
         k = _DATA + raw
         touched = k in overlay
         if old is _UNREAD:
             old = self._current(k, overlay)
-        mk = _META + raw
         if old is None:
             create, version = index, 1
-            overlay[mk] = None  # (a key's meta record goes when the key does)
             if touched:
                 self._keep(raw, index, history.version_value(index, None), wb)
             else:
                 self._list_change(raw, index, wb)
+            wb.put(k, _U64.pack(index) + value)
         else:
-            meta = self._current(mk, overlay)
-            create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (old[0], 1)
+            create, version = old[2], old[3]
             held = self.leases.attached.get(key, 0)
             self._keep(raw, index, history.past_record(index, create, old[0], version, held, old[1]), wb)
             version += 1
-            v = _META_VALUE.pack(create, version)
-            overlay[mk] = (index, v)
-            wb.put(mk, _U64.pack(index) + v)
-        overlay[k] = (index, value)
-        wb.put(k, _U64.pack(index) + value)
+            wb.put(k, _STAMP.pack(index | STAMPED, create, version) + value)
+        overlay[k] = (index, value, create, version)
         if changes is not None:
             if not self.rich_changes:
                 changes.append((index, key, value))
@@ -818,20 +850,15 @@ class LevelDBStateMachine:
             prev = None if old is None else KeyValue(key, create, old[0], version - 1, old[1], held)
             changes.append((index, key, value, KeyValue(key, create, index, version, value, lease), prev))
 
-    def _unstamp(self, key: str, raw: bytes, index: int, wb, overlay: dict, cur: tuple[int, bytes], lease: int, changes: list | None) -> None:
-        """A delete of key at index (cur: what it held)."""
-        mk = _META + raw
-        meta = self._current(mk, overlay)
-        create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (cur[0], 1)
-        prev = KeyValue(key, create, cur[0], version, cur[1], lease)
+    def _unstamp(self, key: str, raw: bytes, index: int, wb, overlay: dict, cur: tuple[int, bytes, int, int], lease: int, changes: list | None) -> None:
+        """A delete of key at index (cur: what it held, _current)."""
+        prev = KeyValue(key, cur[2], cur[0], cur[3], cur[1], lease)
         self._keep(raw, index, history.version_value(index, prev), wb)
         if changes is not None:
             if not self.rich_changes:
                 changes.append((index, key, None))
             else:
                 changes.append((index, key, None, KeyValue(key, 0, index, 0, b"", 0), prev))
-        overlay[mk] = None
-        wb.delete(mk)
 
     def _keep(self, raw: bytes, index: int, past: bytes, wb) -> None:
         """Move what key raw held before this change (of entry `index`; `past`: its
@@ -848,15 +875,13 @@ class LevelDBStateMachine:
         wb.put(history.change_key(index, n), _U64.pack(index) + raw)
         return n
 
-    def _kv(self, raw: bytes, cur: tuple[int, bytes], overlay: dict) -> KeyValue:
+    def _kv(self, raw: bytes, cur: tuple[int, bytes, int, int]) -> KeyValue:
         key = key_text(raw)
-        meta = self._current(_META + raw, overlay)
-        create, version = _META_VALUE.unpack_from(meta[1]) if meta is not None else (cur[0], 1)
-        return KeyValue(key, create, cur[0], version, cur[1], self.leases.attached.get(key, 0))
+        return KeyValue(key, cur[2], cur[0], cur[3], cur[1], self.leases.attached.get(key, 0))
 
-    def _range_items(self, key: bytes, end: bytes, overlay: dict) -> Iterator[tuple[bytes, tuple[int, bytes]]]:
-        """(raw key, (mod_index, value)) of every key in etcd's range (key, end), in key
-        order, as this batch leaves them."""
+    def _range_items(self, key: bytes, end: bytes, overlay: dict) -> Iterator[tuple[bytes, tuple[int, bytes, int, int]]]:
+        """(raw key, (mod_index, value, create_revision, version)) of every key in etcd's
+        range (key, end), in key order, as this batch leaves them."""
         if not end:
             cur = self._current(_DATA + key, overlay) if key[:1] > RESERVED else None
             if cur is not None:
@@ -867,7 +892,7 @@ class LevelDBStateMachine:
         if hi <= lo:
             return
         ov = sorted((k, v) for k, v in overlay.items() if lo <= k < hi)
-        j, unpack = 0, _U64.unpack_from
+        j = 0
         try:
             with self._db.iterator(start=lo, stop=hi, verify_checksums=True) as it:
                 for k, raw in it:
@@ -880,7 +905,7 @@ class LevelDBStateMachine:
                             yield k[1:], ov[j][1]
                         j += 1
                         continue
-                    yield k[1:], (unpack(raw)[0], raw[8:])
+                    yield k[1:], _record(raw)
         except plyvel.CorruptionError as e:
             raise self._damaged(e) from e
         for k, v in ov[j:]:
@@ -893,7 +918,7 @@ class LevelDBStateMachine:
         if raw[:1] <= RESERVED:
             return None
         cur = self._current(_DATA + raw, {})
-        return None if cur is None else self._kv(raw, cur, {})
+        return None if cur is None else self._kv(raw, cur)
 
     def range(self, req: RangeReq, revision: int | None = None) -> RangeResp:
         """Keys of etcd's range as applied here (the v3 API's Range), or as of a revision
@@ -909,7 +934,7 @@ class LevelDBStateMachine:
             count += 1
             if req.count_only or full or (req.limit and len(kvs) >= req.limit):
                 continue
-            kv = self._kv(raw, cur, overlay) if now else cur
+            kv = self._kv(raw, cur) if now else cur
             if req.keys_only:
                 kv = kv._replace(value=b"")
             left -= len(raw) + len(kv.value)
@@ -947,7 +972,7 @@ class LevelDBStateMachine:
         found = False
         for raw, cur in self._range_items(c.key, c.range_end, overlay):
             found = True
-            if not compare_holds(c, self._kv(raw, cur, overlay)):
+            if not compare_holds(c, self._kv(raw, cur)):
                 return False
         return found or compare_holds(c, None)
 
@@ -991,14 +1016,14 @@ class LevelDBStateMachine:
                 prev = None
                 if op.prev_kv or op.ignore_value or op.ignore_lease:  # (the key's versions cost a read)
                     cur = self._current(_DATA + op.key, overlay)
-                    prev = self._kv(op.key, cur, overlay) if cur is not None else None
+                    prev = self._kv(op.key, cur) if cur is not None else None
                 value = prev.value if op.ignore_value else op.value
                 lease = prev.lease if op.ignore_lease else op.lease
                 self._put(Put(key_text(op.key), value, None, lease), index, wb, overlay, changes)
                 out.append(PutResp(prev if op.prev_kv else None))
             elif t is DeleteRangeReq:
                 items = list(self._range_items(op.key, op.range_end, overlay))
-                prevs = tuple(self._kv(raw, cur, overlay) for raw, cur in items) if op.prev_kv else ()
+                prevs = tuple(self._kv(raw, cur) for raw, cur in items) if op.prev_kv else ()
                 for raw, _ in items:
                     self._delete(Delete(key_text(raw)), index, wb, overlay, changes)
                 out.append(DeleteRangeResp(len(items), prevs))
@@ -1035,6 +1060,7 @@ class LevelDBStateMachine:
                 wb.write()
                 wb = self._db.write_batch()
         wb.write()
+        self._fold_meta_records()
         # A synced write flushes LevelDB's log, and with it every record written above.
         fin = self._db.write_batch(sync=True)
         fin.put(_MEMBERSHIP, membership)
@@ -1050,6 +1076,32 @@ class LevelDBStateMachine:
         if self.history_from is None:  # a snapshot from before the history
             self._start_history(self._db, index + 1)
         return n - own
+
+    def _fold_meta_records(self) -> int:
+        """Move the keys' create_revision and version from their meta records (an earlier
+        version's, or a restored snapshot's) into the keys' own records; returns how many.
+        A key's meta record goes in the batch that folds it, so a crash in between leaves
+        the rest for the next open."""
+        n = 0
+        while True:
+            wb = self._db.write_batch()
+            batch = 0
+            with self._db.iterator(start=_META, stop=_META_END, verify_checksums=True) as it:
+                for mk, mv in it:
+                    wb.delete(mk)
+                    k = _DATA + mk[len(_META) :]
+                    raw = self._db.get(k, verify_checksums=True)
+                    if raw is not None and raw[0] < 0x80:
+                        create, version = _META_VALUE.unpack_from(mv, _U64.size)
+                        wb.put(k, _STAMP.pack(_U64.unpack_from(raw)[0] | STAMPED, create, version) + raw[8:])
+                    batch += 1
+                    if batch >= _FOLD_BATCH:
+                        break
+            if batch:
+                wb.write()
+            n += batch
+            if batch < _FOLD_BATCH:
+                return n
 
     def reopen(self) -> None:
         """Open the database again, from disk: after a failed write (a full disk) LevelDB
@@ -1094,24 +1146,41 @@ class LevelDBView:
 
     def blocks(self, block_bytes: int, lo: bytes | None = None, hi: bytes | None = None) -> Iterator[tuple[list[bytes], list[bytes], bytes]]:
         """The records in blocks of columns of about block_bytes; with lo or hi, only the
-        user keys of [lo, hi) (hi None: to the last), without ledgerkv's own records."""
+        user keys of [lo, hi) (hi None: to the last), without ledgerkv's own records.
+
+        The keys' create_revision and version go as meta records (the layout at the top),
+        as every version of ledgerkv reads them, and the values without them."""
         # The one loop that visits every record does no more than collect it: cutting the
         # prefix off keys, the mod_index off values and decoding mod_indexes are done per
         # block by C loops (map, join, array), a few times faster than per record in Python.
         keys: list[bytes] = []
         values: list[bytes] = []
         size = 0
-        bounds = {"prefix": _DATA} if lo is None and hi is None else {"start": max(_DATA + (lo or b""), _USER_DATA), "stop": _DATA + hi if hi is not None else _DATA_END}
-        with self._snap.iterator(**bounds, verify_checksums=True) as it:
-            for k, v in it:
-                keys.append(k)
-                values.append(v)
-                size += len(k) + len(v)
-                if size >= block_bytes:
-                    yield _columns(keys, values)
-                    keys, values, size = [], [], 0
+        if lo is None and hi is None:
+            records = itertools.chain(self._records(_DATA, _META), self._meta_records(), self._records(_META_END, _DATA_END))
+        else:
+            records = self._records(max(_DATA + (lo or b""), _USER_DATA), _DATA + hi if hi is not None else _DATA_END)
+        for k, v in records:
+            keys.append(k)
+            values.append(v)
+            size += len(k) + len(v)
+            if size >= block_bytes:
+                yield _columns(keys, values)
+                keys, values, size = [], [], 0
         if keys:
             yield _columns(keys, values)
+
+    def _records(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
+        with self._snap.iterator(start=start, stop=stop, verify_checksums=True) as it:
+            yield from it
+
+    def _meta_records(self) -> Iterator[tuple[bytes, bytes]]:
+        """The meta record of every key whose record holds a create_revision and version."""
+        pack, meta = _U64.pack, _META_VALUE.pack
+        for k, v in self._records(_USER_DATA, _DATA_END):
+            if v[0] >= 0x80:
+                mod, create, version = _STAMP.unpack_from(v)
+                yield _META + k[len(_DATA) :], pack(mod - STAMPED) + meta(create, version)
 
     def user_key_splits(self, lo: bytes, hi: bytes | None, parts: int) -> tuple[int | None, list[bytes]]:
         """Up to parts - 1 keys that cut the user keys of [lo, hi) (ledgerkv's own records
@@ -1178,11 +1247,13 @@ def _bisect_bytes(lo: bytes, hi: bytes, reached: Callable[[bytes], bool]) -> byt
 
 def _columns(records_keys: list[bytes], records_values: list[bytes]) -> tuple[list[bytes], list[bytes], bytes]:
     """Data records as snapshot columns: keys without the data prefix, values without
-    their mod_index, and the mod_indexes (big-endian in the records) as int64 LE."""
+    their mod_index (and a key's create_revision and version), and the mod_indexes
+    (big-endian in the records) as int64 LE."""
+    values, heads = _values_and_mods(records_values)
     mods = array("q")
-    mods.frombytes(b"".join(map(_VALUE_HEAD, records_values)))
+    mods.frombytes(heads)
     mods.byteswap()  # big-endian to little-endian, whatever the host's order
-    return list(map(_KEY_TAIL, records_keys)), list(map(_VALUE_TAIL, records_values)), mods.tobytes()
+    return list(map(_KEY_TAIL, records_keys)), values, mods.tobytes()
 
 
 def _int64_le(raw: bytes) -> array:

@@ -163,7 +163,7 @@ def test_capture_is_a_frozen_view_and_restore_replaces_everything(sm, tmp_path):
     assert other.range(c.RangeReq(b"k1")).kvs == (c.KeyValue("k1", 1, 1, 1, b"v1", 0),)
     assert other.range(c.RangeReq(b"k3")).kvs == (c.KeyValue("k3", 3, 10, 2, b"v3 again", 0),)  # its versions came along
     assert other.get_at("k3", 9) == (3, b"v3") and other.get_at("k9", 8) is None
-    assert not other.incomplete
+    assert not other.incomplete and not list(other._db.iterator(prefix=b"k\x00meta/"))  # k3's folded into its record
     other.close()
 
 
@@ -371,3 +371,79 @@ def test_a_txn_that_keeps_the_value_of_a_key_it_deleted_is_refused_whole(sm):
     r = sm.apply([normal(6, c.TxnReq((), (c.DeleteRangeReq(b"a"), c.PutReq(b"a", b"again"), keep), ()))])[0]
     assert r.succeeded and sm.get("a") == (6, b"again")
     assert sm.apply([normal(7, c.Put("c", b"3"))]) == [c.PutResult(7)]
+
+
+def test_a_changed_key_keeps_its_version_in_its_record_and_every_reader_sees_only_its_value(sm):
+    """An update writes the key's create_revision and version into its own record (one get
+    reads both); a key's first version is written without them. Whatever reads the records
+    (get, scan, the bulk page, ranges, a view's blocks and items) hands out the value alone,
+    and the view carries the versions as meta records, the layout every version reads."""
+    from kv.statemachine import leveldb as L
+    from kv.statemachine import rows as R
+
+    sm.apply([normal(1, c.Put("a", b"first")), normal(2, c.Put("b", b"only")), normal(3, c.Put("a", b"second")), normal(4, c.Put("a", b"third"))])
+    raw_a, raw_b = sm._db.get(b"ka"), sm._db.get(b"kb")
+    assert raw_a == struct.pack(">QQQ", 4 | L.STAMPED, 1, 3) + b"third" and raw_b == struct.pack(">Q", 2) + b"only"
+    assert not list(sm._db.iterator(prefix=L._META))  # no meta records
+    assert sm.get("a") == (4, b"third") and sm.scan("") == [("a", b"third", 4), ("b", b"only", 2)]
+    body, n, size, more = sm.scan_rows("", None, 10, 1 << 20)
+    assert body == R.pack([(b"a", b"third", 4), (b"b", b"only", 2)]) and (n, size, more) == (2, 11, False)
+    assert sm.range(c.RangeReq(b"a", b"c")).kvs == (c.KeyValue("a", 1, 4, 3, b"third", 0), c.KeyValue("b", 2, 2, 1, b"only", 0))
+    assert sm.get_at("a", 3) == (3, b"second")
+    view = sm.capture()
+    try:
+        items = list(view.items())
+        user = [(k, v, m) for keys, values, mods in view.blocks(1 << 20, b"", None) for k, v, m in zip(keys, values, struct.unpack(f"<{len(keys)}q", mods))]
+    finally:
+        view.release()
+    assert (b"a", b"third", 4) in items and (b"b", b"only", 2) in items and user == [(b"a", b"third", 4), (b"b", b"only", 2)]
+    assert (b"\x00meta/a", struct.pack(">QQ", 1, 3), 4) in items and not any(k == b"\x00meta/b" for k, _, _ in items)
+    assert [k for k, _, _ in items] == sorted(k for k, _, _ in items)
+    sm.apply([normal(5, c.Delete("a")), normal(6, c.Put("a", b"again"))])
+    assert sm._db.get(b"ka") == struct.pack(">Q", 6) + b"again"
+    assert sm.range(c.RangeReq(b"a")).kvs == (c.KeyValue("a", 6, 6, 1, b"again", 0),)
+
+
+def test_a_state_with_meta_records_folds_them_into_the_keys_records_when_it_opens(tmp_path):
+    """The layout before: a changed key's create_revision and version in a meta record of
+    their own, as earlier versions wrote it and as snapshots still carry it. Opening the
+    state (or restoring a snapshot) moves them into the keys' records, in batches; a crash
+    between two batches leaves the rest for the next open."""
+    import plyvel
+
+    from kv.statemachine import leveldb as L
+
+    path = str(tmp_path / "state")
+    sm = LevelDBStateMachine(path)
+    sm.apply([normal(i, c.Put(f"k{i:05d}", b"v%d" % i)) for i in range(1, 25_002)])
+    sm.close()
+    db = plyvel.DB(path)  # the earlier layout: keys 1..25000 changed once more (at 30000 + i), versions aside
+    wb = db.write_batch()
+    for i in range(1, 25_001):
+        key = b"k%05d" % i
+        wb.put(b"k" + key, struct.pack(">Q", 30_000 + i) + b"w%d" % i)
+        wb.put(L._META + key, struct.pack(">QQQ", 30_000 + i, i, 2))
+    wb.write()
+    db.close()
+    db = plyvel.DB(path)  # as a crash after the first batch of a fold (its batches are _FOLD_BATCH) leaves it
+    wb = db.write_batch()
+    with db.iterator(start=L._META, stop=L._META_END) as it:
+        for n, (mk, _) in enumerate(it):
+            if n == L._FOLD_BATCH:
+                break
+            k = b"k" + mk[len(L._META) :]
+            wb.put(k, struct.pack(">QQQ", struct.unpack(">Q", db.get(k)[:8])[0] | L.STAMPED, n + 1, 2) + db.get(k)[8:])
+            wb.delete(mk)
+    wb.write()
+    db.close()
+    sm = LevelDBStateMachine(path)  # folds the other 15,000, in two batches
+    try:
+        assert not list(sm._db.iterator(prefix=L._META))
+        assert sm.range(c.RangeReq(b"k00007")).kvs == (c.KeyValue("k00007", 7, 30_007, 2, b"w7", 0),)
+        assert sm.range(c.RangeReq(b"k20000")).kvs == (c.KeyValue("k20000", 20_000, 50_000, 2, b"w20000", 0),)
+        assert sm.range(c.RangeReq(b"k25001")).kvs == (c.KeyValue("k25001", 25_001, 25_001, 1, b"v25001", 0),)
+        assert sm.get("k00007") == (30_007, b"w7")
+        sm.apply([normal(60_000, c.Put("k00007", b"x"))])
+        assert sm.range(c.RangeReq(b"k00007")).kvs == (c.KeyValue("k00007", 7, 60_000, 3, b"x", 0),)
+    finally:
+        sm.close()

@@ -1,7 +1,10 @@
 """Data written by an earlier main opens with this code (docs/design.md, Upgrades): a store made
 by b06ecfc (before client sessions and random lease ids), with a lease, a transaction, a
 snapshot and entries after it, kept as tests/fixtures/store-b06ecfc.tar.gz (its
-expected.json: every key's value and mod_index, the lease's id)."""
+expected.json: every key's value and mod_index, the lease's id); and one made by 1bfdc6d
+(a changed key's create_revision and version in a meta record of its own, not yet in the
+key's record), tests/fixtures/store-1bfdc6d.tar.gz (its expected.json: every key's value,
+create_revision, mod_revision and version)."""
 
 from __future__ import annotations
 
@@ -15,10 +18,11 @@ import tarfile
 import kv
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "store-b06ecfc.tar.gz")
+WITH_META_RECORDS = os.path.join(os.path.dirname(__file__), "fixtures", "store-1bfdc6d.tar.gz")
 
 
-def unpack(tmp_path) -> tuple[str, dict]:
-    with tarfile.open(FIXTURE) as t:
+def unpack(tmp_path, fixture: str = FIXTURE) -> tuple[str, dict]:
+    with tarfile.open(fixture) as t:
         t.extractall(tmp_path, filter="data")
     with open(tmp_path / "expected.json") as f:
         return str(tmp_path / "db"), json.load(f)
@@ -77,3 +81,46 @@ def test_keys_from_before_their_meta_records_report_etcd_versions_and_count_on(t
         assert (now.create_revision, now.mod_revision, now.version) == (mod, index, 2)
     finally:
         sm.close()
+
+
+def _versions(state: str) -> tuple[dict, int]:
+    """Every user key of a state dir: [value, create_revision, mod_revision, version]; and
+    how many meta records it still holds."""
+    from kv.statemachine import commands as c
+    from kv.statemachine.leveldb import LevelDBStateMachine
+
+    sm = LevelDBStateMachine(state)
+    try:
+        got = {kv.key: [kv.value.decode(), kv.create_revision, kv.mod_revision, kv.version] for kv in sm.range(c.RangeReq(b"\x01", b"\x00")).kvs}
+        return got, sum(1 for _ in sm._db.iterator(prefix=b"k\x00meta/"))
+    finally:
+        sm.close()
+
+
+def test_a_store_with_meta_records_keeps_every_keys_versions_and_counts_on(tmp_path):
+    path, want = unpack(tmp_path, WITH_META_RECORDS)
+    with kv.open(path) as db:
+        assert {it.key: it.value.decode() for it in db.scan("")} == {k: v[0] for k, v in want["keys"].items()}
+        w = db.put("k/000", b"after the upgrade")
+        assert db.lease_info(want["lease"]).keys == ("leased/a",)
+    got, metas = _versions(os.path.join(path, "state"))
+    assert metas == 0  # folded into the keys' records
+    assert got.pop("k/000") == ["after the upgrade", want["keys"]["k/000"][1], w.index, want["keys"]["k/000"][3] + 1]
+    assert got == {k: v for k, v in want["keys"].items() if k != "k/000"}
+    assert want["keys"]["k/005"][3] == 3 and want["keys"]["k/090"][1:] == [want["keys"]["k/090"][2]] * 2 + [1]  # (what the fixture holds)
+
+
+def test_a_snapshot_file_with_meta_records_restores_every_keys_versions(tmp_path):
+    path, want = unpack(tmp_path, WITH_META_RECORDS)
+    (snap,) = glob.glob(os.path.join(path, "snapshots", "snap-*.lkvs"))
+    r = subprocess.run(
+        [sys.executable, "-m", "kv", "snapshot", "restore", snap, "--data-dir", str(tmp_path / "restored"), "--id", "local", "--peers", "local=127.0.0.1:1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    got, metas = _versions(str(tmp_path / "restored" / "state"))
+    assert metas == 0
+    # as of the snapshot: keys k/010..k/019 changed once more after it
+    later = {f"k/{i:03d}" for i in range(10, 20)}
+    assert {k: v for k, v in got.items() if k not in later} == {k: v for k, v in want["keys"].items() if k not in later}
+    assert got["k/015"] == ["v1-15", want["keys"]["k/015"][1], got["k/015"][2], 2] and got["k/015"][2] < want["keys"]["k/015"][2]
