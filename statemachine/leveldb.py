@@ -5,6 +5,7 @@ Layout:
     b"\\x00applied"     index + term of the last applied entry (2 x u64, big-endian)
     b"\\x00membership"  the membership as of the applied index (from CONFIG entries)
     b"\\x00restoring"   present while a snapshot is being loaded: the state is incomplete
+    b"\\x00state_format"  the layout's version (STATE_FORMAT; none: 1, before 2026-11-29)
     b"k" + key         mod_index (u64) + value: a key's first version (created at its mod_index,
                        version 1); or, once it has changed, mod_index with its top bit set
                        (STAMPED) + create_revision (u64) + version (u64) + value: what etcd's
@@ -34,6 +35,7 @@ import contextlib
 import heapq
 import itertools
 import json
+import logging
 import operator
 import os
 import shutil
@@ -111,6 +113,8 @@ from .rows import ANY, pack_columns
 from .lease_table import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
 from .sessions import RESULT_AT, SESSION_RESULT_MAX, SessionTable, fingerprint, record_value, session_record
 
+log = logging.getLogger("kv.statemachine")
+
 _APPLIED = b"\x00applied"
 _MEMBERSHIP = b"\x00membership"
 _RESTORING = b"\x00restoring"
@@ -119,6 +123,8 @@ _REMOVED = b"\x00removed"  # ids removed from the cluster (JSON list): their pee
 _EFFECTS = b"\x00fx"  # what entries changed, kept by versions before the history: dropped at open
 _EFFECTS_FROM = b"\x00effects_from"
 _SESSIONS_AT = b"\x00sessions_at"  # every session record is up to date as of this index
+_STATE_FORMAT = b"\x00state_format"  # STATE_FORMAT, as a decimal number (none: 1)
+STATE_FORMAT = 2  # 2: a changed key's create_revision and version are in its record (1: meta records)
 _DATA = b"k"
 _DATA_END = b"l"  # the first key after every data record
 _USER_DATA = _DATA + b"\x01"  # where user keys start: the reserved ones sort before
@@ -129,6 +135,7 @@ STAMPED = 1 << 63  # in a user key's mod_index: create_revision and version foll
 _STAMP = struct.Struct(">QQQ")  # mod_index | STAMPED, create_revision, version
 _NO_STAMP = bytes(range(128)) * 2  # bytes.translate table: a byte without its top bit
 _FOLD_BATCH = 10_000
+_HELD_MAX = 1 << 18  # meta records a restore holds in memory until their keys' records come
 _UNREAD = object()  # (_write: the caller has not read the key)
 _SPLIT_SAMPLE = 4096  # keys user_key_splits keeps at least (of those it visits), to cut among
 _SPLIT_BYTES = 8 << 20  # below this estimate of a range's files, user_key_splits counts its keys
@@ -150,6 +157,15 @@ class StateCorrupt(KVError):
 
 class StateLocked(KVError):
     """LevelDB's own lock is held by another opener: the directory is in use, not damaged."""
+
+
+class StateTooNew(KVError):
+    """The state directory was written by a later ledgerkv, in a layout this one does not read."""
+
+
+class StateUpgradeFailed(KVError):
+    """Bringing a state directory written by an earlier ledgerkv to this one's layout failed
+    (a full disk, say); it is not damaged: start again once the cause is gone."""
 
 
 DAMAGED_MARKER = "DAMAGED"  # written into the state dir when a read finds corruption
@@ -211,14 +227,21 @@ class LevelDBStateMachine:
             self.leases = LeaseTable()
             self.sessions = SessionTable()
             self._load_reserved()
-            if not self.incomplete:
-                self._fold_meta_records()
+            layout = int(self._db.get(_STATE_FORMAT) or b"1")
         except plyvel.Error as e:
             if getattr(self, "_db", None) is not None:
                 self._db.close()
             if isinstance(e, plyvel.IOError) and "lock" in str(e).lower():
                 raise StateLocked(f"the state machine in {path} is open in another process ({e})") from e
             raise StateCorrupt(f"the state machine in {path} cannot be opened ({e})") from e
+        if layout > STATE_FORMAT:
+            self._db.close()
+            raise StateTooNew(
+                f"the state machine in {path} was written by a later ledgerkv (state format {layout}; this one reads "
+                f"up to {STATE_FORMAT}): run that version or a later one (docs/design.md, Upgrades)"
+            )
+        if layout < STATE_FORMAT and not self.incomplete:
+            self._upgrade_layout()
         self._applied = _TWO_U64.unpack(raw) if raw else (0, 0)
         if self.history_from is None and not self.incomplete:
             self._start_history(self._db, self._applied[0] + 1)
@@ -434,8 +457,8 @@ class LevelDBStateMachine:
         return n
 
     def count(self) -> int:
-        with self._db.iterator(start=_USER_DATA, stop=_DATA + b"\xff" * 8, include_value=False) as it:
-            return sum(1 for k in it if k.startswith(_DATA))
+        with self._db.iterator(start=_USER_DATA, stop=_DATA_END, include_value=False) as it:
+            return sum(1 for _ in it)
 
     def _load_reserved(self) -> None:
         """The lease and session tables, from their records."""
@@ -466,7 +489,7 @@ class LevelDBStateMachine:
         (whose result every replica keeps). Gets change nothing, so the other replicas skip
         them and never build a reply nobody reads."""
         wb = self._db.write_batch()
-        overlay: dict[bytes, tuple[int, bytes] | None] = {}  # this batch's writes, by raw key
+        overlay: dict[bytes, tuple | None] = {}  # this batch's writes, by raw key: _current's tuples (session records: (index, value))
         changes: list[Change] | None = [] if self.on_changes is not None else None
         results: list[Any] = []
         put_kind = EntryKind.NORMAL
@@ -1051,11 +1074,22 @@ class LevelDBStateMachine:
         n = own = 0
         wb = self._db.write_batch()
         pack = _U64.pack
+        # A snapshot carries the keys' create_revision and version as meta records, which
+        # sort before every user key: they are held until their keys' records come and
+        # written into them (those beyond _HELD_MAX as they are, folded afterwards).
+        meta = _META[len(_DATA) :]
+        held: dict[bytes, bytes] = {}
         for key, value, mod in items:
-            wb.put(_DATA + key, pack(mod) + value)
             n += 1
             if key[:1] == RESERVED:
                 own += 1
+                if key.startswith(meta) and len(held) < _HELD_MAX:
+                    held[key[len(meta) :]] = value
+                else:
+                    wb.put(_DATA + key, pack(mod) + value)
+            else:
+                versions = held.pop(key, None) if held else None
+                wb.put(_DATA + key, pack(mod) + value if versions is None else pack(mod | STAMPED) + versions + value)
             if n % _RESTORE_BATCH == 0:
                 wb.write()
                 wb = self._db.write_batch()
@@ -1063,6 +1097,7 @@ class LevelDBStateMachine:
         self._fold_meta_records()
         # A synced write flushes LevelDB's log, and with it every record written above.
         fin = self._db.write_batch(sync=True)
+        fin.put(_STATE_FORMAT, b"%d" % STATE_FORMAT)
         fin.put(_MEMBERSHIP, membership)
         fin.put(_APPLIED, _TWO_U64.pack(index, term))
         self._membership = membership
@@ -1077,16 +1112,32 @@ class LevelDBStateMachine:
             self._start_history(self._db, index + 1)
         return n - own
 
+    def _upgrade_layout(self) -> None:
+        """An earlier version's state: its meta records folded into the keys' records, then
+        this layout's version noted. A failure (a full disk: the fold writes every changed
+        key's record again before LevelDB drops the old ones) leaves a state that opens and
+        folds the rest next time, so it is no reason to rebuild."""
+        try:
+            folded = self._fold_meta_records()
+            self._db.put(_STATE_FORMAT, b"%d" % STATE_FORMAT, sync=True)
+        except plyvel.Error as e:
+            self._db.close()
+            raise StateUpgradeFailed(
+                f"bringing the state machine in {self.path} to this version's layout failed ({e}): free disk space "
+                "(it needs about as much again as the keys' records) and start again; nothing is lost"
+            ) from e
+        if folded:
+            log.info("state machine %s: folded %d keys' create_revision and version into their records", self.path, folded)
+
     def _fold_meta_records(self) -> int:
-        """Move the keys' create_revision and version from their meta records (an earlier
-        version's, or a restored snapshot's) into the keys' own records; returns how many.
-        A key's meta record goes in the batch that folds it, so a crash in between leaves
-        the rest for the next open."""
-        n = 0
+        """Move the keys' create_revision and version from their meta records into the
+        keys' own records; returns how many keys. A key's meta record goes in the batch
+        that folds it, so a crash in between leaves the rest for the next open."""
+        n, start = 0, _META
         while True:
             wb = self._db.write_batch()
             batch = 0
-            with self._db.iterator(start=_META, stop=_META_END, verify_checksums=True) as it:
+            with self._db.iterator(start=start, stop=_META_END, verify_checksums=True) as it:
                 for mk, mv in it:
                     wb.delete(mk)
                     k = _DATA + mk[len(_META) :]
@@ -1094,12 +1145,13 @@ class LevelDBStateMachine:
                     if raw is not None and raw[0] < 0x80:
                         create, version = _META_VALUE.unpack_from(mv, _U64.size)
                         wb.put(k, _STAMP.pack(_U64.unpack_from(raw)[0] | STAMPED, create, version) + raw[8:])
+                        n += 1
                     batch += 1
                     if batch >= _FOLD_BATCH:
+                        start = mk + b"\x00"  # (not over the tombstones just written again)
                         break
             if batch:
                 wb.write()
-            n += batch
             if batch < _FOLD_BATCH:
                 return n
 
@@ -1150,37 +1202,31 @@ class LevelDBView:
 
         The keys' create_revision and version go as meta records (the layout at the top),
         as every version of ledgerkv reads them, and the values without them."""
-        # The one loop that visits every record does no more than collect it: cutting the
+        # The loop that visits every record does no more than collect it: cutting the
         # prefix off keys, the mod_index off values and decoding mod_indexes are done per
         # block by C loops (map, join, array), a few times faster than per record in Python.
+        # (A whole view's meta records take one more pass over the user keys.)
         keys: list[bytes] = []
         values: list[bytes] = []
         size = 0
-        if lo is None and hi is None:
-            records = itertools.chain(self._records(_DATA, _META), self._meta_records(), self._records(_META_END, _DATA_END))
-        else:
-            records = self._records(max(_DATA + (lo or b""), _USER_DATA), _DATA + hi if hi is not None else _DATA_END)
-        for k, v in records:
-            keys.append(k)
-            values.append(v)
-            size += len(k) + len(v)
-            if size >= block_bytes:
-                yield _columns(keys, values)
-                keys, values, size = [], [], 0
+        with contextlib.ExitStack() as open_iterators:
+
+            def records(start: bytes, stop: bytes):
+                return open_iterators.enter_context(self._snap.iterator(start=start, stop=stop, verify_checksums=True))
+
+            if lo is None and hi is None:
+                stream = itertools.chain(records(_DATA, _META), _meta_records(records(_USER_DATA, _DATA_END)), records(_META_END, _DATA_END))
+            else:
+                stream = records(max(_DATA + (lo or b""), _USER_DATA), _DATA + hi if hi is not None else _DATA_END)
+            for k, v in stream:
+                keys.append(k)
+                values.append(v)
+                size += len(k) + len(v)
+                if size >= block_bytes:
+                    yield _columns(keys, values)
+                    keys, values, size = [], [], 0
         if keys:
             yield _columns(keys, values)
-
-    def _records(self, start: bytes, stop: bytes) -> Iterator[tuple[bytes, bytes]]:
-        with self._snap.iterator(start=start, stop=stop, verify_checksums=True) as it:
-            yield from it
-
-    def _meta_records(self) -> Iterator[tuple[bytes, bytes]]:
-        """The meta record of every key whose record holds a create_revision and version."""
-        pack, meta = _U64.pack, _META_VALUE.pack
-        for k, v in self._records(_USER_DATA, _DATA_END):
-            if v[0] >= 0x80:
-                mod, create, version = _STAMP.unpack_from(v)
-                yield _META + k[len(_DATA) :], pack(mod - STAMPED) + meta(create, version)
 
     def user_key_splits(self, lo: bytes, hi: bytes | None, parts: int) -> tuple[int | None, list[bytes]]:
         """Up to parts - 1 keys that cut the user keys of [lo, hi) (ledgerkv's own records
@@ -1243,6 +1289,15 @@ def _bisect_bytes(lo: bytes, hi: bytes, reached: Callable[[bytes], bool]) -> byt
         else:
             a = mid
     return b.to_bytes(width, "big").rstrip(b"\x00") or lo
+
+
+def _meta_records(user_records: Iterator[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
+    """The meta record of every key whose record holds a create_revision and version."""
+    pack, meta = _U64.pack, _META_VALUE.pack
+    for k, v in user_records:
+        if v[0] >= 0x80:
+            mod, create, version = _STAMP.unpack_from(v)
+            yield _META + k[len(_DATA) :], pack(mod - STAMPED) + meta(create, version)
 
 
 def _columns(records_keys: list[bytes], records_values: list[bytes]) -> tuple[list[bytes], list[bytes], bytes]:

@@ -419,6 +419,7 @@ def test_a_state_with_meta_records_folds_them_into_the_keys_records_when_it_open
     sm.close()
     db = plyvel.DB(path)  # the earlier layout: keys 1..25000 changed once more (at 30000 + i), versions aside
     wb = db.write_batch()
+    wb.delete(L._STATE_FORMAT)  # (which it did not note)
     for i in range(1, 25_001):
         key = b"k%05d" % i
         wb.put(b"k" + key, struct.pack(">Q", 30_000 + i) + b"w%d" % i)

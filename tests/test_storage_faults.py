@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import struct
 import subprocess
 import time
 import sys
@@ -287,3 +288,62 @@ async def test_a_ledger_write_that_finds_the_disk_full_waits_and_goes_through(tm
         assert node.status()["alarms"] == [] and await node.get("refused") is None
     finally:
         await node.stop()
+
+
+def test_a_full_disk_while_an_upgrade_folds_meta_records_is_no_damage(small_disk, tmp_path):
+    """An earlier version's state (a changed key's create_revision and version in a meta
+    record of its own) is folded into the keys' records when it opens: a disk that fills
+    meanwhile says so (StateUpgradeFailed), the state is not set aside as damaged, and once
+    there is room it opens, folds the rest, and reads every key's versions."""
+    import shutil
+
+    import plyvel
+
+    from kv.statemachine import commands as c
+    from kv.statemachine import leveldb as L
+    from kv.raft.messages import Entry, EntryKind
+
+    built = str(tmp_path / "built")
+    sm = L.LevelDBStateMachine(built)
+    sm.apply([Entry(i, 1, EntryKind.NORMAL, c.encode(c.Put(f"k{i:05d}", b"v" * 500))) for i in range(1, 12_001)])
+    sm.close()
+    db = plyvel.DB(built)  # as an earlier version left it: every key changed once more, versions beside
+    wb = db.write_batch()
+    wb.delete(L._STATE_FORMAT)
+    for i in range(1, 12_001):
+        key = b"k%05d" % i
+        wb.put(b"k" + key, struct.pack(">Q", 20_000 + i) + b"w" * 500)
+        wb.put(L._META + key, struct.pack(">QQQ", 20_000 + i, i, 2))
+    wb.write()
+    db.compact_range()
+    db.close()
+    used = sum(os.path.getsize(p) for p in glob.glob(os.path.join(built, "*")))
+    subprocess.run(["mount", "-o", f"remount,size={used + (1 << 20)}", str(small_disk)], check=True)
+    state = str(small_disk / "state")
+    shutil.copytree(built, state)
+    with pytest.raises(L.StateUpgradeFailed, match="free disk space .*start again; nothing is lost"):
+        L.LevelDBStateMachine(state)
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    sm = L.LevelDBStateMachine(state)
+    try:
+        assert not list(sm._db.iterator(prefix=L._META))
+        assert sm.range(c.RangeReq(b"k00001")).kvs == (c.KeyValue("k00001", 1, 20_001, 2, b"w" * 500, 0),)
+        assert sm.range(c.RangeReq(b"k12000")).kvs == (c.KeyValue("k12000", 12_000, 32_000, 2, b"w" * 500, 0),)
+        assert sm.count() == 12_000
+    finally:
+        sm.close()
+
+
+def test_a_state_written_by_a_later_version_is_refused_not_rebuilt(tmp_path):
+    import plyvel
+
+    from kv.statemachine import leveldb as L
+
+    path = str(tmp_path / "state")
+    L.LevelDBStateMachine(path).close()
+    db = plyvel.DB(path)
+    db.put(L._STATE_FORMAT, b"%d" % (L.STATE_FORMAT + 1))
+    db.close()
+    with pytest.raises(L.StateTooNew, match="written by a later ledgerkv .*run that version or a later one"):
+        L.LevelDBStateMachine(path)
+    assert os.path.exists(path) and not issubclass(L.StateTooNew, StateCorrupt)
