@@ -135,6 +135,12 @@ def changes_from(db, revision: int, upto: int, max_changes: int) -> list[tuple[i
     return out
 
 
+def prev_of(db, raw: bytes, revision: int, n: int) -> KeyValue | None:
+    """What the n-th change at `revision`, of `raw`, found (prev_kv): its own record."""
+    v = db.get(version_key(raw, revision, n))
+    return None if v is None else _version_of(key_text(raw), v)
+
+
 def change_of(db, raw: bytes, revision: int, n: int) -> tuple[KeyValue | None, Past]:
     """What the n-th change at `revision`, of `raw`, found (prev_kv) and what it left: the
     key's next history record, or (found False) its current record."""

@@ -379,9 +379,18 @@ class LevelDBStateMachine:
 
     def get_at(self, key: str, revision: int) -> tuple[int, bytes] | None:
         """(mod_index, value) of a key as of a revision (see oldest_revision), or None."""
-        raw = key_bytes(key)
-        kv = self._as_of(raw, self._at(raw, revision), revision)
+        kv = self._key_at(key_bytes(key), revision)
         return None if kv is None else (kv.mod_revision, kv.value)
+
+    def _key_at(self, raw: bytes, revision: int, cur: tuple | None = None) -> KeyValue | None:
+        """The key as of `revision` (cur: its record, if read). A key not changed since is
+        its record, without a seek for a history record after the revision: one that finds
+        none goes on past the key's records, over whatever a compaction's purge deleted
+        after them (LevelDB's iterators stop only at a live record)."""
+        cur = cur if cur is not None else self._current(_DATA + raw, {})
+        if cur is not None and cur[0] <= revision:
+            return self._kv(raw, cur)
+        return self._as_of(raw, self._at(raw, revision), revision, cur)
 
     def _at(self, raw: bytes, revision: int) -> history.Past:
         try:
@@ -415,7 +424,7 @@ class LevelDBStateMachine:
             if raw == last:
                 continue
             last = raw
-            kv = self._as_of(raw, self._at(raw, revision), revision, cur)
+            kv = self._key_at(raw, revision, cur)
             if kv is not None:
                 yield raw, kv
 
@@ -432,13 +441,26 @@ class LevelDBStateMachine:
         listed = history.changes_from(self._db, start, upto, max_changes)
         after = listed[-1][0] + 1 if len(listed) >= max_changes else upto + 1
         pre = key_bytes(prefix)
+        complete = len(listed) < max_changes  # every change up to the applied index is listed
+        last = {raw: (rev, n) for rev, n, raw in listed}  # each key's last change listed
         out = []
         for rev, n, raw in listed:
             if not raw.startswith(pre):
                 continue
-            prev, then = history.change_of(self._db, raw, rev, n)
             key = key_text(raw)
-            kv = self._as_of(raw, then, rev)
+            # What a change left is the key's next history record, or its current record if
+            # it has none. When nothing changed the key since (its record is of this change,
+            # or it is gone and this was its last change), that is known without looking for
+            # a next record: a seek that finds none goes on past the key's records, and after
+            # a compaction's purge that can mean skipping over a long run of deleted ones
+            # (LevelDB's iterators stop only at a live record) — milliseconds a change.
+            cur = self._current(_DATA + raw, {})
+            if last[raw] == (rev, n) and (cur[0] == rev if cur is not None else complete):
+                prev = history.prev_of(self._db, raw, rev, n)
+                kv = self._kv(raw, cur) if cur is not None else None
+            else:
+                prev, then = history.change_of(self._db, raw, rev, n)
+                kv = self._as_of(raw, then, rev, cur)
             if kv is None:
                 out.append((rev, key, None, KeyValue(key, 0, rev, 0, b"", 0), prev))
             else:

@@ -199,3 +199,70 @@ def test_retention_by_revisions_and_by_time():
     assert idle.target(True, 1, 0.0, 40, 30, 31) is None and idle.target(True, 1, 6.0, 40, 30, 31) == 40
     idle = Retention("5s")
     assert idle.target(True, 1, 0.0, 41, 40, 41) is None and idle.target(True, 1, 6.0, 41, 40, 41) is None
+
+
+def test_after_a_purge_replays_and_past_reads_of_keys_unchanged_since_seek_no_history(tmp_path, monkeypatch):
+    """A compaction's purge leaves long runs of deleted records, and a LevelDB iterator that
+    finds no live record where it is sought goes on over all of them: a watch from a past
+    revision took milliseconds an event, blocking the node's loop long enough to lose its
+    leadership. What a change left, or a key as of a revision, when nothing changed the key
+    since is its record: no seek for a later history record is made, and the answers are
+    those of a seek (the same replay, page by page and whole, and the same reads)."""
+    from kv.statemachine import history as H
+
+    sm = LevelDBStateMachine(str(tmp_path / "state"))
+    index = 0
+
+    def apply(cmds):
+        nonlocal index
+        sm.apply([_entry(index + 1 + j, cmd) for j, cmd in enumerate(cmds)])
+        index += len(cmds)
+
+    try:
+        for _ in range(2):
+            apply([c.Put(f"b/{i:04d}", b"old") for i in range(2000)])
+        apply([c.Compact(index)])
+        while sm.purge_history(1000):
+            pass
+        start = index + 1
+        apply([c.Put(f"w/{i:03d}", b"new") for i in range(100)])  # created since, unchanged
+        apply([c.Put(f"a/{i:03d}", b"one") for i in range(100)])
+        apply([c.Put(f"a/{i:03d}", b"two") for i in range(50)])  # changed again
+        apply([c.Delete(f"a/{i:03d}") for i in range(80, 100)])  # gone: their last change
+        apply([c.Txn(ops=(c.Put("t", b"1"), c.Put("t", b"2")))])  # changed twice in one revision
+        whole, after = sm.history_changes(start, "", 10_000)
+        assert after == index + 1 and len(whole) == 100 + 100 + 50 + 20 + 2
+        want = {("w/%03d" % i): b"new" for i in range(100)} | {("a/%03d" % i): (b"two" if i < 50 else b"one") for i in range(80)}
+        final = {}
+        for rev, key, value, kv, prev in whole:
+            final[key] = value
+            assert kv.mod_revision == rev and (value is None) == (kv.version == 0)
+        assert {k: v for k, v in final.items() if v is not None and k != "t"} == want and final["t"] == b"2"
+        assert [ch[2] for ch in whole if ch[1] == "t"] == [b"1", b"2"]
+        assert all(ch[4] is not None and ch[4].value == b"one" for ch in whole if ch[1] == "a/010" and ch[2] == b"two")
+
+        seeks = []
+        for name in ("change_of", "at"):
+            real = getattr(H, name)
+            monkeypatch.setattr(H, name, lambda *a, _real=real, _name=name: seeks.append((_name, a[1], a[2])) or _real(*a))
+        assert sm.history_changes(start, "", 10_000) == (whole, after)
+        created = {key: rev for rev, key, value, kv, prev in whole if kv.version == 1}
+        # only a change of a key changed again since is sought (a live record follows it):
+        # not the keys unchanged since, nor the deletes that were a key's last change
+        firsts = [(b"a/%03d" % i, created["a/%03d" % i]) for i in range(100) if i < 50 or i >= 80] + [(b"t", index)]  # ("t": its first put)
+        assert sorted((raw, rev) for _, raw, rev in seeks) == sorted(firsts)
+        seeks.clear()
+        pages, at = [], start
+        while at <= index:
+            got, at = sm.history_changes(at, "", 7)
+            pages += got
+        assert pages == whole
+        assert not any(raw.startswith(b"w/") for _, raw, _ in seeks)
+        # (A page that does not reach the applied index cannot tell a key's last change by
+        # itself: a deleted key's changes there are still sought.)
+        seeks.clear()
+        assert sm.get_at("w/005", index) == (start + 5, b"new") and sm.get_at("b/0005", start - 1) == (2006, b"old")
+        assert sm.get_at("a/000", start + 100) == (start + 100, b"one")  # changed since: a seek
+        assert [raw for _, raw, _ in seeks] == [b"a/000"]
+    finally:
+        sm.close()
