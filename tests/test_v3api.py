@@ -525,6 +525,28 @@ def test_member_list_status_and_alarms(etcd, cluster):
     assert etcd.maintenance.HashKV(rpc_pb2.HashKVRequest(), timeout=10).hash != 0
 
 
+def test_hash_kv_at_a_past_revision_is_every_members_hash_of_the_keys_as_they_were(etcd, cluster):
+    """etcdctl endpoint hashkv --rev R: any revision the history holds (it was refused as
+    compacted unless it was the newest), the same on every member, one cut however many
+    pages; a revision compacted or ahead is refused with etcd's texts."""
+    before = put(etcd, b"hk", b"a").header.revision
+    after = put(etcd, b"hk", b"b").header.revision
+    leader = Stubs(cluster.grpc[cluster.leader_id])
+    try:
+        hashes = {}
+        for name, member in (("follower", etcd), ("leader", leader)):
+            hashes[name] = [member.maintenance.HashKV(rpc_pb2.HashKVRequest(revision=r), timeout=10) for r in (before, after)]
+        assert [r.hash for r in hashes["follower"]] == [r.hash for r in hashes["leader"]]
+        at_before, at_after = hashes["leader"]
+        assert at_before.hash != at_after.hash and at_before.header.revision == before
+        assert leader.maintenance.HashKV(rpc_pb2.HashKVRequest(), timeout=10).hash != at_before.hash
+        with pytest.raises(grpc.RpcError) as e:
+            leader.maintenance.HashKV(rpc_pb2.HashKVRequest(revision=after + 1_000_000), timeout=10)
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and e.value.details() == "etcdserver: mvcc: required revision is a future revision"
+    finally:
+        leader.channel.close()
+
+
 @pytest.mark.skipif(ETCDCTL is None, reason="etcdctl is not installed (Debian's etcd-client; .ci/run installs it)")
 def test_etcdctl_against_a_follower(cluster):
     env = {**os.environ, "ETCDCTL_API": "3"}
@@ -1052,3 +1074,29 @@ def test_a_tokens_role_and_prefix_hold_on_the_etcd_api(tmp_path):
             assert sorted(x.ID for x in s.lease.LeaseLeases(rpc_pb2.LeaseLeasesRequest(), metadata=admin, timeout=10).leases) == sorted(granted)
         finally:
             s.channel.close()
+
+
+def test_member_list_keeps_a_member_that_went_down_with_its_url(tmp_path):
+    """etcd's members publish their client URLs: a member that is down is still listed with
+    its URL, and `etcdctl endpoint health --cluster` reports it unhealthy (exit 1). Each node
+    asks the others for theirs from the start, not when first asked for the list."""
+    c = ProcCluster(str(tmp_path), 3)
+    c.serve_etcd_api()
+    try:
+        c.start(*c.ids)
+        leader = c.leader()
+        down, asked = [i for i in c.ids if i != leader][:2]
+        time.sleep(5)  # (the nodes learn each other's URLs within seconds of starting)
+        c.kill(down)
+        s = Stubs(c.grpc[asked])  # never asked for the list before
+        try:
+            members = s.cluster.MemberList(rpc_pb2.MemberListRequest(), timeout=10).members
+        finally:
+            s.channel.close()
+        assert {m.name: list(m.clientURLs) for m in members} == {i: [f"http://{c.grpc[i]}"] for i in c.ids}
+        if ETCDCTL is not None:
+            r = subprocess.run([ETCDCTL, "--endpoints", c.grpc[asked], "endpoint", "health", "--cluster", "--command-timeout", "3s"],
+                               env={**os.environ, "ETCDCTL_API": "3"}, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 1 and f"http://{c.grpc[down]} is unhealthy" in r.stdout + r.stderr, (r.stdout, r.stderr)
+    finally:
+        c.close()

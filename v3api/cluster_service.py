@@ -30,7 +30,8 @@ PEER_URL_TTL_S = 60.0
 class ClusterService(rpc_pb2_grpc.ClusterServicer):
     """MemberList, with each member's etcd API URL as its client URL (what etcdctl's
     --cluster and the Go client's member sync dial): this node's own, and the others' as
-    their /v1/status says (asked over HTTP, remembered for PEER_URL_TTL_S)."""
+    their /v1/status says (asked over HTTP from the start, learn_urls, and again once
+    PEER_URL_TTL_S old)."""
 
     def __init__(self, node, access: Access, client_url: str) -> None:
         self.node, self.access, self.client_url = node, access, client_url
@@ -52,6 +53,17 @@ class ClusterService(rpc_pb2_grpc.ClusterServicer):
                 peer = m["peer"] if "://" in m["peer"] else f"http://{m['peer']}"
                 members.append(rpc_pb2.Member(ID=etcd_id(m["id"]), name=m["id"], peerURLs=[peer], clientURLs=urls, isLearner=not m["voter"]))
             return rpc_pb2.MemberListResponse(header=self.header.without_revision(), members=members)
+
+    async def learn_urls(self) -> None:
+        """Keep the other members' client URLs known from the start, as etcd's members
+        publish theirs: MemberList then lists a member that went down with its URL (a URL
+        learned is kept while the member does not answer), and etcdctl's --cluster reports
+        it unhealthy instead of leaving it out. Asks every 2 s until each member answered
+        once, then as the URLs age (PEER_URL_TTL_S); runs until the server stops."""
+        while True:
+            others = [m for m in self.node.members() if m["id"] != self.node.config.id]
+            await asyncio.gather(*(self._learn(m["id"], m["http"]) for m in others if m.get("http")))
+            await asyncio.sleep(PEER_URL_TTL_S if all(m["id"] in self._urls for m in others) else 2.0)
 
     async def _learn(self, member: str, http_url: str) -> None:
         now = time.monotonic()
@@ -119,27 +131,27 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
     # guesses of what it holds.
     async def Hash(self, request, context):
         async with self.access(context, "admin", []):
-            h, index = await self._hash()
+            h, index = await self._hash(None)
             return rpc_pb2.HashResponse(header=self.header(index), hash=h)
 
     async def HashKV(self, request, context):
         async with self.access(context, "admin", []):
-            h, index = await self._hash()
-            if request.revision and request.revision != index:
-                raise wire.Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_COMPACTED if request.revision < index else wire.ERR_FUTURE_REV)
+            h, index = await self._hash(request.revision or None)
             return rpc_pb2.HashKVResponse(header=self.header(index), hash=h, compact_revision=self.node.compact_revision())
 
-    async def _hash(self) -> tuple[int, int]:
-        """A CRC-32 of every key and value as this node has applied them (equal on every
-        node at the same applied index)."""
-        h, index, after = 0, None, None
+    async def _hash(self, revision: int | None) -> tuple[int, int]:
+        """A CRC-32 of every key and value as of `revision` (None: as applied here now, after
+        a read barrier), every page read at that one revision: equal on every node for the
+        same revision, while writes go on. (etcd's HashKV covers its history too; this one
+        the keys as they were.) Returns it and the revision."""
+        h, after, at = 0, None, revision
         while True:
-            page = await self.node.scan_page("", after=after, limit=1000, consistency="stale" if index else "linearizable")
-            index = index or page.index
+            page = await self.node.scan_page("", after=after, limit=1000, consistency="linearizable" if after is None else "stale", revision=at)
+            at = page.index
             for item in page.items:
                 h = zlib.crc32(item.value, zlib.crc32(cmds.key_bytes(item.key), h))
             if len(page.items) < 1000:
-                return h, index
+                return h, at
             after = page.items[-1].key
 
     async def Snapshot(self, request, context):

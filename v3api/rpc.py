@@ -234,6 +234,7 @@ class RpcServer:
         self.methods, self.unread_limit = methods, unread_limit
         self.connections: set[Connection] = set()
         self.tasks: set[asyncio.Task] = set()
+        self.background: set[asyncio.Task] = set()  # keep_running
         self.server: asyncio.Server | None = None
         # grpc-timeout: one timer for every call (a timer of each call's own, pushed on the
         # loop's heap and cancelled, cost 5 % of a leader's CPU serving ranges)
@@ -258,8 +259,14 @@ class RpcServer:
         self.server = await loop.create_server(self.connection, host, port, ssl=ctx, reuse_address=True, backlog=1024)
         return self
 
+    def keep_running(self, work) -> None:
+        """Run a servicer's background work (a coroutine) until the server stops."""
+        self.background.add(asyncio.get_running_loop().create_task(work))
+
     async def stop(self, grace: float) -> None:
         """No new calls; calls running get `grace` seconds to finish, then are cancelled."""
+        for t in self.background:
+            t.cancel()
         if self.server is not None:
             self.server.close()
         for c in list(self.connections):

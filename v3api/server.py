@@ -19,12 +19,15 @@ async def serve_grpc(node, host: str, port: int, *, grants=None, tls: tuple[str,
     speaks TLS, as the HTTP one does (etcd's clients send credentials only over TLS)."""
     access = Access(grants, "grpc", counts)
     scheme = "https" if tls else "http"
+    cluster = ClusterService(node, access, f"{scheme}://{host}:{port}")
     servicers = {
         "KV": KVService(node, access),
         "Watch": WatchService(node, access),
         "Lease": LeaseService(node, access),
-        "Cluster": ClusterService(node, access, f"{scheme}://{host}:{port}"),
+        "Cluster": cluster,
         "Maintenance": MaintenanceService(node, access),
         "Auth": AuthService(node, access),
     }
-    return await RpcServer(methods_of(rpc_pb2.DESCRIPTOR, servicers, rpc_pb2), node.config.http_unread_bytes).start(host, port, tls)
+    server = await RpcServer(methods_of(rpc_pb2.DESCRIPTOR, servicers, rpc_pb2), node.config.http_unread_bytes).start(host, port, tls)
+    server.keep_running(cluster.learn_urls())
+    return server
