@@ -1098,5 +1098,15 @@ def test_member_list_keeps_a_member_that_went_down_with_its_url(tmp_path):
             r = subprocess.run([ETCDCTL, "--endpoints", c.grpc[asked], "endpoint", "health", "--cluster", "--command-timeout", "3s"],
                                env={**os.environ, "ETCDCTL_API": "3"}, capture_output=True, text=True, timeout=60)
             assert r.returncode == 1 and f"http://{c.grpc[down]} is unhealthy" in r.stdout + r.stderr, (r.stdout, r.stderr)
+        if leader != asked:  # and with no quorum left, Status says why, as etcd's does
+            c.kill(leader)
+        else:
+            c.kill(next(i for i in c.ids if i not in (down, asked)))
+        s = Stubs(c.grpc[asked])
+        try:
+            status = wait_until(lambda: (lambda st: st if not st.leader else None)(s.maintenance.Status(rpc_pb2.StatusRequest(), timeout=10)), timeout=20)
+        finally:
+            s.channel.close()
+        assert list(status.errors) == ["etcdserver: no leader"]
     finally:
         c.close()

@@ -102,7 +102,8 @@ class MaintenanceService(rpc_pb2_grpc.MaintenanceServicer):
                 raftIndex=s.get("commit_index", 0),
                 raftTerm=s.get("term", 0),
                 raftAppliedIndex=s.get("applied_index", 0),
-                errors=[a["message"] for a in s.get("alarms", [])]
+                errors=([] if leader else [wire.ERR_NO_LEADER])  # (etcd's, which etcdctl endpoint status shows)
+                + [a["message"] for a in s.get("alarms", [])]
                 + [f"memberID:{m} alarm:{rpc_pb2.AlarmType.Name(kind)} " for m, kind in self.node.raised_alarms()],
                 isLearner=s.get("role") == "learner",
             )

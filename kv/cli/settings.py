@@ -67,6 +67,8 @@ def _hostport(v: Any) -> str:
     try:
         check_hostport(_text(v), "")
     except BadRequest:
+        if "://" in v:
+            raise ValueError(f"expected HOST:PORT without the scheme, e.g. {v.split('://', 1)[1].rstrip('/')}") from None
         raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:8001") from None
     return v
 

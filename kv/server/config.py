@@ -35,6 +35,8 @@ def parse_peers(spec: str | dict) -> dict[str, str]:
 
 
 def check_hostport(addr: str, what: str) -> tuple[str, int]:
+    if "://" in addr:  # (etcd's flags take URLs: what its users write)
+        raise BadRequest(f"bad address {addr!r} for {what}: give HOST:PORT without the scheme, e.g. {addr.split('://', 1)[1].rstrip('/')}")
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise BadRequest(f"bad address {addr!r} for {what}: expected HOST:PORT, e.g. 127.0.0.1:7001")
