@@ -167,9 +167,12 @@ def test_grpc_errors_for_unknown_methods_compression_and_messages_over_the_limit
         with pytest.raises(grpc.RpcError) as e:
             ch.unary_unary("/etcdserverpb.KV/Nope")(b"", timeout=10)
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "/etcdserverpb.KV/Nope" in e.value.details()
-        with pytest.raises(grpc.RpcError) as e:  # etcdctl defrag: what to use instead
+        with pytest.raises(grpc.RpcError) as e:  # etcdctl defrag: why there is none
             ch.unary_unary("/etcdserverpb.Maintenance/Defragment")(b"", timeout=10)
-        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "docs/etcd.md" in e.value.details() and "kv member" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "docs/etcd.md" in e.value.details() and "nothing to defragment" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # etcdctl member add: what to use instead, and only there
+            ch.unary_unary("/etcdserverpb.Cluster/MemberAdd")(b"", timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "kv member" in e.value.details() and "leader transfer" not in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
             rpc_pb2_grpc.KVStub(ch).Put(rpc_pb2.PutRequest(key=b"h2/big", value=b"x" * (3 << 20)), timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

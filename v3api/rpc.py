@@ -480,13 +480,19 @@ class RpcServer:
             call.finish(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
 
 
+_INSTEAD = (  # what a caller of an etcd method ledgerkv does not serve can use instead
+    ("/etcdserverpb.Cluster/Member", " (membership changes: kv member)"),
+    ("/etcdserverpb.Maintenance/MoveLeader", " (moving the leader: kv leader transfer)"),
+    ("/etcdserverpb.Auth/", " (users and roles are ledgerkv's tokens: --token, --tokens)"),
+    ("/etcdserverpb.Maintenance/Defragment", " (LevelDB compacts its files by itself: there is nothing to defragment)"),
+)
+
+
 def unserved(path: str) -> str:
     """What a call of a method this server does not serve is told."""
     if path.startswith("/etcdserverpb."):
-        return (
-            f"ledgerkv does not serve etcd's {path}: docs/etcd.md lists what it serves "
-            "(membership changes: kv member; moving the leader: kv leader transfer)"
-        )
+        instead = next((hint for prefix, hint in _INSTEAD if path.startswith(prefix)), "")
+        return f"ledgerkv does not serve etcd's {path}: docs/etcd.md lists what it serves{instead}"
     return f"unknown method {path}"
 
 
