@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 from cluster import ProcCluster
@@ -132,11 +133,16 @@ with open(out, "w") as f:
 """
 
 
-def kill_leaders(c: ProcCluster, kills: int, stop: threading.Event, rng: random.Random, done: list) -> None:
-    """kill -9 the leader `kills` times, a second or so apart, restarting each."""
+def kill_leaders(c: ProcCluster, kills: int, stop: threading.Event, rng: random.Random, done: list, total: int) -> None:
+    """kill -9 the leader `kills` times, restarting each: as the counter passes each of
+    `kills` marks spread over its `total` increments, so the kills land while the work goes
+    on however fast it goes (a second apart, a short run could end after one)."""
+    marks = [total * (k + 1) // (kills + 1) for k in range(kills)]
     while len(done) < kills:
-        if stop.wait(rng.uniform(0.7, 1.5)):
+        if stop.wait(0.05):
             return
+        if _counter_now(c) < marks[len(done)]:
+            continue
         try:
             lead = c.leader(timeout=10)
         except AssertionError:
@@ -145,6 +151,19 @@ def kill_leaders(c: ProcCluster, kills: int, stop: threading.Event, rng: random.
         time.sleep(rng.uniform(0.3, 1.0))
         c.start(lead)
         done.append(lead)
+
+
+def _counter_now(c: ProcCluster) -> int:
+    """The counter's value on some node that answers (0: none does, or it is not set yet)."""
+    for i in c.ids:
+        if not c.alive(i):
+            continue
+        try:
+            with urllib.request.urlopen(f"{c.url(i)}/v1/kv/counter?consistency=stale", timeout=1) as r:
+                return int(r.read().split(b"|")[0])
+        except (OSError, ValueError):
+            continue
+    return 0
 
 
 def counter_run(tmp, seed: int, workers: int = 4, increments: int = 100, kills: int = 3, mode: str = "client") -> dict:
@@ -160,7 +179,7 @@ def counter_run(tmp, seed: int, workers: int = 4, increments: int = 100, kills: 
             subprocess.Popen([sys.executable, "-c", WORKER, endpoints, f"w{i}", str(increments), outs[i], mode], stderr=subprocess.PIPE, text=True)
             for i in range(workers)
         ]
-        nemesis = threading.Thread(target=kill_leaders, args=(c, kills, stop, random.Random(seed), killed))
+        nemesis = threading.Thread(target=kill_leaders, args=(c, kills, stop, random.Random(seed), killed, workers * increments))
         nemesis.start()
         try:
             for p in procs:
