@@ -196,6 +196,11 @@ def _record(raw: bytes) -> tuple[int, bytes, int, int]:
     return mod - STAMPED, raw[24:], create, version
 
 
+def _stamped(mod: int, create: int, version: int, value: bytes) -> bytes:
+    """The record of a key that has changed since its creation (the layout at the top)."""
+    return _STAMP.pack(mod | STAMPED, create, version) + value
+
+
 def _values_and_mods(records_values: list[bytes]) -> tuple[list[bytes], bytes]:
     """The values of user keys' records, and their mod_indexes (u64 big-endian, joined),
     without a key's create_revision and version: C loops when no record has them."""
@@ -382,12 +387,14 @@ class LevelDBStateMachine:
         kv = self._key_at(key_bytes(key), revision)
         return None if kv is None else (kv.mod_revision, kv.value)
 
-    def _key_at(self, raw: bytes, revision: int, cur: tuple | None = None) -> KeyValue | None:
-        """The key as of `revision` (cur: its record, if read). A key not changed since is
-        its record, without a seek for a history record after the revision: one that finds
-        none goes on past the key's records, over whatever a compaction's purge deleted
-        after them (LevelDB's iterators stop only at a live record)."""
-        cur = cur if cur is not None else self._current(_DATA + raw, {})
+    def _key_at(self, raw: bytes, revision: int, cur=_UNREAD) -> KeyValue | None:
+        """The key as of `revision` (cur: its record, _current's, if read). A key not
+        changed since is its record, without a seek for a history record after the
+        revision: one that finds none goes on past the key's records, over whatever a
+        compaction's purge deleted after them (LevelDB's iterators stop only at a live
+        record; milliseconds a key after a large purge)."""
+        if cur is _UNREAD:
+            cur = self._current(_DATA + raw, {})
         if cur is not None and cur[0] <= revision:
             return self._kv(raw, cur)
         return self._as_of(raw, self._at(raw, revision), revision, cur)
@@ -398,7 +405,7 @@ class LevelDBStateMachine:
         except plyvel.CorruptionError as e:
             raise self._damaged(e) from e
 
-    def _as_of(self, raw: bytes, past: history.Past, revision: int, cur: tuple[int, bytes] | None = None) -> KeyValue | None:
+    def _as_of(self, raw: bytes, past: history.Past, revision: int, cur=_UNREAD) -> KeyValue | None:
         """The key as of `revision`: what a history record after it says, or, when the
         history has none (nothing changed it since), its current record (`cur`, if read
         already); none when that version was created after the revision (its creation kept
@@ -406,7 +413,8 @@ class LevelDBStateMachine:
         if past.found:
             kv = past.kv
         else:
-            cur = cur if cur is not None else self._current(_DATA + raw, {})
+            if cur is _UNREAD:
+                cur = self._current(_DATA + raw, {})
             kv = self._kv(raw, cur) if cur is not None else None
         return kv if kv is not None and kv.create_revision <= revision else None
 
@@ -414,10 +422,10 @@ class LevelDBStateMachine:
         """(raw key, KeyValue) of every key of etcd's range (key, end) as of a revision, in
         key order: the keys there now and the keys with history, merged."""
         if not end:
-            keys = iter(((key, None),)) if key[:1] > RESERVED else iter(())
+            keys = iter(((key, _UNREAD),)) if key[:1] > RESERVED else iter(())
         else:
             now = self._range_items(key, end, {})
-            had = ((raw, None) for raw in history.keys_between(self._db, max(key, b"\x01"), None if end == b"\x00" else end))
+            had = ((raw, _UNREAD) for raw in history.keys_between(self._db, max(key, b"\x01"), None if end == b"\x00" else end))
             keys = heapq.merge(now, had, key=lambda item: item[0])
         last = None
         for raw, cur in keys:
@@ -448,19 +456,18 @@ class LevelDBStateMachine:
             if not raw.startswith(pre):
                 continue
             key = key_text(raw)
-            # What a change left is the key's next history record, or its current record if
-            # it has none. When nothing changed the key since (its record is of this change,
-            # or it is gone and this was its last change), that is known without looking for
-            # a next record: a seek that finds none goes on past the key's records, and after
-            # a compaction's purge that can mean skipping over a long run of deleted ones
-            # (LevelDB's iterators stop only at a live record) — milliseconds a change.
-            cur = self._current(_DATA + raw, {})
-            if last[raw] == (rev, n) and (cur[0] == rev if cur is not None else complete):
+            if last[raw] == (rev, n):
+                # The key's last change of its revision (a revision's changes are all listed)
+                # left the key as of that revision, which _key_at finds without a seek when
+                # nothing changed the key since; a key gone after its last change listed,
+                # with every change up to the applied index listed, was deleted by it (a
+                # seek for what it left would find nothing, after a purge slowly).
                 prev = history.prev_of(self._db, raw, rev, n)
-                kv = self._kv(raw, cur) if cur is not None else None
+                cur = self._current(_DATA + raw, {})
+                kv = None if cur is None and complete else self._key_at(raw, rev, cur)
             else:
                 prev, then = history.change_of(self._db, raw, rev, n)
-                kv = self._as_of(raw, then, rev, cur)
+                kv = self._as_of(raw, then, rev)
             if kv is None:
                 out.append((rev, key, None, KeyValue(key, 0, rev, 0, b"", 0), prev))
             else:
@@ -886,7 +893,7 @@ class LevelDBStateMachine:
             held = self.leases.attached.get(key, 0)
             self._keep(raw, index, history.past_record(index, create, old[0], version, held, old[1]), wb)
             version += 1
-            wb.put(k, _STAMP.pack(index | STAMPED, create, version) + value)
+            wb.put(k, _stamped(index, create, version, value))
         overlay[k] = (index, value, create, version)
         if changes is not None:
             if not self.rich_changes:
@@ -1111,7 +1118,7 @@ class LevelDBStateMachine:
                     wb.put(_DATA + key, pack(mod) + value)
             else:
                 versions = held.pop(key, None) if held else None
-                wb.put(_DATA + key, pack(mod) + value if versions is None else pack(mod | STAMPED) + versions + value)
+                wb.put(_DATA + key, pack(mod) + value if versions is None else _stamped(mod, *_META_VALUE.unpack(versions), value))
             if n % _RESTORE_BATCH == 0:
                 wb.write()
                 wb = self._db.write_batch()
@@ -1165,8 +1172,7 @@ class LevelDBStateMachine:
                     k = _DATA + mk[len(_META) :]
                     raw = self._db.get(k, verify_checksums=True)
                     if raw is not None and raw[0] < 0x80:
-                        create, version = _META_VALUE.unpack_from(mv, _U64.size)
-                        wb.put(k, _STAMP.pack(_U64.unpack_from(raw)[0] | STAMPED, create, version) + raw[8:])
+                        wb.put(k, _stamped(_U64.unpack_from(raw)[0], *_META_VALUE.unpack_from(mv, _U64.size), raw[8:]))
                         n += 1
                     batch += 1
                     if batch >= _FOLD_BATCH:
