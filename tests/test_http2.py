@@ -201,10 +201,13 @@ def test_etcds_clients_pointed_at_the_http_port_are_served_there(node):
         assert r.read() == b"1"
 
 
-def test_an_http2_request_that_is_not_a_grpc_call_is_told_what_to_use(node):
+@pytest.mark.parametrize("port", ["grpc", "http"])
+def test_an_http2_request_that_is_not_a_grpc_call_is_told_what_to_use(node, port):
     """curl over TLS offers h2 and sends etcd's JSON gateway calls over it: 415, with a
-    body that says to use HTTP/1.1 or the --http port (it was an empty 415)."""
-    s = _connect(node)
+    body that says to use HTTP/1.1 (it was an empty 415; then it named the --http port, which
+    hands HTTP/2 to the gRPC server too, so there it named itself)."""
+    host, number = getattr(node, port)["n1"].split(":")
+    s = socket.create_connection((host, int(number)), timeout=10)
     block = b"\x83\x86" + hpack.literal(":path", "/v3/kv/range") + hpack.literal("content-type", "application/json")
     s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 1, block))
     s.settimeout(10)
@@ -219,7 +222,7 @@ def test_an_http2_request_that_is_not_a_grpc_call_is_told_what_to_use(node):
     s.close()
     head = [p for kind, _, sid, p in frames if kind == http2.HEADERS and sid == 1][0]
     (body,) = [p for kind, _, sid, p in frames if kind == http2.DATA and sid == 1]
-    assert (":status", "415") in hpack.Decoder().decode(head) and b"--http1.1" in body and b"--http port" in body
+    assert (":status", "415") in hpack.Decoder().decode(head) and b"--http1.1" in body and b"gRPC calls only" in body
     _serves(node)
 
 

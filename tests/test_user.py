@@ -196,7 +196,8 @@ def test_cluster_up_twice_on_one_dir_refuses_the_second_and_keeps_the_first(tmp_
         # (it said "3/3 nodes answering", the first cluster's, while its own nodes died).
         third = kv_cli("cluster", "up", "--data-dir", str(tmp_path / "other"), "--base-port", str(base))
         assert third.returncode == 1 and f"n1's --http 127.0.0.1:{base}: port {base} is already in use" in one_line(third.stderr), third
-        assert not os.path.exists(tmp_path / "other" / "n1")
+        assert "--base-port N puts its nodes on ports N..N+2, N+100..N+102 and N+200..N+202" in one_line(third.stderr)
+        assert not os.path.exists(tmp_path / "other")  # not even the lock it took while it looked
         got = kv_cli("get", "hello", "--endpoints", endpoints)
         assert got.returncode == 0 and got.stdout.strip() == "world"
         assert {n: set(os.listdir(os.path.join(d, n))) for n in node_dirs} == node_dirs
@@ -255,6 +256,12 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         )
         assert up.poll() is None  # the others went on
         wait_until(lambda: "n3 answers again (restarted by hand); 3/3 nodes answering" in up_out.read_text(), 30, "cluster up seeing n3 back")
+        # A node restarted by hand that dies again is reported too (it said nothing), and again back.
+        back.kill()
+        back.wait()
+        wait_until(lambda: "n3 (restarted by hand) stopped answering; 2/3 nodes answering" in up_out.read_text(), 30, "cluster up seeing n3 gone again")
+        back = subprocess.Popen(["bash", "-c", f"exec {command}"], env={"PATH": "/usr/bin:/bin"})
+        wait_until(lambda: up_out.read_text().count("n3 answers again (restarted by hand)") == 2, 60, "cluster up seeing n3 back again")
         # Its own nodes all gone, but n3 (started by hand) answers: not "every node has exited".
         for nid in ("n1", "n2"):
             os.kill(pid_of(nid), signal.SIGKILL)

@@ -22,6 +22,7 @@ import grpc
 import pytest
 from cluster import ProcCluster, wait_until
 
+from kv import __version__ as KV_VERSION
 from kv.bench.harness import free_port
 from kv.v3api.proto import kv_pb2, rpc_pb2, rpc_pb2_grpc
 
@@ -645,7 +646,8 @@ def test_the_json_gateway_speaks_etcd_34s_json(cluster):
     status, st = gw(cluster, "/v3/maintenance/status", {})
     assert status == 200 and st["version"].startswith("3.4")
     with urllib.request.urlopen(f"http://{cluster.http[cluster.follower]}/version", timeout=10) as r:
-        assert json.loads(r.read())["etcdserver"].startswith("3.4")
+        said = json.loads(r.read())
+        assert said["etcdserver"].startswith("3.4") and said["ledgerkv"] == KV_VERSION
     with urllib.request.urlopen(f"http://{cluster.http[cluster.follower]}/metrics", timeout=10) as r:
         metrics = r.read().decode()
     counted = dict(re.findall(r'^kv_etcd_api_(calls_total\{front="\w+"\}|errors_total\{code="\w+"\}) (\S+)$', metrics, re.M))

@@ -278,4 +278,10 @@ def _gone(request: web.Request) -> bool:
 
 
 async def version(request: web.Request) -> web.Response:
-    return web.json_response({"etcdserver": wire.ETCD_VERSION, "etcdcluster": wire.ETCD_VERSION.rsplit(".", 1)[0] + ".0"})
+    """The etcd API level (what clients check) and, for whoever asks which build a node
+    runs, ledgerkv's own version (etcd's clients ignore a field they do not know)."""
+    import kv
+
+    return web.json_response(
+        {"etcdserver": wire.ETCD_VERSION, "etcdcluster": wire.ETCD_VERSION.rsplit(".", 1)[0] + ".0", "ledgerkv": kv.__version__}
+    )

@@ -39,9 +39,9 @@ _CANCELLED = (grpc.StatusCode.CANCELLED, "the call was cancelled (the server is 
 CACHED_HEADS = 256
 # An HTTP/2 request that is not a gRPC call: 415, and what to do instead
 _NOT_GRPC_HEADERS = b"\x08\x03415" + hpack.literal("content-type", "text/plain")  # (:status a literal with static name 8)
-_NOT_GRPC = (
-    b"this port speaks gRPC over HTTP/2; etcd's JSON gateway (/v3/...) is served here over HTTP/1.1 "
-    b"(curl --http1.1), and on the node's --http port\n"
+_NOT_GRPC = (  # (true of both ports that hand HTTP/2 here, the --grpc port and the --http port)
+    b"over HTTP/2 this port takes gRPC calls only; send etcd's JSON gateway calls (/v3/...) and "
+    b"ledgerkv's HTTP API over HTTP/1.1 (curl --http1.1)\n"
 )
 
 

@@ -11,17 +11,18 @@ import argparse
 import asyncio
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
 
 from ..client.endpoints import DEFAULT_ENDPOINTS
-from ..server.datadir import DataDirLock
+from ..server.datadir import LOCK_NAME, DataDirLock
 from ..errors import BadRequest
 from ..bench.harness import SERVE, statuses
 from ..common.text import columns
 from .options import at_least
-from ..server.process import check_can_listen
+from ..server.process import CannotListen, check_can_listen
 
 
 def _base_port(raw: str) -> int:
@@ -71,17 +72,24 @@ def _say(msg: str) -> None:
 async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int:
     if nodes < 1:
         raise BadRequest("--nodes must be at least 1")
+    made = not os.path.exists(data_dir)
     lock = DataDirLock.acquire(data_dir)  # a second `cluster up` here stops at this line
     try:
-        return await _run(nodes, data_dir, base_port, extra)
+        plan = layout(nodes, base_port)
+        try:  # all free, or nothing starts (another cluster's nodes would answer in their place)
+            check_can_listen(*[pair for n in plan for pair in ((n["http"], f"{n['id']}'s --http "), (n["peer"], f"{n['id']}'s peer port "), (n["grpc"], f"{n['id']}'s --grpc "))])
+        except CannotListen as e:
+            if made and os.listdir(data_dir) == [LOCK_NAME]:  # made just for the lock: not left behind
+                shutil.rmtree(data_dir, ignore_errors=True)
+            k = nodes - 1
+            raise CannotListen(f"{e} (for the whole cluster: --base-port N puts its nodes on ports N..N+{k}, N+100..N+{100 + k} and N+200..N+{200 + k})") from None
+        return await _run(plan, data_dir, extra)
     finally:
         lock.release()
 
 
-async def _run(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int:
-    plan = layout(nodes, base_port)
-    # All free, or nothing starts (another cluster's nodes would answer in their place).
-    check_can_listen(*[pair for n in plan for pair in ((n["http"], f"{n['id']}'s --http "), (n["peer"], f"{n['id']}'s peer port "), (n["grpc"], f"{n['id']}'s --grpc "))])
+async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
+    nodes = len(plan)
     procs: dict[str, asyncio.subprocess.Process] = {}
     logs = {}
     _say(f"starting {nodes} nodes under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
@@ -187,8 +195,9 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                 if nid in seen and nid not in back:
                     back.add(nid)
                     _say(f"{nid} answers again (restarted by hand); {len(seen)}/{len(plan)} nodes answering")
-                elif nid not in seen:
+                elif nid not in seen and nid in back:
                     back.discard(nid)
+                    _say(f"{nid} (restarted by hand) stopped answering; {len(seen)}/{len(plan)} nodes answering")
             leaders = {st["leader"] for st in seen.values() if st.get("leader")}
             now = next(iter(leaders)) if len(leaders) == 1 else None
             if now != leader:
