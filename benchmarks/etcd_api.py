@@ -92,7 +92,7 @@ async def main_async(args) -> None:
                     got = await one_run(system, op, clients, args.seconds)
                     runs[system].append(got)
                     print(f"round {r + 1} {system:9} {op:18} {clients:5} clients  {got['ops_per_s']:9,.0f}/s  cluster {got['cpu_us_per_op']:5.0f} µs/op"
-                          f"  p99 {got['p99_ms']:6.1f} ms  errors {got['errors']}", flush=True)
+                          f"  p99 {got['p99_ms']:6.1f} ms  p999 {got['p999_ms']:6.1f} ms  errors {got['errors']}", flush=True)
             base = {k: statistics.median(x[k] for x in runs["etcd"]) for k in ("ops_per_s", "cpu_us_per_op")}
             print(f"\n{op}, {clients} clients, {args.rounds} rounds of {args.seconds:.0f} s; medians, ratios to etcd:")
             for system, rs in runs.items():

@@ -481,3 +481,35 @@ async def test_one_membership_change_at_a_time(cluster):
             await solo.remove_member("solo")
         finally:
             await solo.stop()
+
+
+async def test_answered_writes_are_let_go_at_once_not_held_until_their_deadline(cluster):
+    """The Deadlines held every proposal's waiter until its bucket fell due (the write
+    timeout), and with it what the waiter holds (a gRPC call, its stream and request):
+    tens of thousands of objects on a busy leader that each young-generation collection
+    walked (20-120 ms pauses of its event loop). Once answered, nothing holds them; one
+    still unanswered keeps its deadline."""
+    import gc
+    import weakref
+
+    from kv.raft.messages import EntryKind
+
+    lead = await cluster.leader()
+    raft, loop = lead.raft, asyncio.get_running_loop()
+    payloads = [(EntryKind.NORMAL, lead.encode_request(lead.put_command(f"held/{i}", b"v"))) for i in range(5)]
+    gc.disable()
+    try:
+        futs = raft.propose_many(payloads[:4], deadline=loop.time() + 60)  # a batch: one AllOf
+        futs.append(raft.propose_many(payloads[4:], deadline=loop.time() + 60)[0])  # one waiter alone
+        for f in futs:
+            await f
+        refs = [weakref.ref(f) for f in futs]
+        del futs, f
+        await asyncio.sleep(0)  # (the loop's handle that woke this task goes)
+        assert [r() for r in refs] == [None] * 5
+        assert not raft._filed and not any(raft._deadlines._buckets.values())
+    finally:
+        gc.enable()
+    waiting = loop.create_future()  # a waiter nobody answers stays filed until it is due
+    raft.propose_waiters([(EntryKind.NORMAL, payloads[0][1], waiting)], deadline=loop.time() + 60)
+    assert len(raft._filed) == 1 and any(waiting in b for b in raft._deadlines._buckets.values())

@@ -460,6 +460,7 @@ class Connection(asyncio.Protocol):
             return
         s.closed = True
         s._wake()
+        s.call = None  # (the call keeps its stream: without this cycle both go as soon as the call does)
         self.streams.pop(s.id, None)
         self.blocked.pop(s.id, None)
         if self.closing and not self.streams:

@@ -4,7 +4,7 @@
 //
 //	etcdload -endpoints 127.0.0.1:2379 -op put -clients 64 -conns 8 -seconds 10
 //
-// Prints one JSON line: {"op", "clients", "ops", "seconds", "ops_per_s", "p50_ms", "p99_ms", "errors"}.
+// Prints one JSON line: {"op", "clients", "ops", "seconds", "ops_per_s", "p50_ms", "p90_ms", "p99_ms", "p999_ms", "max_ms", "errors"}.
 package main
 
 import (
@@ -117,7 +117,7 @@ func main() {
 	}
 	out, _ := json.Marshal(map[string]interface{}{
 		"op": *op, "clients": *clients, "ops": len(lat), "seconds": took, "ops_per_s": float64(len(lat)) / took,
-		"p50_ms": pct(0.5), "p99_ms": pct(0.99), "errors": errors,
+		"p50_ms": pct(0.5), "p90_ms": pct(0.9), "p99_ms": pct(0.99), "p999_ms": pct(0.999), "max_ms": pct(1), "errors": errors,
 	})
 	fmt.Println(string(out))
 }
