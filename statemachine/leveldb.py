@@ -1230,9 +1230,10 @@ class LevelDBView:
 
         The keys' create_revision and version go as meta records (the layout at the top),
         as every version of ledgerkv reads them, and the values without them."""
-        # The loop that visits every record does no more than collect it: cutting the
-        # prefix off keys, the mod_index off values and decoding mod_indexes are done per
-        # block by C loops (map, join, array), a few times faster than per record in Python.
+        # No Python loop visits a record: they are taken _CHUNK_RECORDS at a time and split
+        # into keys and values, and the keys' prefix and the values' mod_index cut off and
+        # decoded per block, by C loops (islice, map, join, array), a few times faster than
+        # per record in Python. (A block is cut after the chunk that reaches block_bytes.)
         # (A whole view's meta records take one more pass over the user keys.)
         keys: list[bytes] = []
         values: list[bytes] = []
@@ -1246,10 +1247,11 @@ class LevelDBView:
                 stream = itertools.chain(records(_DATA, _META), _meta_records(records(_USER_DATA, _DATA_END)), records(_META_END, _DATA_END))
             else:
                 stream = records(max(_DATA + (lo or b""), _USER_DATA), _DATA + hi if hi is not None else _DATA_END)
-            for k, v in stream:
-                keys.append(k)
-                values.append(v)
-                size += len(k) + len(v)
+            while chunk := list(itertools.islice(stream, _CHUNK_RECORDS)):
+                new_keys, new_values = list(map(_FIRST, chunk)), list(map(_SECOND, chunk))
+                keys += new_keys
+                values += new_values
+                size += sum(map(len, new_keys)) + sum(map(len, new_values))
                 if size >= block_bytes:
                     yield _columns(keys, values)
                     keys, values, size = [], [], 0
@@ -1295,6 +1297,8 @@ class LevelDBView:
         self._snap.close()
 
 
+_CHUNK_RECORDS = 16  # a block may end up to this many records past block_bytes
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _KEY_TAIL = operator.itemgetter(slice(len(_DATA), None))
 _VALUE_TAIL = operator.itemgetter(slice(_U64.size, None))
 _VALUE_HEAD = operator.itemgetter(slice(0, _U64.size))
