@@ -415,16 +415,17 @@ class RaftNode:
         req_id = next(self._ctx)
         fut = self.loop.create_future()
         self._forwards[req_id] = (leader, fut)
-        if deadline is not None:
-            self._deadlines.add(deadline, fut)
+        bucket = self._deadlines.add(deadline, fut) if deadline is not None else None
         try:
             if not self.transport.send(ForwardRequest(self.id, leader, req_id, payload)):
                 raise NotLeader(f"the leader {leader} cannot be reached from {self.id} right now; retry shortly")
             return await fut
         finally:
             self._forwards.pop(req_id, None)
+            if bucket is not None:
+                self._deadlines.discard(bucket, fut)  # (what it holds goes now, not at the deadline)
             if not fut.done():
-                fut.cancel()  # not sent: else its deadline would fail it with nobody to see
+                fut.cancel()
 
     async def _serve_forward(self, m: ForwardRequest) -> None:
         code, index, term, payload = ForwardCode.OK, 0, 0, b""
@@ -487,9 +488,12 @@ class RaftNode:
         self._check_running()  # a stopped node applies nothing more (and fails its waiters once)
         fut = self.loop.create_future()
         self._apply_waiters.append((index, fut))
-        if deadline is not None:
-            self._deadlines.add(deadline, fut)
-        await fut
+        bucket = self._deadlines.add(deadline, fut) if deadline is not None else None
+        try:
+            await fut
+        finally:
+            if bucket is not None:
+                self._deadlines.discard(bucket, fut)
 
     async def change_membership(self, new: Membership, deadline: float | None = None) -> Applied:
         """Propose a membership change (one member at a time) and wait until it is applied
@@ -683,6 +687,7 @@ class RaftNode:
             for *_, f in props:
                 if not f.done():
                     f.set_exception(e)
+            self._forget_answered()
             return
         self.stats["proposals"] += len(props)
         for i, (_, _, f) in enumerate(props, first):
@@ -767,6 +772,7 @@ class RaftNode:
 
     def _on_timer(self) -> None:
         self._timer = None
+        self._forget_answered()  # (those failed at their deadline where nothing applies: a cut-off leader)
         self._kick()
 
     # ======================================================================================

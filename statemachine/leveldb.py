@@ -31,6 +31,7 @@ replays them); `sync()` makes everything durable before the ledger is compacted.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import heapq
 import itertools
@@ -1230,10 +1231,10 @@ class LevelDBView:
 
         The keys' create_revision and version go as meta records (the layout at the top),
         as every version of ledgerkv reads them, and the values without them."""
-        # No Python loop visits a record: they are taken _CHUNK_RECORDS at a time and split
-        # into keys and values, and the keys' prefix and the values' mod_index cut off and
-        # decoded per block, by C loops (islice, map, join, array), a few times faster than
-        # per record in Python. (A block is cut after the chunk that reaches block_bytes.)
+        # No Python loop visits a record: they are taken _CHUNK_RECORDS at a time, split
+        # into keys and values, measured, and the keys' prefix and the values' mod_index
+        # cut off and decoded per block, by C loops (islice, map, accumulate, join, array),
+        # a few times faster than per record in Python.
         # (A whole view's meta records take one more pass over the user keys.)
         keys: list[bytes] = []
         values: list[bytes] = []
@@ -1248,13 +1249,19 @@ class LevelDBView:
             else:
                 stream = records(max(_DATA + (lo or b""), _USER_DATA), _DATA + hi if hi is not None else _DATA_END)
             while chunk := list(itertools.islice(stream, _CHUNK_RECORDS)):
-                new_keys, new_values = list(map(_FIRST, chunk)), list(map(_SECOND, chunk))
-                keys += new_keys
-                values += new_values
-                size += sum(map(len, new_keys)) + sum(map(len, new_values))
-                if size >= block_bytes:
+                ks, vs = list(map(_FIRST, chunk)), list(map(_SECOND, chunk))
+                # ends[i]: the bytes counted with the chunk's first i records; a block ends
+                # with the record that reaches block_bytes, as a record-by-record loop's would
+                ends = list(itertools.accumulate(map(operator.add, map(len, ks), map(len, vs)), initial=size))
+                start = counted = 0  # the chunk's records and bytes already in blocks given
+                while (cut := bisect.bisect_left(ends, counted + block_bytes, start + 1)) < len(ends):
+                    keys += ks[start:cut]
+                    values += vs[start:cut]
                     yield _columns(keys, values)
-                    keys, values, size = [], [], 0
+                    keys, values, start, counted = [], [], cut, ends[cut]
+                keys += ks[start:]
+                values += vs[start:]
+                size = ends[-1] - counted
         if keys:
             yield _columns(keys, values)
 
@@ -1297,7 +1304,7 @@ class LevelDBView:
         self._snap.close()
 
 
-_CHUNK_RECORDS = 16  # a block may end up to this many records past block_bytes
+_CHUNK_RECORDS = 16  # records a view's blocks take from LevelDB at a time
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _KEY_TAIL = operator.itemgetter(slice(len(_DATA), None))
 _VALUE_TAIL = operator.itemgetter(slice(_U64.size, None))

@@ -630,3 +630,48 @@ def test_an_answered_call_and_its_stream_are_freed_without_the_garbage_collector
     finally:
         gc.enable()
     assert answered == 20 and alive == 0, alive
+
+
+@pytest.mark.parametrize("how", ["reset", "disconnect"])
+def test_a_call_its_client_resets_or_drops_is_cancelled(how):
+    """A stream the client resets (RST_STREAM), or whose connection it closes, cancels the
+    call's handler: a watch or lease keep-alive must not run on for a client that is gone.
+    (Found by review: the stream let go of its call before the reset could reach it.)"""
+    import asyncio
+
+    from kv.v3api import rpc
+
+    started, cancelled = asyncio.Event(), []
+
+    async def handler(requests, context):
+        started.set()
+        try:
+            async for _ in requests:
+                pass
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        yield rpc_pb2.WatchResponse()
+
+    async def main() -> int:
+        server = await rpc.RpcServer({"/etcdserverpb.Watch/Watch": rpc.Method(handler, rpc_pb2.WatchRequest, True, True)}).start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.server.sockets[0].getsockname()[1])
+            block = b"\x83\x86" + hpack.literal(":path", "/etcdserverpb.Watch/Watch") + hpack.literal("content-type", "application/grpc")
+            writer.write(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, block))
+            await asyncio.wait_for(started.wait(), 10)
+            if how == "reset":
+                writer.write(http2.frame(http2.RST_STREAM, 0, 1, struct.pack(">I", 8)))  # CANCEL
+            else:
+                writer.close()
+            for _ in range(200):
+                if cancelled:
+                    break
+                await asyncio.sleep(0.01)
+            return len(server.tasks)
+        finally:
+            await server.stop(1)
+
+    left = asyncio.run(main())
+    assert cancelled == [True] and left == 0

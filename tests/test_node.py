@@ -510,6 +510,27 @@ async def test_answered_writes_are_let_go_at_once_not_held_until_their_deadline(
         assert not raft._filed and not any(raft._deadlines._buckets.values())
     finally:
         gc.enable()
-    waiting = loop.create_future()  # a waiter nobody answers stays filed until it is due
-    raft.propose_waiters([(EntryKind.NORMAL, payloads[0][1], waiting)], deadline=loop.time() + 60)
-    assert len(raft._filed) == 1 and any(waiting in b for b in raft._deadlines._buckets.values())
+
+    class NotYet:  # a waiter still unanswered when its entry and a later one are applied
+        answered = False
+
+        def done(self) -> bool:
+            return self.answered
+
+        def set_result(self, _) -> None:
+            pass
+
+        def set_exception(self, _) -> None:
+            pass
+
+    def filed(w) -> bool:
+        return any(w in b for b in raft._deadlines._buckets.values())
+
+    first = NotYet()
+    raft.propose_waiters([(EntryKind.NORMAL, payloads[0][1], first)], deadline=loop.time() + 60)
+    (later,) = raft.propose_many(payloads[1:2], deadline=loop.time() + 60)
+    await later
+    assert filed(first) and filed(later)  # (taken out in order: the later one waits for the first)
+    first.answered = True
+    await raft.propose_many(payloads[2:3], deadline=loop.time() + 60)[0]
+    assert not filed(first) and not filed(later) and not raft._filed

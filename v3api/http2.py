@@ -193,8 +193,8 @@ class Connection(asyncio.Protocol):
         if self.preface_timer is not None:
             self.preface_timer.cancel()
         for s in list(self.streams.values()):
+            self.server.stream_reset(s)  # (first: finished() lets go of the stream's call)
             self.finished(s)
-            self.server.stream_reset(s)
         self.transport = None
         if self.lost is not None and not self.lost.done():
             self.lost.set_result(None)
@@ -304,8 +304,8 @@ class Connection(asyncio.Protocol):
         elif kind == RST_STREAM:
             s = self.streams.get(sid)
             if s is not None:
+                self.server.stream_reset(s)  # (first: finished() lets go of the stream's call)
                 self.finished(s)
-                self.server.stream_reset(s)
         elif kind == GOAWAY:
             self.closing = True
             if not self.streams:

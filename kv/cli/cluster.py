@@ -65,6 +65,9 @@ def layout(nodes: int, base_port: int, host: str = "127.0.0.1") -> list[dict]:
     return [{**n, "peers": peers} for n in plan]
 
 
+GONE_AFTER_MISSES = 3  # status polls in a row (a second each) a node restarted by hand did not answer
+
+
 def _say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -180,6 +183,7 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
     leader = None
     exited: list[str] = []
     back: set[str] = set()  # of those, the ones answering again
+    missed: dict[str, int] = {}  # of those, status polls in a row each did not answer
     told_restarted = False
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
         while not stop.is_set():
@@ -192,10 +196,11 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                     _say(f"  to bring {nid} back, in another shell: {_restart_line(args)} >> {shlex.quote(log_paths[nid])} 2>&1")
             seen = await statuses(s, {n["id"]: n["url"] for n in plan})
             for nid in exited:  # brought back by hand, as the hint says
+                missed[nid] = 0 if nid in seen else missed.get(nid, 0) + 1
                 if nid in seen and nid not in back:
                     back.add(nid)
                     _say(f"{nid} answers again (restarted by hand); {len(seen)}/{len(plan)} nodes answering")
-                elif nid not in seen and nid in back:
+                elif missed[nid] == GONE_AFTER_MISSES and nid in back:  # (not one slow answer: a busy node)
                     back.discard(nid)
                     _say(f"{nid} (restarted by hand) stopped answering; {len(seen)}/{len(plan)} nodes answering")
             leaders = {st["leader"] for st in seen.values() if st.get("leader")}
