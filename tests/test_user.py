@@ -210,6 +210,30 @@ def test_cluster_up_twice_on_one_dir_refuses_the_second_and_keeps_the_first(tmp_
         out.close()
 
 
+def test_cluster_up_whose_terminal_closes_stops_its_nodes(tmp_path):
+    """The terminal running `kv cluster up` closes (SIGHUP): it stops its nodes, as on
+    Ctrl-C. It used to die at once, and the nodes (in sessions of their own) ran on, holding
+    the ports and data dirs the next `kv cluster up` wanted."""
+    d = str(tmp_path / "kvdata")
+    base = _free_base_port()
+    endpoints = ",".join(f"http://127.0.0.1:{base + i}" for i in range(3))
+    out = open(tmp_path / "up.out", "w")
+    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(base)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: kv_cli("put", "hello", "world", "--endpoints", endpoints, "--timeout", "5").returncode == 0, 60, "a write")
+        pids = [int(ln.split()[-1]) for ln in (tmp_path / "up.out").read_text().splitlines() if ln.strip()[:2] in ("n1", "n2", "n3")]
+        assert len(pids) == 3
+        up.send_signal(signal.SIGHUP)
+        assert up.wait(30) == 0
+        for pid in pids:  # (not left as zombies either: cluster up waited for them)
+            assert not os.path.exists(f"/proc/{pid}"), f"node {pid} still running"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        out.close()
+
+
 def test_cluster_up_whose_nodes_die_at_start_exits_non_zero_naming_them(tmp_path):
     d = str(tmp_path / "kvdata")
     # A heartbeat longer than half the election timeout: every node refuses to start. (With

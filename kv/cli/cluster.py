@@ -69,7 +69,10 @@ GONE_AFTER_MISSES = 3  # status polls in a row (a second each) a node restarted 
 
 
 def _say(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    try:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    except OSError:  # the terminal is gone (SIGHUP): the nodes are still to be stopped
+        pass
 
 
 async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int:
@@ -95,6 +98,12 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
     nodes = len(plan)
     procs: dict[str, asyncio.subprocess.Process] = {}
     logs = {}
+    # Ctrl-C, kill, and the terminal closing (SIGHUP: the nodes, in sessions of their own,
+    # would run on without this command, holding the ports and their data dirs) stop all.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
     _say(f"starting {nodes} nodes under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
     for n in plan:
         ndir = os.path.join(data_dir, n["id"])
@@ -104,10 +113,6 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
         procs[n["id"]] = await asyncio.create_subprocess_exec(
             *SERVE, *n["args"], stdout=logs[n["id"]], stderr=logs[n["id"]], start_new_session=True,
         )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     print()
     rows = [("node", "client endpoint", "etcd API (gRPC)", "pid"), *((n["id"], n["url"], n["grpc"], str(procs[n["id"]].pid)) for n in plan)]
     print("\n".join(columns(rows, right=(3,), indent="  ")))
