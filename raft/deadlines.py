@@ -15,6 +15,7 @@ above it, and the timer would find nothing due and spin until the next milliseco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import math
 from collections.abc import Callable
@@ -63,6 +64,17 @@ class Deadlines:
         if self._timer is None or n < self._timer_at:
             self._arm(0.0)
         return n
+
+    @contextlib.contextmanager
+    def held(self, deadline: float | None, fut):
+        """fut under `deadline` (None: none) while the block runs, and forgotten when it ends,
+        answered or not (what fut holds need not live on until its deadline)."""
+        bucket = self.add(deadline, fut) if deadline is not None else None
+        try:
+            yield
+        finally:
+            if bucket is not None:
+                self.discard(bucket, fut)
 
     def discard(self, bucket: int, fut) -> None:
         """Forget fut, done long before its deadline (what it holds need not live until then)."""

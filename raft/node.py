@@ -415,15 +415,13 @@ class RaftNode:
         req_id = next(self._ctx)
         fut = self.loop.create_future()
         self._forwards[req_id] = (leader, fut)
-        bucket = self._deadlines.add(deadline, fut) if deadline is not None else None
         try:
-            if not self.transport.send(ForwardRequest(self.id, leader, req_id, payload)):
-                raise NotLeader(f"the leader {leader} cannot be reached from {self.id} right now; retry shortly")
-            return await fut
+            with self._deadlines.held(deadline, fut):
+                if not self.transport.send(ForwardRequest(self.id, leader, req_id, payload)):
+                    raise NotLeader(f"the leader {leader} cannot be reached from {self.id} right now; retry shortly")
+                return await fut
         finally:
             self._forwards.pop(req_id, None)
-            if bucket is not None:
-                self._deadlines.discard(bucket, fut)  # (what it holds goes now, not at the deadline)
             if not fut.done():
                 fut.cancel()
 
@@ -488,12 +486,8 @@ class RaftNode:
         self._check_running()  # a stopped node applies nothing more (and fails its waiters once)
         fut = self.loop.create_future()
         self._apply_waiters.append((index, fut))
-        bucket = self._deadlines.add(deadline, fut) if deadline is not None else None
-        try:
+        with self._deadlines.held(deadline, fut):
             await fut
-        finally:
-            if bucket is not None:
-                self._deadlines.discard(bucket, fut)
 
     async def change_membership(self, new: Membership, deadline: float | None = None) -> Applied:
         """Propose a membership change (one member at a time) and wait until it is applied
@@ -502,10 +496,9 @@ class RaftNode:
         term, index = self.core.propose_config(new, self._clock())
         fut = asyncio.get_running_loop().create_future()
         self._pending[index] = (term, fut)
-        if deadline is not None:
-            self._deadlines.add(deadline, fut)
         self._kick()
-        return await fut
+        with self._deadlines.held(deadline, fut):
+            return await fut
 
     async def transfer_leadership(self, to: str) -> None:
         self._check_running()

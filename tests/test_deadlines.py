@@ -159,3 +159,25 @@ def test_a_discarded_request_is_let_go_at_once_and_never_failed(loop_factory):
         d.close()
 
     _run(loop_factory, main())
+
+
+async def test_a_request_held_for_a_block_is_let_go_when_it_ends_answered_or_not():
+    """Deadlines.held: filed while the block runs, out of its bucket once the block ends
+    (an answer, an exception, a cancel), so nothing it holds waits for the deadline; and
+    failed at the deadline if it comes first."""
+    loop = asyncio.get_running_loop()
+    d = Deadlines(lambda: Expired(loop.time()))
+    answered = loop.create_future()
+    with d.held(loop.time() + 60, answered):
+        assert any(answered in b for b in d._buckets.values())
+        answered.set_result(1)
+    assert not any(d._buckets.values())
+    with pytest.raises(RuntimeError), d.held(loop.time() + 60, loop.create_future()):
+        raise RuntimeError("the caller gave up")
+    assert not any(d._buckets.values())
+    with d.held(None, loop.create_future()):  # no deadline: nothing filed
+        assert not any(d._buckets.values())
+    late = loop.create_future()
+    with pytest.raises(Expired), d.held(loop.time() + 0.05, late):
+        await late
+    d.close()

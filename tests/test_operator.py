@@ -65,7 +65,7 @@ CASES = [
     pytest.param(["put", "k", "v", "--timeout", "inf"], {}, {}, "kv put: argument --timeout: inf is not a finite number of seconds", 2, id="timeout-inf"),
     pytest.param(SERVE + ["--http", "nowhere"], {}, {}, "--http 'nowhere': expected HOST:PORT", 1, id="flag-hostport"),
     pytest.param(SERVE + ["--grpc", "http://127.0.0.1:2379"], {}, {}, "--grpc 'http://127.0.0.1:2379': expected HOST:PORT without the scheme, e.g. 127.0.0.1:2379", 1, id="flag-hostport-url"),
-    pytest.param(SERVE + ["--peers", "n1=http://127.0.0.1:7001/"], {}, {}, "bad address 'http://127.0.0.1:7001/' for peer n1: give HOST:PORT without the scheme, e.g. 127.0.0.1:7001", 1, id="flag-peers-url"),
+    pytest.param(SERVE + ["--peers", "n1=http://127.0.0.1:7001/"], {}, {}, "bad address 'http://127.0.0.1:7001/' for peer n1: expected HOST:PORT without the scheme, e.g. 127.0.0.1:7001", 1, id="flag-peers-url"),
     pytest.param(SERVE + ["--peers", "n1=x"], {}, {}, "--peers 'n1=x': bad address 'x' for peer n1", 1, id="flag-peers"),
     pytest.param(SERVE + ["--join", "foo"], {}, {}, "--join 'foo': expected a URL such as http://10.0.0.1:8001", 1, id="flag-url"),
     pytest.param(["serve", "--data-dir", "d"], {}, {}, "kv serve: a node needs --id (a flag, the --config file or KV_ID)", 1, id="missing-id"),

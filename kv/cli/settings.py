@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..server.compactor import parse_retention
-from ..server.config import NodeConfig, check_hostport, parse_peers
+from ..server.config import NodeConfig, check_hostport, hostport_wanted, parse_peers
 from ..errors import BadRequest
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
@@ -67,9 +67,7 @@ def _hostport(v: Any) -> str:
     try:
         check_hostport(_text(v), "")
     except BadRequest:
-        if "://" in v:
-            raise ValueError(f"expected HOST:PORT without the scheme, e.g. {v.split('://', 1)[1].rstrip('/')}") from None
-        raise ValueError("expected HOST:PORT, e.g. 127.0.0.1:8001") from None
+        raise ValueError(f"expected {hostport_wanted(v, '127.0.0.1:8001')}") from None
     return v
 
 

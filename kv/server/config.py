@@ -34,12 +34,18 @@ def parse_peers(spec: str | dict) -> dict[str, str]:
     return peers
 
 
+def hostport_wanted(addr: str, example: str) -> str:
+    """What a bad HOST:PORT is told to give instead: for a URL (etcd's flags take them,
+    so its users write them), the same address without the scheme."""
+    if "://" in addr:
+        return f"HOST:PORT without the scheme, e.g. {addr.split('://', 1)[1].rstrip('/')}"
+    return f"HOST:PORT, e.g. {example}"
+
+
 def check_hostport(addr: str, what: str) -> tuple[str, int]:
-    if "://" in addr:  # (etcd's flags take URLs: what its users write)
-        raise BadRequest(f"bad address {addr!r} for {what}: give HOST:PORT without the scheme, e.g. {addr.split('://', 1)[1].rstrip('/')}")
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise BadRequest(f"bad address {addr!r} for {what}: expected HOST:PORT, e.g. 127.0.0.1:7001")
+    if "://" in addr or not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadRequest(f"bad address {addr!r} for {what}: expected {hostport_wanted(addr, '127.0.0.1:7001')}")
     return host or "127.0.0.1", int(port)
 
 
