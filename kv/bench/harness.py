@@ -22,18 +22,42 @@ from collections.abc import Callable
 # node would otherwise run that folder's code.
 SERVE = [sys.executable, "-P", "-m", "kv", "serve"]
 
-_handed: set[int] = set()
+def _port_slice() -> range:
+    """The ports this process hands out: below the kernel's ephemeral range, and a slice of
+    its own for each pytest-xdist worker. A port from the ephemeral range can be taken between
+    free_port's check and the server's bind by any outgoing connection's source port or a JVM's
+    listener (CI lost a Spark test cluster so), and two workers drawing from one pool could be
+    handed the same port."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            top = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        top = 32768
+    bottom = 10000
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    worker = int((os.environ.get("PYTEST_XDIST_WORKER") or "gw0").removeprefix("gw") or 0)
+    size = (top - bottom) // max(count, 1)
+    return range(bottom + worker * size, bottom + (worker + 1) * size)
+
+
+_ports = _port_slice()
+_next = _ports.start + os.getpid() % len(_ports)
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on now, never handed out twice by this process."""
-    while True:
+    """A loopback port nothing listens on now, from this process's slice (_port_slice), taken in
+    turn so that a port is handed out again only after the whole slice has been."""
+    global _next
+    for _ in range(len(_ports)):
+        port = _next
+        _next = port + 1 if port + 1 < _ports.stop else _ports.start
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed and port < 60000:
-            _handed.add(port)
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free loopback port in {_ports.start}-{_ports.stop - 1}")
 
 
 def peer_spec(addrs: dict[str, str]) -> str:
