@@ -2,8 +2,9 @@
 
     python v3api/proto/generate.py
 
-Needs grpcio-tools, the version pinned in the `test` extra (the one that made the code here). The generated modules import each other by plain
-module name; they are rewritten to import within this package. The runtime versions in
+Needs grpcio-tools, the version pinned in the `test` extra (the one that made the code
+here). The generated modules import each other by plain module name; they are rewritten to
+import within this package. The runtime versions in
 pyproject.toml must admit the versions this generator stamps into the code (it checks
 them on import): regenerate, then pin grpcio and protobuf to at least those, and
 grpcio-tools in the `test` extra to the version that regenerated it.
