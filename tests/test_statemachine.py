@@ -450,3 +450,86 @@ def test_a_state_with_meta_records_folds_them_into_the_keys_records_when_it_open
         assert sm.range(c.RangeReq(b"k00007")).kvs == (c.KeyValue("k00007", 7, 60_000, 3, b"x", 0),)
     finally:
         sm.close()
+
+
+def test_the_records_kept_in_memory_are_always_leveldbs(sm, tmp_path, monkeypatch):
+    """A put reads the key's record from the records the last batches wrote, kept in memory
+    (LevelDBStateMachine._remember): after every batch, one that failed to be written, a
+    restore and the generations' turnover, each of them is what LevelDB holds."""
+    import plyvel
+
+    from kv.statemachine import leveldb
+
+    monkeypatch.setattr(leveldb, "RECENT_BYTES", 4000)  # a few dozen records a generation
+    rnd = random.Random(7)
+    keys = [f"k{i}" for i in range(40)]
+    index = 0
+
+    def batch() -> list[Entry]:
+        nonlocal index
+        out = []
+        for _ in range(rnd.randint(1, 12)):
+            index += 1
+            key, value = rnd.choice(keys), b"v%d" % index * rnd.randint(1, 20)
+            cmd = rnd.choice([
+                c.Put(key, value), c.Put(key, value), c.Delete(key), c.DeletePrefix(key[:2]),
+                c.Txn((c.Cond(key, "exists", True),), (c.Put(key, value), c.Delete(rnd.choice(keys))), (c.Put(rnd.choice(keys), value),)),
+            ])
+            out.append(normal(index, cmd))
+        return out
+
+    def same_as_leveldb(m) -> None:
+        for key in keys:
+            k = b"k" + key.encode()
+            raw = m._db.get(k)
+            assert m._current(k, {}) == (None if raw is None else leveldb._record(raw)), key
+
+    turned = 0
+    for n in range(300):
+        if n % 25 == 24:  # a batch that never reaches the disk (a full disk, say)
+            sm._db = _FailingWrites(sm._db)
+            with pytest.raises(plyvel.IOError):
+                sm.apply(batch())
+            sm._db = sm._db.db
+        else:
+            before = sm._recent_old
+            sm.apply(batch())
+            turned += sm._recent_old is not before
+        same_as_leveldb(sm)
+    assert turned >= 5  # the generations did turn over
+
+    view = sm.capture()
+    items = list(view.items())
+    view.release()
+    other = LevelDBStateMachine(str(tmp_path / "other"))
+    for i in range(1, 30):  # its own records, kept in memory, then replaced by the snapshot's
+        other.apply([normal(i, c.Put(rnd.choice(keys), b"mine"))])
+    other.restore(index, 1, b"[]", iter(items))
+    same_as_leveldb(other)
+    other.close()
+
+
+class _FailingWrites:
+    """A LevelDB whose batches fail to be written."""
+
+    def __init__(self, db):
+        self.db = db
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+    def write_batch(self, **kw):
+        return _FailingBatch(self.db.write_batch(**kw))
+
+
+class _FailingBatch:
+    def __init__(self, wb):
+        self.wb = wb
+
+    def __getattr__(self, name):
+        return getattr(self.wb, name)
+
+    def write(self):
+        import plyvel
+
+        raise plyvel.IOError("No space left on device")
