@@ -148,7 +148,7 @@ _TWO_U64 = struct.Struct(">QQ")
 _U64 = struct.Struct(">Q")
 _RESTORE_BATCH = 10_000
 # The user records the last applied batches wrote, kept in memory (LevelDBStateMachine._recent)
-# up to about this many bytes a generation, two generations.
+# up to about this many bytes a generation, two generations: 16 MiB at most, kept while idle.
 RECENT_BYTES = 8 << 20
 _RECENT_ENTRY = 256  # what an entry costs besides its key and value (dict slot, key object, tuple, ints)
 
@@ -731,11 +731,15 @@ class LevelDBStateMachine:
                 recent[k] = v
         self._recent_bytes = size
         if size > RECENT_BYTES:
-            self._recent_old, self._recent, self._recent_bytes = recent, {}, 0
+            # (a generation one batch swelled far past the bound, a delete of a large prefix
+            # say, is let go whole: a small entry can change any number of keys)
+            self._recent_old = recent if size <= 2 * RECENT_BYTES else {}
+            self._recent, self._recent_bytes = {}, 0
 
     def _forget_recent(self) -> None:
-        self._recent: dict[bytes, tuple | None] = {}
+        # (the old generation first: a read between the two finds the new one or nothing)
         self._recent_old: dict[bytes, tuple | None] = {}
+        self._recent: dict[bytes, tuple | None] = {}
         self._recent_bytes = 0
 
     def _check(self, cond: Cond | None, overlay: dict) -> ConditionFailed | None:

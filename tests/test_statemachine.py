@@ -454,8 +454,11 @@ def test_a_state_with_meta_records_folds_them_into_the_keys_records_when_it_open
 
 def test_the_records_kept_in_memory_are_always_leveldbs(sm, tmp_path, monkeypatch):
     """A put reads the key's record from the records the last batches wrote, kept in memory
-    (LevelDBStateMachine._remember): after every batch, one that failed to be written, a
-    restore and the generations' turnover, each of them is what LevelDB holds."""
+    (LevelDBStateMachine._remember): after every batch (puts, deletes, prefix deletes,
+    transactions, leases and their revocation, writes in a session and their copies), one
+    that failed to be written, a restore and the generations' turnover, each of them is what
+    LevelDB holds; only user records are kept, and a prefix delete of many keys does not
+    keep them all."""
     import plyvel
 
     from kv.statemachine import leveldb
@@ -464,18 +467,26 @@ def test_the_records_kept_in_memory_are_always_leveldbs(sm, tmp_path, monkeypatc
     rnd = random.Random(7)
     keys = [f"k{i}" for i in range(40)]
     index = 0
+    sm.apply([normal(1, c.SessionOpen(5, 10))])
+    seq = 0
 
     def batch() -> list[Entry]:
-        nonlocal index
+        nonlocal index, seq
         out = []
         for _ in range(rnd.randint(1, 12)):
             index += 1
-            key, value = rnd.choice(keys), b"v%d" % index * rnd.randint(1, 20)
+            key, value, lease = rnd.choice(keys), b"v%d" % index * rnd.randint(1, 20), rnd.randint(1, 3)
             cmd = rnd.choice([
                 c.Put(key, value), c.Put(key, value), c.Delete(key), c.DeletePrefix(key[:2]),
                 c.Txn((c.Cond(key, "exists", True),), (c.Put(key, value), c.Delete(rnd.choice(keys))), (c.Put(rnd.choice(keys), value),)),
+                c.LeaseGrant(60_000, lease), c.Put(key, value, lease=lease), c.LeaseRevoke(lease), "session",
             ])
-            out.append(normal(index, cmd))
+            if cmd == "session":  # a put or a delete in a session, or a copy of the last one
+                seq += rnd.random() < 0.7
+                cmd = c.Put(keys[seq % len(keys)], b"s%d" % seq) if seq % 2 else c.Delete(keys[seq % len(keys)])
+                out.append(Entry(index + 1, 1, EntryKind.NORMAL, c.in_session(5, seq, c.encode(cmd))))
+            else:
+                out.append(normal(index + 1, cmd))
         return out
 
     def same_as_leveldb(m) -> None:
@@ -483,20 +494,30 @@ def test_the_records_kept_in_memory_are_always_leveldbs(sm, tmp_path, monkeypatc
             k = b"k" + key.encode()
             raw = m._db.get(k)
             assert m._current(k, {}) == (None if raw is None else leveldb._record(raw)), key
+        assert all(k >= leveldb._USER_DATA for k in [*m._recent, *m._recent_old])
 
     turned = 0
     for n in range(300):
         if n % 25 == 24:  # a batch that never reaches the disk (a full disk, say)
+            failing = batch()
             sm._db = _FailingWrites(sm._db)
             with pytest.raises(plyvel.IOError):
-                sm.apply(batch())
+                sm.apply(failing)
             sm._db = sm._db.db
+            same_as_leveldb(sm)
+            sm.reopen()  # as the FSM caller does, then the same batch again
+            sm.apply(failing)
         else:
             before = sm._recent_old
             sm.apply(batch())
             turned += sm._recent_old is not before
         same_as_leveldb(sm)
     assert turned >= 5  # the generations did turn over
+
+    sm.apply([normal(index + 1 + i, c.Put(f"many/{i:05}", b"x")) for i in range(2000)])
+    sm.apply([normal(index + 2001, c.DeletePrefix("many/"))])
+    index += 2001
+    assert len(sm._recent) + len(sm._recent_old) < 100 and sm.get("many/00001") is None
 
     view = sm.capture()
     items = list(view.items())
