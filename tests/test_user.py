@@ -17,6 +17,7 @@ import time
 import pytest
 from cluster import ProcCluster, ctrl_c_able, wait_until
 from kv.bench.harness import free_port
+from kv.cli.cluster import layout as cluster_layout
 
 PY = sys.executable
 
@@ -162,20 +163,9 @@ def test_kv_serve_on_a_dir_of_another_cluster_is_refused_and_changes_nothing(tmp
 
 
 def _free_base_port() -> int:
-    """A base port B with B..B+2, B+100..B+102 and B+200..B+202 free (the layout of `kv
-    cluster up`: HTTP, peers, etcd API)."""
-    for _ in range(50):
-        base = free_port()
-        if base + 202 >= 60000:
-            continue
-        try:
-            for p in (base + off + i for off in (0, 100, 200) for i in range(3)):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise AssertionError("no free port range for kv cluster up")
+    """A --base-port whose every port of `kv cluster up`'s layout (HTTP, peers, etcd API) is free."""
+    ports = [int(node[part].rsplit(":", 1)[1]) for node in cluster_layout(3, 0) for part in ("http", "peer", "grpc")]
+    return free_port(ports)
 
 
 def test_cluster_up_twice_on_one_dir_refuses_the_second_and_keeps_the_first(tmp_path):

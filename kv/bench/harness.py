@@ -15,12 +15,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 # -P: not the current directory first on sys.path. `kv cluster up` prints this as the way to
 # start a node again; run from a folder that holds another `kv` (an old checkout, say), the
 # node would otherwise run that folder's code.
 SERVE = [sys.executable, "-P", "-m", "kv", "serve"]
+
 
 def _port_slice() -> range:
     """The ports this process hands out: below the kernel's ephemeral range, and a slice of
@@ -44,20 +45,24 @@ _ports = _port_slice()
 _next = _ports.start + os.getpid() % len(_ports)
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on now, from this process's slice (_port_slice), taken in
-    turn so that a port is handed out again only after the whole slice has been."""
+def free_port(offsets: Sequence[int] = (0,)) -> int:
+    """A loopback port P from this process's slice (_port_slice) with nothing listening on
+    P + each offset (`kv cluster up`'s layout, say), all inside the slice. Ports are taken in
+    turn, past the last offset, so that none is handed out again before the whole slice has
+    been."""
     global _next
+    span = max(offsets)
     for _ in range(len(_ports)):
-        port = _next
-        _next = port + 1 if port + 1 < _ports.stop else _ports.start
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        port = _next if _next + span < _ports.stop else _ports.start
+        _next = port + span + 1 if port + span + 1 < _ports.stop else _ports.start
+        try:
+            for off in offsets:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + off))
+        except OSError:
+            continue
         return port
-    raise RuntimeError(f"no free loopback port in {_ports.start}-{_ports.stop - 1}")
+    raise RuntimeError(f"no free loopback ports {list(offsets)} from one in {_ports.start}-{_ports.stop - 1}")
 
 
 def peer_spec(addrs: dict[str, str]) -> str:
