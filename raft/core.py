@@ -92,7 +92,9 @@ class RaftCore:
         self._votes_rejected: set[str] = set()
         self._taking_leadership = False  # campaigning because the leader handed over
         # The leader's replication to each follower (idle unless leading).
-        self._repl = Replication(config, self.log, self._send, lambda s: self._ready.snapshot_sends.append(s))
+        self._repl = Replication(
+            config, self.log, self._send, lambda s: self._ready.snapshot_sends.append(s), lambda lost: self._ready.lost_entries.append(lost)
+        )
         self.transferee: str | None = None
         self._transfer_deadline = 0.0
         # Read index: reads wait there until a heartbeat round confirms leadership.
@@ -329,6 +331,7 @@ class RaftCore:
             or r.read_states
             or r.read_failures
             or r.snapshot_sends
+            or r.lost_entries
             or r.snapshot is not None
             or r.role_changed
             or r.membership_changed

@@ -184,6 +184,7 @@ class RaftMetrics(NamedTuple):
     fsynced_entries: int
     ready: int  # Ready batches handled
     leader_changes: int
+    followers_lost_entries: int  # times a follower answered that it lost what it acknowledged
     transport: TransportCounters
 
 
@@ -295,7 +296,7 @@ class RaftNode:
             self.loop = None  # type: ignore[assignment]  # start() sets it (the loop the node runs on)
         self.failure: BaseException | None = None
         self.leader_changed = asyncio.Event()
-        self.stats = {"proposals": 0, "writes": 0, "fsynced_entries": 0, "ready": 0, "leader_changes": 0}
+        self.stats = {"proposals": 0, "writes": 0, "fsynced_entries": 0, "ready": 0, "leader_changes": 0, "followers_lost_entries": 0}
 
     @staticmethod
     def _clock() -> float:
@@ -713,6 +714,16 @@ class RaftNode:
             batch = self._read_futs.pop(rf.ctx, None)
             if batch is not None:
                 batch.set_exception(NotLeader(leader=rf.leader))
+        for lost in rd.lost_entries:
+            self.stats["followers_lost_entries"] += 1
+            log.error(
+                "node %s: follower %s answered with a ledger that ends at index %d, below the %d it had acknowledged: "
+                "its data dir was lost or replaced. It is caught up again (by a snapshot if the ledger no longer holds "
+                "its entries), but until then the cluster has one copy fewer of those entries than it counted on. "
+                "A node whose data is gone should rejoin as a new member: kv member remove %s, then start it with an "
+                "empty data dir and --join",
+                self.id, lost.peer, lost.holds, lost.acknowledged, lost.peer,
+            )
         if rd.snapshot_sends:
             for s in rd.snapshot_sends:
                 if self._snapshots is not None:
@@ -878,6 +889,7 @@ class RaftNode:
             fsynced_entries=st["fsynced_entries"],
             ready=st["ready"],
             leader_changes=st["leader_changes"],
+            followers_lost_entries=st["followers_lost_entries"],
             transport=NO_TRANSPORT if t is None else t.counters(),
         )
 

@@ -37,7 +37,8 @@ class Inflight:
 class Progress:
     peer: str
     voter: bool
-    # Invariant: 0 <= match < next. `match` only grows within a term.
+    # Invariant: 0 <= match < next. `match` only grows within a term, unless the follower
+    # answers that it lost what it acknowledged (replication.py, LostEntries).
     match: int = 0
     next: int = 1
     state: DispatcherState = DispatcherState.COMPARE

@@ -17,6 +17,17 @@ class SnapshotSend:
     seq: int
 
 
+@dataclass(frozen=True, slots=True)
+class LostEntries:
+    """`peer` answered with a log that ends at `holds`, below the `acknowledged` index it
+    had acknowledged in this term: its data dir was lost or replaced. It no longer counts
+    toward a quorum for what it lost, and is caught up again (from a snapshot if need be)."""
+
+    peer: str
+    acknowledged: int
+    holds: int
+
+
 @dataclass(slots=True)
 class Ready:
     hard_state: HardState | None = None
@@ -32,6 +43,7 @@ class Ready:
     read_states: list[ReadState] = field(default_factory=list)
     read_failures: list[ReadFailed] = field(default_factory=list)
     snapshot_sends: list[SnapshotSend] = field(default_factory=list)
+    lost_entries: list[LostEntries] = field(default_factory=list)
     role_changed: bool = False  # role, term or leader changed since the last Ready
     membership_changed: bool = False  # a configuration was appended, truncated or installed
 

@@ -23,7 +23,7 @@ from .log import RaftLog, entry_size
 from .membership import Membership
 from .messages import CoreMessage, Entry, HeartbeatRequest, HeartbeatResponse, PushCode, PushRequest, PushResponse, PushType
 from .progress import DispatcherState, Progress
-from .ready import SnapshotSend
+from .ready import LostEntries, SnapshotSend
 
 
 class Replication:
@@ -33,12 +33,14 @@ class Replication:
         log: RaftLog,
         send: Callable[[CoreMessage], None],
         send_snapshot: Callable[[SnapshotSend], None],
+        lost: Callable[[LostEntries], None],
     ) -> None:
         self.cfg = config
         self.id = config.node_id
         self.log = log
         self._send = send
         self._send_snapshot = send_snapshot
+        self._lost = lost
         self.term = 0  # the term this node leads in
         self.progress: dict[str, Progress] = {}  # empty unless leading
         self.needed = False  # something may be sent: the next Ready dispatches
@@ -237,6 +239,14 @@ class Replication:
             return False  # an answer to something we no longer wait for
         self.needed = True
         log = self.log
+        if m.end_index < pr.match:
+            # Entries it acknowledged in this term are gone (a follower's log only loses
+            # entries of earlier terms): its disk was wiped or replaced. Its match index
+            # no longer holds (counted, a larger cluster could commit on copies that are
+            # not there), and keeping it would re-push from match + 1 to a follower that
+            # answers with this gap, forever.
+            self._lost(LostEntries(m.src, pr.match, m.end_index))
+            pr.match = m.end_index
         if m.x_term:
             # Fast backup (xTerm/xIndex): skip the follower's whole conflicting term, or to
             # the end of that term in our log if we have it.

@@ -130,6 +130,17 @@ class Sim:
         if not node.up:
             self._boot(node)
 
+    def wipe(self, nid: str) -> None:
+        """The node's disk is lost: it crashes and starts again empty, as at the cluster's
+        bootstrap (what a wiped data dir started with the same --peers does). Raft assumes
+        this never happens; the leader must at least not go on counting what it lost."""
+        self.crash(nid)
+        node = self.nodes[nid]
+        node.storage, node.hard_state = MemoryStorage(), HardState(0, None)
+        node.applied, node.applied_index, node.snapshot = [], 0, None
+        node.applied_membership = self.membership
+        self._boot(node)
+
     def isolate(self, nid: str) -> None:
         for other in self.ids:
             if other != nid:

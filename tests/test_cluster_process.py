@@ -4,6 +4,7 @@ install-snapshot, and restoring a new cluster from a snapshot file."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -103,6 +104,33 @@ def test_follower_that_missed_compaction_installs_a_snapshot(tmp_path):
         _, _, metrics = c.request(lag, "GET", "/metrics")
         assert b"kv_snapshot_installs_total 1.0" in metrics
         assert "state machine loaded from snapshot" in c.log(lag)
+    finally:
+        c.close()
+
+
+def test_a_follower_started_again_on_a_wiped_data_dir_catches_up_and_is_named(tmp_path):
+    """kill -9, rm -rf of its data dir, then the same command again (what `kv cluster up`
+    prints to bring a node back): the leader kept pushing from the match index the node had
+    acknowledged, the node answered with its empty ledger each time, and it never caught up
+    while the leader spun and nothing was logged."""
+    c = ProcCluster(str(tmp_path), extra=["--snapshot-threshold", "200", "--snapshot-trailing", "10"])
+    c.start()
+    try:
+        lead = c.leader()
+        wiped = next(i for i in c.ids if i != lead)
+        for i in range(300):
+            assert c.put(lead, f"w{i}", b"y" * 64)[0] == 200
+        c.wait_converged()
+        c.kill(wiped)
+        shutil.rmtree(c.data_dir(wiped))
+        c.start(wiped)
+        for i in range(300, 320):
+            assert c.put(lead, f"w{i}", b"y" * 64)[0] == 200
+        c.wait_converged()  # the same data everywhere, w0..w319 on the wiped node too
+        assert c.status(wiped)["snapshot_index"] > 0  # (from an installed snapshot: the ledger starts after 0)
+        _, _, metrics = c.request(lead, "GET", "/metrics")
+        assert b"kv_followers_lost_entries_total 1.0" in metrics
+        assert f"follower {wiped} answered with a ledger that ends at index" in c.log(lead) and f"kv member remove {wiped}" in c.log(lead)
     finally:
         c.close()
 

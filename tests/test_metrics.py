@@ -25,6 +25,7 @@ TYPES = {
     "kv_has_leader": "gauge",
     "kv_is_leader": "gauge",
     "kv_leader_changes": "counter",
+    "kv_followers_lost_entries": "counter",
     "kv_proposals_pending": "gauge",
     "kv_proposals": "counter",
     "kv_proposals_failed": "counter",

@@ -437,6 +437,73 @@ def test_offline_follower_catches_up():
     sim.check_converged()
 
 
+@pytest.mark.parametrize("snapshots", [False, True])
+def test_a_follower_that_lost_its_disk_is_caught_up_and_named(snapshots):
+    """A follower whose data dir was wiped and started again (the bring-back command after
+    rm -rf) answers with an empty ledger. The leader kept its match index and pushed from
+    there forever, never falling back to where the follower's ledger ends, nor to a
+    snapshot: the node stayed empty and the leader spun."""
+    sim = Sim(3, seed=21, snapshot_every=50 if snapshots else 0, trailing=5)
+    lid = elected(sim)
+    follower = next(i for i in sim.ids if i != lid)
+    for _ in range(120):
+        sim.propose()
+        sim.run_for(2)
+    sim.run_for(500)
+    acknowledged = sim.nodes[lid].core.progress[follower].match
+    assert acknowledged > 100
+    lost = []
+    sim.on_ready = lambda nid, rd: lost.extend(rd.lost_entries)
+    sim.wipe(follower)
+    for _ in range(20):
+        sim.propose()
+        sim.run_for(2)
+    sim.run_for(3000)
+    assert [(x.peer, x.acknowledged, x.holds) for x in lost[:1]] == [(follower, acknowledged, 0)]
+    assert sim.nodes[follower].applied_index == sim.nodes[lid].applied_index > 120
+    assert sim.snapshots_installed == (1 if snapshots else 0)
+    sim.check_converged()
+
+
+def test_what_a_wiped_follower_acknowledged_no_longer_counts_toward_a_commit():
+    """Five voters; n-a acknowledged entries the third copy (n-b) does not hold yet, then
+    lost its disk. Counting its old match index, n-b's catching up committed entries held
+    by two of five, which the next leader need not have."""
+    sim = Sim(5, seed=22)
+    lid = elected(sim)
+    a, b, c, d = (i for i in sim.ids if i != lid)
+    for i in (c, d):
+        sim.isolate(i)
+    for _ in range(10):
+        sim.propose()
+        sim.run_for(2)
+    sim.run_for(300)
+    sim.cut.add((lid, b))  # b stops at what it has
+    for _ in range(10):
+        sim.propose()
+        sim.run_for(2)
+    sim.run_for(300)
+    leader = sim.nodes[lid].core
+    held_by_three, held_by_a = sim.nodes[b].core.log.last_index(), leader.progress[a].match
+    assert leader.commit_index == held_by_three < held_by_a
+    lost = []
+
+    def noticed(nid, rd):
+        if rd.lost_entries:  # from now on a cannot catch up: only the leader and b can hold the rest
+            lost.extend(rd.lost_entries)
+            sim.cut.add((lid, a))
+
+    sim.on_ready = noticed
+    sim.wipe(a)
+    sim.propose()  # a push that a answers with its empty ledger
+    sim.run_for(300)
+    assert [x.peer for x in lost] == [a]
+    sim.cut.discard((lid, b))
+    sim.run_for(1000)
+    assert sim.nodes[b].core.log.last_index() > held_by_a  # b holds them now
+    assert leader.commit_index == held_by_three  # two copies of five: not committed
+
+
 def test_a_snapshot_slower_than_the_push_timeout_is_sent_once():
     """A snapshot stream that takes longer than the push timeout (a large state: sending,
     verifying, installing) is not restarted while it runs: restarting it each timeout

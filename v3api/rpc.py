@@ -35,7 +35,11 @@ _prefix = struct.Struct(">BI")
 _OK_TRAILERS = hpack.literal("grpc-status", "0")
 _END = object()
 _EXPIRED = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-_CANCELLED = (grpc.StatusCode.CANCELLED, "the call was cancelled (the server is stopping)")
+# A call the node's stop cut short: UNAVAILABLE, as grpc-go's "transport is closing" when etcd
+# stops. etcd's Go client ends a watch or a lease's keepalives for good on any other code
+# (CANCELLED too), where it takes UNAVAILABLE to another member: a rolling restart must not
+# end every watch and lock wait on the node it stops.
+_STOPPING = (grpc.StatusCode.UNAVAILABLE, "transport is closing (the node is stopping)")
 CACHED_HEADS = 256
 # An HTTP/2 request that is not a gRPC call: 415, and what to do instead
 _NOT_GRPC_HEADERS = b"\x08\x03415" + hpack.literal("content-type", "text/plain")  # (:status a literal with static name 8)
@@ -390,7 +394,7 @@ class RpcServer:
         """A call whose task was cancelled before its first step (its deadline, a reset, a
         stop in the same turn of the loop) never ran _serve, which answers every other way."""
         if not call.stream.closed and not call.answered:
-            call.finish(*(_EXPIRED if call.expired else _CANCELLED))
+            call.finish(*(_EXPIRED if call.expired else _STOPPING))
 
     def _after(self, call: Call, request, kind: str) -> None:
         key = (id(call.method), kind)
@@ -412,7 +416,7 @@ class RpcServer:
         except asyncio.CancelledError:
             for call, _ in waiting:
                 if not call.stream.closed:
-                    call.finish(*_CANCELLED)
+                    call.finish(*_STOPPING)
             return
         except Exception as e:
             code, message = quick.status(e)
@@ -474,7 +478,7 @@ class RpcServer:
             if call.expired:
                 call.finish(*_EXPIRED)
             elif not stream.closed:
-                call.finish(*_CANCELLED)
+                call.finish(*_STOPPING)
         except Exception as e:
             log.exception("etcd API call %s failed", m.handler.__qualname__)
             call.finish(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")

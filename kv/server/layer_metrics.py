@@ -27,6 +27,7 @@ def raft_samples(r: RaftMetrics, snapshot_index: int) -> Iterable[Sample]:
     yield gauge("kv_ledger_end_index", "Last index in the ledger.", r.ledger_end_index)
     yield gauge("kv_snapshot_index", "Index of the newest snapshot.", snapshot_index)
     yield counter("kv_leader_changes", "Times this node saw a new leader.", r.leader_changes)
+    yield counter("kv_followers_lost_entries", "Leader only: times a follower answered that it lost entries it had acknowledged (a wiped or replaced data dir).", r.followers_lost_entries)
     yield gauge("kv_proposals_pending", "Writes proposed on this node, not yet committed or failed.", r.pending_proposals)
     yield counter("kv_proposals", "Entries proposed on this node as leader.", r.proposals)
     yield counter("kv_ledger_fsyncs", "Group-committed ledger writes (one fsync each).", r.writes)
