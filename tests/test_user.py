@@ -217,6 +217,15 @@ def test_cluster_up_whose_terminal_closes_stops_its_nodes(tmp_path):
         assert up.wait(30) == 0
         for pid in pids:  # (not left as zombies either: cluster up waited for them)
             assert not os.path.exists(f"/proc/{pid}"), f"node {pid} still running"
+        # The next run on this data dir keeps its ports: its members know each other by them
+        # (other ones ran, but `kv member list` and etcd's MemberList showed the old ones).
+        moved = kv_cli("cluster", "up", "--data-dir", d, "--base-port", str(base + 7))
+        assert moved.returncode == 1 and f"holds a cluster of 3 nodes on --base-port {base}" in one_line(moved.stderr), moved.stderr
+        assert "starting" not in moved.stdout
+        up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d], stdout=out, stderr=subprocess.STDOUT)
+        wait_until(lambda: kv_cli("get", "hello", "--endpoints", endpoints, "--timeout", "5").stdout.strip() == "world", 60, "the same cluster back on its ports")
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 0
     finally:
         if up.poll() is None:
             up.kill()
@@ -284,7 +293,12 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         wait_until(lambda: "no leader: 1/3 nodes answering, and 2 are needed" in up_out.read_text(), 30, "cluster up saying n3 cannot lead alone")
         up.send_signal(signal.SIGINT)
         assert up.wait(30) == 1  # its nodes died
-        assert f"still running (not started by this command): n3 at {n3_url}; stop it yourself" in up_out.read_text()
+        assert f"still running, started by hand: n3 (pid {back.pid}): stop them with kill {back.pid}" in up_out.read_text()
+        # Another `kv cluster up` there is refused before it starts anything (its n3 would
+        # stop at the data dir's lock, after the banner, with a bring-back hint that fails alike).
+        again = kv_cli("cluster", "up", "--data-dir", d, "--base-port", str(base))
+        assert again.returncode == 1 and f"n3 (pid {back.pid}). Stop them first (kill {back.pid})" in again.stderr, again.stderr
+        assert "starting" not in again.stdout + again.stderr and back.poll() is None
     finally:
         for p in (back, up):
             if p is not None and p.poll() is None:

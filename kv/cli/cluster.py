@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import shutil
@@ -18,7 +19,7 @@ import time
 
 from ..client.endpoints import DEFAULT_ENDPOINTS
 from ..server.datadir import LOCK_NAME, DataDirLock
-from ..errors import BadRequest
+from ..errors import BadRequest, DataDirLocked
 from ..bench.harness import SERVE, statuses
 from ..common.text import columns
 from .options import at_least
@@ -37,9 +38,12 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run, usage=p)
     c = p.add_subparsers(dest="cluster_cmd", metavar="ACTION")
     up = c.add_parser("up", help="run a local cluster in the foreground; Ctrl-C stops it")
-    up.add_argument("--nodes", type=at_least(1), default=3, help="how many nodes (default 3)")
+    up.add_argument("--nodes", type=at_least(1), default=None, help="how many nodes (default 3; for a --data-dir made before, as many as then)")
     up.add_argument("--data-dir", default="./kvdata", help="where the nodes keep their data (default ./kvdata)")
-    up.add_argument("--base-port", type=_base_port, default=8001, help="HTTP port of n1; peers listen 100 higher, etcd's gRPC API 200 higher (default 8001)")
+    up.add_argument(
+        "--base-port", type=_base_port, default=None,
+        help="HTTP port of n1; peers listen 100 higher, etcd's gRPC API 200 higher (default 8001; for a --data-dir made before, the one it was made with)",
+    )
     up.add_argument("--heartbeat-ms", type=float, default=None)
     up.add_argument("--election-timeout-ms", type=float, default=None)
 
@@ -75,13 +79,24 @@ def _say(msg: str) -> None:
         pass
 
 
-async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int:
-    if nodes < 1:
+LAYOUT_FILE = "cluster.json"  # in DATA_DIR: the nodes and base port it was made with
+
+
+async def up(nodes: int | None, data_dir: str, base_port: int | None, extra: list[str]) -> int:
+    if nodes is not None and nodes < 1:
         raise BadRequest("--nodes must be at least 1")
     made = not os.path.exists(data_dir)
     lock = DataDirLock.acquire(data_dir)  # a second `cluster up` here stops at this line
     try:
+        nodes, base_port = _same_layout(data_dir, nodes, base_port)
         plan = layout(nodes, base_port)
+        running = _holders(data_dir, [n["id"] for n in plan])
+        if running:  # nodes brought back by hand after an earlier run: they would refuse the new ones
+            raise BadRequest(
+                f"nodes of an earlier `kv cluster up` on {os.path.abspath(data_dir)} still run: "
+                f"{', '.join(f'{i} (pid {pid})' for i, pid in running.items())}. Stop them first "
+                f"(kill {' '.join(str(pid) for pid in running.values())}), or give another --data-dir",
+            )
         try:  # all free, or nothing starts (another cluster's nodes would answer in their place)
             check_can_listen(*[pair for n in plan for pair in ((n["http"], f"{n['id']}'s --http "), (n["peer"], f"{n['id']}'s peer port "), (n["grpc"], f"{n['id']}'s --grpc "))])
         except CannotListen as e:
@@ -89,9 +104,31 @@ async def up(nodes: int, data_dir: str, base_port: int, extra: list[str]) -> int
                 shutil.rmtree(data_dir, ignore_errors=True)
             k = nodes - 1
             raise CannotListen(f"{e} (for the whole cluster: --base-port N puts its nodes on ports N..N+{k}, N+100..N+{100 + k} and N+200..N+{200 + k})") from None
+        with open(os.path.join(data_dir, LAYOUT_FILE), "w") as f:
+            json.dump({"nodes": nodes, "base_port": base_port}, f)
         return await _run(plan, data_dir, extra)
     finally:
         lock.release()
+
+
+def _same_layout(data_dir: str, nodes: int | None, base_port: int | None) -> tuple[int, int]:
+    """The nodes and base port to run: those a data dir was made with (its members know each
+    other by those addresses: other ones would run, listed under the old ones), else the
+    ones given, else 3 and 8001."""
+    try:
+        with open(os.path.join(data_dir, LAYOUT_FILE)) as f:
+            saved = json.load(f)
+    except FileNotFoundError:  # new, or made before the layout was kept
+        return nodes or 3, base_port or 8001
+    except (OSError, ValueError) as e:
+        raise BadRequest(f"{os.path.join(data_dir, LAYOUT_FILE)} cannot be read ({e}): remove it and give --nodes and --base-port") from None
+    was = (saved["nodes"], saved["base_port"])
+    if (nodes or was[0], base_port or was[1]) != was:
+        raise BadRequest(
+            f"{os.path.abspath(data_dir)} holds a cluster of {was[0]} nodes on --base-port {was[1]}, whose members know each other "
+            f"by those addresses: run it without --nodes and --base-port (or with those), or give another --data-dir"
+        )
+    return was
 
 
 async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
@@ -145,19 +182,29 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
                 await p.wait()
                 code = 1
             logs[nid].close()
-        _say("stopped")
-        others = await _answering(plan)
+        others = _holders(data_dir, list(procs))
         if others:  # restarted by hand, as the hint says: not this command's to stop
-            _say(f"still running (not started by this command): {', '.join(f'{n} at {u}' for n, u in others.items())}; stop it yourself")
+            _say(
+                f"stopped the nodes this command started; still running, started by hand: "
+                f"{', '.join(f'{i} (pid {pid})' for i, pid in others.items())}: stop them with kill {' '.join(str(pid) for pid in others.values())}"
+            )
+        else:
+            _say("stopped")
     return code
 
 
-async def _answering(plan: list[dict]) -> dict[str, str]:
-    import aiohttp
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
-        seen = await statuses(s, {n["id"]: n["url"] for n in plan})
-    return {n["id"]: n["url"] for n in plan if n["id"] in seen}
+def _holders(data_dir: str, ids: list[str]) -> dict[str, int | None]:
+    """The nodes whose data dir under data_dir a process holds (kv serve locks it), with its pid."""
+    held = {}
+    for i in ids:
+        ndir = os.path.join(data_dir, i)
+        if not os.path.isfile(os.path.join(ndir, LOCK_NAME)):
+            continue
+        try:
+            DataDirLock.acquire(ndir).release()
+        except DataDirLocked as e:
+            held[i] = e.pid
+    return held
 
 
 def _last_line(path: str) -> str:
