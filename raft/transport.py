@@ -66,6 +66,8 @@ PREAUTH_MAX_FRAME = 4096  # HELLO and AUTH are a few hundred bytes
 # --http one. It gets a 400 saying so (ledgerkv's error model, so kv.Client reports it as
 # such), rather than a bare reset that a writer must take for "outcome unknown".
 _HTTP_METHODS = (b"GET ", b"PUT ", b"POST ", b"DELETE ", b"HEAD ", b"PATCH ", b"OPTIONS ")
+# A gRPC client's (etcdctl's) HTTP/2 preface: it gets a GOAWAY saying so, not a frame error.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0"
 MAX_UNAUTHENTICATED = 64
 MAX_CONNECTIONS = 1024
 WRITE_BUFFER_LIMIT = 64 << 20  # beyond this a peer is too slow: drop messages to it
@@ -195,6 +197,17 @@ class _Inbound(asyncio.Protocol):
             self.transport.write(head + body)
         self.close("an HTTP request: a client was given the peer port instead of the --http address")
 
+    def _refuse_grpc(self) -> None:
+        debug = (
+            f"this is node {self.t.node_id}'s peer port, where the members talk Raft: give etcd's clients the node's "
+            "--grpc address (kv cluster up prints them; etcdctl member list lists them)"
+        ).encode()
+        # SETTINGS (empty), then GOAWAY: last stream 0, PROTOCOL_ERROR, the text as its debug data
+        goaway = struct.pack(">I", 8 + len(debug))[1:] + b"\x07\x00\x00\x00\x00\x00" + struct.pack(">II", 0, 1) + debug
+        if self.transport and not self.transport.is_closing():
+            self.transport.write(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" + goaway)
+        self.close("an HTTP/2 (gRPC) client was given the peer port instead of the --grpc address")
+
     def close(self, why: str) -> None:
         if self.transport and not self.transport.is_closing():
             log.warning("closing peer connection from %s: %s", self.peer or "unknown", why[:200])
@@ -207,6 +220,9 @@ class _Inbound(asyncio.Protocol):
             self.t.received_bytes[self.peer] += len(data)
         elif data.startswith(_HTTP_METHODS):
             self._refuse_http()
+            return
+        elif data.startswith(_HTTP2_PREFACE):
+            self._refuse_grpc()
             return
         try:
             for ftype, body in self.reader.frames(data):

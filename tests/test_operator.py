@@ -174,6 +174,16 @@ def test_the_peer_port_given_as_an_endpoint_is_named(node):
         r = run_kv(*argv, "--endpoints", f"http://{node.listen['n1']}", env={"KV_TOKEN": "s3cret"})
         line = refusal(r)
         assert "this is node n1's peer port" in line and "--http address" in line and "unknown" not in line, line
+    # etcd's clients (gRPC, HTTP/2) there: a GOAWAY whose text says which port to give them
+    # (grpcio prints it; it was a frame-length error in the node's log and a bare reset)
+    host, port = node.listen["n1"].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+    assert got[3:4] == b"\x04" and got[12:13] == b"\x07", got  # SETTINGS, then GOAWAY
+    assert b"this is node n1's peer port" in got and b"--grpc address" in got, got
 
 
 def test_json_output_of_every_command(node, tmp_path):

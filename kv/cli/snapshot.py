@@ -54,6 +54,8 @@ async def _save(args: argparse.Namespace) -> int:
         order = c.endpoints[c.endpoints.index(first):] + c.endpoints[: c.endpoints.index(first)]
         for n, ep in enumerate(order):  # taken and downloaded on one node, the next if it fails
             try:
+                if not args.newest and sys.stderr.isatty():  # (a large state takes seconds, more under load)
+                    print(f"taking a snapshot on {ep} ...", file=sys.stderr, flush=True)
                 taken = None if args.newest else await c.take_snapshot(endpoint=ep)
                 bar = Progress("downloading")
                 info = await c.download_snapshot(args.file, endpoint=ep, progress=bar)
