@@ -31,6 +31,12 @@ from .store import SnapshotFile, SnapshotStore
 
 log = logging.getLogger("kv.snapshot")
 
+# A snapshot rewrites the whole state (seconds a GiB, with the leader's writes slowed
+# meanwhile), where the threshold counts entries: with a large state every 100,000 small
+# writes paid for a rewrite of all of it (1M keys: 3-5 s of CPU, every node at once). Past
+# this size the next one also waits until the entries applied since add up to half its size,
+# which keeps the rewriting in proportion to the writing (the ledger holds that much more).
+LARGE_SNAPSHOT_BYTES = 64 << 20
 CHUNK_BYTES = 1 << 20
 WINDOW_BYTES = 8 << 20
 ACK_TIMEOUT_S = 5.0
@@ -118,6 +124,9 @@ class SnapshotManager:
         self.stats = SnapshotStats()
         self._taking: asyncio.Future | None = None
         self._newest: SnapshotFile | None = self.store.newest()
+        self._newest_bytes = 0  # the newest snapshot's size if LARGE_SNAPSHOT_BYTES or more
+        self._applied_bytes = 0  # of the entries applied since it was taken (since this start)
+        self._note_size()
         self._senders: dict[str, asyncio.Task] = {}
         self._acks: dict[str, asyncio.Queue] = {}
         self._recv: _Receiving | None = None
@@ -147,10 +156,12 @@ class SnapshotManager:
         """The snapshot of this index, while this node keeps it."""
         return next((s for s in self.store.list() if s.index == index), None)
 
-    def after_apply(self, applied: int) -> None:
-        """The FSM caller's hook: take a snapshot once enough was applied since the last."""
+    def after_apply(self, applied: int, size: int) -> None:
+        """The FSM caller's hook: take a snapshot once enough was applied since the last
+        (`size`: the bytes of the entries just applied)."""
+        self._applied_bytes += size
         base = self._newest.index if self._newest else 0
-        if applied - base >= self.host.snapshot_threshold and self._taking is None:
+        if applied - base >= self.host.snapshot_threshold and self._taking is None and self._applied_bytes >= self._newest_bytes // 2:
             self._taking = asyncio.ensure_future(self._take_once())
 
     async def take(self) -> SnapshotFile:
@@ -166,6 +177,13 @@ class SnapshotManager:
             if snap.index >= wanted:
                 return snap
 
+    def _note_size(self) -> None:
+        try:
+            size = os.path.getsize(self._newest.path) if self._newest is not None else 0
+        except OSError:
+            size = 0
+        self._newest_bytes = size if size >= LARGE_SNAPSHOT_BYTES else 0
+
     async def _take_once(self) -> SnapshotFile:
         try:
             return await self._take()
@@ -176,6 +194,7 @@ class SnapshotManager:
         host = self.host
         loop = asyncio.get_running_loop()
         view = host.capture()
+        self._applied_bytes = 0
         t0 = time.monotonic()
         try:
             if self._newest is not None and self._newest.index >= view.index:
@@ -187,6 +206,7 @@ class SnapshotManager:
             view.release()
         took = time.monotonic() - t0
         self._newest = snap
+        self._note_size()
         self.stats.taken += 1
         self.stats.take_seconds += took
         self.stats.last_take_seconds = took
@@ -386,5 +406,7 @@ class SnapshotManager:
         """Ledger writer thread, before the ledger is reset to the snapshot."""
         path = self._verified.pop((meta.index, meta.term))
         self._newest = self.store.adopt(path, meta.index, meta.term)
+        self._note_size()
+        self._applied_bytes = 0
         self.stats.installed += 1
         failpoints.hit("install.after_adopt")

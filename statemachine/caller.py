@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import operator
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -19,6 +20,8 @@ from ..raft.disk import DISK_RETRY_S, free_bytes, is_disk_full
 from ..raft.errors import KVError
 from ..raft.messages import SnapshotMeta
 from .protocol import StateMachine
+
+_DATA = operator.attrgetter("data")
 
 log = logging.getLogger("kv.statemachine.caller")
 
@@ -37,7 +40,7 @@ class FSMCaller:
         node_id: str,
         *,
         load_snapshot: Callable[[SnapshotMeta], None] | None = None,
-        after_apply: Sequence[Callable[[int], None]] = (),
+        after_apply: Sequence[Callable[[int, int], None]] = (),  # (applied index, bytes of the entries applied)
         after_load: Sequence[Callable[[int], None]] = (),
         observe_apply: Callable[[float], None] | None = None,  # seconds per applied batch (metrics)
         after_reopen: Sequence[Callable[[], None]] = (),  # the state machine was opened again from disk
@@ -124,8 +127,10 @@ class FSMCaller:
         if self._observe_apply is not None:
             self._observe_apply(time.perf_counter() - t0)
         self.applied = entries[-1].index
-        for hook in self._after_apply:
-            hook(self.applied)
+        if self._after_apply:
+            size = sum(map(len, map(_DATA, entries)))
+            for hook in self._after_apply:
+                hook(self.applied, size)
         return results
 
     async def _load(self, meta: SnapshotMeta) -> None:

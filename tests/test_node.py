@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -371,6 +372,34 @@ async def test_a_snapshot_asked_for_covers_what_was_applied_though_one_was_being
         snap = await asked
         assert snap.index >= wanted
         assert [s.index < wanted for s in node.snapshots.store.list()] == [False, True]  # newest first
+    finally:
+        await node.stop()
+
+
+async def test_a_large_snapshot_is_taken_again_once_the_writes_since_add_up_to_half_its_size(tmp_path, monkeypatch):
+    """Every --snapshot-threshold entries rewrote the whole state, however large: with 1M
+    keys, 3-5 s of CPU on every node at once each 100,000 small writes. Past
+    LARGE_SNAPSHOT_BYTES the next one also waits for half its size in entries applied."""
+    monkeypatch.setattr(kv.snapshot.manager, "LARGE_SNAPSHOT_BYTES", 16 << 10)
+    node = kv.Node(kv.NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), snapshot_threshold=10))
+    await node.start()
+    try:
+        await node.wait_leader(timeout=10)
+        value = b"v" * 1000
+        for i in range(60):
+            await node.put(f"k{i:02d}", value)
+        size = os.path.getsize((await node.snapshots.take()).path)
+        assert size > 50_000
+        taken = node.snapshots.stats.taken
+        below = -(-size // 4 // len(value))  # entries of over 1,000 bytes: at least a quarter of its size, under half
+        assert below >= 10  # past the threshold
+        for i in range(below):
+            await node.put(f"k{i % 60:02d}", value)
+        await asyncio.sleep(0.3)
+        assert node.snapshots.stats.taken == taken
+        for i in range(-(-size * 3 // 10 // len(value))):  # over half its size in all
+            await node.put(f"k{i % 60:02d}", value)
+        await poll(lambda: node.snapshots.stats.taken == taken + 1, timeout=10, error="no snapshot after half its size")
     finally:
         await node.stop()
 

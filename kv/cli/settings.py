@@ -131,7 +131,7 @@ SERVE_OPTIONS = [
     Option("--heartbeat-ms", "heartbeat_ms", _number("milliseconds", 0), "leader heartbeat interval (default 100)"),
     Option("--election-timeout-ms", "election_timeout_ms", _number("milliseconds", 0), "follower election timeout (default 1000)"),
     Option("--append-hold-ms", "append_hold_ms", _number("milliseconds", 0, exclusive=False), "while an APPEND is in flight to a follower, hold the next partial one this long at most for its ack, to send more entries at once (default 5; 0: never hold)"),
-    Option("--snapshot-threshold", "snapshot_threshold", _integer(1), "take a snapshot every this many applied entries (default 100000)"),
+    Option("--snapshot-threshold", "snapshot_threshold", _integer(1), "take a snapshot every this many applied entries (default 100000; one of 64 MiB or more, once the entries since add up to half its size too)"),
     Option("--snapshot-trailing", "snapshot_trailing", _integer(0), "entries kept in the ledger behind a snapshot (default 5000)"),
     Option("--snapshot-keep", "snapshot_keep", _integer(1), "snapshot files kept (default 3)"),
     Option("--max-value-bytes", "max_value_bytes", _integer(1), "largest value accepted (default 1048576)"),
