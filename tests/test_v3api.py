@@ -8,6 +8,7 @@ import base64
 import filecmp
 import json
 import os
+import queue
 import re
 import shutil
 import socket
@@ -600,55 +601,66 @@ def test_etcdctl_lock_is_handed_over_when_the_holder_is_killed(cluster):
                 p.wait()
 
 
+def _lines(p: subprocess.Popen) -> queue.Queue:
+    """The lines of a process's stdout as they come (a thread reads them): get() with a timeout."""
+    q: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [q.put(line.rstrip("\n")) for line in p.stdout], daemon=True).start()
+    return q
+
+
 @pytest.mark.skipif(ETCDCTL is None, reason="etcdctl is not installed (Debian's etcd-client; .ci/run installs it)")
-def test_a_node_stopped_for_a_restart_keeps_the_watches_and_lock_waits_of_etcds_clients(cluster):
+def test_a_node_stopped_for_a_restart_keeps_the_watches_and_lock_waits_of_etcds_clients(tmp_path):
     """A stop (SIGTERM) ended the calls open on the node with CANCELLED, on which etcd's Go
     client gives a watch or a lease's keepalives up for good: a rolling restart ended every
     `etcdctl watch` and `etcdctl lock` waiting there. With UNAVAILABLE, as etcd's "transport
     is closing", they wait for the node and carry on."""
+    c = ProcCluster(str(tmp_path), 3)
+    c.serve_etcd_api()
     env = {**os.environ, "ETCDCTL_API": "3"}
-    node = cluster.follower
-    other = next(i for i in cluster.ids if i != node)
-    ctl = [ETCDCTL, "--endpoints", cluster.grpc[node]]  # only this node: the client waits for it
-    holder = subprocess.Popen([ETCDCTL, "--endpoints", cluster.grpc[other], "lock", "--ttl=3", "restart-lock"], stdout=subprocess.PIPE, text=True, env=env)
-    watcher = waiter = None
+    procs: list[subprocess.Popen] = []
     ended_test = threading.Event()
+
+    def etcdctl(node: str, *args: str) -> tuple[subprocess.Popen, queue.Queue]:
+        p = subprocess.Popen([ETCDCTL, "--endpoints", c.grpc[node], *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        procs.append(p)
+        return p, _lines(p)
+
     try:
-        assert holder.stdout.readline().startswith("restart-lock/")
-        before = _open_watches(cluster, node)
-        watcher = subprocess.Popen([*ctl, "watch", "restart/"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        waiter = subprocess.Popen([*ctl, "lock", "--ttl=10", "restart-lock"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        wait_until(lambda: _open_watches(cluster, node) >= before + 2, 10, "the watch and the lock wait on the node")  # (the waiter watches the holder's key)
-        stubs = Stubs(cluster.grpc[node])
+        c.start(*c.ids)
+        other = c.leader()
+        node = next(i for i in c.ids if i != other)  # a follower, and the only endpoint its clients know
+        holder, held = etcdctl(other, "lock", "--ttl=3", "restart-lock")
+        assert held.get(timeout=30).startswith("restart-lock/")
+        watcher, watched = etcdctl(node, "watch", "--prefix", "restart/")
+        waiter, waited = etcdctl(node, "lock", "--ttl=10", "restart-lock")
+        wait_until(lambda: _open_watches(c, node) >= 2, 20, "the watch and the lock wait on the node")  # (the waiter watches the holder's key)
+        stubs = Stubs(c.grpc[node])
 
         def requests():
             yield rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"restart/raw"))
-            ended_test.wait(30)  # (the stream stays open from this side)
+            ended_test.wait(60)  # (the stream stays open from this side)
 
-        raw = stubs.watch.Watch(requests(), timeout=30)
+        raw = stubs.watch.Watch(requests(), timeout=60)
         assert next(raw).created
-        cluster.stop(node)  # SIGTERM
+        c.stop(node)  # SIGTERM
         with pytest.raises(grpc.RpcError) as ended:
             next(raw)
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
         stubs.channel.close()
         time.sleep(2.0)
-        assert watcher.poll() is None and waiter.poll() is None, (watcher.poll() is None or watcher.stderr.read(), waiter.poll() is None or waiter.stderr.read())
-        cluster.start(node)
-        put(Stubs(cluster.grpc[other]), b"restart/k", b"after")
-        got = []
-        for _ in range(3):  # PUT, key, value
-            got.append(watcher.stdout.readline().strip())
-        assert got == ["PUT", "restart/k", "after"], got
+        assert watcher.poll() is None and waiter.poll() is None, [p.stderr.read() for p in (watcher, waiter) if p.poll() is not None]
+        c.start(node)
+        put(Stubs(c.grpc[other]), b"restart/k", b"after")
+        # (the client comes back after its reconnect backoff: seconds)
+        assert [watched.get(timeout=90) for _ in range(3)] == ["PUT", "restart/k", "after"]
         holder.kill()  # its session's lease expires and the waiter, back on its node, takes the lock
-        assert waiter.stdout.readline().startswith("restart-lock/")
+        assert waited.get(timeout=90).startswith("restart-lock/")
     finally:
         ended_test.set()
-        cluster.start(node)
-        for p in (holder, watcher, waiter):
-            if p is not None:
-                p.kill()
-                p.wait()
+        for p in procs:
+            p.kill()
+            p.wait()
+        c.close()
 
 
 # -- the JSON gateway (etcd 3.4's grpc-gateway, on the node's HTTP port) ----------------------
