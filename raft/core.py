@@ -701,7 +701,8 @@ class RaftCore:
             self._send(HeartbeatResponse(self.id, m.src, self.term, HeartbeatCode[problem], m.read_seq))
             return
         self._follower_commit(m.commit_index)
-        self._send(HeartbeatResponse(self.id, m.src, self.term, HeartbeatCode.SUCCESS, m.read_seq), after_persist=self._hs_dirty)
+        code = HeartbeatCode.SUCCESS if m.commit_index <= self.log.last_index() else HeartbeatCode.LOST_ENTRIES
+        self._send(HeartbeatResponse(self.id, m.src, self.term, code, m.read_seq), after_persist=self._hs_dirty)
 
     def _handle_heartbeat_response(self, m: HeartbeatResponse) -> None:
         if m.term > self.term:
@@ -714,6 +715,8 @@ class RaftCore:
             return
         if m.code == HeartbeatCode.SUCCESS and self._repl.heartbeat_answered(m, self._now, self.commit_index):
             self._advance_reads()
+        elif m.code == HeartbeatCode.LOST_ENTRIES:
+            self._repl.heartbeat_lost(m.src)
 
     def _follower_commit(self, leader_commit: int) -> None:
         # The leader only sends commit indexes we are known to hold matching entries for.

@@ -57,6 +57,9 @@ class HeartbeatCode(enum.IntEnum):
     INCONSISTENT_LEADER = 2  # we follow another leader in this very term (must not happen)
     TERM_NOT_READY = 3  # vocabulary only, see the module docstring
     UNKNOWN_MEMBER = 4  # the sender is not a member of our group
+    # The heartbeat's commit index (never past what we acknowledged) is past our log's end:
+    # we lost entries we had acknowledged (a wiped data dir). Not DLedger's.
+    LOST_ENTRIES = 5
 
 
 class PushType(enum.IntEnum):

@@ -718,8 +718,8 @@ class RaftNode:
             self.stats["followers_lost_entries"] += 1
             log.error(
                 "node %s: follower %s answered with a ledger that ends at index %d, below the %d it had acknowledged: "
-                "its data dir was lost or replaced. It is caught up again (by a snapshot if the ledger no longer holds "
-                "its entries), but until then the cluster has one copy fewer of those entries than it counted on. "
+                "its data dir was lost or replaced. It is being caught up again (by a snapshot if the ledger no longer "
+                "holds its entries), but until then the cluster has one copy fewer of those entries than it counted on. "
                 "A node whose data is gone should rejoin as a new member: kv member remove %s, then start it with an "
                 "empty data dir and --join",
                 self.id, lost.peer, lost.holds, lost.acknowledged, lost.peer,

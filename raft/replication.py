@@ -215,6 +215,15 @@ class Replication:
             return True
         return False
 
+    def heartbeat_lost(self, peer: str) -> None:
+        """The follower answered a heartbeat that its log ends before what it acknowledged.
+        Ask where it ends (COMPARE): its answer lowers the match (push_answered). An idle
+        leader pushes nothing else, and would not hear of it until the next write."""
+        pr = self.progress[peer]
+        if pr.state != DispatcherState.COMPARE or pr.probe_sent_at is None:
+            pr.reset(DispatcherState.COMPARE, pr.next)
+            self.needed = True
+
     def push_answered(self, m: PushResponse, now: float) -> bool:
         """An answer to a push (not INCONSISTENT_LEADER). Returns whether the follower's
         match index moved."""
