@@ -66,7 +66,9 @@ PREAUTH_MAX_FRAME = 4096  # HELLO and AUTH are a few hundred bytes
 # --http one. It gets a 400 saying so (ledgerkv's error model, so kv.Client reports it as
 # such), rather than a bare reset that a writer must take for "outcome unknown".
 _HTTP_METHODS = (b"GET ", b"PUT ", b"POST ", b"DELETE ", b"HEAD ", b"PATCH ", b"OPTIONS ")
-# A gRPC client's (etcdctl's) HTTP/2 preface: it gets a GOAWAY saying so, not a frame error.
+# A gRPC client's (etcdctl's) HTTP/2 preface: closed at once, and the log says what it was
+# (not a frame-length error). Closed, grpcio fails at once with UNAVAILABLE; a GOAWAY with a
+# text had it reconnect in a busy loop until its deadline, the text only in its debug log.
 _HTTP2_PREFACE = b"PRI * HTTP/2.0"
 MAX_UNAUTHENTICATED = 64
 MAX_CONNECTIONS = 1024
@@ -197,17 +199,6 @@ class _Inbound(asyncio.Protocol):
             self.transport.write(head + body)
         self.close("an HTTP request: a client was given the peer port instead of the --http address")
 
-    def _refuse_grpc(self) -> None:
-        debug = (
-            f"this is node {self.t.node_id}'s peer port, where the members talk Raft: give etcd's clients the node's "
-            "--grpc address (kv cluster up prints them; etcdctl member list lists them)"
-        ).encode()
-        # SETTINGS (empty), then GOAWAY: last stream 0, PROTOCOL_ERROR, the text as its debug data
-        goaway = struct.pack(">I", 8 + len(debug))[1:] + b"\x07\x00\x00\x00\x00\x00" + struct.pack(">II", 0, 1) + debug
-        if self.transport and not self.transport.is_closing():
-            self.transport.write(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" + goaway)
-        self.close("an HTTP/2 (gRPC) client was given the peer port instead of the --grpc address")
-
     def close(self, why: str) -> None:
         if self.transport and not self.transport.is_closing():
             log.warning("closing peer connection from %s: %s", self.peer or "unknown", why[:200])
@@ -222,7 +213,7 @@ class _Inbound(asyncio.Protocol):
             self._refuse_http()
             return
         elif data.startswith(_HTTP2_PREFACE):
-            self._refuse_grpc()
+            self.close("an HTTP/2 (gRPC) client was given the peer port instead of the node's --grpc address")
             return
         try:
             for ftype, body in self.reader.frames(data):
