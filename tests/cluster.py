@@ -9,8 +9,11 @@ resumed and restarted; every process and proxy is stopped by close().
 from __future__ import annotations
 
 import os
+import queue
 import signal
-
+import subprocess
+import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -20,7 +23,7 @@ from netproxy import LinkProxy, ProxyLoop
 
 from kv.bench.harness import Procs, free_port, leader_of, wait_until
 
-__all__ = ["FAST", "ProcCluster", "wait_until"]
+__all__ = ["FAST", "Proc", "ProcCluster", "wait_until"]
 
 FAST = ["--heartbeat-ms", "50", "--election-timeout-ms", "500"]
 
@@ -32,6 +35,44 @@ def ctrl_c_able() -> None:
     process happened to have set a SIGINT handler of its own by then (asyncio's
     remove_signal_handler leaves one), which depends on the tests that ran before."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class Proc:
+    """A child process whose stdout lines can be awaited with a timeout."""
+
+    def __init__(self, args: list[str], env: dict | None = None) -> None:
+        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=ctrl_c_able)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.p.stdout:
+            self.lines.put(line.rstrip("\n"))
+
+    def expect(self, want: str, timeout: float) -> float:
+        """Wait for a line starting with `want`; returns when it came (time.monotonic())."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no {want!r} from {self.p.args} within {timeout}s; stderr: {self.stderr()}") from None
+            if line.startswith(want):
+                return time.monotonic()
+
+    def quiet(self, seconds: float) -> None:
+        time.sleep(seconds)  # a time in which it must print nothing
+        assert self.lines.empty(), f"{self.p.args} printed {self.lines.get_nowait()!r}"
+
+    def stderr(self) -> str:
+        if self.p.poll() is None:
+            return "(still running)"
+        return self.p.stderr.read()[-2000:]
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(10)
 
 
 class ProcCluster:

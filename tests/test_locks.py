@@ -7,17 +7,15 @@ a listener sees every change."""
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import orjson
 import pytest
-from cluster import ProcCluster, ctrl_c_able, wait_until
+from cluster import Proc, ProcCluster, ctrl_c_able, wait_until
 
 import kv
 
@@ -33,44 +31,6 @@ def cluster(tmp_path):
     c.leader()
     yield c
     c.close()
-
-
-class Proc:
-    """A child process whose stdout lines can be awaited with a timeout."""
-
-    def __init__(self, args: list[str], env: dict | None = None) -> None:
-        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=ctrl_c_able)
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.p.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def expect(self, want: str, timeout: float) -> float:
-        """Wait for a line starting with `want`; returns when it came (time.monotonic())."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no {want!r} from {self.p.args} within {timeout}s; stderr: {self.stderr()}") from None
-            if line.startswith(want):
-                return time.monotonic()
-
-    def quiet(self, seconds: float) -> None:
-        time.sleep(seconds)  # a time in which it must print nothing
-        assert self.lines.empty(), f"{self.p.args} printed {self.lines.get_nowait()!r}"
-
-    def stderr(self) -> str:
-        if self.p.poll() is None:
-            return "(still running)"
-        return self.p.stderr.read()[-2000:]
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-        self.p.wait(10)
 
 
 def endpoints(c: ProcCluster, first: int = 0) -> str:

@@ -6,6 +6,7 @@ checks afterwards that nothing was lost and nothing in the data dir was touched.
 from __future__ import annotations
 
 import os
+import shutil
 import shlex
 import signal
 import socket
@@ -283,8 +284,17 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         back.kill()
         back.wait()
         wait_until(lambda: "n3 (restarted by hand) stopped answering; 2/3 nodes answering" in up_out.read_text(), 30, "cluster up seeing n3 gone again")
+        # This time its data dir is gone too (rm -rf), and the same command brings it back:
+        # the cluster idles, and the leader finds it out at a heartbeat and catches it up.
+        shutil.rmtree(os.path.join(d, "n3"))
+        os.makedirs(os.path.join(d, "n3"))  # (for the command's log redirection)
         back = subprocess.Popen(["bash", "-c", f"exec {command}"], env={"PATH": "/usr/bin:/bin"})
         wait_until(lambda: up_out.read_text().count("n3 answers again (restarted by hand)") == 2, 60, "cluster up seeing n3 back again")
+        wait_until(
+            lambda: kv_cli("get", "while-down", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 60, "n3 caught up from an empty data dir"
+        )
+        logs = "".join(open(os.path.join(d, n, "serve.log"), errors="replace").read() for n in ("n1", "n2"))
+        assert "follower n3 answered with a ledger that ends at index 0" in logs and "kv member remove n3" in logs
         # Its own nodes all gone, but n3 (started by hand) answers: not "every node has exited".
         for nid in ("n1", "n2"):
             os.kill(pid_of(nid), signal.SIGKILL)

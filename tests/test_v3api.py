@@ -8,7 +8,6 @@ import base64
 import filecmp
 import json
 import os
-import queue
 import re
 import shutil
 import socket
@@ -21,7 +20,7 @@ import urllib.request
 
 import grpc
 import pytest
-from cluster import ProcCluster, wait_until
+from cluster import Proc, ProcCluster, wait_until
 
 from kv import __version__ as KV_VERSION
 from kv.bench.harness import free_port
@@ -601,13 +600,6 @@ def test_etcdctl_lock_is_handed_over_when_the_holder_is_killed(cluster):
                 p.wait()
 
 
-def _lines(p: subprocess.Popen) -> queue.Queue:
-    """The lines of a process's stdout as they come (a thread reads them): get() with a timeout."""
-    q: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [q.put(line.rstrip("\n")) for line in p.stdout], daemon=True).start()
-    return q
-
-
 @pytest.mark.skipif(ETCDCTL is None, reason="etcdctl is not installed (Debian's etcd-client; .ci/run installs it)")
 def test_a_node_stopped_for_a_restart_keeps_the_watches_and_lock_waits_of_etcds_clients(tmp_path):
     """A stop (SIGTERM) ended the calls open on the node with CANCELLED, on which etcd's Go
@@ -617,22 +609,21 @@ def test_a_node_stopped_for_a_restart_keeps_the_watches_and_lock_waits_of_etcds_
     c = ProcCluster(str(tmp_path), 3)
     c.serve_etcd_api()
     env = {**os.environ, "ETCDCTL_API": "3"}
-    procs: list[subprocess.Popen] = []
+    procs: list[Proc] = []
     ended_test = threading.Event()
 
-    def etcdctl(node: str, *args: str) -> tuple[subprocess.Popen, queue.Queue]:
-        p = subprocess.Popen([ETCDCTL, "--endpoints", c.grpc[node], *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        procs.append(p)
-        return p, _lines(p)
+    def etcdctl(node: str, *args: str) -> Proc:
+        procs.append(Proc([ETCDCTL, "--endpoints", c.grpc[node], *args], env=env))
+        return procs[-1]
 
     try:
         c.start(*c.ids)
         other = c.leader()
         node = next(i for i in c.ids if i != other)  # a follower, and the only endpoint its clients know
-        holder, held = etcdctl(other, "lock", "--ttl=3", "restart-lock")
-        assert held.get(timeout=30).startswith("restart-lock/")
-        watcher, watched = etcdctl(node, "watch", "--prefix", "restart/")
-        waiter, waited = etcdctl(node, "lock", "--ttl=10", "restart-lock")
+        holder = etcdctl(other, "lock", "--ttl=3", "restart-lock")
+        holder.expect("restart-lock/", 30)
+        watcher = etcdctl(node, "watch", "--prefix", "restart/")
+        waiter = etcdctl(node, "lock", "--ttl=10", "restart-lock")
         wait_until(lambda: _open_watches(c, node) >= 2, 20, "the watch and the lock wait on the node")  # (the waiter watches the holder's key)
         stubs = Stubs(c.grpc[node])
 
@@ -648,18 +639,18 @@ def test_a_node_stopped_for_a_restart_keeps_the_watches_and_lock_waits_of_etcds_
         assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
         stubs.channel.close()
         time.sleep(2.0)
-        assert watcher.poll() is None and waiter.poll() is None, [p.stderr.read() for p in (watcher, waiter) if p.poll() is not None]
+        assert watcher.p.poll() is None and waiter.p.poll() is None, (watcher.stderr(), waiter.stderr())
         c.start(node)
         put(Stubs(c.grpc[other]), b"restart/k", b"after")
         # (the client comes back after its reconnect backoff: seconds)
-        assert [watched.get(timeout=90) for _ in range(3)] == ["PUT", "restart/k", "after"]
-        holder.kill()  # its session's lease expires and the waiter, back on its node, takes the lock
-        assert waited.get(timeout=90).startswith("restart-lock/")
+        for line in ("PUT", "restart/k", "after"):
+            watcher.expect(line, 90)
+        holder.stop()  # its session's lease expires and the waiter, back on its node, takes the lock
+        waiter.expect("restart-lock/", 90)
     finally:
         ended_test.set()
         for p in procs:
-            p.kill()
-            p.wait()
+            p.stop()
         c.close()
 
 
