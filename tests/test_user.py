@@ -464,6 +464,29 @@ def test_join_gives_up_on_a_permanent_refusal_and_after_its_timeout(tmp_path):
         )
         assert r.returncode != 0 and "already a member" in one_line(r.stderr)
         assert time.monotonic() - t0 < 30
+        # A voter whose data dir is gone, started again with --join at its own addresses: it
+        # forgot its log and its votes, so it is refused until it is removed (a rejoin).
+        c.kill("n3")
+        shutil.rmtree(c.data_dir("n3"))
+        r = kv_cli(
+            "serve", "--id", "n3", "--data-dir", c.data_dir("n3"), "--http", c.http["n3"],
+            "--peers", f"n3={c.listen['n3']}", "--join", c.url("n1"),
+        )
+        _refused_as_a_voter_that_lost_its_data(c, r)
+        # As the refusal says: remove it, join again (now its HTTP address is in the
+        # membership too, so a join with the same addresses looks like a retry of its own)...
+        assert kv_cli("member", "remove", "n3", "--endpoints", c.url("n1")).returncode == 0
+        c.joining["n3"] = True
+        c.start("n3", join_via="n1")
+        wait_until(lambda: {m["id"]: m["voter"] for m in c.members(c.leader())}.get("n3"), 60, "n3 a voter again")
+        # ... and lose its data once more: refused again, where it was let in before.
+        c.kill("n3")
+        shutil.rmtree(c.data_dir("n3"))
+        r = kv_cli(
+            "serve", "--id", "n3", "--data-dir", c.data_dir("n3"), "--http", c.http["n3"],
+            "--peers", f"n3={c.listen['n3']}", "--join", c.url("n1"), timeout=30,  # (let in, it would run on)
+        )
+        _refused_as_a_voter_that_lost_its_data(c, r)
     finally:
         c.close()
     dead = f"http://127.0.0.1:{free_port()}"
@@ -473,6 +496,14 @@ def test_join_gives_up_on_a_permanent_refusal_and_after_its_timeout(tmp_path):
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "did not add n9 within 3s" in r.stderr.strip().splitlines()[-1]  # after its log lines of retrying
+
+
+def _refused_as_a_voter_that_lost_its_data(c: ProcCluster, r) -> None:
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    said = one_line(r.stderr)
+    assert "n3 is already a voting member" in said and "kv member remove n3" in said, said
+    assert {m["id"]: m["voter"] for m in c.members(c.leader())} == {"n1": True, "n2": True, "n3": True}
+    assert not os.path.exists(os.path.join(c.data_dir("n3"), "ledger"))  # nothing was started
 
 
 WATCH_UNTIL_CTRL_C = """
