@@ -576,6 +576,10 @@ def test_etcdctl_against_a_follower(cluster):
     assert health.returncode == 0 and health.stderr.count("is healthy") == 3, health.stderr  # every member, found through MemberList
     # etcd's minimum TTL, 1.5 election timeouts: 1 s with these nodes' 500 ms (2 s with the default 1 s, as etcd's)
     assert ctl("lease", "grant", "0").split()[4] == "TTL(1s)"
+    # etcdctl of the v2 API (ETCDCTL_API=2) is told what to use instead, on either port
+    for v2_ep in ("http://" + cluster.grpc[cluster.follower], cluster.url(cluster.follower)):
+        v2 = subprocess.run([ETCDCTL, "--endpoints", v2_ep, "get", "ctl/a"], capture_output=True, text=True, env={**env, "ETCDCTL_API": "2"}, timeout=30)
+        assert v2.returncode != 0 and "use ETCDCTL_API=3" in v2.stderr, v2.stderr
 
 
 @pytest.mark.skipif(ETCDCTL is None, reason="etcdctl is not installed (Debian's etcd-client; .ci/run installs it)")

@@ -251,7 +251,7 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
         ok = s.get("leader") is not None and not s.get("alarms") and not node.raised_alarms()
         return web.json_response({"health": "true" if ok else "false"}, status=200 if ok else 503)
 
-    out = [web.get("/version", version), web.get("/health", health)]
+    out = [web.get("/version", version), web.get("/health", health), web.route("*", "/v2/{path:.*}", etcd_v2)]
     for prefix in ("/v3/", "/v3beta/"):
         out += [web.post(prefix + path, unary_handler(call, cls)) for path, (call, cls) in unary.items()]
         out += [web.post(prefix + path, stream_handler(call, cls, goes_on)) for path, (call, cls, goes_on) in streams.items()]
@@ -263,6 +263,21 @@ async def unserved(request: web.Request) -> web.Response:
     """A gateway call ledgerkv does not serve (defragment, users and roles...): etcd's error
     body, UNIMPLEMENTED, as its gRPC port answers the same call."""
     return _error(grpc.StatusCode.UNIMPLEMENTED, f"ledgerkv does not serve etcd's {request.match_info['call']}: docs/etcd.md lists what it serves")
+
+
+async def etcd_v2(request: web.Request) -> web.Response:
+    """etcd's v2 API (ETCDCTL_API=2, v2 clients): not served. The answer is a v2 error, which
+    etcdctl prints as "Error:  404: <message> (<path>) [0]" (etcd 3.4, whose v2 API is off
+    by default, answers "404 page not found", which etcdctl reports as invalid JSON)."""
+    return web.json_response(
+        {
+            "errorCode": 404,
+            "message": "ledgerkv serves etcd's v3 API, not v2: use ETCDCTL_API=3 (etcdctl 3.4's default) with this node's --grpc address",
+            "cause": request.path,
+            "index": 0,
+        },
+        status=404,
+    )
 
 
 class _Closing(asyncio.Event):
