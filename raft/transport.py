@@ -201,10 +201,15 @@ class _Inbound(asyncio.Protocol):
 
     def close(self, why: str) -> None:
         if self.transport and not self.transport.is_closing():
-            log.warning("closing peer connection from %s: %s", self.peer or "unknown", why[:200])
+            log.warning("closing peer connection from %s: %s", self.peer or self._address(), why[:200])
             self.t.rejected_connections += 1
             self.transport.close()
         self.t._unauthed.pop(self, None)
+
+    def _address(self) -> str:
+        """Where an unidentified connection came from (HOST:PORT), for the log."""
+        addr = self.transport.get_extra_info("peername") if self.transport else None
+        return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else "an unknown address"
 
     def data_received(self, data: bytes) -> None:
         if self.peer is not None:

@@ -178,9 +178,11 @@ def test_the_peer_port_given_as_an_endpoint_is_named(node):
     # node's log says what it was (it said "frame length 1347569952 out of bounds")
     host, port = node.listen["n1"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as s:
+        mine = "%s:%d" % s.getsockname()[:2]
         s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
         assert s.recv(4096) == b""
-    wait_until(lambda: "an HTTP/2 (gRPC) client was given the peer port instead of the node's --grpc address" in node.log("n1"), 10, "the log saying so")
+    said = f"closing peer connection from {mine}: an HTTP/2 (gRPC) client was given the peer port instead of the node's --grpc address"
+    wait_until(lambda: said in node.log("n1"), 10, "the log saying so, and where the connection came from")
 
 
 def test_json_output_of_every_command(node, tmp_path):

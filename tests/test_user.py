@@ -248,6 +248,13 @@ def test_cluster_up_whose_nodes_die_at_start_exits_non_zero_naming_them(tmp_path
 
 
 
+def _node_in(shell: subprocess.Popen) -> int:
+    """The pid of the node that a shell running a bring-back command started (the shell
+    itself, if it exec'd it)."""
+    children = open(f"/proc/{shell.pid}/task/{shell.pid}/children").read().split()
+    return int(children[0]) if children else shell.pid
+
+
 def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
     d = str(tmp_path / "kvdata")
     base = _free_base_port()
@@ -273,7 +280,7 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         # settings it inherited, if any), with -P: not whatever `kv` folder the shell is in.
         assert command.split(" -P -m kv serve --id n3 ")[0].endswith(shlex.quote(sys.executable))
         assert kv_cli("put", "while-down", "2", "--endpoints", endpoints).returncode == 0
-        back = subprocess.Popen(["bash", "-c", f"exec {command}"], env={"PATH": "/usr/bin:/bin"})
+        back = subprocess.Popen(["bash", "-c", command], env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
         n3_url = f"http://127.0.0.1:{base + 2}"
         wait_until(
             lambda: kv_cli("get", "while-down", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 60, "n3 back and caught up"
@@ -281,14 +288,13 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         assert up.poll() is None  # the others went on
         wait_until(lambda: "n3 answers again (restarted by hand); 3/3 nodes answering" in up_out.read_text(), 30, "cluster up seeing n3 back")
         # A node restarted by hand that dies again is reported too (it said nothing), and again back.
-        back.kill()
+        os.killpg(back.pid, signal.SIGKILL)
         back.wait()
         wait_until(lambda: "n3 (restarted by hand) stopped answering; 2/3 nodes answering" in up_out.read_text(), 30, "cluster up seeing n3 gone again")
         # This time its data dir is gone too (rm -rf), and the same command brings it back:
         # the cluster idles, and the leader finds it out at a heartbeat and catches it up.
-        shutil.rmtree(os.path.join(d, "n3"))
-        os.makedirs(os.path.join(d, "n3"))  # (for the command's log redirection)
-        back = subprocess.Popen(["bash", "-c", f"exec {command}"], env={"PATH": "/usr/bin:/bin"})
+        shutil.rmtree(os.path.join(d, "n3"))  # (its log with it: the command makes the dir again)
+        back = subprocess.Popen(["bash", "-c", command], env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
         wait_until(lambda: up_out.read_text().count("n3 answers again (restarted by hand)") == 2, 60, "cluster up seeing n3 back again")
         wait_until(
             lambda: kv_cli("get", "while-down", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 60, "n3 caught up from an empty data dir"
@@ -303,16 +309,20 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         wait_until(lambda: "no leader: 1/3 nodes answering, and 2 are needed" in up_out.read_text(), 30, "cluster up saying n3 cannot lead alone")
         up.send_signal(signal.SIGINT)
         assert up.wait(30) == 1  # its nodes died
-        assert f"still running, started by hand: n3 (pid {back.pid}): stop them with kill {back.pid}" in up_out.read_text()
+        n3_pid = _node_in(back)
+        assert f"still running, started by hand: n3 (pid {n3_pid}): stop them with kill {n3_pid}" in up_out.read_text()
         # Another `kv cluster up` there is refused before it starts anything (its n3 would
         # stop at the data dir's lock, after the banner, with a bring-back hint that fails alike).
         again = kv_cli("cluster", "up", "--data-dir", d, "--base-port", str(base))
-        assert again.returncode == 1 and f"n3 (pid {back.pid}). Stop them first (kill {back.pid})" in again.stderr, again.stderr
+        assert again.returncode == 1 and f"n3 (pid {n3_pid}). Stop them first (kill {n3_pid})" in again.stderr, again.stderr
         assert "starting" not in again.stdout + again.stderr and back.poll() is None
     finally:
         for p in (back, up):
             if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGINT if p is up else signal.SIGTERM)
+                if p is up:
+                    p.send_signal(signal.SIGINT)
+                else:
+                    os.killpg(p.pid, signal.SIGTERM)  # the shell and the node it started
                 try:
                     p.wait(30)
                 except subprocess.TimeoutExpired:

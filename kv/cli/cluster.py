@@ -245,7 +245,9 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                     last = _last_line(log_paths[nid])
                     _say(f"node {nid} exited with code {p.returncode}; its log is {log_paths[nid]}" + (f": {last}" if last else ""))
                     args = next(n["args"] for n in plan if n["id"] == nid)
-                    _say(f"  to bring {nid} back, in another shell: {_restart_line(args)} >> {shlex.quote(log_paths[nid])} 2>&1")
+                    # (mkdir: its data dir, where the log goes, may be gone, an rm -rf'd node's)
+                    log_dir = shlex.quote(os.path.dirname(log_paths[nid]))
+                    _say(f"  to bring {nid} back, in another shell: mkdir -p {log_dir} && {_restart_line(args)} >> {shlex.quote(log_paths[nid])} 2>&1")
             seen = await statuses(s, {n["id"]: n["url"] for n in plan})
             for nid in exited:  # brought back by hand, as the hint says
                 missed[nid] = 0 if nid in seen else missed.get(nid, 0) + 1

@@ -30,8 +30,9 @@ class Progress:
         pct = int(done * 100 / total) if total else 0
         if self.tty:
             bar = "#" * (pct // 4)
-            rate = done / max(time.monotonic() - self.t0, 1e-6) / 1e6
-            sys.stderr.write(f"\r{self.label} [{bar:<25}] {pct:3d}% {done / 1e6:8.1f}/{total / 1e6:.1f} MB {rate:6.1f} MB/s")
+            scale, unit = (1e6, "MB") if total >= 1e6 else (1e3, "KB")  # (a small file: not 0.0/0.0 MB)
+            rate = done / max(time.monotonic() - self.t0, 1e-6) / scale
+            sys.stderr.write(f"\r{self.label} [{bar:<25}] {pct:3d}% {done / scale:8.1f}/{total / scale:.1f} {unit} {rate:6.1f} {unit}/s")
             sys.stderr.flush()
         elif pct // 10 != self.last // 10:
             print(f"{self.label}: {pct}% ({done} of {total} bytes)", file=sys.stderr)
