@@ -440,7 +440,7 @@ def test_a_well_formed_crafted_snapshot_is_accepted(tmp_path):
     """The crafting helper itself makes files the checks accept when nothing is wrong."""
     path = str(tmp_path / "ok.lkvs")
     craft_snapshot(path, good_header(), [block([b"a", b"b"], [3, 10]), block([b"c"])])
-    r = subprocess.run([sys.executable, "-m", "kv", "snapshot", "inspect", path], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "kv", "snapshot", "inspect", path, "-o", "json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and json.loads(r.stdout)["keys"] == 3, r.stdout + r.stderr
 
 

@@ -6,15 +6,15 @@ import argparse
 import asyncio
 import errno
 import itertools
-import json
 import os
 import sys
+import time
 
 from ..server.datadir import DataDirLock
 from ..errors import SnapshotError
 from ..snapshot.format import SnapshotFormatError, iter_records, read_header, verify
 from ..statemachine.lease_table import RESERVED
-from ..common.text import Progress
+from ..common.text import Progress, columns
 from .options import client_options
 from .output import add_output_option, emit, report, wants_json
 
@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     sv.add_argument("--newest", action="store_true", help="download the node's newest existing snapshot instead (it may be old: it says how old)")
     sv.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)  # what is done by default now
     add_output_option(sv)
-    ins = snap.add_parser("inspect", help="print a snapshot file's header, key count and checksum status")
+    ins = snap.add_parser("inspect", help="check a snapshot file and say what it holds: its index, when and where it was taken, its keys and members")
     ins.add_argument("file")
     add_output_option(ins)
     rs = snap.add_parser("restore", help="seed a node of a new cluster from a snapshot file")
@@ -102,8 +102,33 @@ def _inspect(args: argparse.Namespace) -> int:
     if wants_json(args):
         emit(out)
     else:
-        print(json.dumps(out, indent=2))
+        print("\n".join(_described(path, out)))
     return 0
+
+
+def _described(path: str, info: dict) -> list[str]:
+    """`kv snapshot inspect` as text: what the file holds, as of when, and from where."""
+    created = info["created"]
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
+    members = ", ".join(f"{m['id']} ({'voter' if m['voter'] else 'learner'}, peer {m['peer']})" for m in info["membership"])
+    return columns(
+        [
+            ["file", f"{path}: a ledgerkv snapshot (format {info['format']}), checksum {info['checksum_status']} ({info['checksum']})"],
+            ["index", f"{info['index']} (term {info['term']}): every entry of the log up to it"],
+            ["created", f"{when}, {_age(time.time() - created)} ago, by node {info['node']} of group {info['group']}"],
+            ["keys", f"{info['keys']} (and {info['own_records']} records of ledgerkv's own: versions, history, leases, sessions)"],
+            ["blocks", str(info["blocks"])],
+            ["members", members or "(none)"],
+        ]
+    )
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} seconds"
 
 
 def run(args: argparse.Namespace) -> int:
