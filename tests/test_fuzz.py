@@ -76,8 +76,8 @@ def bad_request(rng: random.Random) -> tuple[bytes, set[int]]:
     if kind == 4:  # a method the route does not take
         method = rng.choice(["POST", "PATCH", "OPTIONS", "TRACE"])
         return f"{method} /v1/kv/{key.replace('%', 'p')} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode(), {405, 400}
-    if kind == 5:  # no such route
-        return f"GET /v2/{key.replace('%', 'p')} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), {404, 400}
+    if kind == 5:  # no such route (not /v2/: etcd's v2 API is answered with a v2 error body)
+        return f"GET /v9/{key.replace('%', 'p')} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), {404, 400}
     if kind == 6:  # a conditional header that is not a version
         return b"PUT /v1/kv/seed/1 HTTP/1.1\r\nHost: x\r\nIf-Match: %s\r\nContent-Length: 1\r\n\r\nz" % rng.choice([b"abc", b'"-1"', b'"1x"', b"W/zz"]), {400}
     if kind == 7:  # If-None-Match other than *
