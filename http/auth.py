@@ -35,7 +35,7 @@ from .keys import key_from_raw_path, key_param
 
 ROLES = ("read", "write", "admin")
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})  # answered without a token: probes cannot send one, and these reveal nothing
-OWN_CHECKS = ("/v3/", "/v3beta/", "/version")  # routes that check their callers themselves
+OWN_CHECKS = ("/v3/", "/v3beta/", "/version", "/v2/")  # routes that check their callers themselves (/v2/: only says it is not served)
 _READ_PATHS = frozenset({"/v1/kv", "/v1/watch", "/v1/status", "/readyz", "/v1/openapi.json"})
 _PREFIX_PATHS = frozenset({"/v1/kv", "/v1/watch"})  # ?prefix= says which keys they reach
 GRANT = web.RequestKey("grant", object)

@@ -618,8 +618,8 @@ class RaftNode:
         if len(said) * 2 > len(others) and self.failure is None:
             log.error(
                 "node %s: %s refuse this node as a member removed from the cluster (kv member remove): it stops. To run it "
-                "again, add it back (kv member add %s PEER_ADDR) and start it from an empty data dir with --join URL",
-                self.id, ", ".join(sorted(said)), self.id,
+                "again, start it from an empty data dir with --join URL (a member's client URL): it adds itself back",
+                self.id, ", ".join(sorted(said)),
             )
             self.fail(MemberRemoved(f"node {self.id} was removed from the cluster ({', '.join(sorted(said))} refuse it)"))
 

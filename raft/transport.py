@@ -209,7 +209,9 @@ class _Inbound(asyncio.Protocol):
     def _address(self) -> str:
         """Where an unidentified connection came from (HOST:PORT), for the log."""
         addr = self.transport.get_extra_info("peername") if self.transport else None
-        return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else "an unknown address"
+        if not (isinstance(addr, tuple) and len(addr) >= 2):
+            return "an unknown address"
+        return f"[{addr[0]}]:{addr[1]}" if ":" in str(addr[0]) else f"{addr[0]}:{addr[1]}"
 
     def data_received(self, data: bytes) -> None:
         if self.peer is not None:

@@ -5,6 +5,7 @@ checks afterwards that nothing was lost and nothing in the data dir was touched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import shlex
@@ -19,6 +20,7 @@ import pytest
 from cluster import ProcCluster, ctrl_c_able, wait_until
 from kv.bench.harness import free_port
 from kv.cli.cluster import layout as cluster_layout
+from kv.server.datadir import LOCK_NAME
 
 PY = sys.executable
 
@@ -225,6 +227,7 @@ def test_cluster_up_whose_terminal_closes_stops_its_nodes(tmp_path):
         assert "starting" not in moved.stdout
         up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d], stdout=out, stderr=subprocess.STDOUT)
         wait_until(lambda: kv_cli("get", "hello", "--endpoints", endpoints, "--timeout", "5").stdout.strip() == "world", 60, "the same cluster back on its ports")
+        assert (tmp_path / "up.out").read_text().count(f"with the data of an earlier run (n1, n2, n3): delete {d} first") == 1  # (the second run only)
         up.send_signal(signal.SIGINT)
         assert up.wait(30) == 0
     finally:
@@ -248,11 +251,34 @@ def test_cluster_up_whose_nodes_die_at_start_exits_non_zero_naming_them(tmp_path
 
 
 
-def _node_in(shell: subprocess.Popen) -> int:
-    """The pid of the node that a shell running a bring-back command started (the shell
-    itself, if it exec'd it)."""
-    children = open(f"/proc/{shell.pid}/task/{shell.pid}/children").read().split()
-    return int(children[0]) if children else shell.pid
+def _node_pid(data_dir: str) -> int:
+    """The pid of the node that holds a data dir (written in its lock file), as `kv cluster
+    up` names it: the shell that ran a bring-back command forks it."""
+    with open(os.path.join(data_dir, LOCK_NAME)) as f:
+        return int(f.read())
+
+
+def _stop_shell_and_node(shell: subprocess.Popen, node_pid: int | None) -> None:
+    """SIGTERM to the shell's process group (the shell and the node it started), then wait
+    for both: the node's clean stop takes a while after the shell is gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(shell.pid, signal.SIGTERM)
+    shell.wait(30)
+    if node_pid is not None and not wait_gone(node_pid, 30):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+        wait_gone(node_pid, 10)
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
@@ -309,7 +335,7 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         wait_until(lambda: "no leader: 1/3 nodes answering, and 2 are needed" in up_out.read_text(), 30, "cluster up saying n3 cannot lead alone")
         up.send_signal(signal.SIGINT)
         assert up.wait(30) == 1  # its nodes died
-        n3_pid = _node_in(back)
+        n3_pid = _node_pid(os.path.join(d, "n3"))
         assert f"still running, started by hand: n3 (pid {n3_pid}): stop them with kill {n3_pid}" in up_out.read_text()
         # Another `kv cluster up` there is refused before it starts anything (its n3 would
         # stop at the data dir's lock, after the banner, with a bring-back hint that fails alike).
@@ -317,17 +343,19 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         assert again.returncode == 1 and f"n3 (pid {n3_pid}). Stop them first (kill {n3_pid})" in again.stderr, again.stderr
         assert "starting" not in again.stdout + again.stderr and back.poll() is None
     finally:
-        for p in (back, up):
-            if p is not None and p.poll() is None:
-                if p is up:
-                    p.send_signal(signal.SIGINT)
-                else:
-                    os.killpg(p.pid, signal.SIGTERM)  # the shell and the node it started
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+        if back is not None:
+            try:
+                pid = _node_pid(os.path.join(d, "n3"))
+            except (OSError, ValueError):
+                pid = None
+            _stop_shell_and_node(back, pid)
+        if up is not None and up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
         out.close()
 
 # -- the HTTP client ----------------------------------------------------------------------
@@ -484,8 +512,12 @@ def test_join_gives_up_on_a_permanent_refusal_and_after_its_timeout(tmp_path):
         )
         _refused_as_a_voter_that_lost_its_data(c, r)
         # As the refusal says: remove it, join again (now its HTTP address is in the
-        # membership too, so a join with the same addresses looks like a retry of its own)...
+        # membership too, so a join with the same addresses looks like a retry of its own).
+        # Added back first as a learner without its client URL, as a newcomer did (the join
+        # was refused as "already a member": now it records the URL)...
         assert kv_cli("member", "remove", "n3", "--endpoints", c.url("n1")).returncode == 0
+        assert kv_cli("member", "add", "n3", c.listen["n3"], "--endpoints", c.url("n2")).returncode == 0
+        assert "membership changed: n1, n2\n" in c.log(c.leader()) and "membership changed: n1, n2, n3 (learner)" in c.log(c.leader())
         c.joining["n3"] = True
         c.start("n3", join_via="n1")
         wait_until(lambda: {m["id"]: m["voter"] for m in c.members(c.leader())}.get("n3"), 60, "n3 a voter again")
@@ -497,6 +529,18 @@ def test_join_gives_up_on_a_permanent_refusal_and_after_its_timeout(tmp_path):
             "--peers", f"n3={c.listen['n3']}", "--join", c.url("n1"), timeout=30,  # (let in, it would run on)
         )
         _refused_as_a_voter_that_lost_its_data(c, r)
+        # --join given to a data dir that holds a one-node cluster of its own (started once
+        # without --peers): refused, where it ran on alone saying it had joined.
+        alone, http9 = str(tmp_path / "n9-alone"), f"127.0.0.1:{free_port()}"
+        first = subprocess.Popen([PY, "-m", "kv", "serve", "--id", "n9", "--data-dir", alone, "--http", http9], stderr=subprocess.DEVNULL)
+        try:
+            wait_until(lambda: kv_cli("put", "x", "1", "--endpoints", f"http://{http9}", "--timeout", "2").returncode == 0, 30, "n9 alone up")
+        finally:
+            first.terminate()
+            first.wait(30)
+        r = kv_cli("serve", "--id", "n9", "--data-dir", alone, "--http", http9, "--peers", f"n9=127.0.0.1:{free_port()}", "--join", c.url("n1"), timeout=30)
+        assert r.returncode != 0 and "already holds a cluster of its own, whose only member is n9" in one_line(r.stderr), r.stderr
+        assert "n9" not in {m["id"] for m in c.members(c.leader())}
     finally:
         c.close()
     dead = f"http://127.0.0.1:{free_port()}"

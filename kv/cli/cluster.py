@@ -141,7 +141,10 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
+    kept = [n["id"] for n in plan if os.path.exists(os.path.join(data_dir, n["id"], "ledger"))]
     _say(f"starting {nodes} nodes under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
+    if kept:  # (a newcomer took a data dir left from an earlier run for a new cluster)
+        _say(f"  with the data of an earlier run ({', '.join(kept)}): delete {os.path.abspath(data_dir)} first to start afresh")
     for n in plan:
         ndir = os.path.join(data_dir, n["id"])
         os.makedirs(ndir, exist_ok=True)

@@ -108,14 +108,19 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _described(path: str, info: dict) -> list[str]:
     """`kv snapshot inspect` as text: what the file holds, as of when, and from where."""
-    created = info["created"]
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
-    members = ", ".join(f"{m['id']} ({'voter' if m['voter'] else 'learner'}, peer {m['peer']})" for m in info["membership"])
+    created = info.get("created") or 0
+    if created <= 0:
+        when = "not recorded"
+    else:
+        ago = time.time() - created
+        age = f"{_age(ago)} ago" if ago >= 0 else f"{_age(-ago)} in the future: a clock is wrong"
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created)) + f", {age}"
+    members = ", ".join(f"{m['id']} ({'voter' if m.get('voter', True) else 'learner'}, peer {m['peer']})" for m in info["membership"])
     return columns(
         [
             ["file", f"{path}: a ledgerkv snapshot (format {info['format']}), checksum {info['checksum_status']} ({info['checksum']})"],
             ["index", f"{info['index']} (term {info['term']}): every entry of the log up to it"],
-            ["created", f"{when}, {_age(time.time() - created)} ago, by node {info['node']} of group {info['group']}"],
+            ["created", f"{when}, by node {info.get('node') or '(not recorded)'} of group {info.get('group') or '(not recorded)'}"],
             ["keys", f"{info['keys']} (and {info['own_records']} records of ledgerkv's own: versions, history, leases, sessions)"],
             ["blocks", str(info["blocks"])],
             ["members", members or "(none)"],
@@ -124,11 +129,10 @@ def _described(path: str, info: dict) -> list[str]:
 
 
 def _age(seconds: float) -> str:
-    seconds = max(0.0, seconds)
     for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
         if seconds >= 2 * size:
             return f"{seconds / size:.0f} {unit}"
-    return f"{seconds:.0f} seconds"
+    return "1 second" if round(seconds) == 1 else f"{seconds:.0f} seconds"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ class Progress:
         pct = int(done * 100 / total) if total else 0
         if self.tty:
             bar = "#" * (pct // 4)
-            scale, unit = (1e6, "MB") if total >= 1e6 else (1e3, "KB")  # (a small file: not 0.0/0.0 MB)
+            scale, unit = (1e6, "MB") if max(done, total) >= 1e6 else (1e3, "KB")  # (a small file: not 0.0/0.0 MB)
             rate = done / max(time.monotonic() - self.t0, 1e-6) / scale
             sys.stderr.write(f"\r{self.label} [{bar:<25}] {pct:3d}% {done / scale:8.1f}/{total / scale:.1f} {unit} {rate:6.1f} {unit}/s")
             sys.stderr.flush()

@@ -31,8 +31,8 @@ async def join_cluster(config: NodeConfig) -> Membership:
     async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s), cacert=config.cacert) as c:
         while True:
             try:
-                _refuse_a_voter_that_lost_its_data(config, await c.members())
                 members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False)
+                _refuse_a_voter_that_lost_its_data(config, members)  # (the leader's list, as of the add)
                 return Membership.of(Member(m["id"], m["peer"], m.get("http", ""), m["voter"]) for m in members)
             except (MemberExists, Unauthorized, BadRequest):
                 raise
@@ -53,13 +53,15 @@ def _refuse_a_voter_that_lost_its_data(config: NodeConfig, members: list[dict]) 
     """A voter at this node's own peer address, asked to join from an empty data dir, is
     that voter started again after its data was lost: it forgot its log and the votes it
     cast, and a vote cast twice in a term can elect two leaders. It must be removed first
-    and join as a new member (etcd says the same)."""
+    and join as a new member (etcd says the same). The leader answered the add (a no-op for
+    a voter) with its membership: a follower's list could be behind a promotion or a remove."""
     me = next((m for m in members if m["id"] == config.id), None)
     if me is not None and me["voter"] and me["peer"] == config.peers[config.id]:
         raise MemberExists(
             f"{config.id} is already a voting member at {me['peer']}, and this data dir ({config.data_dir}) holds "
             f"no data: the node lost its log and the votes it cast, so it cannot take its old place. Remove it "
-            f"first (kv member remove {config.id} --endpoints {config.join}), then run this command again"
+            f"first (kv member remove {config.id} --endpoints {config.join}{' --token ...' if config.token else ''}), then run "
+            f"this command again (no leader to remove it? kv status says; docs/cluster.md: a majority lost for good)"
         )
 
 
@@ -74,5 +76,5 @@ async def promote_when_caught_up(config: NodeConfig, is_voter: Callable[[], bool
             try:
                 await c.promote_member(config.id)
             except KVError as e:  # Conflict until caught up; or the cluster is busy
-                log.info("not promoted yet (%s); retrying", e)
+                log.info("not a voter yet (%s): the leader promotes this node once it has caught up; asking again", e)
             await asyncio.sleep(1.0)

@@ -72,12 +72,19 @@ class Members:
         if not member_id or any(ch in member_id for ch in ",= /"):
             raise BadRequest(f"bad member id {member_id!r}: a non-empty name without ',', '=', ' ' or '/'")
         check_hostport(peer, f"member {member_id}")
-        cur = self._running().membership
+        cur = self._leaders("membership changes are made by the leader").membership
         old = cur.get(member_id)
         if old is not None and not replace:
-            if (old.peer_addr, old.http_url) == (peer, http) and (not voter or old.voter or old.promote):
-                return self.list()  # asked again for what is already so
-            raise MemberExists(f"{member_id} is already a member (at {old.peer_addr}); remove it first, or replace its addresses")
+            if old.peer_addr != peer or old.http_url not in (http, "") or (voter and not (old.voter or old.promote)):
+                raise MemberExists(
+                    f"{member_id} is already a member (peer {old.peer_addr}, client URL {old.http_url or 'not known'}); "
+                    "remove it first, or replace its addresses"
+                )
+            if old.http_url == http or old.voter or not http:
+                # asked again for what is already so (a voter's client URL not known, a
+                # founding member's, stays so: a voter's join is refused by the joiner, join.py)
+                return self.list()
+            # a learner added without its client URL (kv member add), now joining with it: recorded
         if old is None and replace:
             raise NotFound(f"{member_id} is not a member; add it instead")
         if old is None:
@@ -88,7 +95,7 @@ class Members:
         return self.list()
 
     async def remove(self, member_id: str, timeout: float | None) -> list[dict]:
-        cur = self._running().membership
+        cur = self._leaders("membership changes are made by the leader").membership
         if member_id not in cur:
             raise NotFound(f"{member_id} is not a member; members: {', '.join(sorted(cur.ids))}")
         if cur.voters == {member_id}:
@@ -97,7 +104,7 @@ class Members:
         return self.list()
 
     async def promote(self, member_id: str, timeout: float | None) -> list[dict]:
-        cur = self._running().membership
+        cur = self._leaders("membership changes are made by the leader").membership
         m = cur.get(member_id)
         if m is None:
             raise NotFound(f"{member_id} is not a member; add it as a learner first")
@@ -106,10 +113,16 @@ class Members:
         await self._change(cur.with_member(Member(m.id, m.peer_addr, m.http_url, True)), timeout)
         return self.list()
 
-    async def _change(self, new: Membership, timeout: float | None) -> None:
+    def _leaders(self, why: str) -> RaftNode:
+        """The running Raft node, if it leads: what a membership request is answered from
+        (a follower's membership may be behind; its HTTP route passes NotLeader on)."""
         raft = self._running()
         if raft.role != Role.LEADER:
-            raise NotLeader("membership changes are made by the leader", raft.leader_id)
+            raise NotLeader(why, raft.leader_id)
+        return raft
+
+    async def _change(self, new: Membership, timeout: float | None) -> None:
+        raft = self._leaders("membership changes are made by the leader")
         deadline = asyncio.get_running_loop().time() + (timeout if timeout is not None else self.config.write_timeout_s)
         try:
             await raft.change_membership(new, deadline)
@@ -117,6 +130,7 @@ class Members:
             raise public_error(e) from None
         except (OutcomeUnknown, NodeStopped) as e:
             raise public_error(e, written=True, wait=self.config.write_timeout_s) from e
+        log.info("membership changed: %s", ", ".join(f"{m.id}{'' if m.voter else ' (learner)'}" for m in sorted(new.members.values(), key=lambda m: m.id)))
 
     async def transfer_leadership(self, to: str, timeout: float | None) -> str:
         raft = self._running()

@@ -47,8 +47,16 @@ class Recovery:
         if not self.sm.membership() and self.ledger.last_index() == 0:
             bootstrap.record(c.data_dir, c.peers or membership.ids)
             self.sm.set_membership(membership.encode())
-        elif c.peers:
-            bootstrap.check_peers(c.data_dir, c.id, c.peers, membership.ids)
+        else:
+            if c.join and not c.force_new_cluster and set(membership.ids) == {c.id}:
+                # (a node that joined has the cluster's members: this one made a cluster of
+                # its own, started once without --peers, say, where --join would be ignored)
+                raise BadRequest(
+                    f"--join {c.join}: this data dir ({c.data_dir}) already holds a cluster of its own, whose only member "
+                    f"is {c.id}; a join starts from an empty data dir (give another --data-dir), or drop --join to run that cluster"
+                )
+            if c.peers:
+                bootstrap.check_peers(c.data_dir, c.id, c.peers, membership.ids)
         return self.sm, membership
 
     def rebuild_state(self, damage: StateCorrupt) -> LevelDBStateMachine:
