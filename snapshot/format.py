@@ -262,8 +262,8 @@ def block_offsets(f, trailer: Trailer) -> list[int]:
 def verify(path: str) -> tuple[SnapshotHeader, Trailer]:
     """Check the whole file: trailer, whole-file crc, every block's crc and the record count."""
     with open(path, "rb") as f:
+        header, _ = read_header(f)  # first: another kind of file is "not a snapshot", not "damaged"
         trailer = read_trailer(f)
-        header, _ = read_header(f)
         f.seek(0)
         crc, left = 0, trailer.index_offset + 8 * trailer.blocks
         while left:
