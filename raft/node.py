@@ -239,6 +239,7 @@ class RaftNode:
                 group,
                 listen,
                 is_member=lambda pid: not self._refuse_peer(pid),
+                stranger=self._stranger,
                 secret=secret,
                 advertise_url=advertise_url,
                 ssl=peer_tls,
@@ -947,6 +948,21 @@ class RaftNode:
     @property
     def term(self) -> int:
         return self.core.term
+
+    def _stranger(self, peer: str) -> str | None:
+        """A node whose cluster has no member but itself lets no other node in. It was started
+        as a cluster of its own (without --peers, say), or restored or forced to one: no
+        peer dials it but one of another cluster, whose leader's pushes would be taken for
+        its own log (entries of the same index and term, other contents: a node added with
+        kv member add, then started alone from a data dir that held writes, served them).
+        Peers not yet in a larger membership are let in: a member added while this node lagged."""
+        if set(self.core.membership.ids) != {self.id}:
+            return None
+        return (
+            f"{peer!r} is not a member: the cluster in this node's data dir has no member but {self.id!r} (it was "
+            f"started as a cluster of its own). A node added with kv member add is started from an empty data dir "
+            f"with --join URL (a member's client URL)"
+        )
 
     def leader_url(self) -> str | None:
         """The client URL of the leader, if known (announced in its transport handshake)."""

@@ -254,6 +254,8 @@ class _Inbound(asyncio.Protocol):
             if not t.is_member(src_s):
                 self.transport.write(codec.frame(REMOVED, pack_strs(_mac(t.secret, b"removed", group, src, dst, nonce_c))))
                 raise codec.CodecError(f"{src_s!r} was removed from this cluster")
+            if (why := t.stranger(src_s)) is not None:
+                raise codec.CodecError(why)
             self.peer, self.nonce_c, self.nonce_s = src_s, nonce_c, os.urandom(16)
             self._url = url.decode()
             proof = _mac(t.secret, b"accept", group, src, dst, nonce_c)
@@ -409,6 +411,7 @@ class TcpTransport:
         listen: str,
         *,
         is_member: Callable[[str], bool],
+        stranger: Callable[[str], str | None] = lambda peer: None,
         secret: str | None = None,
         advertise_url: str = "",
         ssl: PeerTLS | None = None,
@@ -420,6 +423,7 @@ class TcpTransport:
         self._on_connected: Callable[[str], None] = lambda peer: None
         self.on_removed: Callable[[str], None] = lambda peer: None  # a peer refused us as a removed member
         self.is_member = is_member
+        self.stranger = stranger  # why a peer that was never removed is still not let in, or None
         self.secret = secret.encode() if secret else None
         self.advertise_url = advertise_url
         self._links: dict[str, _Link] = {}

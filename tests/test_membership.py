@@ -4,6 +4,7 @@ Nothing acknowledged may be lost meanwhile."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -147,5 +148,37 @@ def test_bad_membership_requests_get_clear_errors(tmp_path):
         assert code == 409 and "behind" in body["error"]["message"]
         assert {m["id"]: m["voter"] for m in c.members(lead)}["n9"] is False
         assert post("/v1/members/n9", method="DELETE")[0] == 200
+    finally:
+        c.close()
+
+
+def test_a_node_started_alone_is_not_taken_over_by_a_cluster_that_adds_it(tmp_path):
+    """A newcomer's run: `kv member add n7`, then n7 started with only its own --peers entry
+    and no --join, from a data dir that held a one-node cluster with a write. The cluster's
+    leader pushed to it and n7 followed, its state keeping a write the cluster never had
+    (entries of the same index and term, other contents), and no node said a thing. A node
+    whose cluster is itself alone now lets no other node in, and its log says why."""
+    c = ProcCluster(str(tmp_path), proxies=False)
+    try:
+        c.start()
+        lead = c.leader()
+        assert c.put(lead, "a", b"cluster")[0] == 200
+        c.add_node("n7")
+        c.procs.start(
+            "n7", ["--id", "n7", "--data-dir", c.data_dir("n7"), "--http", c.http["n7"], "--peers", f"n7={c.listen['n7']}", *c.extra],
+            os.path.join(c.root, "n7.log"), env={**os.environ, **c.env},
+        )
+        c.wait_http("n7")
+        wait_until(lambda: c.status("n7").get("role") == "leader", 20, "n7 leading its own cluster")
+        assert c.put("n7", "a", b"LONELY")[0] == 200
+        doc = orjson.dumps({"id": "n7", "peer": c.listen["n7"], "http": c.url("n7")})
+        assert c.request(lead, "POST", "/v1/members", doc, {"Content-Type": "application/json"})[0] == 200
+        said = "'n1' is not a member: the cluster in this node's data dir has no member but 'n7'".replace("n1", lead)
+        wait_until(lambda: said in c.log("n7"), 20, "n7 saying why it lets the leader not in")
+        time.sleep(1.0)  # twenty heartbeats: none of them reached n7
+        s = c.status("n7")
+        assert (s["role"], s["leader"]) == ("leader", "n7"), s
+        assert c.get("n7", "a", "stale")[:2] == (200, b"LONELY") and c.get(lead, "a")[:2] == (200, b"cluster")
+        assert c.status(lead)["peers"]["n7"]["match_index"] == 0
     finally:
         c.close()
