@@ -6,6 +6,7 @@ checks afterwards that nothing was lost and nothing in the data dir was touched.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import shlex
@@ -279,6 +280,51 @@ def wait_gone(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_cluster_up_says_how_to_add_back_a_removed_node_and_that_works(tmp_path):
+    """A newcomer's run: after `kv member remove n3`, `kv cluster up` quoted "stopping: exit
+    code 1 after the error above" and printed n3's old command, which its old data dir makes
+    fail at once. It quotes the error now, and prints the way back as a new member."""
+    d = str(tmp_path / "kvdata")
+    base = _free_base_port()
+    endpoints = ",".join(f"http://127.0.0.1:{base + i}" for i in range(3))
+    up_out = tmp_path / "up.out"
+    out = open(up_out, "w")
+    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(base)], stdout=out, stderr=subprocess.STDOUT)
+    back = None
+    try:
+        wait_until(lambda: kv_cli("put", "before", "1", "--endpoints", endpoints, "--timeout", "5").returncode == 0, 60, "a write")
+        assert kv_cli("member", "remove", "n3", "--endpoints", endpoints).returncode == 0
+        wait_until(lambda: "add it back as a new member" in up_out.read_text(), 30, "cluster up telling how to add n3 back")
+        text = up_out.read_text()
+        assert "refuse this node as a member removed from the cluster" in text and "after the error above" not in text, text
+        command = next(ln for ln in text.splitlines() if "add it back as a new member" in ln).split("in another shell: ", 1)[1]
+        assert kv_cli("put", "while-out", "2", "--endpoints", endpoints).returncode == 0
+        back = subprocess.Popen(["bash", "-c", command], env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
+        n3_url = f"http://127.0.0.1:{base + 2}"
+
+        def n3_voter() -> bool:
+            r = kv_cli("member", "list", "-o", "json", "--endpoints", endpoints)
+            return r.returncode == 0 and any(m["id"] == "n3" and m["voter"] for m in json.loads(r.stdout)["members"])
+
+        wait_until(n3_voter, 60, "n3 a voter again")
+        wait_until(lambda: kv_cli("get", "while-out", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 30, "n3 caught up")
+    finally:
+        if back is not None:
+            try:
+                pid = _node_pid(os.path.join(d, "n3"))
+            except (OSError, ValueError):
+                pid = None
+            _stop_shell_and_node(back, pid)
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
+        out.close()
 
 
 def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):

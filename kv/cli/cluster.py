@@ -211,13 +211,29 @@ def _holders(data_dir: str, ids: list[str]) -> dict[str, int | None]:
 
 
 def _last_line(path: str) -> str:
+    """What a node that exited said last: its last error (not the "stopping ... after the
+    error above" that follows it), else its last line."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - 4096))
+            f.seek(max(0, os.path.getsize(path) - 16384))
             lines = f.read().decode(errors="replace").strip().splitlines()
     except OSError:
         return ""
-    return lines[-1] if lines else ""
+    if not lines:
+        return ""
+    if "after the error above" in lines[-1]:
+        errors = [ln for ln in lines[:-1] if " ERROR " in ln]
+        return errors[-1] if errors else lines[-1]
+    return lines[-1]
+
+
+def _rejoin_line(nid: str, args: list[str], plan: list[dict]) -> str:
+    """The command that brings a removed node back as a new member: from an empty data dir,
+    with --join a member's client URL, and only its own --peers entry (docs/cluster.md)."""
+    at = args.index("--peers") + 1
+    peer = next(p for p in args[at].split(",") if p.startswith(nid + "="))
+    other = next(n["url"] for n in plan if n["id"] != nid)
+    return _restart_line([*args[:at], peer, *args[at + 1 :], "--join", other])
 
 
 def _restart_line(args: list[str]) -> str:
@@ -250,7 +266,12 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                     args = next(n["args"] for n in plan if n["id"] == nid)
                     # (mkdir: its data dir, where the log goes, may be gone, an rm -rf'd node's)
                     log_dir = shlex.quote(os.path.dirname(log_paths[nid]))
-                    _say(f"  to bring {nid} back, in another shell: mkdir -p {log_dir} && {_restart_line(args)} >> {shlex.quote(log_paths[nid])} 2>&1")
+                    to_log = f">> {shlex.quote(log_paths[nid])} 2>&1"
+                    if "removed from the cluster" in last:  # its old data dir is refused: it comes back as a new member
+                        _say(f"  it was removed (kv member remove); to add it back as a new member, from an empty data dir, in another shell: "
+                             f"rm -rf {log_dir} && mkdir -p {log_dir} && {_rejoin_line(nid, args, plan)} {to_log}")
+                    else:
+                        _say(f"  to bring {nid} back, in another shell: mkdir -p {log_dir} && {_restart_line(args)} {to_log}")
             seen = await statuses(s, {n["id"]: n["url"] for n in plan})
             for nid in exited:  # brought back by hand, as the hint says
                 missed[nid] = 0 if nid in seen else missed.get(nid, 0) + 1

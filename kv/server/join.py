@@ -68,6 +68,8 @@ def _refuse_a_voter_that_lost_its_data(config: NodeConfig, members: list[dict]) 
 async def promote_when_caught_up(config: NodeConfig, is_voter: Callable[[], bool]) -> None:
     """A joined learner asks to become a voter until the leader agrees it has caught up;
     `is_voter()` says whether the membership this node has applied counts it a voter."""
+    if is_voter():  # a restart (--join kept in its command) of a node that is a voter already
+        return
     async with AsyncClient(config.join, token=config.token, timeout=10, cacert=config.cacert) as c:
         while True:
             if is_voter():
@@ -76,5 +78,5 @@ async def promote_when_caught_up(config: NodeConfig, is_voter: Callable[[], bool
             try:
                 await c.promote_member(config.id)
             except KVError as e:  # Conflict until caught up; or the cluster is busy
-                log.info("not a voter yet (%s): the leader promotes this node once it has caught up; asking again", e)
+                log.info("waiting to be made a voter once caught up (the leader says: %s); asking again", e)
             await asyncio.sleep(1.0)
