@@ -282,59 +282,73 @@ def wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
+class _UpRun:
+    """`kv cluster up` on ports of its own, its output in a file, and the shell of a command
+    it printed (run as a user would, in a session of its own); close() stops them all."""
+
+    def __init__(self, tmp_path) -> None:
+        self.d = str(tmp_path / "kvdata")
+        self.base = _free_base_port()
+        self.endpoints = ",".join(f"http://127.0.0.1:{self.base + i}" for i in range(3))
+        self.out_path = tmp_path / "up.out"
+        self._out = open(self.out_path, "w")
+        self.up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", self.d, "--base-port", str(self.base)], stdout=self._out, stderr=subprocess.STDOUT)
+        self.back: subprocess.Popen | None = None
+
+    def text(self) -> str:
+        return self.out_path.read_text()
+
+    def printed(self, what: str) -> str:
+        """The command on the line that says `what`."""
+        return next(ln for ln in self.text().splitlines() if what in ln).split("in another shell: ", 1)[1]
+
+    def run(self, command: str) -> None:
+        self.back = subprocess.Popen(["bash", "-c", command], env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
+
+    def close(self) -> None:
+        if self.back is not None:
+            try:
+                pid = _node_pid(os.path.join(self.d, "n3"))
+            except (OSError, ValueError):
+                pid = None
+            _stop_shell_and_node(self.back, pid)
+        if self.up.poll() is None:
+            self.up.send_signal(signal.SIGINT)
+            try:
+                self.up.wait(30)
+            except subprocess.TimeoutExpired:
+                self.up.kill()
+                self.up.wait()
+        self._out.close()
+
+
 def test_cluster_up_says_how_to_add_back_a_removed_node_and_that_works(tmp_path):
     """A newcomer's run: after `kv member remove n3`, `kv cluster up` quoted "stopping: exit
     code 1 after the error above" and printed n3's old command, which its old data dir makes
     fail at once. It quotes the error now, and prints the way back as a new member."""
-    d = str(tmp_path / "kvdata")
-    base = _free_base_port()
-    endpoints = ",".join(f"http://127.0.0.1:{base + i}" for i in range(3))
-    up_out = tmp_path / "up.out"
-    out = open(up_out, "w")
-    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(base)], stdout=out, stderr=subprocess.STDOUT)
-    back = None
+    run = _UpRun(tmp_path)
     try:
-        wait_until(lambda: kv_cli("put", "before", "1", "--endpoints", endpoints, "--timeout", "5").returncode == 0, 60, "a write")
-        assert kv_cli("member", "remove", "n3", "--endpoints", endpoints).returncode == 0
-        wait_until(lambda: "add it back as a new member" in up_out.read_text(), 30, "cluster up telling how to add n3 back")
-        text = up_out.read_text()
-        assert "refuse this node as a member removed from the cluster" in text and "after the error above" not in text, text
-        command = next(ln for ln in text.splitlines() if "add it back as a new member" in ln).split("in another shell: ", 1)[1]
-        assert kv_cli("put", "while-out", "2", "--endpoints", endpoints).returncode == 0
-        back = subprocess.Popen(["bash", "-c", command], env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
-        n3_url = f"http://127.0.0.1:{base + 2}"
+        wait_until(lambda: kv_cli("put", "before", "1", "--endpoints", run.endpoints, "--timeout", "5").returncode == 0, 60, "a write")
+        assert kv_cli("member", "remove", "n3", "--endpoints", run.endpoints).returncode == 0
+        wait_until(lambda: "add it back as a new member" in run.text(), 30, "cluster up telling how to add n3 back")
+        assert "refuse this node as a member removed from the cluster" in run.text() and "after the error above" not in run.text(), run.text()
+        assert kv_cli("put", "while-out", "2", "--endpoints", run.endpoints).returncode == 0
+        run.run(run.printed("add it back as a new member"))
 
         def n3_voter() -> bool:
-            r = kv_cli("member", "list", "-o", "json", "--endpoints", endpoints)
+            r = kv_cli("member", "list", "-o", "json", "--endpoints", run.endpoints)
             return r.returncode == 0 and any(m["id"] == "n3" and m["voter"] for m in json.loads(r.stdout)["members"])
 
         wait_until(n3_voter, 60, "n3 a voter again")
+        n3_url = f"http://127.0.0.1:{run.base + 2}"
         wait_until(lambda: kv_cli("get", "while-out", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 30, "n3 caught up")
     finally:
-        if back is not None:
-            try:
-                pid = _node_pid(os.path.join(d, "n3"))
-            except (OSError, ValueError):
-                pid = None
-            _stop_shell_and_node(back, pid)
-        if up.poll() is None:
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(30)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-        out.close()
+        run.close()
 
 
 def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
-    d = str(tmp_path / "kvdata")
-    base = _free_base_port()
-    endpoints = ",".join(f"http://127.0.0.1:{base + i}" for i in range(3))
-    up_out = tmp_path / "up.out"
-    out = open(up_out, "w")
-    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(base)], stdout=out, stderr=subprocess.STDOUT)
-    back = None
+    run = _UpRun(tmp_path)
+    d, base, endpoints, up_out, up = run.d, run.base, run.endpoints, run.out_path, run.up
     try:
         wait_until(lambda: kv_cli("put", "before", "1", "--endpoints", endpoints, "--timeout", "5").returncode == 0, 60, "a write")
         # Not the default ports: it says how to point every command at them.
@@ -345,14 +359,13 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
 
         os.kill(pid_of("n3"), signal.SIGKILL)
         wait_until(lambda: "to bring n3 back" in up_out.read_text(), 30, "cluster up telling how to restart n3")
-        line = next(ln for ln in up_out.read_text().splitlines() if "to bring n3 back" in ln)
-        command = line.split("in another shell: ", 1)[1]
+        command = run.printed("to bring n3 back")
         # Runnable as printed, in a shell where the venv is not active (the same
         # interpreter `kv cluster up` started the node with; after `env KV_...=...` for the
         # settings it inherited, if any), with -P: not whatever `kv` folder the shell is in.
         assert command.split(" -P -m kv serve --id n3 ")[0].endswith(shlex.quote(sys.executable))
         assert kv_cli("put", "while-down", "2", "--endpoints", endpoints).returncode == 0
-        back = subprocess.Popen(["bash", "-c", command], env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
+        run.run(command)
         n3_url = f"http://127.0.0.1:{base + 2}"
         wait_until(
             lambda: kv_cli("get", "while-down", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 60, "n3 back and caught up"
@@ -360,13 +373,13 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         assert up.poll() is None  # the others went on
         wait_until(lambda: "n3 answers again (restarted by hand); 3/3 nodes answering" in up_out.read_text(), 30, "cluster up seeing n3 back")
         # A node restarted by hand that dies again is reported too (it said nothing), and again back.
-        os.killpg(back.pid, signal.SIGKILL)
-        back.wait()
+        os.killpg(run.back.pid, signal.SIGKILL)
+        run.back.wait()
         wait_until(lambda: "n3 (restarted by hand) stopped answering; 2/3 nodes answering" in up_out.read_text(), 30, "cluster up seeing n3 gone again")
         # This time its data dir is gone too (rm -rf), and the same command brings it back:
         # the cluster idles, and the leader finds it out at a heartbeat and catches it up.
         shutil.rmtree(os.path.join(d, "n3"))  # (its log with it: the command makes the dir again)
-        back = subprocess.Popen(["bash", "-c", command], env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
+        run.run(command)
         wait_until(lambda: up_out.read_text().count("n3 answers again (restarted by hand)") == 2, 60, "cluster up seeing n3 back again")
         wait_until(
             lambda: kv_cli("get", "while-down", "--endpoints", n3_url, "--stale").stdout.strip() == "2", 60, "n3 caught up from an empty data dir"
@@ -387,22 +400,9 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         # stop at the data dir's lock, after the banner, with a bring-back hint that fails alike).
         again = kv_cli("cluster", "up", "--data-dir", d, "--base-port", str(base))
         assert again.returncode == 1 and f"n3 (pid {n3_pid}). Stop them first (kill {n3_pid})" in again.stderr, again.stderr
-        assert "starting" not in again.stdout + again.stderr and back.poll() is None
+        assert "starting" not in again.stdout + again.stderr and run.back.poll() is None
     finally:
-        if back is not None:
-            try:
-                pid = _node_pid(os.path.join(d, "n3"))
-            except (OSError, ValueError):
-                pid = None
-            _stop_shell_and_node(back, pid)
-        if up is not None and up.poll() is None:
-            up.send_signal(signal.SIGINT)
-            try:
-                up.wait(30)
-            except subprocess.TimeoutExpired:
-                up.kill()
-                up.wait()
-        out.close()
+        run.close()
 
 # -- the HTTP client ----------------------------------------------------------------------
 
