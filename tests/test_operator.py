@@ -196,6 +196,7 @@ def test_json_output_of_every_command(node, tmp_path):
     assert got["value"] == "/wA=" and got["encoding"] == "base64"
     scanned = kv_json(c, "scan", "j/")  # a stream: one document per line
     assert [d["key"] for d in scanned] == ["j/bin", "j/text"]
+    assert kv_json(c, "scan", "j/", "--stale") == scanned  # the node's own state (a newcomer compared nodes so)
     [deleted] = kv_json(c, "del", "j/bin")
     assert deleted["deleted"] is True and deleted["key"] == "j/bin"
     [status] = kv_json(c, "status")

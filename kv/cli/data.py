@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
     a.add_argument("prefix", nargs="?", default="")
     a.add_argument("--limit", type=at_least(1), default=None, help="list at most this many keys (pages are fetched as needed)")
     a.add_argument("--rev", type=at_least(1), default=None, help="the keys as of this revision (log index), every page at that one cut")
+    a.add_argument("--stale", action="store_true", help="read the node's local state without a quorum check (each page)")
     a = client_command(sub, "watch", "print every change under a prefix as it commits (Ctrl-C stops)", run)
     a.add_argument("prefix", nargs="?", default="")
     a.add_argument("--from", dest="from_index", type=at_least(1), default=None, help="start at this log index (default: the next commit)")
@@ -78,7 +79,7 @@ async def _run(c, args: argparse.Namespace) -> int:
         text = f"OK index={r.index} deleted={'yes' if r.deleted else 'no (it did not exist)'}"
         report(args, {**key_fields(args.key), "index": r.index, "term": r.term, "deleted": r.deleted}, text)
     elif cmd == "scan":
-        async for it in c.scan(args.prefix, limit=args.limit, revision=args.rev):
+        async for it in c.scan(args.prefix, limit=args.limit, revision=args.rev, consistency="stale" if args.stale else "linearizable"):
             report(args, _item(it), f"{listing_text(key_bytes(it.key))}\t{listing_text(it.value)}\t{it.mod_index}")
     elif cmd == "compact":
         done = await c.compact(args.revision)
