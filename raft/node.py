@@ -958,10 +958,9 @@ class RaftNode:
         Peers not yet in a larger membership are let in: a member added while this node lagged."""
         if set(self.core.membership.ids) != {self.id}:
             return None
-        return (
-            f"{peer!r} is not a member: the cluster in this node's data dir has no member but {self.id!r} (it was "
-            f"started as a cluster of its own). A node added with kv member add is started from an empty data dir "
-            f"with --join URL (a member's client URL)"
+        return (  # (the log line keeps 200 characters, its start included)
+            f"{peer!r} is not a member: this node's cluster is {self.id!r} alone; "
+            f"a node added with kv member add starts from an empty data dir with --join URL"
         )
 
     def leader_url(self) -> str | None:
