@@ -741,7 +741,8 @@ class RaftNode:
 
     def _role_changed(self) -> None:
         c = self.core
-        log.info("node %s: %s in term %d, leader %s", self.id, c.role.label, c.term, c.leader_id)
+        gone = "" if self.id in c.membership.ids else " (no longer a member: the membership change that removed it took effect)"
+        log.info("node %s: %s in term %d, leader %s%s", self.id, c.role.label, c.term, c.leader_id, gone)
         if c.leader_id is not None and c.leader_id != self._last_leader:
             self.stats["leader_changes"] += 1
         if c.leader_id != self._last_leader and self._read_futs:

@@ -84,6 +84,8 @@ def test_grow_three_to_five_under_load_then_remove_a_follower_and_the_leader(tmp
         for gone in (follower, lead):
             wait_until(lambda: not c.alive(gone), timeout=30, what=f"{gone} stopped")
             assert said in c.log(gone) and "start it from an empty data dir with --join URL" in c.log(gone)
+        # the leader that removed itself said so when it stepped down (it said only "follower in term N")
+        assert "(no longer a member: the membership change that removed it took effect)" in c.log(lead)
         # One that comes back is refused by the others, stops again, and changes nothing.
         term = c.status(new_lead)["term"]
         c.start(follower, wait=False)
