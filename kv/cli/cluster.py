@@ -18,11 +18,12 @@ import sys
 import time
 
 from ..client.endpoints import DEFAULT_ENDPOINTS
-from ..server.datadir import LOCK_NAME, DataDirLock
+from ..server.datadir import LOCK_NAME, DataDirLock, holds_a_node
 from ..errors import BadRequest, DataDirLocked
 from ..bench.harness import SERVE, statuses
 from ..common.text import columns
 from .options import at_least
+from .refusal import EXIT_REMOVED
 from ..server.process import CannotListen, check_can_listen
 
 
@@ -141,7 +142,7 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
-    kept = [n["id"] for n in plan if os.path.exists(os.path.join(data_dir, n["id"], "ledger"))]
+    kept = [n["id"] for n in plan if holds_a_node(os.path.join(data_dir, n["id"]))]
     _say(f"starting {nodes} nodes under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
     if kept:  # (a newcomer took a data dir left from an earlier run for a new cluster)
         _say(f"  with the data of an earlier run ({', '.join(kept)}): delete {os.path.abspath(data_dir)} first to start afresh")
@@ -267,7 +268,7 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                     # (mkdir: its data dir, where the log goes, may be gone, an rm -rf'd node's)
                     log_dir = shlex.quote(os.path.dirname(log_paths[nid]))
                     to_log = f">> {shlex.quote(log_paths[nid])} 2>&1"
-                    if "removed from the cluster" in last:  # its old data dir is refused: it comes back as a new member
+                    if p.returncode == EXIT_REMOVED:  # its old data dir is refused: it comes back as a new member
                         _say(f"  it was removed (kv member remove); to add it back as a new member, from an empty data dir, in another shell: "
                              f"rm -rf {log_dir} && mkdir -p {log_dir} && {_rejoin_line(nid, args, plan)} {to_log}")
                     else:

@@ -12,6 +12,7 @@ import os
 from .. import errors
 
 EXIT_ERROR = 1
+EXIT_REMOVED = 3  # kv serve: the node was removed from the cluster (its data dir is refused from now on)
 EXIT_BUG = 70  # EX_SOFTWARE: something we did not foresee
 
 

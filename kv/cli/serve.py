@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 
 from ..server import tls
 from ..server.config import NodeConfig, check_hostport
-from ..server.datadir import DataDirLock
+from ..server.datadir import DataDirLock, holds_a_node
 from ..server.eventlog import log_term_from, setup_logging
 from ..server.join import join_cluster, promote_when_caught_up
 from ..server.process import check_can_listen, http_connection_cap, install_uvloop, listen_error, raise_fd_limit, tune_gc
+from ..raft.errors import MemberRemoved
+from .refusal import EXIT_ERROR, EXIT_REMOVED
 from .settings import add_serve_options, serve_settings
 
 if TYPE_CHECKING:
@@ -67,7 +69,7 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     )
     lock = DataDirLock.acquire(config.data_dir)  # before anything in it is looked at
     try:
-        fresh = not os.path.exists(config.ledger_path)
+        fresh = not holds_a_node(config.data_dir)
         initial = await join_cluster(config) if config.join and fresh else None
     except BaseException:
         lock.release()
@@ -138,9 +140,9 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
         )
         failed = asyncio.ensure_future(_watch_failure(node))
         done, _ = await asyncio.wait([asyncio.ensure_future(stop.wait()), failed], return_when=asyncio.FIRST_COMPLETED)
-        code = 1 if failed in done else 0
+        code = 0 if failed not in done else EXIT_REMOVED if isinstance(node.raft.failure, MemberRemoved) else EXIT_ERROR
         if code:  # the failure itself was logged where it happened
-            log.error("stopping: exit code 1 after the error above")
+            log.error("stopping: exit code %d after the error above", code)
         else:
             log.info("stopping on signal")
         _exit_if_stuck(loop, code)

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import BadRequest
+from .datadir import LEDGER_NAME
 from .compactor import DEFAULT_RETENTION, parse_retention
 from .limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TXN_OPS, DEFAULT_MAX_TXN_READ_BYTES, REQUEST_OVERHEAD
 from .session_sweeper import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S
@@ -155,7 +156,7 @@ class NodeConfig:
 
     @property
     def ledger_path(self) -> str:
-        return os.path.join(self.data_dir, "ledger")
+        return os.path.join(self.data_dir, LEDGER_NAME)
 
     @property
     def state_path(self) -> str:

@@ -16,6 +16,13 @@ import os
 from ..errors import DataDirLocked
 
 LOCK_NAME = "LOCK"
+LEDGER_NAME = "ledger"  # the node's log (LMDB): a data dir without it holds no node yet
+
+
+def holds_a_node(data_dir: str) -> bool:
+    """Whether a node has run in this data dir (its ledger exists): a --join starts only
+    from one that has not, and `kv cluster up` says when it resumes one that has."""
+    return os.path.exists(os.path.join(data_dir, LEDGER_NAME))
 
 
 class DataDirLock:
