@@ -3,6 +3,8 @@ the leader; any other node passes the request on to it."""
 
 from __future__ import annotations
 
+import re
+
 import orjson
 from aiohttp import web
 
@@ -12,6 +14,8 @@ from .answer import Answer
 from .context import ctx
 from .errors import json_response
 from .forward import forward_to_leader
+
+_LEDGER_ID = re.compile("(?:[0-9a-f]{16,64})?")  # raft/ledger.py's ledger_id, or none
 from .params import json_body
 
 
@@ -30,13 +34,15 @@ async def _on_leader(request: web.Request, change, body: dict | None = None) -> 
 async def add_member(request: web.Request) -> Answer:
     doc = await json_body(request)
     mid, peer, http = doc.get("id"), doc.get("peer"), doc.get("http", "")
-    voter, replace = doc.get("voter", False), doc.get("replace", False)
+    voter, replace, ledger = doc.get("voter", False), doc.get("replace", False), doc.get("ledger", "")
     if not isinstance(mid, str) or not isinstance(peer, str):
         raise BadRequest('give the new member as {"id": "n4", "peer": "HOST:PORT", "http": "http://HOST:PORT", "voter": false}')
     if not isinstance(http, str) or not isinstance(voter, bool) or not isinstance(replace, bool):
         raise BadRequest('"http" is a URL string; "voter" and "replace" are true or false')
+    if not isinstance(ledger, str) or not _LEDGER_ID.fullmatch(ledger):
+        raise BadRequest('"ledger" is the joining data dir\'s ledger id, 16 to 64 hex digits (kv serve --join sends it)')
     node = ctx(request).node
-    return await _on_leader(request, lambda: node.add_member(mid, peer, http, voter=voter, replace=replace), doc)
+    return await _on_leader(request, lambda: node.add_member(mid, peer, http, voter=voter, replace=replace, ledger=ledger), doc)
 
 
 async def remove_member(request: web.Request) -> Answer:

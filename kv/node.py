@@ -78,6 +78,7 @@ class Node(AsyncRecipes):
         config: NodeConfig | None = None,
         *,
         initial_membership: Membership | None = None,
+        ledger_id: str | None = None,
         data_dir_lock: DataDirLock | None = None,
         transport: Transport | None = None,
         **options,
@@ -88,6 +89,7 @@ class Node(AsyncRecipes):
         self._lock = data_dir_lock
         # A node that joins a running cluster starts from the membership the cluster gave it.
         self._initial_membership = initial_membership
+        self._ledger_id = ledger_id  # and the ledger_id it gave the cluster for its ledger (join.py)
         self._transport = transport
         self.raft: RaftNode | None = None
         self.sm: LevelDBStateMachine | None = None
@@ -127,7 +129,7 @@ class Node(AsyncRecipes):
         c = self.config
         peer_tls = tls.peer_tls(c.peer_cert, c.peer_key, c.peer_ca)
         eventlog.guard("kv.raft.transport")  # strangers on the peer port must not flood the log
-        self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync)
+        self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync, ledger_id=self._ledger_id)
         self.disk = DiskGuard(c.data_dir, c.min_free_bytes, c.id, stalled=self._stalled_on_disk)
         self.disk.check()
         # The state machine the snapshots are taken from and loaded into: while the node
@@ -813,12 +815,15 @@ class Node(AsyncRecipes):
         transfer did not finish within `timeout` (default: two election timeouts)."""
         return await self._members.hand_over_leadership(self.raft, timeout)
 
-    async def add_member(self, member_id: str, peer: str, http: str = "", *, voter: bool = False, replace: bool = False, timeout: float | None = None) -> list[dict]:
+    async def add_member(
+        self, member_id: str, peer: str, http: str = "", *, voter: bool = False, replace: bool = False, ledger: str = "", timeout: float | None = None
+    ) -> list[dict]:
         """Add a member that listens for peers on `peer`. It always joins as a learner;
         with voter=True the leader promotes it once it has caught up (a voter that cannot
         be reached would count against the quorum). With replace=True an existing member's
-        addresses change (a node moved)."""
-        return await self._members.add(member_id, peer, http, voter, replace, timeout)
+        addresses change (a node moved). `ledger`: the ledger_id of the data dir joining
+        as this member (kv serve --join gives it): another data dir is refused as that id."""
+        return await self._members.add(member_id, peer, http, voter, replace, timeout, ledger)
 
     async def remove_member(self, member_id: str, *, timeout: float | None = None) -> list[dict]:
         return await self._members.remove(member_id, timeout)

@@ -3,7 +3,11 @@
 Layout of the LMDB environment (one directory):
 
     meta     b"format"        ledger format version (LEDGER_FORMAT)
-             b"identity"      JSON {"node_id", "group"}: a data dir never changes owner
+             b"identity"      JSON {"node_id", "group", "ledger_id"}: a data dir never changes
+                              owner; ledger_id tells this ledger from any other the same node
+                              id had (one drawn at random when it is made, or when a ledger
+                              from before it is opened): a member re-added from an empty data
+                              dir is known by its new one, and its old data dir refused
              b"hard_state"    term (8 bytes, big-endian) + vote (UTF-8, may be empty)
              b"before_begin"  ledgerBeforeBeginIndex + ledgerBeforeBeginTerm (2 x 8 bytes)
              b"term_runs"     (first index, term) pairs of the log, 16 bytes each
@@ -25,6 +29,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import secrets
 import struct
 import zlib
 from collections.abc import Sequence
@@ -42,6 +47,11 @@ _U64 = struct.Struct(">Q")
 _TWO_U64 = struct.Struct(">QQ")
 _HEADER = struct.Struct(">QBI")  # term, kind, crc32
 _HEADER_SIZE = _HEADER.size
+
+
+def new_ledger_id() -> str:
+    """A ledger's ledger_id: 16 hex digits, drawn at random."""
+    return secrets.token_hex(8)
 
 
 def _crc(index: int, term: int, kind: int, data: bytes) -> int:
@@ -121,7 +131,10 @@ class Ledger:
         *,
         map_size: int = 32 << 30,
         sync: bool = True,
+        ledger_id: str | None = None,
     ) -> None:
+        """`ledger_id`: the one to give the ledger if it is made now (a node that
+        joins gave the cluster one before its ledger existed); otherwise one is drawn."""
         self.path = path
         os.makedirs(path, exist_ok=True)
         _check_not_truncated(os.path.join(path, "data.mdb"))
@@ -134,7 +147,7 @@ class Ledger:
         self._meta = self._env.open_db(b"meta")
         self._db = self._env.open_db(b"entries")
         with self._env.begin(write=True) as txn:
-            self._check_identity(txn, node_id, group)
+            self.ledger_id = self._check_identity(txn, node_id, group, ledger_id or new_ledger_id())
             hs = txn.get(b"hard_state", db=self._meta)
             bb = txn.get(b"before_begin", db=self._meta)
             runs = txn.get(b"term_runs", db=self._meta)
@@ -152,15 +165,16 @@ class Ledger:
 
     # -- opening ---------------------------------------------------------------------------
 
-    def _check_identity(self, txn, node_id: str, group: str) -> None:
+    def _check_identity(self, txn, node_id: str, group: str, ledger_id: str) -> str:
+        """Returns the ledger's ledger_id (giving it `ledger_id` if it has none)."""
         fmt = txn.get(b"format", db=self._meta)
         ident = txn.get(b"identity", db=self._meta)
         if fmt is None:
             if txn.stat(self._db)["entries"]:
                 raise LedgerError(f"{self.path} holds entries but no ledger header: it is not a ledgerkv ledger")
             txn.put(b"format", _U64.pack(LEDGER_FORMAT), db=self._meta)
-            txn.put(b"identity", json.dumps({"node_id": node_id, "group": group}).encode(), db=self._meta)
-            return
+            txn.put(b"identity", json.dumps({"node_id": node_id, "group": group, "ledger_id": ledger_id}).encode(), db=self._meta)
+            return ledger_id
         version = _U64.unpack(fmt)[0]
         if version != LEDGER_FORMAT:
             raise LedgerError(
@@ -172,6 +186,10 @@ class Ledger:
                 f"the data dir {os.path.dirname(self.path) or self.path} belongs to node {who['node_id']!r} of group "
                 f"{who['group']!r}, not to node {node_id!r} of group {group!r}: check --id, --group and --data-dir"
             )
+        if "ledger_id" not in who:  # a ledger from before ledger ids
+            txn.put(b"identity", json.dumps({**who, "ledger_id": ledger_id}).encode(), db=self._meta)
+            return ledger_id
+        return who["ledger_id"]
 
     def _verify_tail(self) -> None:
         """Read the last entry back: a torn or foreign file shows up here, not later."""

@@ -22,6 +22,11 @@ class Member:
     http_url: str = ""  # its client URL, used to forward requests to it when it leads
     voter: bool = True
     promote: bool = False  # a learner the leader promotes once it has caught up
+    # The ledger_id (raft/ledger.py) of the data dir that joined as this member, "" if not
+    # known (a founding member, one added by hand that has not joined): another data dir
+    # claiming the id, such as the one it had before it was removed and added back, is
+    # refused as removed (raft/transport.py), so no id votes or acknowledges from two logs.
+    ledger: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +64,10 @@ class Membership:
     def encode(self) -> bytes:
         return json.dumps(
             [
-                {"id": m.id, "peer": m.peer_addr, "http": m.http_url, "voter": m.voter, **({"promote": True} if m.promote else {})}
+                {
+                    "id": m.id, "peer": m.peer_addr, "http": m.http_url, "voter": m.voter,
+                    **({"promote": True} if m.promote else {}), **({"ledger": m.ledger} if m.ledger else {}),
+                }
                 for m in sorted(self.members.values(), key=lambda m: m.id)
             ],
             separators=(",", ":"),
@@ -70,7 +78,7 @@ class Membership:
         if not data:
             return cls({})
         return cls.of(
-            Member(d["id"], d["peer"], d.get("http", ""), bool(d.get("voter", True)), bool(d.get("promote", False)))
+            Member(d["id"], d["peer"], d.get("http", ""), bool(d.get("voter", True)), bool(d.get("promote", False)), d.get("ledger", ""))
             for d in json.loads(data)
         )
 

@@ -240,6 +240,8 @@ class RaftNode:
                 listen,
                 is_member=lambda pid: not self._refuse_peer(pid),
                 stranger=self._stranger,
+                replaced=self._replaced,
+                ledger_id=ledger.ledger_id,
                 secret=secret,
                 advertise_url=advertise_url,
                 ssl=peer_tls,
@@ -963,6 +965,15 @@ class RaftNode:
             f"{peer!r} is not a member: this node's cluster is {self.id!r} alone; "
             f"a node added with kv member add starts from an empty data dir with --join URL"
         )
+
+    def _replaced(self, peer: str, ledger: str) -> bool:
+        """Whether member `peer` joined from another data dir than the one whose ledger is
+        `ledger`: it was removed and added back, and this is its old data dir, whose log
+        lacks what the id acknowledged since and whose votes are not the id's. (Either
+        ledger not known: a founding member, one added by hand that has not joined, or an
+        earlier version on either side, lets it in as before.)"""
+        m = self.core.membership.get(peer)
+        return bool(ledger) and m is not None and bool(m.ledger) and m.ledger != ledger
 
     def leader_url(self) -> str | None:
         """The client URL of the leader, if known (announced in its transport handshake)."""

@@ -16,12 +16,18 @@ A connection starts with a handshake (frames of their own, before any message):
     acceptor → WELCOME    nonce_s, proof_s = HMAC(secret, "accept"|group|from|to|nonce_c)
     dialer   → AUTH       proof_c = HMAC(secret, "dial"|group|from|to|nonce_c|nonce_s)
 
+nonce_c is 16 random bytes followed by the dialer's ledger_id (raft/ledger.py; nothing from
+a version before them, which an acceptor takes for "not known"): the field where an older
+acceptor, which reads it as an opaque nonce, still lets the dialer in.
+
 The acceptor refuses (and closes) unless the group is its own, `to` is itself, `from` is a
 member and, with a cluster secret, proof_c is right (constant-time compare); the dialer
 checks proof_s, so entries never leak to a process that does not know the secret either.
 To a member removed from the cluster it says so first: REMOVED, proof_r = HMAC(secret,
 "removed"|group|from|to|nonce_c), which the dialer checks before it believes it (the node
-stops once most of the others say so: raft/node.py).
+stops once most of the others say so: raft/node.py). So it says to a dialer whose ledger
+is not the one the membership knows the member by (the caller's `replaced`): the data dir
+a member had before it was removed and joined again from an empty one.
 After that every frame must carry `src` = the authenticated id and `dst` = the acceptor.
 Peers are known by id, never by address: the address dialled may be a proxy or a NAT.
 A frame that does not parse, is too large or breaks these rules closes that connection and
@@ -61,6 +67,7 @@ MAGIC = b"LKV1"
 HELLO, WELCOME, AUTH = 100, 101, 102  # the handshake's frame types
 REMOVED = 103  # the acceptor's answer to a member removed from the cluster (then it closes)
 HANDSHAKE_TIMEOUT = 5.0
+NONCE_BYTES = 16  # nonce_c's random part, before the dialer's ledger_id
 PREAUTH_MAX_FRAME = 4096  # HELLO and AUTH are a few hundred bytes
 # An HTTP request on the peer port: a client given this address instead of the node's
 # --http one. It gets a 400 saying so (ledgerkv's error model, so kv.Client reports it as
@@ -105,6 +112,13 @@ def _unpack_strs(body: bytes | memoryview, count: int) -> list[bytes]:
     if o != len(body):
         raise codec.CodecError("stray bytes in handshake frame")
     return out
+
+
+def _removed(peer: str, ledger: str, member: bool) -> str:
+    """Why a peer is refused as removed (the log line keeps 200 characters)."""
+    if not member:
+        return f"{peer!r} was removed from this cluster"
+    return f"{peer!r} was removed and joined again from another data dir: this one (ledger {ledger}) is the old one"
 
 
 def _mac(secret: bytes | None, *parts: bytes) -> bytes:
@@ -169,6 +183,7 @@ class _Inbound(asyncio.Protocol):
         self.peer: str | None = None
         self.nonce_c = b""
         self.nonce_s = b""
+        self.ledger = ""  # the dialer's ledger_id ("" if it did not say)
         self.authed = False
         self.transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -251,12 +266,13 @@ class _Inbound(asyncio.Protocol):
                 raise codec.CodecError(f"peer {src_s!r} dialled node {dst.decode()!r} but reached {t.node_id!r}")
             if src_s == t.node_id:
                 raise codec.CodecError(f"a peer claims to be this node ({src_s!r})")
-            if not t.is_member(src_s):
+            ledger = nonce_c[NONCE_BYTES:].decode()
+            if not t.is_member(src_s) or t.replaced(src_s, ledger):
                 self.transport.write(codec.frame(REMOVED, pack_strs(_mac(t.secret, b"removed", group, src, dst, nonce_c))))
-                raise codec.CodecError(f"{src_s!r} was removed from this cluster")
+                raise codec.CodecError(_removed(src_s, ledger, t.is_member(src_s)))
             if (why := t.stranger(src_s)) is not None:
                 raise codec.CodecError(why)
-            self.peer, self.nonce_c, self.nonce_s = src_s, nonce_c, os.urandom(16)
+            self.peer, self.ledger, self.nonce_c, self.nonce_s = src_s, ledger, nonce_c, os.urandom(NONCE_BYTES)
             self._url = url.decode()
             proof = _mac(t.secret, b"accept", group, src, dst, nonce_c)
             self.transport.write(codec.frame(WELCOME, pack_strs(self.nonce_s, proof)))
@@ -293,7 +309,7 @@ class _Outbound(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self.lost: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.nonce_c = os.urandom(16)
+        self.nonce_c = os.urandom(NONCE_BYTES) + link.t.ledger_id.encode()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -412,6 +428,8 @@ class TcpTransport:
         *,
         is_member: Callable[[str], bool],
         stranger: Callable[[str], str | None] = lambda peer: None,
+        replaced: Callable[[str, str], bool] = lambda peer, ledger: False,
+        ledger_id: str = "",
         secret: str | None = None,
         advertise_url: str = "",
         ssl: PeerTLS | None = None,
@@ -424,6 +442,8 @@ class TcpTransport:
         self.on_removed: Callable[[str], None] = lambda peer: None  # a peer refused us as a removed member
         self.is_member = is_member
         self.stranger = stranger  # why a peer that was never removed is still not let in, or None
+        self.replaced = replaced  # whether the member `peer` is known by another ledger than this one
+        self.ledger_id = ledger_id  # this node's, said in the handshakes it dials
         self.secret = secret.encode() if secret else None
         self.advertise_url = advertise_url
         self._links: dict[str, _Link] = {}
@@ -471,10 +491,11 @@ class TcpTransport:
         self._unauthed[conn] = None
 
     def refuse_removed(self) -> None:
-        """Close the connections of peers that are no longer members (a membership change
-        was applied): they dial again, and the handshake tells them they were removed."""
-        for conn in [c for c in self._inbound if c.peer is not None and not self.is_member(c.peer)]:
-            conn.close(f"{conn.peer!r} was removed from the cluster")
+        """Close the connections of peers that are no longer members, or are known by
+        another ledger now (a membership change was applied): they dial again, and the
+        handshake tells them they were removed."""
+        for conn in [c for c in self._inbound if c.peer is not None and (not self.is_member(c.peer) or self.replaced(c.peer, c.ledger))]:
+            conn.close(_removed(conn.peer, conn.ledger, self.is_member(conn.peer)))
 
     def set_peers(self, peers: dict[str, str]) -> None:
         """Dial these peers (id -> address); stop dialling those no longer listed."""

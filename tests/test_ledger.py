@@ -131,3 +131,23 @@ def test_map_full_is_a_clear_error_and_changes_nothing(path):
     assert led.last_index() == 1
     led.write([LedgerWrite(entries_from=2, entries=entries(2, [1]))])
     assert led.last_index() == 2
+
+
+def test_a_ledger_keeps_its_ledger_id_and_one_from_before_them_gets_one(path):
+    led = Ledger(path, "n1", ledger_id="ab" * 8)  # a joining node's: the one it gave the cluster
+    assert led.ledger_id == "ab" * 8
+    led.close()
+    led = Ledger(path, "n1", ledger_id="cd" * 8)  # (only a ledger made now takes it)
+    assert led.ledger_id == "ab" * 8
+    led.close()
+    drawn = {Ledger(str(tmp), "n1").ledger_id for tmp in (path + "-x", path + "-y")}
+    assert len(drawn) == 2 and all(len(i) == 16 and int(i, 16) >= 0 for i in drawn)
+    # a ledger written before ledger ids: one is drawn when it opens, and kept
+    env = lmdb.open(path, max_dbs=4, subdir=True)
+    with env.begin(write=True) as txn:
+        txn.put(b"identity", b'{"node_id": "n1", "group": "default"}', db=env.open_db(b"meta", txn=txn))
+    env.close()
+    led = Ledger(path, "n1")
+    first = led.ledger_id
+    led.close()
+    assert first != "ab" * 8 and Ledger(path, "n1").ledger_id == first

@@ -185,3 +185,47 @@ def test_a_node_started_alone_is_not_taken_over_by_a_cluster_that_adds_it(tmp_pa
         assert c.status(lead)["peers"]["n7"]["match_index"] == 0
     finally:
         c.close()
+
+
+def test_a_member_added_back_is_not_let_in_from_its_old_data_dir(tmp_path):
+    """n3 is removed and joins again from an empty data dir; later the old data dir is
+    started as n3 (a machine taken out comes back). It lacks what n3 acknowledged since and
+    the votes n3 cast, and a vote cast twice in a term can elect two leaders: the others
+    refuse it as removed, and it stops; the n3 that joined again runs on."""
+    c = ProcCluster(str(tmp_path), proxies=False)
+    try:
+        c.start()
+        lead = c.leader()
+        gone = next(i for i in c.ids if i != lead)
+        assert c.put(lead, "before", b"1")[0] == 200
+        c.stop(gone)
+        old_dir = c.data_dir(gone) + "-old"
+        os.rename(c.data_dir(gone), old_dir)
+        assert c.request(lead, "DELETE", f"/v1/members/{gone}")[0] == 200
+        c.joining[gone] = True  # from an empty data dir, with --join, at the same addresses
+        c.start(gone, join_via=lead)
+        wait_until(lambda: gone in voters(c, c.leader()), what=f"{gone} a voter again")
+        assert c.put(c.leader(), "after", b"2")[0] == 200
+        c.stop(gone)
+        lead = c.leader()
+        term = c.status(lead)["term"]
+        # the old data dir, started as it was before the removal
+        old_log = os.path.join(c.root, f"{gone}-old.log")
+        c.procs.start(
+            gone, ["--id", gone, "--data-dir", old_dir, "--http", c.http[gone], "--peers", ",".join(f"{i}={c.listen[i]}" for i in c.ids), *c.extra],
+            old_log, env={**os.environ, **c.env},
+        )
+        wait_until(lambda: not c.alive(gone), timeout=30, what="the old data dir's node stopped")
+        assert c.procs[gone].returncode == EXIT_REMOVED
+        with open(old_log) as f:
+            assert "refuse this node as a member removed from the cluster" in f.read()
+        said = f"'{gone}' was removed and joined again from another data dir: this one (ledger "
+        assert said in c.log(lead), c.log(lead)[-2000:]
+        assert c.leader() == lead and c.status(lead)["term"] == term
+        # the n3 that joined again comes back and catches up
+        c.start(gone)
+        assert c.put(lead, "later", b"3")[0] == 200
+        c.wait_converged()
+        assert c.get(gone, "later", "stale")[:2] == (200, b"3")
+    finally:
+        c.close()

@@ -522,10 +522,11 @@ class AsyncClient(AsyncRecipes):
         """The cluster's members: id, peer, http, voter, leader."""
         return (await self._json("GET", "/v1/members"))["members"]
 
-    async def add_member(self, member_id: str, peer: str, http: str = "", *, voter: bool = False, replace: bool = False) -> list[dict]:
+    async def add_member(self, member_id: str, peer: str, http: str = "", *, voter: bool = False, replace: bool = False, ledger: str = "") -> list[dict]:
         """Add a member listening for peers on `peer` (a learner, promoted once caught up
-        when voter=True); replace=True changes an existing member's addresses."""
-        doc = {"id": member_id, "peer": peer, "http": http, "voter": voter, "replace": replace}
+        when voter=True); replace=True changes an existing member's addresses. `ledger`:
+        the ledger id of the data dir that joins as it (kv serve --join sends it)."""
+        doc = {"id": member_id, "peer": peer, "http": http, "voter": voter, "replace": replace, **({"ledger": ledger} if ledger else {})}
         return (await self._json("POST", "/v1/members", data=orjson.dumps(doc), headers={"Content-Type": "application/json"}))["members"]
 
     async def remove_member(self, member_id: str) -> list[dict]:

@@ -11,15 +11,18 @@ from collections.abc import Callable
 from ..client.async_client import AsyncClient
 from ..errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
 from ..raft.backoff import Backoff
+from ..raft.ledger import new_ledger_id
 from ..raft.membership import Member, Membership
 from .config import NodeConfig
 
 log = logging.getLogger("kv.serve")
 
 
-async def join_cluster(config: NodeConfig) -> Membership:
+async def join_cluster(config: NodeConfig) -> tuple[Membership, str]:
     """Ask a member of a running cluster (config.join) to add this new node as a learner;
-    returns the membership to start from. Temporary refusals (another membership change in
+    returns the membership to start from, and the ledger_id to give the node's ledger: the
+    cluster knows the member by it, and refuses any other data dir as it (the one it had
+    before it was removed, say: raft/transport.py). Temporary refusals (another membership change in
     progress, no leader, the member not reachable yet) are waited out with backoff until
     --join-timeout; a permanent one (the id is a member with other addresses, a bad token,
     a bad request) ends it at once."""
@@ -28,12 +31,13 @@ async def join_cluster(config: NodeConfig) -> Membership:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.join_timeout_s
     backoff = Backoff(0.2, 5.0)
+    ledger_id = new_ledger_id()
     async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s), cacert=config.cacert) as c:
         while True:
             try:
-                members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False)
+                members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False, ledger=ledger_id)
                 _refuse_a_voter_that_lost_its_data(config, members)  # (the leader's list, as of the add)
-                return Membership.of(Member(m["id"], m["peer"], m.get("http", ""), m["voter"]) for m in members)
+                return Membership.of(Member(m["id"], m["peer"], m.get("http", ""), m["voter"]) for m in members), ledger_id
             except (MemberExists, Unauthorized, BadRequest):
                 raise
             except (Conflict, NotLeader, Unavailable, Timeout) as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -68,7 +69,7 @@ class Members:
             },
         }
 
-    async def add(self, member_id: str, peer: str, http: str, voter: bool, replace: bool, timeout: float | None) -> list[dict]:
+    async def add(self, member_id: str, peer: str, http: str, voter: bool, replace: bool, timeout: float | None, ledger: str = "") -> list[dict]:
         if not member_id or any(ch in member_id for ch in ",= /"):
             raise BadRequest(f"bad member id {member_id!r}: a non-empty name without ',', '=', ' ' or '/'")
         check_hostport(peer, f"member {member_id}")
@@ -80,17 +81,20 @@ class Members:
                     f"{member_id} is already a member (peer {old.peer_addr}, client URL {old.http_url or 'not known'}); "
                     "remove it first, or replace its addresses"
                 )
-            if old.http_url == http or old.voter or not http:
-                # asked again for what is already so (a voter's client URL not known, a
-                # founding member's, stays so: a voter's join is refused by the joiner, join.py)
+            if old.voter or ((old.http_url == http or not http) and (old.ledger == ledger or not ledger)):
+                # asked again for what is already so (a voter's client URL or ledger not
+                # known, a founding member's, stays so: a voter's join is refused by the
+                # joiner, join.py)
                 return self.list()
-            # a learner added without its client URL (kv member add), now joining with it: recorded
+            # a learner added without its client URL (kv member add), now joining with it,
+            # or joining again from another data dir: its URL and ledger are recorded (the
+            # other data dir's links are refused then)
         if old is None and replace:
             raise NotFound(f"{member_id} is not a member; add it instead")
         if old is None:
-            new = Member(member_id, peer, http, voter=False, promote=voter)
+            new = Member(member_id, peer, http, voter=False, promote=voter, ledger=ledger)
         else:
-            new = Member(member_id, peer, http, old.voter, old.promote)
+            new = dataclasses.replace(old, peer_addr=peer, http_url=http or old.http_url, ledger=ledger or old.ledger)
         await self._change(cur.with_member(new), timeout)
         return self.list()
 
@@ -110,7 +114,7 @@ class Members:
             raise NotFound(f"{member_id} is not a member; add it as a learner first")
         if m.voter:
             return self.list()
-        await self._change(cur.with_member(Member(m.id, m.peer_addr, m.http_url, True)), timeout)
+        await self._change(cur.with_member(dataclasses.replace(m, voter=True, promote=False)), timeout)
         return self.list()
 
     def _leaders(self, why: str) -> RaftNode:
