@@ -94,7 +94,7 @@ class LoopbackTransport:
     def refuse_removed(self) -> None:
         pass  # a loopback network has no handshake to tell a removed member so
 
-    def set_peers(self, peers: dict[str, str]) -> None:
+    def set_peers(self, peers: dict[str, str | tuple[str, ...]]) -> None:
         new = set(peers) - {self.node_id}
         added, self._peers = new - self._peers, new
         for peer in added:

@@ -8,11 +8,19 @@ stored in CONFIG log entries and in snapshot headers, encoded as JSON.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from . import quorum
 from .errors import ConfigChangeRefused
+
+
+_LEDGER_ID = re.compile("[0-9a-f]{16}")  # raft/ledger.py's new_ledger_id
+
+
+def is_ledger_id(s: object) -> bool:
+    return type(s) is str and _LEDGER_ID.fullmatch(s) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +62,15 @@ class Membership:
 
     def get(self, node_id: str) -> Member | None:
         return self.members.get(node_id)
+
+    def replaced(self, node_id: str, ledger: str) -> bool:
+        """Whether member node_id joined from another data dir than the one whose ledger
+        is `ledger` ("": a version before ledger ids): it was removed and joined again,
+        and this is its old data dir, whose log lacks what the id acknowledged since and
+        whose votes are not the id's. A member no data dir joined as (a founding one, one
+        added by hand that has not joined) is not: any data dir is let in as it."""
+        m = self.members.get(node_id)
+        return m is not None and bool(m.ledger) and m.ledger != ledger
 
     def with_member(self, member: Member) -> Membership:
         return Membership({**self.members, member.id: member})

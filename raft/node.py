@@ -240,7 +240,7 @@ class RaftNode:
                 listen,
                 is_member=lambda pid: not self._refuse_peer(pid),
                 stranger=self._stranger,
-                replaced=self._replaced,
+                replaced=lambda pid, ledger: self.core.membership.replaced(pid, ledger),
                 ledger_id=ledger.ledger_id,
                 secret=secret,
                 advertise_url=advertise_url,
@@ -364,7 +364,11 @@ class RaftNode:
         if self.transport is not None:
             core = self.core
             members = {**core.committed_membership.members, **core.membership.members}
-            self.transport.set_peers({i: self._dial.get(i, m.peer_addr) for i, m in members.items() if i != self.id})
+            # This node's --peers entry for a peer first (a proxy, a NAT), then the
+            # membership's address, which a member moved with --replace changes.
+            self.transport.set_peers(
+                {i: tuple(dict.fromkeys((self._dial.get(i, m.peer_addr), m.peer_addr))) for i, m in members.items() if i != self.id}
+            )
 
     # ======================================================================================
     # Requests
@@ -965,15 +969,6 @@ class RaftNode:
             f"{peer!r} is not a member: this node's cluster is {self.id!r} alone; "
             f"a node added with kv member add starts from an empty data dir with --join URL"
         )
-
-    def _replaced(self, peer: str, ledger: str) -> bool:
-        """Whether member `peer` joined from another data dir than the one whose ledger is
-        `ledger`: it was removed and added back, and this is its old data dir, whose log
-        lacks what the id acknowledged since and whose votes are not the id's. (Either
-        ledger not known: a founding member, one added by hand that has not joined, or an
-        earlier version on either side, lets it in as before.)"""
-        m = self.core.membership.get(peer)
-        return bool(ledger) and m is not None and bool(m.ledger) and m.ledger != ledger
 
     def leader_url(self) -> str | None:
         """The client URL of the leader, if known (announced in its transport handshake)."""

@@ -64,6 +64,7 @@ class Progress:
     # Flow-control quota (DLedger's Quota): bytes sent in the current one-second window.
     quota_window: float = 0.0
     quota_used: int = 0
+    ledger: str = ""  # the member's ledger (raft/membership.py) this progress is of
 
     def reset(self, state: DispatcherState, next_index: int) -> None:
         """Start over from next_index in `state`; everything in flight is forgotten."""

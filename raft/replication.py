@@ -64,8 +64,9 @@ class Replication:
             if m.id == self.id:
                 continue
             pr = self.progress.get(m.id)
-            if pr is None:
-                pr = self.progress[m.id] = Progress(m.id, m.voter, next=last_index + 1)
+            if pr is None or pr.ledger != m.ledger:
+                # new, or joined again from another data dir: the old one's match means nothing
+                pr = self.progress[m.id] = Progress(m.id, m.voter, next=last_index + 1, ledger=m.ledger)
                 pr.reset(DispatcherState.COMPARE, last_index + 1)
             pr.voter = m.voter
         for gone in set(self.progress) - membership.ids:

@@ -118,7 +118,7 @@ def _removed(peer: str, ledger: str, member: bool) -> str:
     """Why a peer is refused as removed (the log line keeps 200 characters)."""
     if not member:
         return f"{peer!r} was removed from this cluster"
-    return f"{peer!r} was removed and joined again from another data dir: this one (ledger {ledger}) is the old one"
+    return f"{peer!r} joined from another data dir than this one (ledger {ledger or 'not said'}): removed and joined again, or this one's data was lost"
 
 
 def _mac(secret: bytes | None, *parts: bytes) -> bytes:
@@ -347,10 +347,14 @@ class _Outbound(asyncio.Protocol):
 
 
 class _Link:
-    """Keeps one outbound connection alive, reconnecting with backoff."""
+    """Keeps one outbound connection alive, reconnecting with backoff. Of the peer's
+    addresses, the next is tried when one cannot be reached (nothing listens there, or no
+    answer in HANDSHAKE_TIMEOUT); a peer that answers and refuses, or hangs up, is dialled
+    at the same address again."""
 
-    def __init__(self, t: TcpTransport, peer: str, addr: str) -> None:
-        self.t, self.peer, self.addr = t, peer, addr
+    def __init__(self, t: TcpTransport, peer: str, addrs: tuple[str, ...]) -> None:
+        self.t, self.peer, self.addrs = t, peer, addrs
+        self.addr = addrs[0]
         self.conn: _Outbound | None = None
         self._queued: list[bytes] = []  # frames sent this turn of the loop, written by _flush
         self._queued_bytes = 0
@@ -364,8 +368,8 @@ class _Link:
             host, _, port = self.addr.rpartition(":")
             proto: _Outbound | None = None
             try:
-                _, proto = await loop.create_connection(
-                    lambda: _Outbound(self), host, int(port), **self.t._dial_tls(host)
+                _, proto = await asyncio.wait_for(
+                    loop.create_connection(lambda: _Outbound(self), host, int(port), **self.t._dial_tls(host)), HANDSHAKE_TIMEOUT
                 )
                 await asyncio.wait_for(proto.ready, HANDSHAKE_TIMEOUT)
             except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
@@ -382,6 +386,8 @@ class _Link:
                     log.warning("%s: it was stopping, or it refused us (see its log: group, membership, cluster secret)%s", e, maybe)
                 else:
                     log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
+                if not isinstance(e, _RefusedByPeer):
+                    self.addr = self.addrs[(self.addrs.index(self.addr) + 1) % len(self.addrs)]
                 await asyncio.sleep(backoff.next())
                 continue
             backoff.reset()
@@ -497,14 +503,16 @@ class TcpTransport:
         for conn in [c for c in self._inbound if c.peer is not None and (not self.is_member(c.peer) or self.replaced(c.peer, c.ledger))]:
             conn.close(_removed(conn.peer, conn.ledger, self.is_member(conn.peer)))
 
-    def set_peers(self, peers: dict[str, str]) -> None:
-        """Dial these peers (id -> address); stop dialling those no longer listed."""
+    def set_peers(self, peers: dict[str, str | tuple[str, ...]]) -> None:
+        """Dial these peers (id -> its address, or addresses to try in turn); stop
+        dialling those no longer listed."""
+        addrs = {pid: (a,) if isinstance(a, str) else a for pid, a in peers.items()}
         for pid in list(self._links):
-            if pid not in peers or peers[pid] != self._links[pid].addr:
+            if pid not in addrs or addrs[pid] != self._links[pid].addrs:
                 self._links.pop(pid).close()
-        for pid, addr in peers.items():
+        for pid, a in addrs.items():
             if pid != self.node_id and pid not in self._links:
-                self._links[pid] = _Link(self, pid, addr)
+                self._links[pid] = _Link(self, pid, a)
 
     def send(self, msg: Message) -> bool:
         """Queue a message for its destination; False if it was dropped (no connection,

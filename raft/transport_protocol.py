@@ -45,8 +45,9 @@ class Transport(Protocol):
     async def stop(self) -> None:
         """Close every link; nothing is delivered afterwards."""
 
-    def set_peers(self, peers: dict[str, str]) -> None:
-        """Talk to these peers (id -> address to dial); forget those no longer listed."""
+    def set_peers(self, peers: dict[str, str | tuple[str, ...]]) -> None:
+        """Talk to these peers (id -> address to dial, or addresses to try in turn);
+        forget those no longer listed."""
 
     def send(self, msg: Message) -> bool:
         """Queue msg for msg.dst; False if it was dropped at once (no link, the peer too

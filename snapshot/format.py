@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from ..raft import failpoints
 from ..raft.errors import KVError
+from ..raft.membership import is_ledger_id
 from ..statemachine.commands import MAX_INDEX, MAX_KEY_BYTES
 
 MAGIC = b"LKVSNAP1"
@@ -206,7 +207,9 @@ def _index_field(d: dict, name: str) -> int:
     return v
 
 
-_MEMBER_FIELDS = {"id": str, "peer": str, "http": str, "voter": bool, "promote": bool}
+# "ledger" since 2026-12-06 (raft/membership.py): an earlier version refuses a snapshot whose
+# membership has a member that joined since, as it refuses a later format (docs/design.md).
+_MEMBER_FIELDS = {"id": str, "peer": str, "http": str, "voter": bool, "promote": bool, "ledger": str}
 
 
 def _check_membership(members) -> None:
@@ -219,6 +222,8 @@ def _check_membership(members) -> None:
         for k, v in m.items():
             if k not in _MEMBER_FIELDS or type(v) is not _MEMBER_FIELDS[k]:
                 raise SnapshotFormatError(f"snapshot header: member field {k!r} is unknown or of the wrong type")
+        if "ledger" in m and not is_ledger_id(m["ledger"]):
+            raise SnapshotFormatError(f"snapshot header: member {m['id']!r:.40}'s ledger is not a ledger id")
         if not m["id"] or m["id"] in ids:
             raise SnapshotFormatError(f"snapshot header: member id {m['id']!r} is empty or repeated")
         ids.add(m["id"])

@@ -9,6 +9,7 @@ import pytest
 
 from kv.raft.errors import LedgerError
 from kv.raft.ledger import Ledger, LedgerWrite
+from kv.raft.membership import is_ledger_id
 from kv.raft.messages import Entry, EntryKind, HardState
 
 
@@ -140,8 +141,12 @@ def test_a_ledger_keeps_its_ledger_id_and_one_from_before_them_gets_one(path):
     led = Ledger(path, "n1", ledger_id="cd" * 8)  # (only a ledger made now takes it)
     assert led.ledger_id == "ab" * 8
     led.close()
-    drawn = {Ledger(str(tmp), "n1").ledger_id for tmp in (path + "-x", path + "-y")}
-    assert len(drawn) == 2 and all(len(i) == 16 and int(i, 16) >= 0 for i in drawn)
+    drawn = set()
+    for other in (path + "-x", path + "-y"):
+        led = Ledger(other, "n1")
+        drawn.add(led.ledger_id)
+        led.close()
+    assert len(drawn) == 2 and all(is_ledger_id(i) for i in drawn)
     # a ledger written before ledger ids: one is drawn when it opens, and kept
     env = lmdb.open(path, max_dbs=4, subdir=True)
     with env.begin(write=True) as txn:
@@ -150,4 +155,6 @@ def test_a_ledger_keeps_its_ledger_id_and_one_from_before_them_gets_one(path):
     led = Ledger(path, "n1")
     first = led.ledger_id
     led.close()
-    assert first != "ab" * 8 and Ledger(path, "n1").ledger_id == first
+    led = Ledger(path, "n1")
+    assert first != "ab" * 8 and led.ledger_id == first
+    led.close()

@@ -11,6 +11,7 @@ import time
 import orjson
 import pytest
 from cluster import ProcCluster, wait_until
+from kv.bench.harness import free_port
 from kv.cli.refusal import EXIT_REMOVED
 
 pytestmark = pytest.mark.slow
@@ -145,6 +146,11 @@ def test_bad_membership_requests_get_clear_errors(tmp_path):
         assert post("/v1/members", {"id": "n9"})[0] == 400  # no peer address
         assert post("/v1/members", {"id": "n 9", "peer": "127.0.0.1:1"})[0] == 400
         assert post("/v1/members", {"id": "n9", "peer": "nowhere"})[0] == 400
+        # "ledger" is what a join sends: a ledger id, and never to rebind a member in place
+        assert post("/v1/members", {"id": "n9", "peer": "127.0.0.1:9", "ledger": "zz"})[0] == 400
+        assert post("/v1/members", {"id": "n9", "peer": "127.0.0.1:9", "ledger": 7})[0] == 400
+        code, body = post("/v1/members", {"id": follower, "peer": c.listen[follower], "replace": True, "ledger": "11" * 8})
+        assert code == 400 and "not with \"replace\"" in body["error"]["message"], body
         # A learner far behind (it is not even running) is not promoted.
         assert post("/v1/members", {"id": "n9", "peer": "127.0.0.1:9"})[0] == 200
         code, body = post("/v1/members/n9/promote")
@@ -191,8 +197,9 @@ def test_a_member_added_back_is_not_let_in_from_its_old_data_dir(tmp_path):
     """n3 is removed and joins again from an empty data dir; later the old data dir is
     started as n3 (a machine taken out comes back). It lacks what n3 acknowledged since and
     the votes n3 cast, and a vote cast twice in a term can elect two leaders: the others
-    refuse it as removed, and it stops; the n3 that joined again runs on."""
-    c = ProcCluster(str(tmp_path), proxies=False)
+    refuse it as removed, and it stops; the n3 that joined again runs on, and catches up by
+    a snapshot whose membership records the data dir it joined from."""
+    c = ProcCluster(str(tmp_path), proxies=False, extra=["--snapshot-threshold", "100", "--snapshot-trailing", "10"])
     try:
         c.start()
         lead = c.leader()
@@ -208,6 +215,9 @@ def test_a_member_added_back_is_not_let_in_from_its_old_data_dir(tmp_path):
         assert c.put(c.leader(), "after", b"2")[0] == 200
         c.stop(gone)
         lead = c.leader()
+        for i in range(150):  # enough that the leader compacts past where it stopped
+            assert c.put(lead, f"w/{i}", b"x")[0] == 200
+        wait_until(lambda: c.status(lead)["ledger_begin_index"] > 0, timeout=30, what="the leader compacted")
         term = c.status(lead)["term"]
         # the old data dir, started as it was before the removal
         old_log = os.path.join(c.root, f"{gone}-old.log")
@@ -219,13 +229,37 @@ def test_a_member_added_back_is_not_let_in_from_its_old_data_dir(tmp_path):
         assert c.procs[gone].returncode == EXIT_REMOVED
         with open(old_log) as f:
             assert "refuse this node as a member removed from the cluster" in f.read()
-        said = f"'{gone}' was removed and joined again from another data dir: this one (ledger "
+        said = f"'{gone}' joined from another data dir than this one (ledger "
         assert said in c.log(lead), c.log(lead)[-2000:]
         assert c.leader() == lead and c.status(lead)["term"] == term
-        # the n3 that joined again comes back and catches up
+        # the n3 that joined again comes back and catches up, from the leader's snapshot
         c.start(gone)
         assert c.put(lead, "later", b"3")[0] == 200
         c.wait_converged()
         assert c.get(gone, "later", "stale")[:2] == (200, b"3")
+        assert b"kv_snapshot_installs_total 1.0" in c.request(gone, "GET", "/metrics")[2]
+    finally:
+        c.close()
+
+
+def test_a_member_moved_to_new_addresses_is_reached_there(tmp_path):
+    """`kv member add n3 NEW_PEER --http URL --replace` for a node moved to another machine:
+    the others keep the old address in their --peers (where they dial a peer, for a proxy or
+    a NAT). They dialled it for ever and the moved node never heard from the leader; an
+    address that cannot be reached now gives way to the membership's."""
+    c = ProcCluster(str(tmp_path), proxies=False)
+    try:
+        c.start()
+        lead = c.leader()
+        moved = next(i for i in c.ids if i != lead)
+        assert c.put(lead, "a", b"1")[0] == 200
+        c.stop(moved)
+        c.listen[moved], c.http[moved] = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        doc = orjson.dumps({"id": moved, "peer": c.listen[moved], "http": c.url(moved), "replace": True})
+        assert c.request(lead, "POST", "/v1/members", doc, {"Content-Type": "application/json"})[0] == 200
+        c.start(moved)  # its own --peers entry is the new address; the others' are not
+        assert c.put(lead, "b", b"2")[0] == 200
+        wait_until(lambda: c.get(moved, "b", "stale")[:2] == (200, b"2"), timeout=20, what=f"{moved} caught up at its new address")
+        assert c.status(lead)["peers"][moved]["address"] == c.listen[moved]
     finally:
         c.close()

@@ -116,3 +116,15 @@ def test_a_leader_that_steps_down_before_its_own_removal_commits_still_finishes_
     assert sim.propose(b"after")
     sim.run_for(1000)
     sim.check_converged()
+
+
+def test_a_member_is_replaced_only_when_it_joined_from_another_data_dir():
+    from kv.raft.membership import Membership
+
+    m = Membership.of([Member("n1", "a:1"), Member("n2", "a:2", ledger="11" * 8)])
+    assert not m.replaced("n1", "22" * 8) and not m.replaced("n1", "")  # a founding member: any data dir
+    assert not m.replaced("n2", "11" * 8)  # the one that joined
+    assert m.replaced("n2", "22" * 8)  # its old data dir, or another
+    assert m.replaced("n2", "")  # or a version before ledger ids, on whatever data dir
+    assert not m.replaced("n9", "22" * 8)  # not a member: is_member's to refuse
+    assert Membership.decode(m.encode()) == m  # the record survives the log and the snapshots

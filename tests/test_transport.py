@@ -117,12 +117,14 @@ async def test_a_frame_from_another_src_closes_the_link():
 
 
 async def test_a_member_known_by_another_ledger_is_refused_as_removed():
-    """A member removed and joined again from an empty data dir is known by its new ledger:
-    its old data dir, dialling as that id, is told it was removed (so it stops), also over a
-    link it had before; a dialer that says no ledger (an earlier version) is let in."""
+    """The dialer says its ledger in the handshake, and the acceptor asks `replaced` about
+    it: a member joined again from an empty data dir is known by its new ledger, and its
+    old data dir, dialling as that id, is told it was removed (so it stops), also over a
+    link it had before."""
     addr = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
     known = {"a": "11" * 8}  # the ledger b's membership knows a by
-    b = TcpTransport("b", "g", addr["b"], is_member=lambda p: p == "a", replaced=lambda p, led: bool(led) and led != known[p])
+    asked = []
+    b = TcpTransport("b", "g", addr["b"], is_member=lambda p: p == "a", replaced=lambda p, led: asked.append(led) or led != known[p])
     got = []
     await b.start(got.append, lambda peer: None)
 
@@ -138,27 +140,22 @@ async def test_a_member_known_by_another_ledger_is_refused_as_removed():
         finally:
             await a.stop()
 
-    async def heard_from(a) -> None:
-        await wait_for(lambda: a.connected("b"))
-        got.clear()
-        a.send(HeartbeatRequest("a", "b", 1, 0, 0))
-        await wait_for(lambda: len(got) == 1)
-
     try:
         async with dialer("11" * 8) as a:  # the data dir that joined
-            await heard_from(a)
+            await wait_for(lambda: a.connected("b"))
+            a.send(HeartbeatRequest("a", "b", 1, 0, 0))
+            await wait_for(lambda: len(got) == 1)
             known["a"] = "33" * 8  # it is removed, and joins again from another one
             b.refuse_removed()
             await wait_for(lambda: a.removed_by)
             assert set(a.removed_by) == {"b"} and not a.connected("b")
+            assert not a.send(HeartbeatRequest("a", "b", 1, 1, 0))
         async with dialer("22" * 8) as a:  # another data dir
             await wait_for(lambda: a.removed_by)
-            got.clear()
-            assert not a.send(HeartbeatRequest("a", "b", 1, 0, 0)) and not a.connected("b")
-        async with dialer("") as a:  # an earlier version
-            await heard_from(a)
-            assert a.removed_by == []
+            assert set(a.removed_by) == {"b"} and not a.connected("b")
+            assert not a.send(HeartbeatRequest("a", "b", 1, 2, 0))
         await asyncio.sleep(0.1)
         assert got == [HeartbeatRequest("a", "b", 1, 0, 0)]  # nothing from the refused ones arrived
+        assert asked[0] == "11" * 8 and "22" * 8 in asked
     finally:
         await b.stop()

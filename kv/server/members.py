@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from ..errors import BadRequest, KVError, MemberExists, NotFound, NotLeader, Timeout
 from ..raft.errors import ConfigChangeRefused, TransferInProgress
-from ..raft.membership import Member, Membership
+from ..raft.membership import Member, Membership, is_ledger_id
 from ..raft.messages import Role
 from ..raft.node import NodeStopped, OutcomeUnknown, RaftNode
 from .answers import public_error
@@ -39,6 +39,8 @@ class Members:
             d["leader"] = m.id == leader
             if m.promote:
                 d["promote"] = True  # a learner the leader promotes once it has caught up
+            if m.ledger:
+                d["ledger"] = m.ledger  # the data dir it joined from (no other is let in as it)
             out.append(d)
         return out
 
@@ -73,6 +75,11 @@ class Members:
         if not member_id or any(ch in member_id for ch in ",= /"):
             raise BadRequest(f"bad member id {member_id!r}: a non-empty name without ',', '=', ' ' or '/'")
         check_hostport(peer, f"member {member_id}")
+        if ledger and (replace or not is_ledger_id(ledger)):
+            raise BadRequest(
+                '"ledger" is the ledger id (16 hex digits) of the data dir joining as the member, which kv serve --join '
+                'sends; not with "replace", which moves a member and keeps its data dir'
+            )
         cur = self._leaders("membership changes are made by the leader").membership
         old = cur.get(member_id)
         if old is not None and not replace:
