@@ -29,7 +29,6 @@ from __future__ import annotations
 import bisect
 import json
 import os
-import secrets
 import struct
 import zlib
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ import lmdb
 from . import failpoints
 from .errors import LedgerError
 from .log import limit_bytes
+from .membership import new_ledger_id
 from .messages import Entry, HardState
 
 LEDGER_FORMAT = 1
@@ -47,11 +47,6 @@ _U64 = struct.Struct(">Q")
 _TWO_U64 = struct.Struct(">QQ")
 _HEADER = struct.Struct(">QBI")  # term, kind, crc32
 _HEADER_SIZE = _HEADER.size
-
-
-def new_ledger_id() -> str:
-    """A ledger's ledger_id: 16 hex digits, drawn at random."""
-    return secrets.token_hex(8)
 
 
 def _crc(index: int, term: int, kind: int, data: bytes) -> int:

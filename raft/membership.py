@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -16,7 +17,12 @@ from . import quorum
 from .errors import ConfigChangeRefused
 
 
-_LEDGER_ID = re.compile("[0-9a-f]{16}")  # raft/ledger.py's new_ledger_id
+_LEDGER_ID = re.compile("[0-9a-f]{16}")
+
+
+def new_ledger_id() -> str:
+    """A ledger's ledger_id (raft/ledger.py): 16 hex digits, drawn at random."""
+    return secrets.token_hex(8)
 
 
 def is_ledger_id(s: object) -> bool:

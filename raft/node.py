@@ -369,6 +369,9 @@ class RaftNode:
             self.transport.set_peers(
                 {i: tuple(dict.fromkeys((self._dial.get(i, m.peer_addr), m.peer_addr))) for i, m in members.items() if i != self.id}
             )
+            # a member known by another ledger now (from a CONFIG entry or a snapshot):
+            # the links of the data dir it had close
+            self.transport.refuse_removed()
 
     # ======================================================================================
     # Requests

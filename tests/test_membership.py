@@ -49,6 +49,16 @@ def voters(c: ProcCluster, via: str) -> set[str]:
     return {m["id"] for m in c.members(via) if m["voter"]}
 
 
+def stop_a_follower(c: ProcCluster) -> tuple[str, str]:
+    """Start the cluster, write through the leader, and stop a follower: (leader, follower)."""
+    c.start()
+    lead = c.leader()
+    follower = next(i for i in c.ids if i != lead)
+    assert c.put(lead, "before", b"1")[0] == 200
+    c.stop(follower)
+    return lead, follower
+
+
 def check_acked(c: ProcCluster, acked: dict, nodes: list[str]) -> None:
     for nid in nodes:
         data = {k: m for k, _, m in c.dump(nid)}
@@ -201,11 +211,7 @@ def test_a_member_added_back_is_not_let_in_from_its_old_data_dir(tmp_path):
     a snapshot whose membership records the data dir it joined from."""
     c = ProcCluster(str(tmp_path), proxies=False, extra=["--snapshot-threshold", "100", "--snapshot-trailing", "10"])
     try:
-        c.start()
-        lead = c.leader()
-        gone = next(i for i in c.ids if i != lead)
-        assert c.put(lead, "before", b"1")[0] == 200
-        c.stop(gone)
+        lead, gone = stop_a_follower(c)
         old_dir = c.data_dir(gone) + "-old"
         os.rename(c.data_dir(gone), old_dir)
         assert c.request(lead, "DELETE", f"/v1/members/{gone}")[0] == 200
@@ -249,11 +255,7 @@ def test_a_member_moved_to_new_addresses_is_reached_there(tmp_path):
     address that cannot be reached now gives way to the membership's."""
     c = ProcCluster(str(tmp_path), proxies=False)
     try:
-        c.start()
-        lead = c.leader()
-        moved = next(i for i in c.ids if i != lead)
-        assert c.put(lead, "a", b"1")[0] == 200
-        c.stop(moved)
+        lead, moved = stop_a_follower(c)
         c.listen[moved], c.http[moved] = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         doc = orjson.dumps({"id": moved, "peer": c.listen[moved], "http": c.url(moved), "replace": True})
         assert c.request(lead, "POST", "/v1/members", doc, {"Content-Type": "application/json"})[0] == 200

@@ -628,7 +628,11 @@ def test_a_node_stopped_for_a_restart_keeps_the_watches_and_lock_waits_of_etcds_
         holder.expect("restart-lock/", 30)
         watcher = etcdctl(node, "watch", "--prefix", "restart/")
         waiter = etcdctl(node, "lock", "--ttl=10", "restart-lock")
-        wait_until(lambda: _open_watches(c, node) >= 2, 20, "the watch and the lock wait on the node")  # (the waiter watches the holder's key)
+        wait_until(  # (the waiter watches the holder's key)
+            lambda: _open_watches(c, node) >= 2, 20,
+            lambda: f"the watch and the lock wait on the node (kv_watches {_open_watches(c, node)}; etcdctl watch said {watcher.stderr()[-300:]!r}, "
+            f"etcdctl lock {waiter.stderr()[-300:]!r}; the node's log ends {c.log(node)[-1500:]!r})",
+        )
         stubs = Stubs(c.grpc[node])
 
         def requests():

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from ..client.async_client import AsyncClient
 from ..errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
 from ..raft.backoff import Backoff
-from ..raft.ledger import new_ledger_id
-from ..raft.membership import Member, Membership
+from ..raft.membership import Member, Membership, new_ledger_id
 from .config import NodeConfig
 
 log = logging.getLogger("kv.serve")
