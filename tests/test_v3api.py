@@ -524,6 +524,17 @@ def test_member_list_status_and_alarms(etcd, cluster):
     assert status.leader == next(m.ID for m in members if m.name == cluster.leader_id)
     assert list(etcd.maintenance.Alarm(rpc_pb2.AlarmRequest(), timeout=10).alarms) == []
     assert etcd.maintenance.HashKV(rpc_pb2.HashKVRequest(), timeout=10).hash != 0
+    # a learner added and never started has no name, as in etcd: etcdctl says "unstarted"
+    doc = json.dumps({"id": "n9", "peer": f"127.0.0.1:{free_port()}"}).encode()
+    assert cluster.request(cluster.leader_id, "POST", "/v1/members", doc, {"Content-Type": "application/json"})[0] == 200
+    try:
+        named = {m.ID: m.name for m in etcd.cluster.MemberList(rpc_pb2.MemberListRequest(), timeout=10).members}
+        assert sorted(named.values()) == ["", *cluster.ids]
+        if ETCDCTL:
+            out = subprocess.run([ETCDCTL, "--endpoints", cluster.grpc[cluster.follower], "member", "list"], env={**os.environ, "ETCDCTL_API": "3"}, capture_output=True, text=True, timeout=30)
+            assert out.stdout.count(", unstarted, ") == 1 and out.stdout.count(", started, ") == 3, out.stdout
+    finally:
+        assert cluster.request(cluster.leader_id, "DELETE", "/v1/members/n9")[0] == 200
 
 
 def test_hash_kv_at_a_past_revision_is_every_members_hash_of_the_keys_as_they_were(etcd, cluster):
