@@ -618,18 +618,23 @@ class RaftNode:
         self._kick()
 
     def _refused_as_removed(self, peer: str) -> None:
-        """A peer refused this node as a member removed from the cluster. Once most of the
-        other voters it knows of have said so within REMOVED_QUORUM_S, it was: stop, with
-        one line saying so. (One peer alone may not have applied a later re-adding yet.)"""
+        """A peer refused this node as a member removed from the cluster (or as a data dir
+        the member no longer joins from). Once most of the other voters it knows of have
+        said so within REMOVED_QUORUM_S, or the leader it follows has, it was: stop, with
+        one line saying so. (One follower alone may not have applied a later re-adding yet;
+        the leader has every committed change. Most voters alone kept a node running that
+        could not reach them: an empty data dir whose --peers named a member since moved.)"""
         now = time.monotonic()
         self._removed_by[peer] = now
         others = [v for v in self.core.membership.voters if v != self.id] or [peer]
         said = [p for p in others if now - self._removed_by.get(p, -REMOVED_QUORUM_S) < REMOVED_QUORUM_S]
-        if len(said) * 2 > len(others) and self.failure is None:
+        if (len(said) * 2 > len(others) or peer == self.core.leader_id) and self.failure is None:
+            said = sorted(set(said) | {peer})
             log.error(
                 "node %s: %s refuse this node as a member removed from the cluster (kv member remove): it stops. To run it "
-                "again, start it from an empty data dir with --join URL (a member's client URL): it adds itself back",
-                self.id, ", ".join(sorted(said)),
+                "again, start it from an empty data dir with --join URL (a member's client URL): it adds itself back. Still "
+                "listed by kv member list? Then the cluster knows it by another data dir: remove it first, if that one is gone",
+                self.id, ", ".join(said),
             )
             self.fail(MemberRemoved(f"node {self.id} was removed from the cluster ({', '.join(sorted(said))} refuse it)"))
 

@@ -28,20 +28,11 @@ __all__ = ["FAST", "Proc", "ProcCluster", "wait_until"]
 FAST = ["--heartbeat-ms", "50", "--election-timeout-ms", "500"]
 
 
-def ctrl_c_able() -> None:
-    """preexec_fn: Ctrl-C (SIGINT) acts on the child as at a terminal. A test run started
-    in the background by a shell without job control ignores SIGINT, and every child
-    inherits that (Python then installs no KeyboardInterrupt handler) unless this test
-    process happened to have set a SIGINT handler of its own by then (asyncio's
-    remove_signal_handler leaves one), which depends on the tests that ran before."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 class Proc:
     """A child process whose stdout lines can be awaited with a timeout."""
 
     def __init__(self, args: list[str], env: dict | None = None) -> None:
-        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=ctrl_c_able)
+        self.p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 

@@ -1,10 +1,20 @@
 import os
+import signal
 import sys
 
 import pytest
 
 # Test helpers (sim.py, cluster harness) are imported by name from this folder.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# Ctrl-C (SIGINT) acts on the tests' children as at a terminal. A run started in the
+# background by a shell without job control (CI) ignores SIGINT, and an ignored signal stays
+# ignored across exec, where a handler is reset to the default: with Python's handler here,
+# every child starts with the default. (A preexec_fn did it in each child, and its fork ran
+# Python there beside grpcio's threads: `etcdctl lock` once died before its exec, its stderr
+# only grpcio's "Epoll1Poller ... epoll_wait error: Bad file descriptor".)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser):

@@ -15,7 +15,7 @@ import time
 
 import orjson
 import pytest
-from cluster import Proc, ProcCluster, ctrl_c_able, wait_until
+from cluster import Proc, ProcCluster, wait_until
 
 import kv
 
@@ -348,7 +348,7 @@ def test_kv_lock_and_elect_interrupted_while_waiting_leave_the_queue_at_once(clu
     w = None
     try:
         for waiter in (kv_lock + ["touch", str(ran)], kv_elect):
-            w = subprocess.Popen(waiter, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_able)
+            w = subprocess.Popen(waiter, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             wait_until(lambda: len(waiting_line(c, "jobs/int")) == 2, 60, f"{waiter[3]} queued")
             w.send_signal(sig)
             assert w.wait(30) == 128 + sig, w.stderr.read()

@@ -5,6 +5,7 @@ Nothing acknowledged may be lost meanwhile."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 
@@ -263,5 +264,38 @@ def test_a_member_moved_to_new_addresses_is_reached_there(tmp_path):
         assert c.put(lead, "b", b"2")[0] == 200
         wait_until(lambda: c.get(moved, "b", "stale")[:2] == (200, b"2"), timeout=20, what=f"{moved} caught up at its new address")
         assert c.status(lead)["peers"][moved]["address"] == c.listen[moved]
+    finally:
+        c.close()
+
+
+def test_a_joined_member_wiped_and_started_with_stale_peers_stops_on_the_leaders_word(tmp_path):
+    """A newcomer's run: a member that had joined with --join, its data dir wiped, started
+    with --peers naming members at addresses they had left. The others refuse its new data
+    dir, but it stopped only once most voters it could reach said so: it ran on, empty,
+    refused, its writes failing with "the leader cannot be reached". The leader's word,
+    which has every committed change, is enough."""
+    c = ProcCluster(str(tmp_path), proxies=False)
+    try:
+        c.start()
+        c.add_node("n4")
+        c.start("n4")
+        wait_until(lambda: "n4" in voters(c, c.leader()), what="n4 a voter")
+        lead = c.leader()
+        if lead == "n4":
+            body = orjson.dumps({"to": "n1"})
+            assert c.request("n4", "POST", "/v1/leader/transfer", body, {"Content-Type": "application/json"})[0] == 200
+            lead = c.leader(among=["n1", "n2", "n3"])
+        c.stop("n4")
+        shutil.rmtree(c.data_dir("n4"))
+        stale = ",".join(f"{i}={c.listen[i] if i in ('n4', lead) else f'127.0.0.1:{free_port()}'}" for i in c.ids)
+        c.procs.start(
+            "n4", ["--id", "n4", "--data-dir", c.data_dir("n4"), "--http", c.http["n4"], "--peers", stale, *c.extra],
+            os.path.join(c.root, "n4-wiped.log"), env={**os.environ, **c.env},
+        )
+        wait_until(lambda: not c.alive("n4"), timeout=30, what="the wiped n4 stopped")
+        assert c.procs["n4"].returncode == EXIT_REMOVED
+        with open(os.path.join(c.root, "n4-wiped.log")) as f:
+            said = f.read()
+        assert f"{lead} refuse this node as a member removed from the cluster" in said and "remove it first" in said, said[-1500:]
     finally:
         c.close()

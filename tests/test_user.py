@@ -18,7 +18,7 @@ import textwrap
 import time
 
 import pytest
-from cluster import ProcCluster, ctrl_c_able, wait_until
+from cluster import ProcCluster, wait_until
 from kv.bench.harness import free_port
 from kv.cli.cluster import layout as cluster_layout
 from kv.server.datadir import LOCK_NAME
@@ -27,7 +27,7 @@ PY = sys.executable
 
 
 def run_py(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=timeout, preexec_fn=ctrl_c_able)
+    return subprocess.run([PY, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=timeout)
 
 
 def kv_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

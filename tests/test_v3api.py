@@ -525,7 +525,7 @@ def test_member_list_status_and_alarms(etcd, cluster):
     assert list(etcd.maintenance.Alarm(rpc_pb2.AlarmRequest(), timeout=10).alarms) == []
     assert etcd.maintenance.HashKV(rpc_pb2.HashKVRequest(), timeout=10).hash != 0
     # a learner added and never started has no name, as in etcd: etcdctl says "unstarted"
-    doc = json.dumps({"id": "n9", "peer": f"127.0.0.1:{free_port()}"}).encode()
+    doc = json.dumps({"id": "n9", "peer": f"127.0.0.1:{free_port()}", "http": f"http://127.0.0.1:{free_port()}"}).encode()
     assert cluster.request(cluster.leader_id, "POST", "/v1/members", doc, {"Content-Type": "application/json"})[0] == 200
     try:
         named = {m.ID: m.name for m in etcd.cluster.MemberList(rpc_pb2.MemberListRequest(), timeout=10).members}

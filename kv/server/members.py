@@ -86,7 +86,7 @@ class Members:
             if old.peer_addr != peer or old.http_url not in (http, "") or (voter and not (old.voter or old.promote)):
                 raise MemberExists(
                     f"{member_id} is already a member (peer {old.peer_addr}, client URL {old.http_url or 'not known'}); "
-                    "remove it first, or replace its addresses"
+                    "remove it first, or replace its addresses (kv member add ... --replace)"
                 )
             if old.voter or ((old.http_url == http or not http) and (old.ledger == ledger or not ledger)):
                 # asked again for what is already so (a voter's client URL or ledger not
@@ -103,6 +103,8 @@ class Members:
         else:
             new = dataclasses.replace(old, peer_addr=peer, http_url=http or old.http_url, ledger=ledger or old.ledger)
         await self._change(cur.with_member(new), timeout)
+        if replace:
+            log.info("member %s moved: peer %s, client URL %s", member_id, new.peer_addr, new.http_url or "not known")
         return self.list()
 
     async def remove(self, member_id: str, timeout: float | None) -> list[dict]:
