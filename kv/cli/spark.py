@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import heapq
 import os
 import shutil
 import signal
@@ -304,16 +305,17 @@ def _report(report, args: argparse.Namespace) -> int:
             for key, error in report.failures:
                 f.write(orjson.dumps({"key": key, "error": error}) + b"\n")
     # Rows that failed alike (a cluster that stopped answering fails thousands with one
-    # reason) are one line: how many, the reason, a few of their keys.
+    # reason) are one line: how many, the reason, the first few of their keys (in key order:
+    # Spark's tasks report in any order, and a second run should say the same).
     alike: dict[str, list[str]] = {}
     for key, error in report.failures:
         alike.setdefault(error, []).append(key)
-    groups = sorted(alike.items(), key=lambda g: -len(g[1]))
+    groups = sorted(alike.items(), key=lambda g: (-len(g[1]), g[0]))
     for error, keys in groups[:10]:
         if len(keys) == 1:
             print(f"  failed: {keys[0]!r}: {error}", file=sys.stderr)
         else:
-            print(f"  {len(keys):,} rows failed: {error} (e.g. {', '.join(map(repr, keys[:3]))})", file=sys.stderr)
+            print(f"  {len(keys):,} rows failed: {error} (e.g. {', '.join(map(repr, heapq.nsmallest(3, keys)))})", file=sys.stderr)
     if len(groups) > 10:
         rest = sum(len(keys) for _, keys in groups[10:])
         print(f"  ... and {rest:,} more" + (f" (all in {args.errors})" if args.errors else " (--errors PATH lists them all)"), file=sys.stderr)
