@@ -321,7 +321,10 @@ class _Outbound(asyncio.Protocol):
         try:
             for ftype, body in self.reader.frames(data):
                 g, me, peer = t.group.encode(), t.node_id.encode(), self.link.peer.encode()
-                if ftype == REMOVED and not self.ready.done():
+                if ftype == REMOVED:
+                    if self.ready.done():  # given up on before it came (the node stops, or the handshake timed out)
+                        self.transport.close()
+                        return
                     (proof,) = _unpack_strs(body, 1)
                     if not hmac.compare_digest(proof, _mac(t.secret, b"removed", g, me, peer, self.nonce_c)):
                         raise codec.CodecError(f"{self.link.peer} says this node was removed, without the cluster secret's proof")

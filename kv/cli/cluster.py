@@ -211,9 +211,13 @@ def _holders(data_dir: str, ids: list[str]) -> dict[str, int | None]:
     return held
 
 
+_LAST_LINES = 8  # how far back from its end a node's log is searched for the error it stopped on
+
+
 def _last_line(path: str) -> str:
-    """What a node that exited said last: its last error (not the "stopping ... after the
-    error above" that follows it), else its last line."""
+    """What a node that exited said last: its last error among its last lines (not the
+    "stopping ... after the error above" that follows it, nor what it logged as it
+    stopped), else its last line."""
     try:
         with open(path, "rb") as f:
             f.seek(max(0, os.path.getsize(path) - 16384))
@@ -222,10 +226,9 @@ def _last_line(path: str) -> str:
         return ""
     if not lines:
         return ""
-    if "after the error above" in lines[-1]:
-        errors = [ln for ln in lines[:-1] if " ERROR " in ln]
-        return errors[-1] if errors else lines[-1]
-    return lines[-1]
+    tail = lines[:-1] if "after the error above" in lines[-1] else lines[-_LAST_LINES:]
+    errors = [ln for ln in tail if " ERROR " in ln]
+    return errors[-1] if errors else lines[-1]
 
 
 def _rejoin_line(nid: str, args: list[str], plan: list[dict]) -> str:
