@@ -25,7 +25,7 @@ member and, with a cluster secret, proof_c is right (constant-time compare); the
 checks proof_s, so entries never leak to a process that does not know the secret either.
 To a member removed from the cluster it says so first: REMOVED, proof_r = HMAC(secret,
 "removed"|group|from|to|nonce_c), which the dialer checks before it believes it (the node
-stops once most of the others say so: raft/node.py). So it says to a dialer whose ledger
+stops once most of the others, or its leader, say so: raft/node.py). So it says to a dialer whose ledger
 is not the one the membership knows the member by (the caller's `replaced`): the data dir
 a member had before it was removed and joined again from an empty one.
 After that every frame must carry `src` = the authenticated id and `dst` = the acceptor.
