@@ -238,9 +238,8 @@ class RaftNode:
                 self.id,
                 group,
                 listen,
-                is_member=lambda pid: not self._refuse_peer(pid),
+                removed=self._why_removed,
                 stranger=self._stranger,
-                replaced=lambda pid, ledger: self.core.membership.replaced(pid, ledger),
                 ledger_id=ledger.ledger_id,
                 secret=secret,
                 advertise_url=advertise_url,
@@ -963,6 +962,18 @@ class RaftNode:
     @property
     def term(self) -> int:
         return self.core.term
+
+    def _why_removed(self, peer: str, ledger: str) -> str | None:
+        """Why a peer dialling with this ledger_id is refused as a member removed from the
+        cluster (the log line keeps 200 characters), or None."""
+        if self._refuse_peer(peer):
+            return f"{peer!r} was removed from this cluster"
+        if self.core.membership.replaced(peer, ledger):
+            return (
+                f"{peer!r} joined from another data dir than this one (ledger {ledger or 'not said'}): "
+                "removed and joined again, or this one's data was lost"
+            )
+        return None
 
     def _stranger(self, peer: str) -> str | None:
         """A node whose cluster has no member but itself lets no other node in. It was started

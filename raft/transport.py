@@ -5,7 +5,7 @@ Each node dials every other member once and only *sends* on that connection; it 
 on the connections others dialed to it. So a link i→j carries i's messages to j, and a test
 proxy on that link can cut one direction only.
 
-Peers are admitted unless they were removed from the cluster (the caller's is_member):
+Peers are admitted unless they were removed from the cluster (the caller's `removed`):
 a member added while this node lagged behind must still reach it (see RaftCore.known); the
 core refuses messages from ids it never knew that do not prove it is behind. A cluster
 secret is what keeps out processes that do not belong.
@@ -20,14 +20,14 @@ nonce_c is 16 random bytes followed by the dialer's ledger_id (raft/ledger.py; n
 a version before them, which an acceptor takes for "not known"): the field where an older
 acceptor, which reads it as an opaque nonce, still lets the dialer in.
 
-The acceptor refuses (and closes) unless the group is its own, `to` is itself, `from` is a
-member and, with a cluster secret, proof_c is right (constant-time compare); the dialer
+The acceptor refuses (and closes) unless the group is its own, `to` is itself, `from` is
+not refused as removed and, with a cluster secret, proof_c is right (constant-time compare); the dialer
 checks proof_s, so entries never leak to a process that does not know the secret either.
-To a member removed from the cluster it says so first: REMOVED, proof_r = HMAC(secret,
-"removed"|group|from|to|nonce_c), which the dialer checks before it believes it (the node
-stops once most of the others, or its leader, say so: raft/node.py). So it says to a dialer whose ledger
-is not the one the membership knows the member by (the caller's `replaced`): the data dir
-a member had before it was removed and joined again from an empty one.
+To a peer the caller's `removed(from, its ledger_id)` refuses (a member removed from the
+cluster, or the data dir a member had before it was removed and joined again from an empty
+one) it says so first: REMOVED, proof_r = HMAC(secret, "removed"|group|from|to|nonce_c),
+which the dialer checks before it believes it (the node stops once most of the others, or
+its leader, say so: raft/node.py).
 After that every frame must carry `src` = the authenticated id and `dst` = the acceptor.
 Peers are known by id, never by address: the address dialled may be a proxy or a NAT.
 A frame that does not parse, is too large or breaks these rules closes that connection and
@@ -112,13 +112,6 @@ def _unpack_strs(body: bytes | memoryview, count: int) -> list[bytes]:
     if o != len(body):
         raise codec.CodecError("stray bytes in handshake frame")
     return out
-
-
-def _removed(peer: str, ledger: str, member: bool) -> str:
-    """Why a peer is refused as removed (the log line keeps 200 characters)."""
-    if not member:
-        return f"{peer!r} was removed from this cluster"
-    return f"{peer!r} joined from another data dir than this one (ledger {ledger or 'not said'}): removed and joined again, or this one's data was lost"
 
 
 def _mac(secret: bytes | None, *parts: bytes) -> bytes:
@@ -267,9 +260,9 @@ class _Inbound(asyncio.Protocol):
             if src_s == t.node_id:
                 raise codec.CodecError(f"a peer claims to be this node ({src_s!r})")
             ledger = nonce_c[NONCE_BYTES:].decode()
-            if not t.is_member(src_s) or t.replaced(src_s, ledger):
+            if (why := t.removed(src_s, ledger)) is not None:
                 self.transport.write(codec.frame(REMOVED, pack_strs(_mac(t.secret, b"removed", group, src, dst, nonce_c))))
-                raise codec.CodecError(_removed(src_s, ledger, t.is_member(src_s)))
+                raise codec.CodecError(why)
             if (why := t.stranger(src_s)) is not None:
                 raise codec.CodecError(why)
             self.peer, self.ledger, self.nonce_c, self.nonce_s = src_s, ledger, nonce_c, os.urandom(NONCE_BYTES)
@@ -357,7 +350,7 @@ class _Link:
 
     def __init__(self, t: TcpTransport, peer: str, addrs: tuple[str, ...]) -> None:
         self.t, self.peer, self.addrs = t, peer, addrs
-        self.addr = addrs[0]
+        self._at = 0  # the address dialled: addrs[_at]
         self.conn: _Outbound | None = None
         self._queued: list[bytes] = []  # frames sent this turn of the loop, written by _flush
         self._queued_bytes = 0
@@ -390,7 +383,7 @@ class _Link:
                 else:
                     log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
                 if not isinstance(e, _RefusedByPeer):
-                    self.addr = self.addrs[(self.addrs.index(self.addr) + 1) % len(self.addrs)]
+                    self._at = (self._at + 1) % len(self.addrs)
                 await asyncio.sleep(backoff.next())
                 continue
             backoff.reset()
@@ -398,6 +391,10 @@ class _Link:
             self.t._on_connected(self.peer)
             await proto.lost
             self.conn = None
+
+    @property
+    def addr(self) -> str:
+        return self.addrs[self._at]
 
     def send(self, frame: bytes) -> bool:
         """Queue a frame; the frames queued in one turn of the event loop go out in one
@@ -435,9 +432,8 @@ class TcpTransport:
         group: str,
         listen: str,
         *,
-        is_member: Callable[[str], bool],
+        removed: Callable[[str, str], str | None],
         stranger: Callable[[str], str | None] = lambda peer: None,
-        replaced: Callable[[str, str], bool] = lambda peer, ledger: False,
         ledger_id: str = "",
         secret: str | None = None,
         advertise_url: str = "",
@@ -449,9 +445,8 @@ class TcpTransport:
         self._on_message: Callable[[Message], None] = lambda msg: None
         self._on_connected: Callable[[str], None] = lambda peer: None
         self.on_removed: Callable[[str], None] = lambda peer: None  # a peer refused us as a removed member
-        self.is_member = is_member
+        self.removed = removed  # why a peer (dialling with this ledger_id) is refused as removed, or None
         self.stranger = stranger  # why a peer that was never removed is still not let in, or None
-        self.replaced = replaced  # whether the member `peer` is known by another ledger than this one
         self.ledger_id = ledger_id  # this node's, said in the handshakes it dials
         self.secret = secret.encode() if secret else None
         self.advertise_url = advertise_url
@@ -503,8 +498,9 @@ class TcpTransport:
         """Close the connections of peers that are no longer members, or are known by
         another ledger now (a membership change was applied): they dial again, and the
         handshake tells them they were removed."""
-        for conn in [c for c in self._inbound if c.peer is not None and (not self.is_member(c.peer) or self.replaced(c.peer, c.ledger))]:
-            conn.close(_removed(conn.peer, conn.ledger, self.is_member(conn.peer)))
+        for conn in list(self._inbound):
+            if conn.peer is not None and (why := self.removed(conn.peer, conn.ledger)) is not None:
+                conn.close(why)
 
     def set_peers(self, peers: dict[str, str | tuple[str, ...]]) -> None:
         """Dial these peers (id -> its address, or addresses to try in turn); stop

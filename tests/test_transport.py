@@ -18,14 +18,19 @@ async def wait_for(cond, timeout=5.0):
     await poll(cond, timeout=timeout, interval=0.01, error="condition not met in time")
 
 
+def members(ids):
+    """A transport's `removed` hook for a cluster of these ids."""
+    return lambda peer, ledger: None if peer in ids else f"{peer!r} was removed from this cluster"
+
+
 class Pair:
     """Two transports, a and b, that know each other."""
 
     def __init__(self, secret_a=None, secret_b=None, group_b="g", members_b=("a", "b")):
         self.addr = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
         self.got = {"a": [], "b": []}
-        self.a = TcpTransport("a", "g", self.addr["a"], is_member=lambda p: p in ("a", "b"), secret=secret_a, advertise_url="http://a")
-        self.b = TcpTransport("b", group_b, self.addr["b"], is_member=lambda p: p in members_b, secret=secret_b)
+        self.a = TcpTransport("a", "g", self.addr["a"], removed=members(("a", "b")), secret=secret_a, advertise_url="http://a")
+        self.b = TcpTransport("b", group_b, self.addr["b"], removed=members(members_b), secret=secret_b)
 
     async def __aenter__(self):
         await self.a.start(self.got["a"].append, lambda peer: None)
@@ -117,20 +122,20 @@ async def test_a_frame_from_another_src_closes_the_link():
 
 
 async def test_a_member_known_by_another_ledger_is_refused_as_removed():
-    """The dialer says its ledger in the handshake, and the acceptor asks `replaced` about
+    """The dialer says its ledger in the handshake, and the acceptor asks `removed` about
     it: a member joined again from an empty data dir is known by its new ledger, and its
     old data dir, dialling as that id, is told it was removed (so it stops), also over a
     link it had before."""
     addr = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
     known = {"a": "11" * 8}  # the ledger b's membership knows a by
     asked = []
-    b = TcpTransport("b", "g", addr["b"], is_member=lambda p: p == "a", replaced=lambda p, led: asked.append(led) or led != known[p])
+    b = TcpTransport("b", "g", addr["b"], removed=lambda p, led: asked.append(led) or (None if led == known[p] else "another data dir"))
     got = []
     await b.start(got.append, lambda peer: None)
 
     @contextlib.asynccontextmanager
     async def dialer(ledger: str):
-        a = TcpTransport("a", "g", addr["a"], is_member=lambda p: True, ledger_id=ledger)
+        a = TcpTransport("a", "g", addr["a"], removed=members(("b",)), ledger_id=ledger)
         a.removed_by = []
         a.on_removed = a.removed_by.append
         await a.start(lambda m: None, lambda peer: None)

@@ -21,7 +21,7 @@ from kv.server.tls import peer_tls
 
 async def _transport(node_id: str, addr: str, got: list, **kw) -> TcpTransport:
     """A started transport of node_id that collects what it receives in got."""
-    t = TcpTransport(node_id, "g", addr, is_member=lambda p: p in ("a", "b"), **kw)
+    t = TcpTransport(node_id, "g", addr, removed=lambda p, ledger: None if p in ("a", "b") else "removed", **kw)
     await t.start(got.append, lambda peer: None)
     return t
 

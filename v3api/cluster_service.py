@@ -51,9 +51,10 @@ class ClusterService(rpc_pb2_grpc.ClusterServicer):
                     url = self._urls.get(m["id"], (0.0, ""))[1]
                     urls = [url] if url else []
                 peer = m["peer"] if "://" in m["peer"] else f"http://{m['peer']}"
-                # A member that has not answered this node yet (added, not started) has no
-                # name, as in etcd: etcdctl member list says "unstarted" (it said "started").
-                name = m["id"] if m["id"] == self.node.config.id or m["id"] in self._urls else ""
+                # A member that has neither dialled this node nor answered it (added, not
+                # started) has no name, as in etcd: etcdctl member list says "unstarted".
+                started = m["id"] == self.node.config.id or m["id"] in self._urls or self.node.raft.peer_url(m["id"])
+                name = m["id"] if started else ""
                 members.append(rpc_pb2.Member(ID=etcd_id(m["id"]), name=name, peerURLs=[peer], clientURLs=urls, isLearner=not m["voter"]))
             return rpc_pb2.MemberListResponse(header=self.header.without_revision(), members=members)
 
