@@ -236,8 +236,9 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
                     return _error(e.code, e.message)
                 http_code = HTTP_STATUS.get(e.code, 500)
                 line = {"error": {"grpc_code": e.code.value[0], "http_code": http_code, "message": e.message, "http_status": HTTPStatus(http_code).phrase}}
-                await response.write(orjson.dumps(line) + b"\n")
-            except (ConnectionResetError, KVError):
+                with contextlib.suppress(ConnectionError):  # (gone as it was told)
+                    await response.write(orjson.dumps(line) + b"\n")
+            except (ConnectionError, KVError):  # the client went away (aiohttp's "Connection lost" too)
                 pass
             finally:
                 streams.discard(closing)

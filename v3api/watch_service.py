@@ -12,6 +12,7 @@ before now) carry the key before them as live ones do (statemachine/history.py).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 
@@ -27,6 +28,11 @@ log = logging.getLogger("kv.v3api")
 PROGRESS_WATCH_ID = -1  # etcd's id of the answer to a progress request
 ERR_EMPTY_RANGE = "mvcc: watcher range is empty"  # etcd's texts (not prefixed with etcdserver:)
 ERR_DUPLICATE_ID = "mvcc: duplicate watch ID provided on the WatchStream"
+# Watches one stream may hold (etcd sets none; each costs the node ~5 KB, and a 2 MB
+# request could ask for 100,000): a client that wants more watches a prefix, or opens
+# another stream.
+MAX_WATCHES_PER_STREAM = 1000
+ANSWER_OVERHEAD = 256  # bytes a queued answer costs beyond its encoding (the message object)
 _PUT, _DELETE = kv_pb2.Event.PUT, kv_pb2.Event.DELETE
 
 
@@ -50,20 +56,68 @@ def watch_prefix(key: bytes, range_end: bytes) -> str:
 
 
 class _Stream:
-    """The watches of one client stream and the one queue of its answers."""
+    """The watches of one client stream and the one queue of its answers.
+
+    The queue is bounded (--watch-buffer-bytes): while it holds more, the watches take no
+    more changes from the node (they pile up in each watch's own buffer, bounded and
+    counted in --watch-budget-bytes, where a watch that falls too far behind is cut off as
+    on /v1/watch) and the client's requests are not read (HTTP/2's flow control then stops
+    the client). What the queue holds is counted in the node's budget too: a client that
+    never reads costs the node a bounded amount, whatever it asks for."""
 
     def __init__(self, service: WatchService, context) -> None:
         self.service, self.context = service, context
-        self.out: asyncio.Queue = asyncio.Queue()
+        self.out: collections.deque = collections.deque()
+        self.queued = 0  # bytes of the answers in `out`, counted in the node's watch budget
+        self.limit = service.node.config.watch_buffer_bytes
+        self._changed = asyncio.Event()  # `out` got an answer, or gave one up
         self.tasks: dict[int, asyncio.Task] = {}
         self.next_id = 0
+
+    def put(self, msg: rpc_pb2.WatchResponse, events: bool = False) -> bool:
+        """Queue an answer. One with events is refused (False) when the node's watches hold
+        their budget already; the others, small, are always queued (room() bounds them)."""
+        size = msg.ByteSize() + ANSWER_OVERHEAD
+        hub = self.service.node.watches
+        if events:
+            if not hub.reserve(size):
+                return False
+        else:
+            hub.hold(size)
+        self.out.append((msg, size))
+        self.queued += size
+        self._changed.set()
+        return True
+
+    async def get(self) -> rpc_pb2.WatchResponse:
+        while not self.out:
+            self._changed.clear()
+            await self._changed.wait()
+        msg, size = self.out.popleft()
+        self.queued -= size
+        self.service.node.watches.release(size)
+        self._changed.set()
+        return msg
+
+    async def room(self) -> None:
+        """Wait until the queue holds at most its limit, and nothing while the node's
+        watches hold more than their budget (a stream whose client reads goes on)."""
+        hub = self.service.node.watches
+        while self.queued > self.limit or (self.queued and hub.buffered > hub.budget):
+            self._changed.clear()
+            await self._changed.wait()
+
+    def release_all(self) -> None:
+        self.service.node.watches.release(self.queued)
+        self.out.clear()
+        self.queued = 0
 
     def header(self, revision: int | None = None) -> rpc_pb2.ResponseHeader:
         return self.service.header.now() if revision is None else self.service.header(revision)
 
     def refuse(self, reason: str) -> None:
         """etcd's answer to a watch it does not create: id -1, created and canceled at once."""
-        self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=-1, created=True, canceled=True, cancel_reason=reason))
+        self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=-1, created=True, canceled=True, cancel_reason=reason))
 
     async def create(self, req: rpc_pb2.WatchCreateRequest) -> None:
         node = self.service.node
@@ -71,6 +125,9 @@ class _Stream:
         key = req.key or b"\x00"
         if req.range_end and req.range_end != b"\x00" and req.range_end <= key:
             self.refuse(ERR_EMPTY_RANGE)
+            return
+        if len(self.tasks) >= MAX_WATCHES_PER_STREAM:
+            self.refuse(f"etcdserver: this stream holds {MAX_WATCHES_PER_STREAM} watches, the most one may: watch a range or prefix, or open another stream")
             return
         wid = req.watch_id
         if wid == 0 or wid in self.tasks:
@@ -87,23 +144,23 @@ class _Stream:
             # follower too, "now" is the cluster's, and history up to it comes in one answer.
             await node.read_barrier("linearizable")
         except KVError as e:
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=wire.status_of(e)[1]))
+            self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=wire.status_of(e)[1]))
             return
         try:
             if req.start_revision < 0:  # (before any compaction, as etcd takes it)
                 raise WatchCompacted("a negative start revision", 0, node.oldest_revision())
             w = node.watch(watch_prefix(start, req.range_end), req.start_revision or None, resume_when_behind=False, rich=True)
         except WatchCompacted as e:  # etcd: created, then canceled with the oldest revision it still has
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
-            self.out.put_nowait(_compacted(self.header(0), wid, e.oldest_index))
+            self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
+            self.put(_compacted(self.header(0), wid, e.oldest_index))
             done = asyncio.get_running_loop().create_future()
             done.set_result(None)
             self.tasks[wid] = done  # its id stays taken until the client cancels it, as etcd's
             return
         except KVError as e:
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=str(e)))
+            self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True, canceled=True, cancel_reason=str(e)))
             return
-        self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
+        self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
         no_put = rpc_pb2.WatchCreateRequest.NOPUT in req.filters
         no_delete = rpc_pb2.WatchCreateRequest.NODELETE in req.filters
         self.tasks[wid] = asyncio.ensure_future(self._pump(wid, w, start, req.range_end, req.prev_kv, no_put, no_delete, req.progress_notify))
@@ -111,6 +168,7 @@ class _Stream:
     async def _pump(self, wid: int, w, key: bytes, range_end: bytes, prev_kv: bool, no_put: bool, no_delete: bool, progress: bool) -> None:
         try:
             while True:
+                await self.room()  # changes wait in the watch's buffer meanwhile
                 got = await w.next_batch(timeout=self.service.progress_s if progress else None)
                 if got is None:
                     return
@@ -125,16 +183,21 @@ class _Stream:
                         continue
                     out.append(_event(ev, raw, prev_kv))
                 if out:
-                    self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, events=out))
+                    if not self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, events=out), events=True):
+                        hub = self.service.node.watches
+                        raise SlowWatcher(
+                            f"the node's watches hold {hub.buffered} bytes of changes their readers have not taken, its limit "
+                            f"(--watch-budget-bytes); this watch was stopped: resume from revision {events[0].index}", events[0].index,
+                        )
                 elif not events and progress:
-                    self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(through), watch_id=wid))
+                    self.put(rpc_pb2.WatchResponse(header=self.header(through), watch_id=wid))
         except WatchCompacted as e:
-            self.out.put_nowait(_compacted(self.header(0), wid, e.oldest_index))
+            self.put(_compacted(self.header(0), wid, e.oldest_index))
         except SlowWatcher as e:
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {e}"))
+            self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {e}"))
         except Exception as e:  # a bug: the client hears of it, the log says where
             log.exception("watch %d failed", wid)
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {type(e).__name__}: {e}"))
+            self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {type(e).__name__}: {e}"))
         finally:
             w.close()
 
@@ -142,7 +205,7 @@ class _Stream:
         task = self.tasks.pop(wid, None)
         if task is not None:
             task.cancel()
-            self.out.put_nowait(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True))
+            self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True))
 
     async def close(self) -> None:
         tasks = list(self.tasks.values())
@@ -177,6 +240,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
 
         async def read() -> None:
             async for req in request_iterator:
+                await stream.room()  # a client that sends and never reads stops being read
                 which = req.WhichOneof("request_union")
                 if which == "create_request":
                     c = req.create_request
@@ -184,19 +248,19 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
                         self.access.check(context, "read", [(c.key, c.range_end)])
                     except KVError as e:
                         _code, message = wire.status_of(e)
-                        stream.out.put_nowait(rpc_pb2.WatchResponse(header=stream.header(), created=True, canceled=True, cancel_reason=message))
+                        stream.put(rpc_pb2.WatchResponse(header=stream.header(), created=True, canceled=True, cancel_reason=message))
                         continue
                     await stream.create(c)
                 elif which == "cancel_request":
                     stream.cancel(req.cancel_request.watch_id)
                 elif which == "progress_request":
-                    stream.out.put_nowait(rpc_pb2.WatchResponse(header=stream.header(), watch_id=PROGRESS_WATCH_ID))
+                    stream.put(rpc_pb2.WatchResponse(header=stream.header(), watch_id=PROGRESS_WATCH_ID))
 
         reader = asyncio.ensure_future(read())
         try:
             async with self.access(context, "read", []):
                 while True:
-                    get = asyncio.ensure_future(stream.out.get())
+                    get = asyncio.ensure_future(stream.get())
                     try:
                         waits = [get] if reader.done() else [get, reader]
                         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -210,5 +274,6 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
         finally:
             reader.cancel()
             await stream.close()
+            stream.release_all()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
