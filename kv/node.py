@@ -692,6 +692,14 @@ class Node(AsyncRecipes):
         except StateCorrupt as e:
             raise public_error(e) from e
 
+    def etcd_keys_in(self, key: bytes, end: bytes, most: int) -> int:
+        """How many keys etcd's range (key, end) holds as this node has applied it, counted
+        no further than most + 1."""
+        try:
+            return self.sm.keys_in(key, end, most)
+        except StateCorrupt as e:
+            raise public_error(e) from e
+
     async def etcd_txn(self, txn: cmds.TxnReq, *, timeout: float | None = None, request_id: RequestId | None = None) -> cmds.TxnResp:
         """etcd's Txn (its Put and DeleteRange are transactions of one op): one committed
         entry, applied atomically. LeaseNotFound for a put to a lease that does not exist,

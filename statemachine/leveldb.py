@@ -1012,6 +1012,18 @@ class LevelDBStateMachine:
             if v is not None:
                 yield k[1:], v
 
+    def keys_in(self, key: bytes, end: bytes, most: int) -> int:
+        """How many keys etcd's range (key, end) holds as applied here, counted no further
+        than most + 1 (keys only: a transaction's compares are weighed before they run)."""
+        if not end:
+            return 1
+        lo = max(_DATA + key, _USER_DATA)
+        hi = _DATA_END if end == b"\x00" else _DATA + end
+        if hi <= lo:
+            return 0
+        with self._db.iterator(start=lo, stop=hi, include_value=False) as it:
+            return sum(1 for _ in itertools.islice(it, most + 1))
+
     def key_value(self, raw: bytes) -> KeyValue | None:
         """One key (its bytes) as applied here, or None: what range() answers for a range
         of that key alone, without a range's machinery (etcd's get, the common call)."""
@@ -1029,6 +1041,7 @@ class LevelDBStateMachine:
         """At most req.limit keys (0: all) and at most `budget` bytes of values (then `more`),
         with the count of every key in the range."""
         kvs, count, left, full = [], 0, budget if budget is not None else float("inf"), False
+        spent = left <= 0  # (by the ranges before it in a transaction: then not even one key)
         now = revision is None
         for raw, cur in self._range_items(req.key, req.range_end, overlay) if now else self._items_at(req.key, req.range_end, revision):
             count += 1
@@ -1038,7 +1051,7 @@ class LevelDBStateMachine:
             if req.keys_only:
                 kv = kv._replace(value=b"")
             left -= len(raw) + len(kv.value)
-            if left < 0 and kvs:
+            if left < 0 and (kvs or spent):
                 full = True
                 continue
             kvs.append(kv)
@@ -1052,14 +1065,14 @@ class LevelDBStateMachine:
         refused = self._txn_check(txn, iter(path), overlay, [])
         if refused is not None:
             return refused
-        return self._txn_run(txn, iter(path), index, wb, overlay, changes, reads)
+        return self._txn_run(txn, iter(path), index, wb, overlay, changes, reads, [self.max_read_bytes])
 
     def read_txn(self, txn: TxnReq, index: int) -> TxnResp:
         """A TxnReq that writes nothing, evaluated on the applied state (no entry): its
         compares decide the branch, its ranges are read (up to the read budget)."""
         path: list[bool] = []
         self._txn_path(txn, {}, path)
-        return self._txn_run(txn, iter(path), index, None, {}, [], True, read_only=True)
+        return self._txn_run(txn, iter(path), index, None, {}, [], True, [self.max_read_bytes], read_only=True)
 
     def _txn_path(self, txn: TxnReq, overlay: dict, path: list[bool]) -> None:
         ok = all(self._compare(c, overlay) for c in txn.compares)
@@ -1103,13 +1116,22 @@ class LevelDBStateMachine:
                 return put
         return self._current(_DATA + key, overlay) is not None
 
-    def _txn_run(self, txn: TxnReq, path, index: int, wb, overlay: dict, changes: list, reads: bool, read_only: bool = False) -> TxnResp:
+    def _txn_run(self, txn: TxnReq, path, index: int, wb, overlay: dict, changes: list, reads: bool, left: list, read_only: bool = False) -> TxnResp:
+        """Run the chosen ops; `left`: [the bytes the transaction's ranges, nested ones
+        included, may still return] (one budget for them all: a range of 3 MB asked 100
+        times in one request would build 300 MB)."""
         ok = next(path)
         out = []
         for op in txn.success if ok else txn.failure:
             t = type(op)
             if t is RangeReq:
-                out.append(self._range(op, overlay, self.max_read_bytes) if reads else None)
+                if not reads:
+                    out.append(None)
+                    continue
+                got = self._range(op, overlay, left[0])
+                if left[0] is not None:
+                    left[0] -= sum(len(kv.key) + len(kv.value) for kv in got.kvs)
+                out.append(got)
             elif read_only and t is not TxnReq:
                 raise CommandError("a read-only transaction puts or deletes nothing")
             elif t is PutReq:
@@ -1128,7 +1150,7 @@ class LevelDBStateMachine:
                     self._delete(Delete(key_text(raw)), index, wb, overlay, changes)
                 out.append(DeleteRangeResp(len(items), prevs))
             else:
-                out.append(self._txn_run(op, path, index, wb, overlay, changes, reads, read_only))
+                out.append(self._txn_run(op, path, index, wb, overlay, changes, reads, left, read_only))
         return TxnResp(index, ok, tuple(out))
 
     # -- snapshots -------------------------------------------------------------------------

@@ -195,6 +195,45 @@ def test_a_range_over_the_read_budget_is_refused_not_cut_short(etcd, cluster):
         assert r.returncode != 0 and "--max-txn-read-bytes" in r.stderr and r.stdout == ""
 
 
+def test_a_transactions_ranges_compares_and_nested_ones_are_weighed_together(etcd):
+    """Found by an attacker review with a token scoped to its own prefix: the read budget
+    held for each range, not the transaction (a 520-byte request of 20 ranges built a 66 MB
+    answer); --max-txn-ops for each nested transaction, not all (32 nested ones of 32 compares
+    each); and a compare over a range reads every key of it, on every node as it applies
+    (1,025 compares over 20,000 keys stalled the cluster for 45 s)."""
+    from kv.v3api.kv_service import MAX_COMPARED_KEYS
+
+    def rng(key: bytes, end: bytes) -> rpc_pb2.RequestOp:
+        return rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key, range_end=end))
+
+    def version_above_0(key: bytes, end: bytes) -> rpc_pb2.Compare:
+        return rpc_pb2.Compare(key=key, range_end=end, target=rpc_pb2.Compare.VERSION, result=rpc_pb2.Compare.GREATER, version=0)
+
+    etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3tx/%02d" % i, b"t" * 5000) for i in range(16)]), timeout=10)  # 80 kB
+    one = etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rng(b"v3tx/", b"v3tx0")]), timeout=10)
+    assert len(one.responses[0].response_range.kvs) == 16
+    nested = rpc_pb2.RequestOp(request_txn=rpc_pb2.TxnRequest(success=[rng(b"v3tx/", b"v3tx0")]))
+    for ops in ([rng(b"v3tx/", b"v3tx0")] * 2, [rng(b"v3tx/", b"v3tx0"), nested]):  # 160 kB: over the budget together
+        with pytest.raises(grpc.RpcError) as e:
+            etcd.kv.Txn(rpc_pb2.TxnRequest(success=ops), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-txn-read-bytes" in e.value.details()
+
+    inner = rpc_pb2.TxnRequest(compare=[version_above_0(b"v3tx/%02d" % i, b"") for i in range(16)])
+    with pytest.raises(grpc.RpcError) as e:  # 9 x 16 compares: each within the limit, 144 > 128 in all
+        etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp(request_txn=inner)] * 9), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "too many operations" in e.value.details() and "nested" in e.value.details()
+    assert etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp(request_txn=inner)] * 8), timeout=10).succeeded
+
+    for start in range(0, MAX_COMPARED_KEYS + 1, 128):
+        etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3cmp/%05d" % i, b"") for i in range(start, min(start + 128, MAX_COMPARED_KEYS + 1))]), timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        etcd.kv.Txn(rpc_pb2.TxnRequest(compare=[version_above_0(b"v3cmp/", b"v3cmp0")], success=[op_put(b"v3cmp-done", b"1")]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"more than {MAX_COMPARED_KEYS} keys" in e.value.details()
+    assert not get(etcd, b"v3cmp-done").kvs
+    r = etcd.kv.Txn(rpc_pb2.TxnRequest(compare=[version_above_0(b"v3cmp/0", b"v3cmp/1")], success=[op_put(b"v3cmp-done", b"1")]), timeout=10)
+    assert r.succeeded and get(etcd, b"v3cmp-done").kvs[0].value == b"1"  # 1,000 keys: within the limit
+
+
 def test_revisions_outside_what_the_node_holds_get_etcds_errors(etcd):
     now = put(etcd, b"v3rev", b"x").header.revision
     with pytest.raises(grpc.RpcError) as e:

@@ -32,6 +32,11 @@ def is_plain(p: rpc_pb2.PutRequest) -> bool:
     return not (p.prev_kv or p.lease or p.ignore_value or p.ignore_lease)
 
 
+# Keys a transaction's compares may read, ranges counted key by key (~2 µs a key on every
+# node, on its event loop): 20 ms of each node's time at most.
+MAX_COMPARED_KEYS = 10_000
+
+
 class KVService(rpc_pb2_grpc.KVServicer):
     def __init__(self, node, access: Access) -> None:
         self.node, self.access = node, access
@@ -188,9 +193,34 @@ class KVService(rpc_pb2_grpc.KVServicer):
         per branch, a nested transaction's within what its parent leaves — then that no key
         is written twice along one path."""
         txn = self._checked_txn(request, self.max_ops)
+        compares, ops = _size(txn)
+        if compares > self.max_ops or ops > 2 * self.max_ops:
+            # etcd lets each nested transaction hold what its parent leaves: 32 of 32
+            # compares each, a request of 30 kB, evaluated 1,024 compares on every node
+            raise Abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{wire.ERR_TOO_MANY_OPS} (ledgerkv counts nested transactions with their parent: at most {self.max_ops} "
+                f"compares and {2 * self.max_ops} operations in all, --max-txn-ops)",
+            )
         for branch in (request.success, request.failure):
             check_unique_writes(branch)
+        self._weigh_compares(txn)
         return txn
+
+    def _weigh_compares(self, txn: cmds.TxnReq) -> None:
+        """Refuse a transaction whose compares would read more than MAX_COMPARED_KEYS keys
+        (counted on this node's state before it is proposed): each node evaluates every
+        compare of a range key by key, on its event loop, as it applies the entry."""
+        left = MAX_COMPARED_KEYS
+        for c in _compares(txn):
+            if c.range_end:
+                left -= self.node.etcd_keys_in(c.key, c.range_end, left)
+                if left < 0:
+                    raise Abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"etcdserver: the transaction's compares cover more than {MAX_COMPARED_KEYS} keys (ledgerkv): "
+                        "compare fewer or narrower ranges",
+                    )
 
     def _checked_txn(self, request: rpc_pb2.TxnRequest, max_ops: int) -> cmds.TxnReq:
         ops = max(len(request.compare), len(request.success), len(request.failure))
@@ -227,6 +257,24 @@ class KVService(rpc_pb2_grpc.KVServicer):
         if len(p.value) > self.node.config.max_value_bytes:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
         return put_req(p)
+
+
+def _compares(txn: cmds.TxnReq):
+    """Every compare of the transaction and of its nested ones, in either branch."""
+    yield from txn.compares
+    for op in txn.success + txn.failure:
+        if type(op) is cmds.TxnReq:
+            yield from _compares(op)
+
+
+def _size(txn: cmds.TxnReq) -> tuple[int, int]:
+    """(compares, operations) of the transaction and its nested ones, both branches."""
+    compares, ops = len(txn.compares), len(txn.success) + len(txn.failure)
+    for op in txn.success + txn.failure:
+        if type(op) is cmds.TxnReq:
+            c, o = _size(op)
+            compares, ops = compares + c, ops + o
+    return compares, ops
 
 
 def put_req(p: rpc_pb2.PutRequest) -> cmds.PutReq:

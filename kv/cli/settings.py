@@ -135,7 +135,7 @@ SERVE_OPTIONS = [
     Option("--snapshot-trailing", "snapshot_trailing", _integer(0), "entries kept in the ledger behind a snapshot (default 5000)"),
     Option("--snapshot-keep", "snapshot_keep", _integer(1), "snapshot files kept (default 3)"),
     Option("--max-value-bytes", "max_value_bytes", _integer(1), "largest value accepted (default 1048576)"),
-    Option("--max-txn-ops", "max_txn_ops", _integer(1), "most compares, and operations per branch, in a transaction (default 128)"),
+    Option("--max-txn-ops", "max_txn_ops", _integer(1), "most compares, and operations per branch, in a transaction (default 128; the etcd API counts nested ones with their parent: that many compares and twice that many operations in all)"),
     Option("--max-request-bytes", "max_request_bytes", _integer(1), "largest encoded write request (default 1572864, or the largest value + 4160)"),
     Option("--max-txn-read-bytes", "max_txn_read_bytes", _integer(1), "most bytes a transaction's gets may return (default 4194304)"),
     Option("--token", "token", _text, "require Authorization: Bearer TOKEN on client routes (an admin token)"),
