@@ -177,6 +177,7 @@ class _Inbound(asyncio.Protocol):
         self.nonce_c = b""
         self.nonce_s = b""
         self.ledger = ""  # the dialer's ledger_id ("" if it did not say)
+        self._url = ""  # the client URL it announced
         self.authed = False
         self.transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -193,6 +194,8 @@ class _Inbound(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.t._inbound.discard(self)
         self.t._unauthed.pop(self, None)
+        if self.authed:
+            self.t._url_gone(self)
         if self._timer:
             self._timer.cancel()
 
@@ -278,8 +281,7 @@ class _Inbound(asyncio.Protocol):
             self.reader.max_frame = codec.MAX_FRAME
             self.t._unauthed.pop(self, None)
             self._timer.cancel()
-            if self._url:
-                t.peer_urls[self.peer] = self._url
+            t._announced(self)
         else:
             raise codec.CodecError("unexpected frame during handshake")
 
@@ -542,6 +544,37 @@ class TcpTransport:
 
     def peer_url(self, peer: str) -> str:
         return self.peer_urls.get(peer, "")
+
+    # A peer's client URL is the one it announced in its handshake (requests are forwarded
+    # there, a leader's with the client's token). Two nodes may dial as one member: a stray
+    # started with a member's id (a mistyped --data-dir, a restore given the wrong --peers)
+    # beside the member. The URL of the data dir (ledger) that was connected first holds
+    # while it stays connected, and is taken back when the stray's connection closes: the
+    # stray's URL, taken for good, sent the leader's forwarded requests to it.
+
+    def _others(self, conn: _Inbound) -> list[_Inbound]:
+        """The open, authenticated connections of conn's peer from another data dir."""
+        return [c for c in self._inbound if c.authed and c.peer == conn.peer and c.ledger != conn.ledger and c is not conn]
+
+    def _announced(self, conn: _Inbound) -> None:
+        if not conn._url:
+            return
+        cur = self.peer_urls.get(conn.peer, "")
+        others = self._others(conn)
+        if others and cur and cur != conn._url:
+            log.warning(
+                "%r dials from two data dirs (ledgers %s and %s): is a second node running as %r? Its client URL %s is not used",
+                conn.peer, others[0].ledger or "not said", conn.ledger or "not said", conn.peer, conn._url,
+            )
+            return
+        self.peer_urls[conn.peer] = conn._url
+
+    def _url_gone(self, conn: _Inbound) -> None:
+        if not conn._url or self.peer_urls.get(conn.peer) != conn._url:
+            return
+        back = next((c._url for c in self._others(conn) if c._url), None)
+        if back is not None:
+            self.peer_urls[conn.peer] = back
 
     def counters(self) -> TransportCounters:
         return TransportCounters(dict(self.sent_bytes), dict(self.received_bytes), self.sent_frames, self.dropped_frames, self.rejected_connections)

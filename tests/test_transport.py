@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import os
 
@@ -119,6 +120,46 @@ async def test_a_frame_from_another_src_closes_the_link():
         assert p.b.rejected_connections == 1 and p.got["b"] == []
         p.a.send(HeartbeatRequest("a", "b", 1, 1, 0))  # a's own link is untouched
         await wait_for(lambda: len(p.got["b"]) == 1)
+
+
+async def test_a_second_node_dialling_as_a_member_does_not_take_its_client_url(caplog):
+    """A stray started with a member's id (a mistyped --data-dir) beside the member: the
+    member's client URL, where requests are forwarded (a leader's with the client's token),
+    holds while the member is connected; once the stray's connection closes, the member's
+    is the URL. The stray's had been taken for good (found by a newcomer run)."""
+    addr = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
+    b = TcpTransport("b", "g", addr["b"], removed=lambda p, led: None)
+    await b.start(lambda m: None, lambda peer: None)
+
+    @contextlib.asynccontextmanager
+    async def dialer(ledger: str, url: str):
+        a = TcpTransport("a", "g", f"127.0.0.1:{free_port()}", removed=members(("b",)), ledger_id=ledger, advertise_url=url)
+        await a.start(lambda m: None, lambda peer: None)
+        a.set_peers(addr)
+        try:
+            await wait_for(lambda: a.connected("b"))
+            yield a
+        finally:
+            await a.stop()
+
+    try:
+        async with dialer("11" * 8, "http://member"):
+            await wait_for(lambda: b.peer_url("a") == "http://member")
+            with caplog.at_level(logging.WARNING, logger="kv.raft.transport"):
+                async with dialer("22" * 8, "http://stray"):
+                    await wait_for(lambda: "dials from two data dirs" in caplog.text)
+                    assert b.peer_url("a") == "http://member"
+                    await asyncio.sleep(0.2)
+            assert b.peer_url("a") == "http://member"
+        async with dialer("22" * 8, "http://stray"):  # the member is down: the URL there is
+            await wait_for(lambda: b.peer_url("a") == "http://stray")
+            async with dialer("11" * 8, "http://member"):
+                await asyncio.sleep(0.2)
+                assert b.peer_url("a") == "http://stray"  # (the first connected holds; the log says so)
+            async with dialer("22" * 8, "http://stray-moved"):  # the same data dir, announcing anew
+                await wait_for(lambda: b.peer_url("a") == "http://stray-moved")
+    finally:
+        await b.stop()
 
 
 async def test_a_member_known_by_another_ledger_is_refused_as_removed():
