@@ -11,7 +11,7 @@ import asyncio
 import collections
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from .common.results import BulkResult, DeleteResult, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult
 from .common.arguments import lease_id, ttl_ms
@@ -55,6 +55,8 @@ from .common.sessions import Slot
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
 from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt
+
+SESSIONS_PER_OWNER = 1000  # open sessions one token may hold, of those opened through one node (open_session)
 
 
 class Node(AsyncRecipes):
@@ -100,6 +102,7 @@ class Node(AsyncRecipes):
         self.writer: Writer | None = None  # the write path (kv/server/writes.py), made in start()
         self.disk: DiskGuard | None = None  # the free-space reserve (kv/server/diskguard.py), made in start()
         self.counters = collections.Counter()
+        self._session_owners: dict[Hashable, set[int]] = {}  # owner -> sessions opened for it here (open_session)
         self.leases = LeaseClock(f"leases-{c.id}", self._leading, lambda: self.sm.leases, self._propose_as_leader, self.read_barrier)
         self.watches = WatchHub(
             c.watch_budget_bytes, lambda: self.sm.applied()[0], self.log_range,
@@ -285,10 +288,29 @@ class Node(AsyncRecipes):
         kv.server.writes.Writer.submit)."""
         return await self._writing().submit(cmd, timeout, request_id=request_id, resent=resent)
 
-    async def open_session(self, *, timeout: float | None = None) -> int:
+    async def open_session(self, *, timeout: float | None = None, owner: Hashable | None = None) -> int:
         """Open a client session (for X-Kv-Session); returns its id. Its writes are applied
-        at most once however often they are sent; it closes after --session-ttl-s unused."""
-        return await self._writing().open_session(timeout=timeout)
+        at most once however often they are sent; it closes after --session-ttl-s unused.
+
+        `owner` (the HTTP front's: a token's grant) may hold at most SESSIONS_PER_OWNER of
+        the sessions opened through this node that are still open, or Forbidden: the
+        cluster keeps --max-sessions and evicts the least recently used past it, so one
+        tenant opening sessions in a loop would otherwise evict every other client's (and
+        their retried writes would no longer be known as applied)."""
+        if owner is None:
+            return await self._writing().open_session(timeout=timeout)
+        held = self._session_owners.setdefault(owner, set())
+        if len(held) >= SESSIONS_PER_OWNER:
+            still = self.sm.sessions.last if self.sm is not None else {}
+            held.intersection_update(still)  # (the expired and evicted ones go)
+            if len(held) >= SESSIONS_PER_OWNER:
+                raise Forbidden(
+                    f"this token holds {len(held)} open sessions opened through this node, the most one may: a client needs "
+                    f"one for each write it has in flight; unused ones close after --session-ttl-s ({self.config.session_ttl_s:g} s)"
+                )
+        session = await self._writing().open_session(timeout=timeout)
+        held.add(session)
+        return session
 
     def propose_now(self, slots: Sequence[Slot]) -> None:
         """The write path without a task per write (kv.open's, the etcd API's plain puts):

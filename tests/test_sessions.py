@@ -384,3 +384,36 @@ def test_a_prefix_delete_and_its_copy_in_the_history(sm):
     assert sm.scan("") == [("s", b"3", 4)]
     events, _ = sm.history_changes(5, "r/", 1000)
     assert [e[:3] for e in events] == [(5, "r/c", b"4"), (6, "r/a", None), (6, "r/b", None), (6, "r/c", None)]
+
+
+async def test_a_token_opens_a_bounded_number_of_sessions_and_cannot_evict_everyone_elses(tmp_path, monkeypatch):
+    """Found by an attacker review: a token scoped to a prefix opened 51,000 sessions through
+    POST /v1/sessions, evicting every other client's (the admin's retried write was then
+    answered SESSION_EXPIRED). A token that is not admin holds at most SESSIONS_PER_OWNER
+    of the sessions opened through a node that are still open; once they close (here:
+    evicted past --max-sessions), it opens more."""
+    from aiohttp.test_utils import TestClient
+    from served import ServedNode
+
+    import kv.node
+    from kv.http.auth import Grant
+
+    monkeypatch.setattr(kv.node, "SESSIONS_PER_OWNER", 5)
+    node = kv.Node(kv.NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), max_sessions=12))
+    await node.start()
+    await node.wait_leader(timeout=10)
+    client = TestClient(ServedNode(node, "fast", tokens={"t": Grant("write", "app/"), "u": Grant("write", "other/"), "a": Grant("admin")}))
+    await client.start_server()
+    try:
+        tenant, other, admin = ({"Authorization": f"Bearer {t}"} for t in "tua")
+        for _ in range(5):
+            assert (await client.post("/v1/sessions", headers=tenant)).status == 200
+        r = await client.post("/v1/sessions", headers=tenant)
+        assert r.status == 403 and "open sessions" in (await r.json())["error"]["message"]
+        assert (await client.post("/v1/sessions", headers=other)).status == 200  # another token's count is its own
+        for _ in range(12):  # the admin is not counted: its sessions evict the oldest, the tenant's
+            assert (await client.post("/v1/sessions", headers=admin)).status == 200
+        assert (await client.post("/v1/sessions", headers=tenant)).status == 200
+    finally:
+        await client.close()
+        await node.stop()
