@@ -4,6 +4,7 @@ log guard that keeps what strangers can make a node log short and few."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
@@ -65,6 +66,18 @@ def test_new_serve_settings_read_from_flags_toml_and_environment(tmp_path, monke
     c = serve_config(args)
     assert (c.peer_cert, c.peer_key, c.peer_ca) == ("/toml/cert.pem", "/env/key.pem", "/flag/ca.pem")
     assert (c.max_http_connections, c.http_idle_timeout_s, c.tokens, c.tls_cert) == (77, 7.5, "/toml/tokens.toml", "/env/http.pem")
+
+
+def test_kv_variables_no_setting_reads_are_named_with_the_likely_one(monkeypatch):
+    from kv.cli.settings import unknown_env
+
+    for name in [n for n in os.environ if n.startswith("KV_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("KV_HEARTBAET_MS", "50")  # a typo: it was read by nothing, and nothing said so
+    monkeypatch.setenv("KV_SOMETHING_ELSE", "1")
+    monkeypatch.setenv("KV_PEER_KEY", "/env/key.pem")  # a setting's
+    monkeypatch.setenv("KV_ENDPOINTS", "http://x")  # the client commands'
+    assert unknown_env() == ["KV_HEARTBAET_MS (did you mean KV_HEARTBEAT_MS?)", "KV_SOMETHING_ELSE"]
 
 
 def _record(msg: str, *args, exc: BaseException | None = None) -> logging.LogRecord:

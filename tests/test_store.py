@@ -216,3 +216,14 @@ def test_list_then_watch_on_an_embedded_store(tmp_path):
         assert [(e.key, e.value) for e in events] == [("p/3", b"new")]
         with pytest.raises(kv.BadRequest, match="consistency"):
             db.get("p/0", consistency="sometimes")
+
+
+def test_a_path_that_is_a_file_is_refused_as_a_data_dir_with_a_kv_error(tmp_path):
+    """python-api.md: every error is a kv.KVError (it was a bare FileExistsError)."""
+    f = tmp_path / "f"
+    f.write_text("not a directory")
+    with pytest.raises(kv.BadRequest, match="it is a file"):
+        kv.open(str(f))
+    with pytest.raises(kv.BadRequest, match="a directory on its path is a file"):
+        kv.open(str(f / "sub"))
+    assert f.read_text() == "not a directory"

@@ -45,8 +45,8 @@ def add_parser(sub) -> None:
         "--base-port", type=_base_port, default=None,
         help="HTTP port of n1; peers listen 100 higher, etcd's gRPC API 200 higher (default 8001; for a --data-dir made before, the one it was made with)",
     )
-    up.add_argument("--heartbeat-ms", type=float, default=None)
-    up.add_argument("--election-timeout-ms", type=float, default=None)
+    up.add_argument("--heartbeat-ms", type=float, default=None, help="each node's leader heartbeat interval (kv serve's; default 100)")
+    up.add_argument("--election-timeout-ms", type=float, default=None, help="each node's election timeout (kv serve's; default 1000)")
 
 
 def run(args: argparse.Namespace) -> int:

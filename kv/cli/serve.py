@@ -18,7 +18,7 @@ from ..server.join import join_cluster, promote_when_caught_up
 from ..server.process import check_can_listen, http_connection_cap, install_uvloop, listen_error, raise_fd_limit, tune_gc
 from ..raft.errors import MemberRemoved
 from .refusal import EXIT_ERROR, EXIT_REMOVED
-from .settings import add_serve_options, serve_settings
+from .settings import add_serve_options, serve_settings, unknown_env
 
 if TYPE_CHECKING:
     from ..node import Node
@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     s = serve_settings(args)
     setup_logging(s.node.id, s.log_level, s.log_format)
+    if unknown := unknown_env():
+        logging.getLogger("kv.serve").warning("the environment sets %s, which kv serve does not read (its settings: kv serve --help)", ", ".join(unknown))
     install_uvloop()
     return asyncio.run(serve_node(s.node, access_log=s.access_log))
 

@@ -8,6 +8,7 @@ flag, the file and line, or the variable (`KV_HEARTBEAT_MS=abc: ...`).
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
@@ -237,6 +238,22 @@ class ServeSettings:
     log_level: str = "INFO"
     log_format: str = "text"
     access_log: bool = False
+
+
+# KV_ variables that are not kv serve's settings but are read elsewhere (the client
+# commands, the tests): no warning for them.
+_OTHER_ENV = frozenset({"KV_ENDPOINTS", "KV_CACERT", "KV_DEBUG", "KV_SOAK"})
+
+
+def unknown_env() -> list[str]:
+    """KV_ variables of the environment that no setting reads (a typo: KV_HEARTBAET_MS),
+    each with the setting it is most like, if any."""
+    settings = sorted(o.env for o in SERVE_OPTIONS)
+    out = []
+    for name in sorted(n for n in os.environ if n.startswith("KV_") and n not in _OTHER_ENV and n not in settings):
+        like = difflib.get_close_matches(name, settings, n=1, cutoff=0.85)
+        out.append(f"{name} (did you mean {like[0]}?)" if like else name)
+    return out
 
 
 def serve_settings(args: argparse.Namespace) -> ServeSettings:

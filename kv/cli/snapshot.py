@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
         "and the file is downloaded from that node (like etcdctl snapshot save).",
     )
     sv.add_argument("file")
-    client_options(sv, timeout_help=None, token_help=None)
+    client_options(sv, timeout_help=None, token_help="an admin token of the cluster, if it has tokens (snapshots are the admin's)")
     sv.add_argument("--newest", action="store_true", help="download the node's newest existing snapshot instead (it may be old: it says how old)")
     sv.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)  # what is done by default now
     add_output_option(sv)
@@ -38,10 +38,10 @@ def add_parser(sub) -> None:
     add_output_option(ins)
     rs = snap.add_parser("restore", help="seed a node of a new cluster from a snapshot file")
     rs.add_argument("file")
-    rs.add_argument("--data-dir", required=True)
-    rs.add_argument("--id", required=True)
+    rs.add_argument("--data-dir", required=True, help="the new node's data dir (empty or absent); then kv serve it with the same --id and --peers")
+    rs.add_argument("--id", required=True, help="the new node's member id, one of --peers")
     rs.add_argument("--peers", required=True, help="the new cluster's members: ID=HOST:PORT,...")
-    rs.add_argument("--group", default="default")
+    rs.add_argument("--group", default="default", help="the new cluster's Raft group name (default: default), as kv serve --group")
     add_output_option(rs)
 
 

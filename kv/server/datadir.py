@@ -13,7 +13,7 @@ import errno
 import fcntl
 import os
 
-from ..errors import DataDirLocked
+from ..errors import BadRequest, DataDirLocked
 
 LOCK_NAME = "LOCK"
 LEDGER_NAME = "ledger"  # the node's log (LMDB): a data dir without it holds no node yet
@@ -35,7 +35,11 @@ class DataDirLock:
     def acquire(cls, data_dir: str) -> DataDirLock:
         """Create data_dir if needed and lock it; raise DataDirLocked, changing nothing,
         when another owner holds it."""
-        os.makedirs(data_dir, exist_ok=True)
+        try:
+            os.makedirs(data_dir, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            what = "it is a file" if os.path.isfile(data_dir) else "a directory on its path is a file"
+            raise BadRequest(f"cannot use {data_dir} as the data dir: {what}; give a directory (it is made if absent)") from None
         fd = os.open(os.path.join(data_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
