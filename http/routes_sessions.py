@@ -23,8 +23,8 @@ from .params import write_timeout
 
 async def open_session(request: web.Request) -> Answer:
     c = ctx(request)
-    grant = request.get(GRANT)  # (a token's: one that is not admin holds a bounded number)
-    owner = grant if grant is not None and grant.role != "admin" else None
+    grant = request.get(GRANT)  # (a token that is not admin holds a bounded number: kv.Node.open_session)
+    owner = request.headers.get("Authorization") if grant is not None and grant.role != "admin" else None
     session = await c.node.open_session(timeout=write_timeout(request), owner=owner)
     ttl = c.node.config.session_ttl_s
     return json_response({"id": session, "ttl": int(ttl) if ttl == int(ttl) else ttl})

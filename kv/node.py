@@ -56,7 +56,7 @@ from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
 from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt
 
-SESSIONS_PER_OWNER = 1000  # open sessions one token may hold, of those opened through one node (open_session)
+SESSIONS_PER_OWNER = 10_000  # open sessions one token may hold, of those opened through one node (open_session)
 
 
 class Node(AsyncRecipes):
@@ -102,7 +102,8 @@ class Node(AsyncRecipes):
         self.writer: Writer | None = None  # the write path (kv/server/writes.py), made in start()
         self.disk: DiskGuard | None = None  # the free-space reserve (kv/server/diskguard.py), made in start()
         self.counters = collections.Counter()
-        self._session_owners: dict[Hashable, set[int]] = {}  # owner -> sessions opened for it here (open_session)
+        self._session_owners: dict[Hashable, set[int]] = {}  # owner -> sessions opened for it here, and negative tickets of those being opened (open_session)
+        self._opening = 0
         self.leases = LeaseClock(f"leases-{c.id}", self._leading, lambda: self.sm.leases, self._propose_as_leader, self.read_barrier)
         self.watches = WatchHub(
             c.watch_budget_bytes, lambda: self.sm.applied()[0], self.log_range,
@@ -292,23 +293,31 @@ class Node(AsyncRecipes):
         """Open a client session (for X-Kv-Session); returns its id. Its writes are applied
         at most once however often they are sent; it closes after --session-ttl-s unused.
 
-        `owner` (the HTTP front's: a token's grant) may hold at most SESSIONS_PER_OWNER of
-        the sessions opened through this node that are still open, or Forbidden: the
-        cluster keeps --max-sessions and evicts the least recently used past it, so one
-        tenant opening sessions in a loop would otherwise evict every other client's (and
-        their retried writes would no longer be known as applied)."""
+        `owner` (the HTTP front's: a token that is not admin) may hold at most
+        SESSIONS_PER_OWNER of the sessions opened through this node that are still open
+        (those being opened included), or Unavailable: the cluster keeps --max-sessions
+        and evicts the least recently used past it, so one tenant opening sessions in a
+        loop would otherwise evict every other client's (whose retried writes would then
+        no longer be known as applied)."""
         if owner is None:
             return await self._writing().open_session(timeout=timeout)
         held = self._session_owners.setdefault(owner, set())
         if len(held) >= SESSIONS_PER_OWNER:
             still = self.sm.sessions.last if self.sm is not None else {}
-            held.intersection_update(still)  # (the expired and evicted ones go)
+            held -= {s for s in held if s > 0 and s not in still}  # the expired and evicted go (the tickets, < 0, stay)
             if len(held) >= SESSIONS_PER_OWNER:
-                raise Forbidden(
-                    f"this token holds {len(held)} open sessions opened through this node, the most one may: a client needs "
-                    f"one for each write it has in flight; unused ones close after --session-ttl-s ({self.config.session_ttl_s:g} s)"
+                raise Unavailable(
+                    f"this token holds {len(held)} open client sessions opened through this node, the most one may: reuse a "
+                    f"kv.Client (it keeps one session a write in flight) rather than one a request, or use another node; "
+                    f"unused sessions close after --session-ttl-s ({self.config.session_ttl_s:g} s)"
                 )
-        session = await self._writing().open_session(timeout=timeout)
+        self._opening -= 1
+        ticket = self._opening  # counted while it is opened: concurrent opens cannot all pass the check
+        held.add(ticket)
+        try:
+            session = await self._writing().open_session(timeout=timeout)
+        finally:
+            held.discard(ticket)
         held.add(session)
         return session
 

@@ -572,6 +572,8 @@ class TcpTransport:
     def _url_gone(self, conn: _Inbound) -> None:
         if not conn._url or self.peer_urls.get(conn.peer) != conn._url:
             return
+        if any(c.authed and c.peer == conn.peer and c.ledger == conn.ledger for c in self._inbound):
+            return  # (the same data dir dialled again before this connection closed)
         back = next((c._url for c in self._others(conn) if c._url), None)
         if back is not None:
             self.peer_urls[conn.peer] = back

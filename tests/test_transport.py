@@ -151,6 +151,11 @@ async def test_a_second_node_dialling_as_a_member_does_not_take_its_client_url(c
                     assert b.peer_url("a") == "http://member"
                     await asyncio.sleep(0.2)
             assert b.peer_url("a") == "http://member"
+            async with dialer("22" * 8, "http://stray"):
+                async with dialer("11" * 8, "http://member"):  # the member dials again before its first connection closes
+                    await wait_for(lambda: b.inbound_connections == 3)
+                await wait_for(lambda: b.inbound_connections == 2)
+                assert b.peer_url("a") == "http://member"  # (its other connection is open)
         async with dialer("22" * 8, "http://stray"):  # the member is down: the URL there is
             await wait_for(lambda: b.peer_url("a") == "http://stray")
             async with dialer("11" * 8, "http://member"):

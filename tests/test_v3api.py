@@ -198,7 +198,7 @@ def test_a_range_over_the_read_budget_is_refused_not_cut_short(etcd, cluster):
 def test_a_transactions_ranges_compares_and_nested_ones_are_weighed_together(etcd):
     """Found by an attacker review with a token scoped to its own prefix: the read budget
     held for each range, not the transaction (a 520-byte request of 20 ranges built a 66 MB
-    answer); --max-txn-ops for each nested transaction, not all (32 nested ones of 32 compares
+    answer; ranges at a past revision, each read with a budget of its own, too); --max-txn-ops for each nested transaction, not all (32 nested ones of 32 compares
     each); and a compare over a range reads every key of it, on every node as it applies
     (1,025 compares over 20,000 keys stalled the cluster for 45 s)."""
     from kv.v3api.kv_service import MAX_COMPARED_KEYS
@@ -209,19 +209,28 @@ def test_a_transactions_ranges_compares_and_nested_ones_are_weighed_together(etc
     def version_above_0(key: bytes, end: bytes) -> rpc_pb2.Compare:
         return rpc_pb2.Compare(key=key, range_end=end, target=rpc_pb2.Compare.VERSION, result=rpc_pb2.Compare.GREATER, version=0)
 
-    etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3tx/%02d" % i, b"t" * 5000) for i in range(16)]), timeout=10)  # 80 kB
+    written = etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3tx/%02d" % i, b"t" * 5000) for i in range(16)]), timeout=10)  # 80 kB
     one = etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rng(b"v3tx/", b"v3tx0")]), timeout=10)
     assert len(one.responses[0].response_range.kvs) == 16
-    nested = rpc_pb2.RequestOp(request_txn=rpc_pb2.TxnRequest(success=[rng(b"v3tx/", b"v3tx0")]))
-    for ops in ([rng(b"v3tx/", b"v3tx0")] * 2, [rng(b"v3tx/", b"v3tx0"), nested]):  # 160 kB: over the budget together
+    etcd.kv.DeleteRange(rpc_pb2.DeleteRangeRequest(key=b"v3tx/", range_end=b"v3tx0"), timeout=10)  # (now only in the history)
+    then = rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=b"v3tx/", range_end=b"v3tx0", revision=written.header.revision))
+    assert len(etcd.kv.Txn(rpc_pb2.TxnRequest(success=[then]), timeout=10).responses[0].response_range.kvs) == 16
+
+    def over_budget(ops) -> None:  # 160 kB: over the budget together
         with pytest.raises(grpc.RpcError) as e:
             etcd.kv.Txn(rpc_pb2.TxnRequest(success=ops), timeout=10)
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-txn-read-bytes" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "ranges together" in e.value.details() and "--max-txn-read-bytes" in e.value.details()
+
+    over_budget([then, then])  # (read at the past revision alone: nothing is there now)
+    etcd.kv.Txn(rpc_pb2.TxnRequest(success=[op_put(b"v3tx/%02d" % i, b"t" * 5000) for i in range(16)]), timeout=10)
+    nested = rpc_pb2.RequestOp(request_txn=rpc_pb2.TxnRequest(success=[rng(b"v3tx/", b"v3tx0")]))
+    for ops in ([rng(b"v3tx/", b"v3tx0")] * 2, [rng(b"v3tx/", b"v3tx0"), nested], [rng(b"v3tx/", b"v3tx0"), then]):
+        over_budget(ops)
 
     inner = rpc_pb2.TxnRequest(compare=[version_above_0(b"v3tx/%02d" % i, b"") for i in range(16)])
     with pytest.raises(grpc.RpcError) as e:  # 9 x 16 compares: each within the limit, 144 > 128 in all
         etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp(request_txn=inner)] * 9), timeout=10)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "too many operations" in e.value.details() and "nested" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details() == "etcdserver: too many operations in txn request"
     assert etcd.kv.Txn(rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp(request_txn=inner)] * 8), timeout=10).succeeded
 
     for start in range(0, MAX_COMPARED_KEYS + 1, 128):

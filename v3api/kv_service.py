@@ -133,10 +133,13 @@ class KVService(rpc_pb2_grpc.KVServicer):
                 r = await self.node.etcd_txn(txn)
             return txn_response(request, r, self.header)
 
-    async def _at_revisions(self, request: rpc_pb2.TxnRequest, r: cmds.TxnResp, index: int) -> cmds.TxnResp:
+    async def _at_revisions(self, request: rpc_pb2.TxnRequest, r: cmds.TxnResp, index: int, left: list[int] | None = None) -> cmds.TxnResp:
         """A transaction of reads whose Ranges ask for a past revision: those read at it (the
         state machine evaluated every range as of `index`, the transaction's revision), as
-        etcd's do; a revision after `index` is a future one for the transaction."""
+        etcd's do; a revision after `index` is a future one for the transaction. `left`:
+        [the bytes its ranges may still return] (--max-txn-read-bytes, for them all)."""
+        if left is None:
+            left = [self.node.config.max_txn_read_bytes - _read_bytes(r)]
         responses = list(r.responses)
         for i, op in enumerate(request.success if r.succeeded else request.failure):
             which = op.WhichOneof("request")
@@ -145,11 +148,17 @@ class KVService(rpc_pb2_grpc.KVServicer):
                 if rev > index:
                     raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_FUTURE_REV)
                 req = wire.range_req(op.request_range)
+                left[0] += _read_bytes(responses[i])  # (what it read as of `index`, replaced)
+                if left[0] <= 0:
+                    raise self._over_budget(txn=True)
                 got, _ = await self.node.etcd_range(req, consistency="stale", revision=rev)
                 self.check_whole(req, got)
+                left[0] -= _read_bytes(got)
+                if left[0] < 0:
+                    raise self._over_budget(txn=True)
                 responses[i] = got
             elif which == "request_txn":
-                responses[i] = await self._at_revisions(op.request_txn, responses[i], index)
+                responses[i] = await self._at_revisions(op.request_txn, responses[i], index, left)
         return r._replace(responses=tuple(responses))
 
     async def Compact(self, request, context):
@@ -165,15 +174,21 @@ class KVService(rpc_pb2_grpc.KVServicer):
             await self.node.compact(request.revision)
             return rpc_pb2.CompactionResponse(header=self.header.now())
 
-    def check_whole(self, req: cmds.RangeReq, got: cmds.RangeResp) -> None:
+    def check_whole(self, req: cmds.RangeReq, got: cmds.RangeResp, txn: bool = False) -> None:
         """Refuse a range the node cut short at --max-txn-read-bytes: etcd answers every key
         asked for, and its clients (etcdctl get --prefix) print what they get without paging
         on `more`, so a partial answer would pass for the whole range. (A transaction that
         writes keeps its cut-short ranges, marked `more`: it has been committed by then.)"""
         if not req.count_only and len(got.kvs) < (min(req.limit, got.count) if req.limit > 0 else got.count):
-            raise self._over_budget()
+            raise self._over_budget(txn)
 
-    def _over_budget(self) -> Abort:
+    def _over_budget(self, txn: bool = False) -> Abort:
+        if txn:
+            return Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"etcdserver: the transaction's ranges together hold more than {self.node.config.max_txn_read_bytes} bytes of keys "
+                "and values, this node's --max-txn-read-bytes: split it into smaller transactions or ranges (--limit), or raise the limit",
+            )
         return Abort(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"etcdserver: the range holds more than {self.node.config.max_txn_read_bytes} bytes of keys and values, "
@@ -183,7 +198,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
     def _check_reads(self, txn: cmds.TxnReq, r: cmds.TxnResp) -> None:
         for op, got in zip(txn.success if r.succeeded else txn.failure, r.responses):
             if type(op) is cmds.RangeReq:
-                self.check_whole(op, got)
+                self.check_whole(op, got, txn=True)
             elif type(op) is cmds.TxnReq:
                 self._check_reads(op, got)
 
@@ -197,11 +212,8 @@ class KVService(rpc_pb2_grpc.KVServicer):
         if compares > self.max_ops or ops > 2 * self.max_ops:
             # etcd lets each nested transaction hold what its parent leaves: 32 of 32
             # compares each, a request of 30 kB, evaluated 1,024 compares on every node
-            raise Abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{wire.ERR_TOO_MANY_OPS} (ledgerkv counts nested transactions with their parent: at most {self.max_ops} "
-                f"compares and {2 * self.max_ops} operations in all, --max-txn-ops)",
-            )
+            # (etcd's text alone: Go's clientv3 knows its errors by their text; docs/etcd.md says why)
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_MANY_OPS)
         for branch in (request.success, request.failure):
             check_unique_writes(branch)
         self._weigh_compares(txn)
@@ -257,6 +269,15 @@ class KVService(rpc_pb2_grpc.KVServicer):
         if len(p.value) > self.node.config.max_value_bytes:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
         return put_req(p)
+
+
+def _read_bytes(resp) -> int:
+    """The bytes of keys and values a transaction's response (or one of its ranges') read."""
+    if type(resp) is cmds.RangeResp:
+        return sum(len(kv.key) + len(kv.value) for kv in resp.kvs)
+    if type(resp) is cmds.TxnResp:
+        return sum(map(_read_bytes, resp.responses))
+    return 0
 
 
 def _compares(txn: cmds.TxnReq):

@@ -30,8 +30,9 @@ ERR_EMPTY_RANGE = "mvcc: watcher range is empty"  # etcd's texts (not prefixed w
 ERR_DUPLICATE_ID = "mvcc: duplicate watch ID provided on the WatchStream"
 # Watches one stream may hold (etcd sets none; each costs the node ~5 KB, and a 2 MB
 # request could ask for 100,000): a client that wants more watches a prefix, or opens
-# another stream.
-MAX_WATCHES_PER_STREAM = 1000
+# another stream. (Go's clientv3 puts every watch of a context on one stream.)
+MAX_WATCHES_PER_STREAM = 10_000
+STREAM_BUFFERS = 4  # a stream's answers queue up to this many --watch-buffer-bytes
 ANSWER_OVERHEAD = 256  # bytes a queued answer costs beyond its encoding (the message object)
 _PUT, _DELETE = kv_pb2.Event.PUT, kv_pb2.Event.DELETE
 
@@ -58,59 +59,72 @@ def watch_prefix(key: bytes, range_end: bytes) -> str:
 class _Stream:
     """The watches of one client stream and the one queue of its answers.
 
-    The queue is bounded (--watch-buffer-bytes): while it holds more, the watches take no
-    more changes from the node (they pile up in each watch's own buffer, bounded and
-    counted in --watch-budget-bytes, where a watch that falls too far behind is cut off as
-    on /v1/watch) and the client's requests are not read (HTTP/2's flow control then stops
-    the client). What the queue holds is counted in the node's budget too: a client that
-    never reads costs the node a bounded amount, whatever it asks for."""
+    The queue is bounded (STREAM_BUFFERS x --watch-buffer-bytes): while it holds more, the
+    watches take no more changes from the node (they pile up in each watch's own buffer,
+    bounded and counted in --watch-budget-bytes, where a watch that falls too far behind is
+    cut off as on /v1/watch) and the client's requests are not read (HTTP/2's flow control
+    then stops the client): a client that never reads costs the node a bounded amount,
+    whatever it asks for. The changes in the queue count in the node's budget too; a batch
+    that does not fit waits for the stream to drain (never refused: a client that reads is
+    not cut off for what other clients hold)."""
 
     def __init__(self, service: WatchService, context) -> None:
         self.service, self.context = service, context
         self.out: collections.deque = collections.deque()
         self.queued = 0  # bytes of the answers in `out`, counted in the node's watch budget
-        self.limit = service.node.config.watch_buffer_bytes
+        self.limit = STREAM_BUFFERS * service.node.config.watch_buffer_bytes
+        self.budgeted = 0  # of `queued`, the bytes of changes, counted in the node's watch budget
+        self.closed = False
         self._changed = asyncio.Event()  # `out` got an answer, or gave one up
         self.tasks: dict[int, asyncio.Task] = {}
         self.next_id = 0
 
-    def put(self, msg: rpc_pb2.WatchResponse, events: bool = False) -> bool:
-        """Queue an answer. One with events is refused (False) when the node's watches hold
-        their budget already; the others, small, are always queued (room() bounds them)."""
-        size = msg.ByteSize() + ANSWER_OVERHEAD
-        hub = self.service.node.watches
-        if events:
-            if not hub.reserve(size):
-                return False
-        else:
-            hub.hold(size)
-        self.out.append((msg, size))
+    def put(self, msg: rpc_pb2.WatchResponse, budgeted: int = 0) -> None:
+        """Queue an answer (`budgeted`: its size, when it is counted in the node's budget)."""
+        if self.closed:
+            self.service.node.watches.release(budgeted)
+            return
+        size = (budgeted or msg.ByteSize()) + ANSWER_OVERHEAD
+        self.out.append((msg, size, budgeted))
         self.queued += size
+        self.budgeted += budgeted
         self._changed.set()
-        return True
+
+    async def put_changes(self, msg: rpc_pb2.WatchResponse) -> None:
+        """Queue an answer of events, counted in the node's watch budget; when the budget
+        has no room for it, once this stream has sent everything before it."""
+        size = msg.ByteSize()
+        hub = self.service.node.watches
+        while not hub.reserve(size):
+            if not self.out:
+                hub.hold(size)  # (one batch past the budget, as a watch's own buffer lets one change past its bound)
+                break
+            self._changed.clear()
+            await self._changed.wait()
+        self.put(msg, size)
 
     async def get(self) -> rpc_pb2.WatchResponse:
         while not self.out:
             self._changed.clear()
             await self._changed.wait()
-        msg, size = self.out.popleft()
+        msg, size, budgeted = self.out.popleft()
         self.queued -= size
-        self.service.node.watches.release(size)
+        self.budgeted -= budgeted
+        self.service.node.watches.release(budgeted)
         self._changed.set()
         return msg
 
     async def room(self) -> None:
-        """Wait until the queue holds at most its limit, and nothing while the node's
-        watches hold more than their budget (a stream whose client reads goes on)."""
-        hub = self.service.node.watches
-        while self.queued > self.limit or (self.queued and hub.buffered > hub.budget):
+        """Wait until the queue holds at most its limit."""
+        while self.queued > self.limit:
             self._changed.clear()
             await self._changed.wait()
 
     def release_all(self) -> None:
-        self.service.node.watches.release(self.queued)
+        self.closed = True
+        self.service.node.watches.release(self.budgeted)
         self.out.clear()
-        self.queued = 0
+        self.queued = self.budgeted = 0
 
     def header(self, revision: int | None = None) -> rpc_pb2.ResponseHeader:
         return self.service.header.now() if revision is None else self.service.header(revision)
@@ -126,7 +140,7 @@ class _Stream:
         if req.range_end and req.range_end != b"\x00" and req.range_end <= key:
             self.refuse(ERR_EMPTY_RANGE)
             return
-        if len(self.tasks) >= MAX_WATCHES_PER_STREAM:
+        if sum(not t.done() for t in self.tasks.values()) >= MAX_WATCHES_PER_STREAM:
             self.refuse(f"etcdserver: this stream holds {MAX_WATCHES_PER_STREAM} watches, the most one may: watch a range or prefix, or open another stream")
             return
         wid = req.watch_id
@@ -183,12 +197,7 @@ class _Stream:
                         continue
                     out.append(_event(ev, raw, prev_kv))
                 if out:
-                    if not self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, events=out), events=True):
-                        hub = self.service.node.watches
-                        raise SlowWatcher(
-                            f"the node's watches hold {hub.buffered} bytes of changes their readers have not taken, its limit "
-                            f"(--watch-budget-bytes); this watch was stopped: resume from revision {events[0].index}", events[0].index,
-                        )
+                    await self.put_changes(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, events=out))
                 elif not events and progress:
                     self.put(rpc_pb2.WatchResponse(header=self.header(through), watch_id=wid))
         except WatchCompacted as e:
@@ -273,7 +282,9 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
                     yield get.result()
         finally:
             reader.cancel()
-            await stream.close()
-            stream.release_all()
+            try:
+                await stream.close()
+            finally:
+                stream.release_all()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader

@@ -242,7 +242,7 @@ class ServeSettings:
 
 # KV_ variables that are not kv serve's settings but are read elsewhere (the client
 # commands, the tests): no warning for them.
-_OTHER_ENV = frozenset({"KV_ENDPOINTS", "KV_CACERT", "KV_DEBUG", "KV_SOAK"})
+_OTHER_ENV = frozenset({"KV_ENDPOINTS", "KV_CACERT", "KV_DEBUG", "KV_SOAK", "KV_FAILPOINTS"})
 
 
 def unknown_env() -> list[str]:

@@ -82,7 +82,7 @@ async def promote_when_caught_up(config: NodeConfig, is_voter: Callable[[], bool
                 await c.promote_member(config.id)
             except KVError as e:  # Conflict until caught up; or the cluster is busy
                 log.info("waiting to be made a voter once caught up (the leader says: %s); asking again", e)
-            # asked again in a second; a promotion is seen as soon as this node applies it
+            # asked again in a second; a promotion is seen within 50 ms of this node applying it
             for _ in range(20):
                 if is_voter():
                     break

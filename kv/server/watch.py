@@ -329,8 +329,8 @@ class WatchHub:
         return True
 
     def hold(self, n: int) -> None:
-        """Count n bytes a stream holds whatever the budget (small answers it must give:
-        the budget then cuts off the watches that are behind); release them once sent."""
+        """Count n bytes a stream holds whatever the budget (a batch that waited for its
+        stream to drain); release them once sent."""
         self.buffered += n
 
     def release(self, n: int) -> None:

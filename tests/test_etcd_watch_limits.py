@@ -1,0 +1,84 @@
+"""The etcd API's watch streams against clients that do not read (tests/test_http2.py's raw
+HTTP/2 client): a stream's answers, its watches and the node's watch budget are bounded.
+(The untimed lane, tests/conftest.py: nothing here is timed, and one test opens 10,000
+watches.)"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import grpc
+import pytest
+from test_http2 import _Sender, _serves, one_node
+
+from kv.v3api.proto import rpc_pb2, rpc_pb2_grpc
+
+WATCH_BUDGET = 32 << 20  # --watch-budget-bytes: changes all watches of the node hold together
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    yield from one_node(str(tmp_path_factory.mktemp("watch-limits")), KV_WATCH_BUDGET_BYTES=str(WATCH_BUDGET))
+
+
+def test_a_watch_stream_that_never_reads_its_answers_pins_bounded_memory(node):
+    """Progress requests (7 bytes, each answered with a header of ~40) sent by a client
+    that reads no answer: the stream's answers are bounded (--watch-buffer-bytes), then its
+    requests are no longer read and flow control stops the client (after ~5 MB here, ~50 MB
+    of the node's memory). Before, the node read all 12 MB, and 30 MB cost it 3.8 GB."""
+    from kv.bench.harness import rss_mb
+
+    pid = node.procs["n1"].pid
+    before = rss_mb(pid)
+    c = _Sender(node)
+    c.call(1, "/etcdserverpb.Watch/Watch")
+    body = rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest()).SerializeToString()
+    chunk = (struct.pack(">BI", 0, len(body)) + body) * 10_000
+    sent, deadline = 0, time.monotonic() + 60
+    while sent < 12_000_000 and time.monotonic() < deadline and c.send(1, chunk, stall_s=3.0):
+        sent += len(chunk)
+    grown = rss_mb(pid) - before
+    assert sent < 12_000_000, "the node read every request of a client that reads none of its answers"
+    assert grown < 100, f"the node grew {grown:.0f} MB for {sent} bytes of progress requests"
+    _serves(node)
+    c.s.close()
+
+
+def test_watches_whose_stream_is_never_read_hold_at_most_the_nodes_watch_budget(node):
+    """50 watches on one stream that reads nothing, then 20 changes of 500 kB under them
+    (500 MB of answers): the watches fall behind and are cut off within --watch-budget-bytes.
+    Before, every answer was queued for the stream (a node grew by a GB for 100 watches)."""
+    from kv.bench.harness import rss_mb
+
+    pid = node.procs["n1"].pid
+    before = rss_mb(pid)
+    c = _Sender(node)
+    c.call(1, "/etcdserverpb.Watch/Watch")
+    create = rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"h2/slow/", range_end=b"h2/slow0")).SerializeToString()
+    assert c.send(1, (struct.pack(">BI", 0, len(create)) + create) * 50, stall_s=10.0)
+    time.sleep(1.0)  # (each watch is created after a read barrier)
+    with grpc.insecure_channel(node.grpc["n1"]) as ch:
+        kv = rpc_pb2_grpc.KVStub(ch)
+        for i in range(20):
+            kv.Put(rpc_pb2.PutRequest(key=b"h2/slow/%d" % i, value=b"s" * 500_000), timeout=10)
+    time.sleep(1.0)
+    grown = rss_mb(pid) - before
+    assert grown < (WATCH_BUDGET >> 20) + 80, f"the node grew {grown:.0f} MB for watches nobody reads"
+    _serves(node)
+    c.s.close()
+
+
+def test_a_watch_stream_holds_at_most_its_limit_of_watches(node):
+    from kv.v3api.watch_service import MAX_WATCHES_PER_STREAM
+
+    creates = [rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"h2/w%d" % i)) for i in range(MAX_WATCHES_PER_STREAM + 1)]
+    with grpc.insecure_channel(node.grpc["n1"]) as ch:
+        answers = rpc_pb2_grpc.WatchStub(ch).Watch(iter(creates), timeout=60)
+        got = [next(answers) for _ in creates]
+        answers.cancel()
+    assert all(a.created and not a.canceled for a in got[:-1])
+    assert len({a.watch_id for a in got[:-1]}) == MAX_WATCHES_PER_STREAM
+    last = got[-1]
+    assert last.created and last.canceled and last.watch_id == -1 and "open another stream" in last.cancel_reason
+    _serves(node)
