@@ -82,3 +82,30 @@ def test_a_watch_stream_holds_at_most_its_limit_of_watches(node):
     last = got[-1]
     assert last.created and last.canceled and last.watch_id == -1 and "open another stream" in last.cancel_reason
     _serves(node)
+
+
+def test_a_client_that_reads_keeps_its_watch_while_unread_streams_hold_the_budget(node):
+    """Changes that do not fit the node's budget wait for their stream to drain: a watch whose
+    client reads every answer gets every change, while 50 watches nobody reads fill the
+    budget with the same changes (the review of the first bound: it canceled the reader)."""
+    idle = _Sender(node)
+    idle.call(1, "/etcdserverpb.Watch/Watch")
+    create = rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"h2/both/", range_end=b"h2/both0")).SerializeToString()
+    assert idle.send(1, (struct.pack(">BI", 0, len(create)) + create) * 50, stall_s=10.0)
+    with grpc.insecure_channel(node.grpc["n1"]) as ch:
+        requests = iter([rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"h2/both/", range_end=b"h2/both0"))])
+        answers = rpc_pb2_grpc.WatchStub(ch).Watch(requests, timeout=120)
+        assert next(answers).created
+        time.sleep(1.0)  # (the idle stream's watches are created)
+        kv = rpc_pb2_grpc.KVStub(ch)
+        for i in range(30):
+            kv.Put(rpc_pb2.PutRequest(key=b"h2/both/%d" % i, value=b"b" * 500_000), timeout=10)
+        seen = []
+        while len(seen) < 30:
+            a = next(answers)
+            assert not a.canceled, a.cancel_reason
+            seen += [ev.kv.key for ev in a.events]
+        answers.cancel()
+    assert seen == [b"h2/both/%d" % i for i in range(30)]
+    _serves(node)
+    idle.s.close()
