@@ -563,8 +563,8 @@ class TcpTransport:
         others = self._others(conn)
         if others and cur and cur != conn._url:
             log.warning(
-                "%r dials from two data dirs (ledgers %s and %s): is a second node running as %r? Its client URL %s is not used",
-                conn.peer, others[0].ledger or "not said", conn.ledger or "not said", conn.peer, conn._url,
+                "a second node dials as %r (ledger %s, URL %s; %r is ledger %s): its URL is not used. A mistyped --data-dir?",
+                conn.peer, conn.ledger or "not said", conn._url, conn.peer, others[0].ledger or "not said",
             )
             return
         self.peer_urls[conn.peer] = conn._url

@@ -147,7 +147,7 @@ async def test_a_second_node_dialling_as_a_member_does_not_take_its_client_url(c
             await wait_for(lambda: b.peer_url("a") == "http://member")
             with caplog.at_level(logging.WARNING, logger="kv.raft.transport"):
                 async with dialer("22" * 8, "http://stray"):
-                    await wait_for(lambda: "dials from two data dirs" in caplog.text)
+                    await wait_for(lambda: "a second node dials as 'a'" in caplog.text)
                     assert b.peer_url("a") == "http://member"
                     await asyncio.sleep(0.2)
             assert b.peer_url("a") == "http://member"
