@@ -211,6 +211,9 @@ def test_json_output_of_every_command(node, tmp_path):
     r = run_kv("snapshot", "inspect", snap, "-o", "json")
     info = orjson.loads(r.stdout)
     assert r.stdout.count(b"\n") == 1 and info["keys"] == 1 and info["checksum_status"] == "ok"
+    r = run_kv("snapshot", "restore", snap, "--data-dir", str(tmp_path / "r2"), "--id", "n9", "--peers", "n1=127.0.0.1:1")
+    assert r.returncode != 0 and b"--peers must list the restored node 'n9'" in r.stderr
+    assert not (tmp_path / "r2").exists()  # (it was left holding a LOCK file)
     r = run_kv("snapshot", "restore", snap, "--data-dir", str(tmp_path / "r"), "--id", "n1", "--peers", "n1=127.0.0.1:1", "-o", "json")
     assert orjson.loads(r.stdout)["keys"] == 1
 

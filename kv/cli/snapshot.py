@@ -7,6 +7,7 @@ import asyncio
 import errno
 import itertools
 import os
+import shutil
 import sys
 import time
 
@@ -153,9 +154,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             say(f"verifying {args.file} ...")
             checked = check_file(args.file)  # before the data dir is created or locked
+            made = not os.path.exists(args.data_dir)
             lock = DataDirLock.acquire(args.data_dir)
             try:
                 summary = restore(args.file, args.data_dir, args.id, peers, group=args.group, progress=say, checked=checked)
+            except RestoreError:
+                if made:  # refused before anything was written: the dir holds only the lock it was made for
+                    shutil.rmtree(args.data_dir, ignore_errors=True)
+                raise
             finally:
                 lock.release()
         except RestoreError as e:
