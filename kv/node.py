@@ -102,8 +102,8 @@ class Node(AsyncRecipes):
         self.writer: Writer | None = None  # the write path (kv/server/writes.py), made in start()
         self.disk: DiskGuard | None = None  # the free-space reserve (kv/server/diskguard.py), made in start()
         self.counters = collections.Counter()
-        self._session_owners: dict[Hashable, set[int]] = {}  # owner -> sessions opened for it here, and negative tickets of those being opened (open_session)
-        self._opening = 0
+        self._session_owners: dict[Hashable, set[int]] = {}  # owner -> the sessions opened for it here (open_session)
+        self._sessions_opening: collections.Counter[Hashable] = collections.Counter()  # owner -> those being opened
         self.leases = LeaseClock(f"leases-{c.id}", self._leading, lambda: self.sm.leases, self._propose_as_leader, self.read_barrier)
         self.watches = WatchHub(
             c.watch_budget_bytes, lambda: self.sm.applied()[0], self.log_range,
@@ -301,23 +301,21 @@ class Node(AsyncRecipes):
         no longer be known as applied)."""
         if owner is None:
             return await self._writing().open_session(timeout=timeout)
-        held = self._session_owners.setdefault(owner, set())
-        if len(held) >= SESSIONS_PER_OWNER:
+        held, opening = self._session_owners.setdefault(owner, set()), self._sessions_opening
+        if len(held) + opening[owner] >= SESSIONS_PER_OWNER:
             still = self.sm.sessions.last if self.sm is not None else {}
-            held -= {s for s in held if s > 0 and s not in still}  # the expired and evicted go (the tickets, < 0, stay)
-            if len(held) >= SESSIONS_PER_OWNER:
+            held.intersection_update(still)  # the expired and evicted go
+            if len(held) + opening[owner] >= SESSIONS_PER_OWNER:
                 raise Unavailable(
-                    f"this token holds {len(held)} open client sessions opened through this node, the most one may: reuse a "
-                    f"kv.Client (it keeps one session a write in flight) rather than one a request, or use another node; "
-                    f"unused sessions close after --session-ttl-s ({self.config.session_ttl_s:g} s)"
+                    f"this token holds {len(held) + opening[owner]} open client sessions opened through this node, the most one "
+                    f"may: reuse a kv.Client (it keeps one session a write in flight) rather than one a request, or use another "
+                    f"node; unused sessions close after --session-ttl-s ({self.config.session_ttl_s:g} s)"
                 )
-        self._opening -= 1
-        ticket = self._opening  # counted while it is opened: concurrent opens cannot all pass the check
-        held.add(ticket)
+        opening[owner] += 1  # (counted while it is opened: concurrent opens cannot all pass the check)
         try:
             session = await self._writing().open_session(timeout=timeout)
         finally:
-            held.discard(ticket)
+            opening[owner] -= 1
         held.add(session)
         return session
 

@@ -269,6 +269,16 @@ class TxnResp(NamedTuple):
     responses: tuple[RangeResp | PutResp | DeleteRangeResp | TxnResp | None, ...]  # None: a range nobody reads here
 
 
+def read_bytes(resp) -> int:
+    """The bytes of keys and values a range's response read, or all the ranges of a
+    transaction's (what --max-txn-read-bytes counts)."""
+    if type(resp) is RangeResp:
+        return sum(len(kv.key) + len(kv.value) for kv in resp.kvs)
+    if type(resp) is TxnResp:
+        return sum(map(read_bytes, resp.responses))
+    return 0
+
+
 class AlarmSet(NamedTuple):
     member: int  # etcd's member id (0: not one member's)
     alarm: int  # etcd's AlarmType: 1 NOSPACE, 2 CORRUPT

@@ -78,6 +78,7 @@ from .commands import (
     SessionOpen,
     SessionOpened,
     SessionsExpire,
+    read_bytes,
     StaleRequest,
     Txn,
     TxnApplied,
@@ -190,6 +191,11 @@ def _open(path: str):
     # state a node instead of 130 MB; the Raft log holds the same data uncompressed until
     # it is compacted). Files written with Snappy by an earlier version are read as before.
     return plyvel.DB(path, create_if_missing=True, paranoid_checks=True, bloom_filter_bits=10, write_buffer_size=16 << 20, compression=None)
+
+
+def _bounds(key: bytes, end: bytes) -> tuple[bytes, bytes]:
+    """The records of etcd's range (key, end), end not empty: [lo, hi)."""
+    return max(_DATA + key, _USER_DATA), _DATA_END if end == b"\x00" else _DATA + end
 
 
 def _record(raw: bytes) -> tuple[int, bytes, int, int]:
@@ -987,8 +993,7 @@ class LevelDBStateMachine:
             if cur is not None:
                 yield key, cur
             return
-        lo = max(_DATA + key, _USER_DATA)
-        hi = _DATA_END if end == b"\x00" else _DATA + end
+        lo, hi = _bounds(key, end)
         if hi <= lo:
             return
         ov = sorted((k, v) for k, v in overlay.items() if lo <= k < hi)
@@ -1017,8 +1022,7 @@ class LevelDBStateMachine:
         than most + 1 (keys only: a transaction's compares are weighed before they run)."""
         if not end:
             return 1
-        lo = max(_DATA + key, _USER_DATA)
-        hi = _DATA_END if end == b"\x00" else _DATA + end
+        lo, hi = _bounds(key, end)
         if hi <= lo:
             return 0
         with self._db.iterator(start=lo, stop=hi, include_value=False) as it:
@@ -1130,7 +1134,7 @@ class LevelDBStateMachine:
                     continue
                 got = self._range(op, overlay, left[0])
                 if left[0] is not None:
-                    left[0] -= sum(len(kv.key) + len(kv.value) for kv in got.kvs)
+                    left[0] -= read_bytes(got)
                 out.append(got)
             elif read_only and t is not TxnReq:
                 raise CommandError("a read-only transaction puts or deletes nothing")

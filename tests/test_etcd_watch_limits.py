@@ -6,6 +6,7 @@ watches.)"""
 from __future__ import annotations
 
 import struct
+import urllib.request
 import time
 
 import grpc
@@ -109,3 +110,34 @@ def test_a_client_that_reads_keeps_its_watch_while_unread_streams_hold_the_budge
     assert seen == [b"h2/both/%d" % i for i in range(30)]
     _serves(node)
     idle.s.close()
+
+
+def _open_watches(node) -> int:
+    with urllib.request.urlopen(node.url("n1") + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kv_watches "):
+                return int(float(line.split()[1]))
+    raise AssertionError("no kv_watches in /metrics")
+
+
+def test_a_watch_canceled_in_the_same_breath_as_its_create_is_closed(node):
+    """Creates and cancels of the same watches in one write: the node reads them in one go,
+    so a cancel can come before the watch's task has taken its first step (which then runs
+    no `finally`): each watch is still closed, and the stream's count of live watches
+    goes down (done callbacks). (Before, such a watch was closed only once the garbage
+    collector took the task: this passed then too, a few seconds later.)"""
+    before = _open_watches(node)
+    s = _Sender(node)
+    s.call(1, "/etcdserverpb.Watch/Watch")
+    msgs = []
+    for i in range(1, 201):
+        for m in (rpc_pb2.WatchRequest(create_request=rpc_pb2.WatchCreateRequest(key=b"h2/brief", watch_id=i)),
+                  rpc_pb2.WatchRequest(cancel_request=rpc_pb2.WatchCancelRequest(watch_id=i))):
+            body = m.SerializeToString()
+            msgs.append(struct.pack(">BI", 0, len(body)) + body)
+    assert s.send(1, b"".join(msgs), stall_s=10.0)
+    deadline = time.monotonic() + 20
+    while _open_watches(node) > before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _open_watches(node) == before
+    s.s.close()

@@ -139,7 +139,7 @@ class KVService(rpc_pb2_grpc.KVServicer):
         etcd's do; a revision after `index` is a future one for the transaction. `left`:
         [the bytes its ranges may still return] (--max-txn-read-bytes, for them all)."""
         if left is None:
-            left = [self.node.config.max_txn_read_bytes - _read_bytes(r)]
+            left = [self.node.config.max_txn_read_bytes - cmds.read_bytes(r)]
         responses = list(r.responses)
         for i, op in enumerate(request.success if r.succeeded else request.failure):
             which = op.WhichOneof("request")
@@ -148,12 +148,12 @@ class KVService(rpc_pb2_grpc.KVServicer):
                 if rev > index:
                     raise Abort(grpc.StatusCode.OUT_OF_RANGE, wire.ERR_FUTURE_REV)
                 req = wire.range_req(op.request_range)
-                left[0] += _read_bytes(responses[i])  # (what it read as of `index`, replaced)
+                left[0] += cmds.read_bytes(responses[i])  # (what it read as of `index`, replaced)
                 if left[0] <= 0:
                     raise self._over_budget(txn=True)
                 got, _ = await self.node.etcd_range(req, consistency="stale", revision=rev)
                 self.check_whole(req, got)
-                left[0] -= _read_bytes(got)
+                left[0] -= cmds.read_bytes(got)
                 if left[0] < 0:
                     raise self._over_budget(txn=True)
                 responses[i] = got
@@ -208,23 +208,23 @@ class KVService(rpc_pb2_grpc.KVServicer):
         per branch, a nested transaction's within what its parent leaves — then that no key
         is written twice along one path."""
         txn = self._checked_txn(request, self.max_ops)
-        compares, ops = _size(txn)
-        if compares > self.max_ops or ops > 2 * self.max_ops:
+        all_of = list(_nested(txn))
+        if sum(len(t.compares) for t in all_of) > self.max_ops or sum(len(t.success) + len(t.failure) for t in all_of) > 2 * self.max_ops:
             # etcd lets each nested transaction hold what its parent leaves: 32 of 32
             # compares each, a request of 30 kB, evaluated 1,024 compares on every node
             # (etcd's text alone: Go's clientv3 knows its errors by their text; docs/etcd.md says why)
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_MANY_OPS)
         for branch in (request.success, request.failure):
             check_unique_writes(branch)
-        self._weigh_compares(txn)
+        self._weigh_compares(c for t in all_of for c in t.compares)
         return txn
 
-    def _weigh_compares(self, txn: cmds.TxnReq) -> None:
+    def _weigh_compares(self, compares) -> None:
         """Refuse a transaction whose compares would read more than MAX_COMPARED_KEYS keys
         (counted on this node's state before it is proposed): each node evaluates every
         compare of a range key by key, on its event loop, as it applies the entry."""
         left = MAX_COMPARED_KEYS
-        for c in _compares(txn):
+        for c in compares:
             if c.range_end:
                 left -= self.node.etcd_keys_in(c.key, c.range_end, left)
                 if left < 0:
@@ -271,31 +271,12 @@ class KVService(rpc_pb2_grpc.KVServicer):
         return put_req(p)
 
 
-def _read_bytes(resp) -> int:
-    """The bytes of keys and values a transaction's response (or one of its ranges') read."""
-    if type(resp) is cmds.RangeResp:
-        return sum(len(kv.key) + len(kv.value) for kv in resp.kvs)
-    if type(resp) is cmds.TxnResp:
-        return sum(map(_read_bytes, resp.responses))
-    return 0
-
-
-def _compares(txn: cmds.TxnReq):
-    """Every compare of the transaction and of its nested ones, in either branch."""
-    yield from txn.compares
+def _nested(txn: cmds.TxnReq):
+    """The transaction and every transaction nested in it, in either branch."""
+    yield txn
     for op in txn.success + txn.failure:
         if type(op) is cmds.TxnReq:
-            yield from _compares(op)
-
-
-def _size(txn: cmds.TxnReq) -> tuple[int, int]:
-    """(compares, operations) of the transaction and its nested ones, both branches."""
-    compares, ops = len(txn.compares), len(txn.success) + len(txn.failure)
-    for op in txn.success + txn.failure:
-        if type(op) is cmds.TxnReq:
-            c, o = _size(op)
-            compares, ops = compares + c, ops + o
-    return compares, ops
+            yield from _nested(op)
 
 
 def put_req(p: rpc_pb2.PutRequest) -> cmds.PutReq:

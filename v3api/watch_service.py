@@ -71,12 +71,13 @@ class _Stream:
     def __init__(self, service: WatchService, context) -> None:
         self.service, self.context = service, context
         self.out: collections.deque = collections.deque()
-        self.queued = 0  # bytes of the answers in `out`, counted in the node's watch budget
+        self.queued = 0  # bytes of the answers in `out` (against `limit`)
         self.limit = STREAM_BUFFERS * service.node.config.watch_buffer_bytes
         self.budgeted = 0  # of `queued`, the bytes of changes, counted in the node's watch budget
         self.closed = False
         self._changed = asyncio.Event()  # `out` got an answer, or gave one up
         self.tasks: dict[int, asyncio.Task] = {}
+        self.live = 0  # of the tasks, the watches running (_pump)
         self.next_id = 0
 
     def put(self, msg: rpc_pb2.WatchResponse, budgeted: int = 0) -> None:
@@ -140,7 +141,7 @@ class _Stream:
         if req.range_end and req.range_end != b"\x00" and req.range_end <= key:
             self.refuse(ERR_EMPTY_RANGE)
             return
-        if sum(not t.done() for t in self.tasks.values()) >= MAX_WATCHES_PER_STREAM:
+        if self.live >= MAX_WATCHES_PER_STREAM:
             self.refuse(f"etcdserver: this stream holds {MAX_WATCHES_PER_STREAM} watches, the most one may: watch a range or prefix, or open another stream")
             return
         wid = req.watch_id
@@ -177,7 +178,14 @@ class _Stream:
         self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, created=True))
         no_put = rpc_pb2.WatchCreateRequest.NOPUT in req.filters
         no_delete = rpc_pb2.WatchCreateRequest.NODELETE in req.filters
-        self.tasks[wid] = asyncio.ensure_future(self._pump(wid, w, start, req.range_end, req.prev_kv, no_put, no_delete, req.progress_notify))
+        task = self.tasks[wid] = asyncio.ensure_future(self._pump(wid, w, start, req.range_end, req.prev_kv, no_put, no_delete, req.progress_notify))
+        self.live += 1
+        # (not in the pump's `finally`: a task cancelled before its first step never runs it)
+        task.add_done_callback(lambda _t: self._ended(w))
+
+    def _ended(self, w) -> None:
+        w.close()
+        self.live -= 1
 
     async def _pump(self, wid: int, w, key: bytes, range_end: bytes, prev_kv: bool, no_put: bool, no_delete: bool, progress: bool) -> None:
         try:
@@ -207,8 +215,6 @@ class _Stream:
         except Exception as e:  # a bug: the client hears of it, the log says where
             log.exception("watch %d failed", wid)
             self.put(rpc_pb2.WatchResponse(header=self.header(), watch_id=wid, canceled=True, cancel_reason=f"etcdserver: {type(e).__name__}: {e}"))
-        finally:
-            w.close()
 
     def cancel(self, wid: int) -> None:
         task = self.tasks.pop(wid, None)

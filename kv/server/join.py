@@ -74,16 +74,13 @@ async def promote_when_caught_up(config: NodeConfig, is_voter: Callable[[], bool
     if is_voter():  # a restart (--join kept in its command) of a node that is a voter already
         return
     async with AsyncClient(config.join, token=config.token, timeout=10, cacert=config.cacert) as c:
-        while True:
-            if is_voter():
-                log.info("joined the cluster as a voter")
-                return
+        while not is_voter():
             try:
-                await c.promote_member(config.id)
+                members = await c.promote_member(config.id)
             except KVError as e:  # Conflict until caught up; or the cluster is busy
                 log.info("waiting to be made a voter once caught up (the leader says: %s); asking again", e)
-            # asked again in a second; a promotion is seen within 50 ms of this node applying it
-            for _ in range(20):
-                if is_voter():
+            else:  # the leader's list once the promotion committed (or once it was so already)
+                if any(m["id"] == config.id and m["voter"] for m in members):
                     break
-                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
+        log.info("joined the cluster as a voter")
