@@ -38,8 +38,10 @@ async def table(root: str, clients: int) -> dict:
         ids = await _gather(node.open_session() for _ in range(clients))
         await _gather(node.put(f"c/{i}", b"v", if_absent=True, request_id=kv.RequestId(s, 1)) for i, s in enumerate(ids))
         await _gather(node.put(f"c/{i}", b"w", request_id=kv.RequestId(s, 2)) for i, s in enumerate(ids))
-        last = node.sm.sessions.last  # session -> [seq, index, flag]: the dict, its lists, their ints
+        table = node.sm.sessions  # session -> [seq, index, flag, fingerprint, owner], and each owner's order
+        last = table.last
         mem = sys.getsizeof(last) + sum(sys.getsizeof(k) + sys.getsizeof(v) + sum(sys.getsizeof(x) for x in v[:2]) for k, v in last.items())
+        mem += sum(sys.getsizeof(m) for m in table.of_owner.values())
         snap = await node.snapshots.take()
         records = [(k, v) for k, v in node.sm._db.iterator(prefix=b"k" + SESSION_RECORD)]
         return {

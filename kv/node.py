@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import secrets
 import time
 from collections.abc import Hashable, Iterable, Sequence
@@ -293,12 +294,13 @@ class Node(AsyncRecipes):
         """Open a client session (for X-Kv-Session); returns its id. Its writes are applied
         at most once however often they are sent; it closes after --session-ttl-s unused.
 
-        `owner` (the HTTP front's: a token that is not admin) may hold at most
-        SESSIONS_PER_OWNER of the sessions opened through this node that are still open
-        (those being opened included), or Unavailable: the cluster keeps --max-sessions
-        and evicts the least recently used past it, so one tenant opening sessions in a
-        loop would otherwise evict every other client's (whose retried writes would then
-        no longer be known as applied)."""
+        `owner` (the HTTP front's: a token that is not admin) is recorded with the session
+        (as a digest): past --max-sessions the cluster evicts from the owner holding the
+        most (statemachine/sessions.py), so one tenant opening sessions in a loop evicts
+        its own, not every other client's (whose retried writes would then no longer be
+        known as applied). It may also hold at most SESSIONS_PER_OWNER of the sessions
+        opened through this node that are still open (those being opened included), or
+        Unavailable."""
         if owner is None:
             return await self._writing().open_session(timeout=timeout)
         held, opening = self._session_owners.setdefault(owner, set()), self._sessions_opening
@@ -313,7 +315,7 @@ class Node(AsyncRecipes):
                 )
         opening[owner] += 1  # (counted while it is opened: concurrent opens cannot all pass the check)
         try:
-            session = await self._writing().open_session(timeout=timeout)
+            session = await self._writing().open_session(timeout=timeout, owner=hashlib.blake2b(str(owner).encode(), digest_size=8).hexdigest())
         finally:
             opening[owner] -= 1
         held.add(session)

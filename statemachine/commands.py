@@ -64,6 +64,7 @@ _OP_TXN_REQ = 16  # etcd's v3 transaction (TxnReq)
 _OP_ALARM = 17  # raise or clear an alarm (etcd's Maintenance.Alarm)
 _OP_COMPACT = 18  # etcd's Compact: the revision below which no read or watch is served
 _OP_BULK = 19  # many puts, each with its own condition (rows.py)
+_OP_SESSION_OPEN_OWNED = 20  # a session opened for an owner (_OP_SESSION_OPEN: for none)
 OP_IN_SESSION = _OP_SESSION
 MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
 MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
@@ -159,12 +160,15 @@ class LeaseQuery(NamedTuple):
 
 
 class SessionOpen(NamedTuple):
-    """Open a client session with this id (chosen at random by whoever opens it). Opening
-    one more than `max_sessions` (the proposer's --max-sessions, carried in the entry so
-    that every replica evicts alike) closes the least recently used."""
+    """Open a client session with this id (chosen at random by whoever opens it) for
+    `owner` (a digest of a token that is not admin; "": anyone else). Opening one more than
+    `max_sessions` (the proposer's --max-sessions, carried in the entry so that every
+    replica evicts alike) closes the least recently used of the owner holding the most
+    (sessions.py)."""
 
     session: int
     max_sessions: int
+    owner: str = ""
 
 
 class InSession(NamedTuple):
@@ -618,6 +622,7 @@ def _lease_id(lease: int) -> bytes:
 
 MAX_SESSION_ID = (1 << 53) - 1  # session ids travel as JSON numbers: exact in every language
 MAX_SESSIONS = 10_000_000
+MAX_OWNER_BYTES = 64  # a session's owner (SessionOpen): a digest of a token
 IN_SESSION = bytes((COMMAND_FORMAT, _OP_SESSION))
 SESSION_IDS = struct.Struct(">QQ")
 SESSION_HEAD_BYTES = len(IN_SESSION) + SESSION_IDS.size
@@ -1057,6 +1062,9 @@ def _prefix_bytes(v) -> int:
 
 
 _owner_check = _check(lambda v: _prefix_bytes(v) <= MAX_KEY_BYTES, f"a lease's owner is a key prefix of at most {MAX_KEY_BYTES} bytes")
+_session_owner_check = _check(
+    lambda v: 0 < _prefix_bytes(v) <= MAX_OWNER_BYTES, f"a session's owner is a string of 1 to {MAX_OWNER_BYTES} bytes (none: the other opcode)"
+)
 _prefix_check = _check(
     lambda v: _prefix_bytes(v) <= MAX_KEY_BYTES and not v.startswith("\x00"),
     f"a prefix is a string of at most {MAX_KEY_BYTES} bytes, not starting with NUL",
@@ -1074,12 +1082,13 @@ COMMANDS: dict[int, tuple[type, tuple[_Field, ...]]] = {
     _OP_LEASE_KEEPALIVES: (LeaseKeepAlives, (_LeaseIds("leases"),)),
     _OP_LEASE_QUERY: (LeaseQuery, (_Int64("lease", _query_check),)),
     _OP_SESSION_OPEN: (SessionOpen, (_Int64("session", _session_id), _Int32("max_sessions", _max_sessions))),
+    _OP_SESSION_OPEN_OWNED: (SessionOpen, (_Int64("session", _session_id), _Int32("max_sessions", _max_sessions), _Text("owner", _session_owner_check))),
     _OP_SESSIONS_EXPIRE: (SessionsExpire, (_Int64("upto", _index_check),)),
     _OP_TXN_REQ: (TxnReq, ()),  # written out by hand (a recursive body)
     _OP_COMPACT: (Compact, (_Int64("revision", _check(lambda v: type(v) is int and 0 < v <= MAX_INDEX, "a revision is a log index")),)),
     _OP_ALARM: (AlarmSet, (_Int64("member"), _Int32("alarm", _check(lambda v: v in (ALARM_NOSPACE, ALARM_CORRUPT), "an alarm is NOSPACE (1) or CORRUPT (2)")), _Flag("active"))),
 }
-_OPCODE_OF = {cls: op for op, (cls, _) in COMMANDS.items() if op != _OP_LEASE_GRANT}
+_OPCODE_OF = {cls: op for op, (cls, _) in COMMANDS.items() if op not in (_OP_LEASE_GRANT, _OP_SESSION_OPEN)}
 
 # tag -> (the result's type, its fields in wire order); CommandError and None by hand.
 RESULTS: dict[bytes, tuple[type, tuple[_Field, ...]]] = {
@@ -1150,6 +1159,8 @@ def encode(cmd: Command | LocalCommand) -> bytes:
         raise CommandError(f"not a command: {cmd!r}")
     if kind is LeaseGrant and not cmd.lease:
         op = _OP_LEASE_GRANT
+    elif kind is SessionOpen and not cmd.owner:
+        op = _OP_SESSION_OPEN  # (what a version before owners reads)
     try:
         return bytes((COMMAND_FORMAT, op)) + _fields(cmd, COMMANDS[op][1])
     except (TypeError, AttributeError, struct.error) as e:

@@ -113,7 +113,7 @@ from .commands import (
 from . import history
 from .rows import ANY, pack_columns
 from .lease_table import ATTACH_RECORD, RESERVED, LeaseTable, lease_record
-from .sessions import RESULT_AT, SESSION_RESULT_MAX, SessionTable, fingerprint, record_value, session_record
+from .sessions import RESULT_AT, SESSION_RESULT_MAX, SessionTable, fingerprint, owner_record, record_value, session_record
 
 log = logging.getLogger("kv.statemachine")
 
@@ -535,7 +535,8 @@ class LevelDBStateMachine:
         results: list[Any] = []
         put_kind = EntryKind.NORMAL
         attached = self.leases.attached
-        sessions = self.sessions.last
+        table = self.sessions
+        sessions = table.last
         for e in entries:
             if e.kind != put_kind:
                 if e.kind == EntryKind.CONFIG:
@@ -566,10 +567,9 @@ class LevelDBStateMachine:
                         self._detach(key, wb)
                     result = PutResult(e.index)
                     if session:  # its answer is PutResult(this index): the record can wait (sessions.py)
-                        s = sessions.pop(session)
+                        s = table.use(session)
                         s[0], s[1], s[2], s[3] = seq, e.index, False, fp
-                        sessions[session] = s
-                        self.sessions.dirty.add(session)
+                        table.dirty.add(session)
                         results.append(result)
                         continue
             if result is None:
@@ -610,10 +610,8 @@ class LevelDBStateMachine:
             if len(encoded) > SESSION_RESULT_MAX and type(result) is TxnApplied:  # its gets: a copy is answered without them
                 kept = tuple(GetOmitted(r.key) if type(r) is GetResult else r for r in result.results)
                 encoded = encode_result(result._replace(results=kept))
-        table = self.sessions.last
-        s = table.pop(session)  # to the end: the most recently used
+        s = self.sessions.use(session)
         s[0], s[1], s[2], s[3] = seq, index, True, fp
-        table[session] = s
         self.sessions.dirty.discard(session)
         k = _DATA + session_record(session)
         v = record_value(seq, fp, encoded)
@@ -649,7 +647,7 @@ class LevelDBStateMachine:
         wb = wb if wb is not None else self._db.write_batch()
         table = self.sessions.last
         for session in self.sessions.dirty:
-            seq, used, _, fp = s = table[session]
+            seq, used, _, fp, _ = s = table[session]
             wb.put(_DATA + session_record(session), _U64.pack(used) + record_value(seq, fp, b"P" + _U64.pack(used)))
             s[2] = True
         self.sessions.dirty.clear()
@@ -664,15 +662,22 @@ class LevelDBStateMachine:
         self.sessions.replay(entries)
 
     def _open_session(self, cmd: SessionOpen, index: int, wb) -> SessionOpened:
-        for gone in self.sessions.open(cmd.session, index, cmd.max_sessions):
-            wb.delete(_DATA + session_record(gone))
+        self._close_sessions(self.sessions.open(cmd.session, index, cmd.max_sessions, cmd.owner), wb)
         if self.sessions.last[cmd.session][1] == index:  # new (opening it again changes nothing)
             wb.put(_DATA + session_record(cmd.session), _U64.pack(index) + record_value(0, 0, b""))
+            if cmd.owner:
+                wb.put(_DATA + owner_record(cmd.session), _U64.pack(index) + cmd.owner.encode())
         return SessionOpened(cmd.session)
 
     def _expire_sessions(self, upto: int, wb) -> None:
-        for gone in self.sessions.expire(upto):
-            wb.delete(_DATA + session_record(gone))
+        self._close_sessions(self.sessions.expire(upto), wb)
+
+    @staticmethod
+    def _close_sessions(closed: list[tuple[int, str]], wb) -> None:
+        for session, owner in closed:
+            wb.delete(_DATA + session_record(session))
+            if owner:
+                wb.delete(_DATA + owner_record(session))
 
     def open_sessions(self) -> int:
         return len(self.sessions)

@@ -18,8 +18,15 @@ moved past (StaleRequest; never applied).
 Sessions are opened through the log (SessionOpen, with an id the opener chose at random)
 before they are used, and closed through the log: SessionsExpire(upto) closes those last
 used at or before an index (the leader's clock decides when, kv/common/sessions.py and kv/server/writes.py), and opening
-one more than the entry's max_sessions evicts the least recently used. Every replica does
-the same at the same index. A write in a session that is not open is refused
+one more than the entry's max_sessions evicts one. Every replica does the same at the same
+index.
+
+Which one: the least recently used of the owner that holds the most (ties: the owner whose
+least recently used session is the older). A session's owner is who opened it: a digest of
+the token, for a token that is not admin (kv.Node.open_session); "" for everyone else (the
+admin, kv.open, the nodes' own sessions, a cluster without tokens: one owner, so plain least
+recently used). One tenant opening sessions in a loop then evicts its own, never another's
+while it holds more than they do. A write in a session that is not open is refused
 (SessionExpired) and changes nothing, so a copy that arrives after its session closed can
 never apply a second time.
 
@@ -29,6 +36,8 @@ snapshots, install-snapshot and restore carry them:
     "\\x00sess/" + id as 16 hex digits    mod_index = the index that last used it;
                                          value = the last seq (u64), its fingerprint (u32,
                                          fingerprint()) and its encoded result
+    "\\x00sown/" + id as 16 hex digits    its owner (UTF-8), for a session that has one;
+                                         mod_index = the index that opened it
 
 (Keys in snapshots are UTF-8 text, so the id is written in hex.)
 
@@ -58,6 +67,7 @@ from collections.abc import Iterable
 from .commands import IN_SESSION, PUT_HEAD, SESSION_HEAD_BYTES, SESSION_IDS
 
 SESSION_RECORD = b"\x00sess/"
+SESSION_OWNER = b"\x00sown/"
 SESSION_RESULT_MAX = 64 << 10  # a larger result (a transaction's gets) is kept as "applied, reads not kept"
 _U64 = struct.Struct(">Q")
 _SEQ_FP = struct.Struct(">QI")
@@ -67,11 +77,16 @@ def session_record(session: int) -> bytes:
     return SESSION_RECORD + b"%016x" % session
 
 
+def owner_record(session: int) -> bytes:
+    return SESSION_OWNER + b"%016x" % session
+
+
 class SessionTable:
     def __init__(self) -> None:
         # session -> [last seq, index that last used it, whether its record holds that
-        # request's result, its fingerprint]; least recently used first
+        # request's result, its fingerprint, its owner]; least recently used first
         self.last: dict[int, list] = {}
+        self.of_owner: dict[str, dict[int, None]] = {}  # owner -> its sessions, in the same order
         self.dirty: set[int] = set()  # sessions whose record a plain put left behind
         self.evicted = 0  # sessions closed to make room for new ones (a metric)
 
@@ -81,14 +96,41 @@ class SessionTable:
     def load(self, records: Iterable[tuple[bytes, int, bytes]]) -> None:
         """Rebuild from the reserved records: (key without the data prefix, mod_index,
         value without it)."""
-        rows = []
+        rows, owners = [], {}
         for key, used, value in records:
             if key.startswith(SESSION_RECORD):
                 seq, fp = _SEQ_FP.unpack_from(value)
                 rows.append((used, int(key[len(SESSION_RECORD) :], 16), seq, fp))
+            elif key.startswith(SESSION_OWNER):
+                owners[int(key[len(SESSION_OWNER) :], 16)] = value.decode()
         rows.sort()
-        self.last = {session: [seq, used, True, fp] for used, session, seq, fp in rows}
-        self.dirty = set()
+        self.last, self.of_owner, self.dirty = {}, {}, set()
+        for used, session, seq, fp in rows:
+            self._add(session, [seq, used, True, fp, owners.get(session, "")])
+
+    def _add(self, session: int, s: list) -> None:
+        self.last[session] = s
+        self.of_owner.setdefault(s[4], {})[session] = None
+
+    def use(self, session: int) -> list:
+        """Session's row, moved to the most recently used end (the caller updates it)."""
+        last = self.last
+        s = last.pop(session)
+        last[session] = s
+        mine = self.of_owner[s[4]]
+        del mine[session]
+        mine[session] = None
+        return s
+
+    def _drop(self, session: int) -> str:
+        """Close a session; returns its owner."""
+        owner = self.last.pop(session)[4]
+        self.dirty.discard(session)
+        mine = self.of_owner[owner]
+        del mine[session]
+        if not mine:
+            del self.of_owner[owner]
+        return owner
 
     def replay(self, entries: Iterable) -> None:
         """Apply again what the plain puts of these entries (the ledger's, after the records'
@@ -101,36 +143,35 @@ class SessionTable:
             session, seq = head
             s = last.get(session)
             if s is not None and seq > s[0] and e.index > s[1]:
-                del last[session]
+                s = self.use(session)
                 s[0], s[1], s[2], s[3] = seq, e.index, False, fingerprint(e.data, SESSION_HEAD_BYTES)
-                last[session] = s
                 self.dirty.add(session)
 
-    def open(self, session: int, index: int, max_sessions: int) -> list[int]:
-        """Open a session (again: a no-op); returns the sessions evicted to make room."""
+    def open(self, session: int, index: int, max_sessions: int, owner: str = "") -> list[tuple[int, str]]:
+        """Open a session (again: a no-op); returns the sessions evicted to make room, each
+        with its owner."""
         if session in self.last:
             return []
         evicted = []
         while len(self.last) >= max_sessions:
-            oldest = next(iter(self.last))
-            del self.last[oldest]
-            self.dirty.discard(oldest)
-            evicted.append(oldest)
+            # The owner holding the most (ties: the one whose least recently used is the older).
+            last = self.last
+            mine = max(self.of_owner.values(), key=lambda m: (len(m), -last[next(iter(m))][1]))
+            oldest = next(iter(mine))
+            evicted.append((oldest, self._drop(oldest)))
         self.evicted += len(evicted)
-        self.last[session] = [0, index, True, 0]
+        self._add(session, [0, index, True, 0, owner])
         return evicted
 
-    def expire(self, upto: int) -> list[int]:
-        """Close the sessions last used at or before index `upto`; returns them."""
+    def expire(self, upto: int) -> list[tuple[int, str]]:
+        """Close the sessions last used at or before index `upto`; returns them, each with
+        its owner."""
         gone = []
-        for session, (_, used, *_) in self.last.items():
-            if used > upto:
+        for session, s in self.last.items():
+            if s[1] > upto:
                 break
             gone.append(session)
-        for session in gone:
-            del self.last[session]
-            self.dirty.discard(session)
-        return gone
+        return [(session, self._drop(session)) for session in gone]
 
     def oldest_use(self) -> int | None:
         """The index that used the least recently used session, if there is one."""

@@ -83,6 +83,40 @@ def test_opening_beyond_the_limit_evicts_the_least_recently_used(sm):
     assert sm.apply([in_session(6, 2, 1, c.Put("k", b"w"))]) == [c.SessionExpired(2)]
 
 
+def test_past_the_limit_the_owner_holding_the_most_loses_its_least_recently_used(tmp_path, sm):
+    """Found by an attacker review: one token opening sessions in a loop evicted every other
+    client's (least recently used first, whoever's). Now the owner holding the most loses
+    its own first; the owners are kept in records, so a restart and a snapshot keep them."""
+    sm.apply([normal(1, c.SessionOpen(1, 6)), normal(2, c.SessionOpen(2, 6, "b"))])
+    sm.apply([normal(3 + i, c.SessionOpen(10 + i, 6, "a")) for i in range(4)])  # a: 10..13
+    sm.apply([in_session(7, 10, 1, c.Put("k", b"v"))])  # a's 10 used: 11 is its least recently used
+    assert sm.apply([normal(8, c.SessionOpen(14, 6, "a"))]) == [c.SessionOpened(14)]
+    assert sm.apply([normal(9, c.SessionOpen(3, 6))]) == [c.SessionOpened(3)]  # "" (the admin's, say) evicts a's too
+    assert list(sm.sessions.last) == [1, 2, 13, 10, 14, 3] and sm.sessions.evicted == 2
+    assert sm.apply([in_session(10, 11, 1, c.Put("k", b"x")), in_session(11, 12, 1, c.Put("k", b"x"))]) == [c.SessionExpired(11), c.SessionExpired(12)]
+    # equal counts: the owner whose least recently used is the older
+    sm.apply([normal(12, c.SessionOpen(4, 9)), normal(13, c.SessionOpen(5, 9, "b")), normal(14, c.SessionOpen(6, 9, "b"))])  # "" 1,3,4; a 13,10,14; b 2,5,6
+    assert sm.apply([normal(15, c.SessionOpen(7, 9, "c"))]) == [c.SessionOpened(7)]
+    assert 1 not in sm.sessions.last and {2, 13} <= set(sm.sessions.last)  # "" held session 1, the oldest of the three
+    sm.apply([normal(16, c.SessionsExpire(6))])  # closes 2 (b) and 13 (a): their records go
+    owners = lambda db: {k for k, _ in db._db.iterator(prefix=b"k\x00sown/")}  # noqa: E731
+    assert len(owners(sm)) == 5  # 10, 14 (a); 5, 6 (b); 7 (c)
+    view = sm.capture()
+    items = list(view.items())
+    view.release()
+    want = {k: v[4] for k, v in sm.sessions.last.items()}
+    sm.close()
+    again = LevelDBStateMachine(sm.path)
+    other = LevelDBStateMachine(str(tmp_path / "other"))
+    other.restore(16, 1, b"", iter(items))
+    for m in (again, other):
+        assert {k: v[4] for k, v in m.sessions.last.items()} == want and list(m.sessions.last) == list(want)
+        assert m.apply([normal(17, c.SessionOpen(8, 8, "c")), normal(18, c.SessionOpen(9, 8, "c"))]) == [c.SessionOpened(8), c.SessionOpened(9)]
+        assert set(m.sessions.last) == {3, 4, 5, 6, 7, 8, 9, 14}  # four owners of 2: the oldest, a's 10, went
+        assert len(owners(m)) == 6
+        m.close()
+
+
 def test_sessions_survive_a_restart_and_a_snapshot_in_lru_order(tmp_path, sm):
     sm.apply([normal(1, c.SessionOpen(11, 100)), normal(2, c.SessionOpen(22, 100)), in_session(3, 11, 1, c.Put("k", b"v"))])
     view = sm.capture()
@@ -126,8 +160,11 @@ def test_malformed_session_entries_are_refused_not_fatal(sm):
 
 
 def test_the_codec_carries_sessions_and_refuses_what_cannot_be_one():
-    for cmd in (c.SessionOpen(2**53 - 1, 5), c.SessionsExpire(9), c.InSession(4, 2**63 - 1, c.Txn((), (c.Put("a", b""),)))):
+    for cmd in (c.SessionOpen(2**53 - 1, 5), c.SessionOpen(7, 5, "ab12"), c.SessionsExpire(9), c.InSession(4, 2**63 - 1, c.Txn((), (c.Put("a", b""),)))):
         assert c.decode(c.encode(cmd)) == cmd
+    assert c.encode(c.SessionOpen(7, 5))[1] == 11  # without an owner: the opcode versions before owners read
+    with pytest.raises(c.CommandError, match="owner"):
+        c.encode(c.SessionOpen(7, 5, "x" * 65))
     for r in (c.SessionOpened(3), c.SessionExpired(4), c.StaleRequest(1, 2, 3)):
         assert c.decode_result(c.encode_result(r)) == r
     for bad in (c.InSession(0, 1, c.Put("a", b"")), c.InSession(1, 0, c.Put("a", b"")), c.InSession(2**53, 1, c.Put("a", b""))):
@@ -415,6 +452,40 @@ async def test_a_token_opens_a_bounded_number_of_sessions_and_cannot_evict_every
         for _ in range(12):  # the admin is not counted: its sessions evict the oldest, the tenant's
             assert (await client.post("/v1/sessions", headers=admin)).status == 200
         assert (await client.post("/v1/sessions", headers=tenant)).status == 200
+    finally:
+        await client.close()
+        await node.stop()
+
+
+async def test_a_tenant_opening_sessions_in_a_loop_evicts_its_own_not_other_clients(tmp_path):
+    """Past --max-sessions, the sessions of the token holding the most go first: the admin's
+    and another tenant's writes, sent again after the flood, are still known as applied
+    (answered as the first time, not SESSION_EXPIRED)."""
+    from aiohttp.test_utils import TestClient
+    from served import ServedNode
+
+    from kv.http.auth import Grant
+
+    node = kv.Node(kv.NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), max_sessions=12))
+    await node.start()
+    await node.wait_leader(timeout=10)
+    client = TestClient(ServedNode(node, "fast", tokens={"t": Grant("write", "app/"), "u": Grant("write", "other/"), "a": Grant("admin")}))
+    await client.start_server()
+    try:
+        flood, tenant, admin = ({"Authorization": f"Bearer {t}"} for t in ("t", "u", "a"))
+        firsts = []
+        for h, key in ((admin, "cfg"), (tenant, "other/x")):
+            session = (await (await client.post("/v1/sessions", headers=h)).json())["id"]
+            h = {**h, "X-Kv-Session": str(session), "X-Kv-Seq": "1", "If-None-Match": "*"}
+            r = await client.put(f"/v1/kv/{key}", data=b"1", headers=h)
+            assert r.status == 200
+            firsts.append((h, key, await r.json()))
+        for _ in range(40):
+            assert (await client.post("/v1/sessions", headers=flood)).status == 200
+        assert len(node.sm.sessions) == 12 and node.sm.sessions.evicted > 0
+        for h, key, first in firsts:
+            again = await client.put(f"/v1/kv/{key}", data=b"1", headers=h)
+            assert again.status == 200 and await again.json() == first, await again.text()  # not 412, not SESSION_EXPIRED
     finally:
         await client.close()
         await node.stop()

@@ -127,12 +127,13 @@ class Writer:
         except cmds.CommandError as e:
             raise public_error(e) from e
 
-    async def open_session(self, *, timeout: float | None = None) -> int:
-        """Open a client session (for X-Kv-Session); returns its id. Its writes are applied
-        at most once however often they are sent; it closes after --session-ttl-s unused."""
+    async def open_session(self, *, timeout: float | None = None, owner: str = "") -> int:
+        """Open a client session (for X-Kv-Session) for `owner` (SessionOpen's); returns its
+        id. Its writes are applied at most once however often they are sent; it closes
+        after --session-ttl-s unused."""
         raft = self.raft
         wait = timeout if timeout is not None else self.config.write_timeout_s
-        return await self._open_session(raft.loop.time() + wait, wait)  # a new one: never one of the node's own
+        return await self._open_session(raft.loop.time() + wait, wait, owner)  # a new one: never one of the node's own
 
     def propose_now(self, slots: Sequence[Slot]) -> None:
         """The write path without a task per write (kv.open's, and the etcd API's plain
@@ -237,9 +238,9 @@ class Writer:
         except Timeout as e:
             raise NotLeader(f"no client session could be opened for the write in time ({e}); it was not carried out: retry shortly") from e
 
-    async def _open_session(self, deadline: float, wait: float) -> int:
+    async def _open_session(self, deadline: float, wait: float, owner: str = "") -> int:
         session = new_session_id()
-        applied, _ = await self._send(encode_command(cmds.SessionOpen(session, self.config.max_sessions)), deadline, wait)
+        applied, _ = await self._send(encode_command(cmds.SessionOpen(session, self.config.max_sessions, owner)), deadline, wait)
         if type(applied.result) is not cmds.SessionOpened:
             raise Unavailable(f"opening client session {session} failed: {applied.result!r}")
         return session
