@@ -169,6 +169,10 @@ class Node(AsyncRecipes):
             observe_fsync=self._observe("fsync"),
             observe_rtt=lambda peer, seconds: self._metrics is not None and self._metrics.observe_rtt(peer, seconds),
             no_space=self.disk.admit,
+            cluster_id=lambda: self.sm.cluster_id,
+            # A cluster without an identity yet gets one from the first leader's no-op that
+            # commits (every node offers its own, drawn here; the first applied holds).
+            noop_data=b"" if self.sm.cluster_id else cmds.encode(cmds.ClusterId(secrets.token_hex(8))),
         )
         self.writer = Writer(
             c, self.raft, self.disk, self.leases.answer, self.counters, self._observe("commit_latency"),
@@ -791,8 +795,9 @@ class Node(AsyncRecipes):
 
     def ids(self) -> tuple[int, int]:
         """(cluster id, member id) as etcd's API reports them: stable 64-bit numbers derived
-        from the group's name and this node's id."""
-        return etcd_id(self.config.group), etcd_id(self.config.id)
+        from the cluster's identity (its group's name until a leader has chosen one) and
+        this node's id."""
+        return etcd_id((self.sm.cluster_id if self.sm is not None else "") or self.config.group), etcd_id(self.config.id)
 
     # -- watch -----------------------------------------------------------------------------
 
@@ -885,4 +890,4 @@ class Node(AsyncRecipes):
         if self.raft is None:
             return {"id": self.config.id, "role": "stopped"}
         history = {"compact_revision": self.sm.compact_revision, "oldest_revision": self.sm.oldest_revision()}
-        return {**self._members.status(self._running(), self._snapshot_index(), self.disk.alarms()), **history}
+        return {**self._members.status(self._running(), self._snapshot_index(), self.disk.alarms()), **history, "cluster_id": self.sm.cluster_id}

@@ -80,6 +80,9 @@ class RaftCore:
         self.vote = hard_state.vote
         self.role = Role.FOLLOWER
         self.leader_id: str | None = None
+        # What the no-op a new leader appends carries: the application's (kv offers the
+        # cluster's identity there while the state has none); Raft itself ignores it.
+        self.noop_data = b""
         # Entries up to the applied index were committed; nothing persists commit itself.
         self.commit_index = max(applied_index, self.log.before_index)
         self._rng = random.Random(seed)
@@ -503,7 +506,7 @@ class RaftCore:
         self._check_quorum_deadline = now + self.cfg.election_timeout_ms
         self._reads.lease_start = None
         # The no-op lets entries of earlier terms commit now (Raft §5.4.2 and §8).
-        self.log.append([Entry(last + 1, self.term, EntryKind.NOOP, b"")])
+        self.log.append([Entry(last + 1, self.term, EntryKind.NOOP, self.noop_data)])
         self._repl.needed = True
         self._broadcast_heartbeats()
 

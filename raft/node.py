@@ -211,11 +211,16 @@ class RaftNode:
         observe_fsync: Callable[[float], None] | None = None,
         observe_rtt: Callable[[str, float], None] | None = None,
         no_space: Callable[[int], str | None] = lambda nbytes: None,
+        cluster_id: Callable[[], str] = lambda: "",
+        noop_data: bytes = b"",
     ) -> None:
         """Hooks: `snapshots` streams and receives snapshot files;
         `no_space(nbytes)` says why proposals of nbytes are refused for now (the disk is
         nearly full), or None;
-        `result_encoder` encodes an apply result for a follower that forwarded the command.
+        `result_encoder` encodes an apply result for a follower that forwarded the command;
+        `cluster_id()` is this node's cluster's identity ("": none yet; raft/transport.py);
+        `noop_data` what the no-op this node appends when it becomes leader carries (the
+        application's to read as it applies it; raft/core.py).
         Metrics: `observe_fsync(seconds)` of each ledger write (called from the writer
         thread), `observe_rtt(peer, seconds)` of a heartbeat's round trip.
         Peers are reached through `transport`; without one, through TCP on `listen` (with
@@ -227,6 +232,7 @@ class RaftNode:
         me = membership.get(self.id)
         listen = listen or (me.peer_addr if me is not None and me.peer_addr else None)
         self.core = RaftCore(config, ledger, ledger.hard_state(), membership, applied_index, self._clock(), seed=None)
+        self.core.noop_data = noop_data
         self._refuse_peer = refuse_peer
         # Where this node dials a peer, when that differs from the address the membership
         # gives (a proxy, a NAT): this node's own --peers entries for the others.
@@ -241,6 +247,7 @@ class RaftNode:
                 removed=self._why_removed,
                 stranger=self._stranger,
                 ledger_id=ledger.ledger_id,
+                cluster_id=cluster_id,
                 secret=secret,
                 advertise_url=advertise_url,
                 ssl=peer_tls,

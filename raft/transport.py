@@ -18,7 +18,13 @@ A connection starts with a handshake (frames of their own, before any message):
 
 nonce_c is 16 random bytes followed by the dialer's ledger_id (raft/ledger.py; nothing from
 a version before them, which an acceptor takes for "not known"): the field where an older
-acceptor, which reads it as an opaque nonce, still lets the dialer in.
+acceptor, which reads it as an opaque nonce, still lets the dialer in. nonce_s, likewise,
+is 16 random bytes followed by the acceptor's cluster id (the state's ClusterId; nothing
+while it has none, or from an earlier version): a dialer that has one too, another, hangs
+up before AUTH and says so. Restoring a backup into a new cluster gives it an identity of
+its own (snapshot/restore.py), so a restored node given the old cluster's --peers, or a
+node of any other cluster dialling the wrong address, never exchanges a message with it
+(etcd's cluster ID check).
 
 The acceptor refuses (and closes) unless the group is its own, `to` is itself, `from` is
 not refused as removed and, with a cluster secret, proof_c is right (constant-time compare); the dialer
@@ -268,7 +274,7 @@ class _Inbound(asyncio.Protocol):
                 raise codec.CodecError(why)
             if (why := t.stranger(src_s)) is not None:
                 raise codec.CodecError(why)
-            self.peer, self.ledger, self.nonce_c, self.nonce_s = src_s, ledger, nonce_c, os.urandom(NONCE_BYTES)
+            self.peer, self.ledger, self.nonce_c, self.nonce_s = src_s, ledger, nonce_c, os.urandom(NONCE_BYTES) + t.cluster_id().encode()
             self._url = url.decode()
             proof = _mac(t.secret, b"accept", group, src, dst, nonce_c)
             self.transport.write(codec.frame(WELCOME, pack_strs(self.nonce_s, proof)))
@@ -293,6 +299,10 @@ class _RefusedByPeer(ConnectionError):
 class _RemovedByPeer(_RefusedByPeer):
     """The peer refused this node as a member removed from the cluster (proven with the
     cluster secret)."""
+
+
+class _OtherCluster(ConnectionError):
+    """The peer answered with another cluster's id: this node hung up."""
 
 
 class _Outbound(asyncio.Protocol):
@@ -331,6 +341,17 @@ class _Outbound(asyncio.Protocol):
                 nonce_s, proof = _unpack_strs(body, 2)
                 if not hmac.compare_digest(proof, _mac(t.secret, b"accept", g, me, peer, self.nonce_c)):
                     raise codec.CodecError(f"{self.link.peer} failed cluster-secret authentication")
+                theirs, ours = nonce_s[NONCE_BYTES:].decode(errors="replace"), t.cluster_id()
+                if theirs and ours and theirs != ours:
+                    self.ready.set_exception(
+                        _OtherCluster(
+                            f"{self.link.peer} at {self.link.addr} belongs to another cluster (id {theirs[:16]}; this node's is {ours}): not "
+                            f"connected. A node restored from a snapshot given the old cluster's --peers, or a wrong address in --peers? "
+                            f"A restored cluster needs addresses of its own"
+                        )
+                    )
+                    self.transport.close()
+                    return
                 self.transport.write(auth_frame(_mac(t.secret, b"dial", g, me, peer, self.nonce_c, nonce_s)))
                 self.ready.set_result(True)
         except codec.CodecError as e:
@@ -353,6 +374,7 @@ class _Link:
     def __init__(self, t: TcpTransport, peer: str, addrs: tuple[str, ...]) -> None:
         self.t, self.peer, self.addrs = t, peer, addrs
         self._at = 0  # the address dialled: addrs[_at]
+        self._told = ""  # the other-cluster warning logged for this link (once)
         self.conn: _Outbound | None = None
         self._queued: list[bytes] = []  # frames sent this turn of the loop, written by _flush
         self._queued_bytes = 0
@@ -377,6 +399,10 @@ class _Link:
                     log.warning("TLS with %s at %s failed: %s; check --peer-cert/--peer-key/--peer-ca on both", self.peer, self.addr, e)
                 elif isinstance(e, _RemovedByPeer):
                     self.t.on_removed(self.peer)
+                elif isinstance(e, _OtherCluster):
+                    if str(e) != self._told:  # (once, not at every retry)
+                        log.warning("%s", e)
+                        self._told = str(e)
                 elif isinstance(e, _RefusedByPeer):
                     # The peer logs why; with TLS 1.3 a peer that does not trust our
                     # certificate hangs up only after the TLS handshake, without a reason.
@@ -384,11 +410,12 @@ class _Link:
                     log.warning("%s: it was stopping, or it refused us (see its log: group, membership, cluster secret)%s", e, maybe)
                 else:
                     log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
-                if not isinstance(e, _RefusedByPeer):
+                if not isinstance(e, (_RefusedByPeer, _OtherCluster)):
                     self._at = (self._at + 1) % len(self.addrs)
                 await asyncio.sleep(backoff.next())
                 continue
             backoff.reset()
+            self._told = ""
             self.conn = proto
             self.t._on_connected(self.peer)
             await proto.lost
@@ -437,6 +464,7 @@ class TcpTransport:
         removed: Callable[[str, str], str | None],
         stranger: Callable[[str], str | None] = lambda peer: None,
         ledger_id: str = "",
+        cluster_id: Callable[[], str] = lambda: "",
         secret: str | None = None,
         advertise_url: str = "",
         ssl: PeerTLS | None = None,
@@ -450,6 +478,7 @@ class TcpTransport:
         self.removed = removed  # why a peer (dialling with this ledger_id) is refused as removed, or None
         self.stranger = stranger  # why a peer that was never removed is still not let in, or None
         self.ledger_id = ledger_id  # this node's, said in the handshakes it dials
+        self.cluster_id = cluster_id  # this node's cluster's ("": none yet), said in the handshakes it accepts
         self.secret = secret.encode() if secret else None
         self.advertise_url = advertise_url
         self._links: dict[str, _Link] = {}

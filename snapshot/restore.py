@@ -1,12 +1,16 @@
 """Offline restore: seed a node of a new cluster from a snapshot file (like `etcdctl
 snapshot restore`). Every member restored from the same file with the same --peers starts
-at the same (index, term) with the same fresh membership, so they agree from the start."""
+at the same (index, term) with the same fresh membership, so they agree from the start;
+and with the same new cluster id, not the old cluster's (restored_cluster_id), so that a
+member still running in the old cluster and a restored one never take each other for
+peers (raft/transport.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from ..raft.ledger import Ledger, LedgerWrite
 from ..raft.membership import Member, Membership
@@ -27,6 +31,13 @@ def check_file(snapshot_file: str) -> tuple[SnapshotHeader, Trailer]:
         return verify(snapshot_file)
     except (SnapshotFormatError, OSError) as e:
         raise RestoreError(f"{snapshot_file} cannot be restored: {e}") from e
+
+
+def restored_cluster_id(old: str, trailer: Trailer, group: str, peers: Collection[str]) -> str:
+    """The new cluster's id: the same for each member restored from one file with one
+    --peers (each restore computes it alone), another than the old cluster's."""
+    seed = "|".join(("restore", old, str(trailer.crc), str(trailer.records), group, ",".join(sorted(peers))))
+    return hashlib.blake2b(seed.encode(), digest_size=8).hexdigest()
 
 
 def restore(
@@ -61,6 +72,7 @@ def restore(
             with open(snapshot_file, "rb") as f:
                 _, offset = read_header(f)
                 n = sm.restore(header.index, header.term, membership.encode(), iter_records(f, offset))
+            sm.set_cluster_id(restored_cluster_id(sm.cluster_id, trailer, group, peers))
             # The new cluster's first snapshot: the same data under the new membership (it is
             # what a member added later receives).
             view = sm.capture()

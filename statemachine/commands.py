@@ -29,6 +29,9 @@ Commands:
                              while a NOSPACE one is raised, writes that add data are refused
 - Compact(revision)          etcd's Compact: no read or watch at or below `revision` is
                              served from now on (ledgerkv keeps no older versions to drop)
+- ClusterId(cluster_id)      the cluster's identity, offered in a new leader's no-op (the
+                             first one applied holds; never a normal entry): peers of
+                             another cluster are not let in
 - Bulk(rows)                 put many keys at one index, each only if its own condition
                              holds (a mod_index, or none); rows.py holds the columnar format
 
@@ -65,6 +68,7 @@ _OP_ALARM = 17  # raise or clear an alarm (etcd's Maintenance.Alarm)
 _OP_COMPACT = 18  # etcd's Compact: the revision below which no read or watch is served
 _OP_BULK = 19  # many puts, each with its own condition (rows.py)
 _OP_SESSION_OPEN_OWNED = 20  # a session opened for an owner (_OP_SESSION_OPEN: for none)
+_OP_CLUSTER_ID = 21  # the cluster's identity (ClusterId)
 OP_IN_SESSION = _OP_SESSION
 MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
 MAX_TTL_MS = 365 * 24 * 3600 * 1000  # a year
@@ -303,6 +307,16 @@ class Compact(NamedTuple):
     revision: int
 
 
+class ClusterId(NamedTuple):
+    """The cluster's identity (16 hex digits, drawn at random): a new leader's no-op offers
+    it while the state has none, and the first one applied holds (kv.Node, raft/core.py).
+    The peer handshake says it (raft/transport.py), so a node of another cluster, a
+    restored one given the old cluster's --peers say, is not let in. Never logged as a
+    normal entry (a normal entry holding one is refused, changing nothing)."""
+
+    cluster_id: str
+
+
 class CompactAnswer(NamedTuple):
     """The compact revision after a Compact, and why it was refused ("": it was not;
     "compacted": at or below the compact revision already; "future": above the entry's
@@ -394,7 +408,7 @@ def bulk(data: bytes) -> Bulk:
     return Bulk(r)
 
 
-Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire | TxnReq | AlarmSet | Compact | Bulk
+Command = Put | Delete | DeletePrefix | Txn | LeaseGrant | LeaseRevoke | SessionOpen | InSession | SessionsExpire | TxnReq | AlarmSet | Compact | Bulk | ClusterId
 LocalCommand = LeaseKeepAlive | LeaseKeepAlives | LeaseQuery  # what a follower forwards but nobody logs
 
 
@@ -618,6 +632,10 @@ def _lease_id(lease: int) -> bytes:
     if type(lease) is not int or not 0 < lease < 1 << 63:
         raise CommandError(f"a lease id is a positive integer below 2**63, not {lease!r}")
     return _U64.pack(lease)
+
+
+def is_cluster_id(s: object) -> bool:
+    return type(s) is str and len(s) == 16 and all(c in "0123456789abcdef" for c in s)
 
 
 MAX_SESSION_ID = (1 << 53) - 1  # session ids travel as JSON numbers: exact in every language
@@ -1086,6 +1104,7 @@ COMMANDS: dict[int, tuple[type, tuple[_Field, ...]]] = {
     _OP_SESSIONS_EXPIRE: (SessionsExpire, (_Int64("upto", _index_check),)),
     _OP_TXN_REQ: (TxnReq, ()),  # written out by hand (a recursive body)
     _OP_COMPACT: (Compact, (_Int64("revision", _check(lambda v: type(v) is int and 0 < v <= MAX_INDEX, "a revision is a log index")),)),
+    _OP_CLUSTER_ID: (ClusterId, (_Text("cluster_id", _check(is_cluster_id, "a cluster id is 16 lowercase hex digits")),)),
     _OP_ALARM: (AlarmSet, (_Int64("member"), _Int32("alarm", _check(lambda v: v in (ALARM_NOSPACE, ALARM_CORRUPT), "an alarm is NOSPACE (1) or CORRUPT (2)")), _Flag("active"))),
 }
 _OPCODE_OF = {cls: op for op, (cls, _) in COMMANDS.items() if op not in (_OP_LEASE_GRANT, _OP_SESSION_OPEN)}

@@ -12,6 +12,7 @@ Layout:
                        v3 API reports, read with the value in one get
     b"k\x00..."        reserved records: leases and the keys attached to them (leases.py)
     b"k\x00compact"    the compact revision (etcd's Compact), after the usual mod_index
+    b"k\x00cluster_id" the cluster's identity (ClusterId, or set by a restore), after the usual mod_index
     b"k\x00alarm/" + member (16 hex digits) + "/" + alarm   a raised alarm (etcd's AlarmMember)
     b"k\x00meta/" + key  create_revision (u64) + version (u64) of a key, after the usual
                        mod_index: where earlier versions kept them, and where snapshots still
@@ -84,6 +85,7 @@ from .commands import (
     TxnApplied,
     ALARM_NOSPACE,
     AlarmSet,
+    ClusterId,
     Bulk,
     BulkApplied,
     Compact,
@@ -144,6 +146,7 @@ _SPLIT_BYTES = 8 << 20  # below this estimate of a range's files, user_key_split
 _CUT_BYTES = 24  # how finely a cut by estimate places itself: the bytes past a range's shared prefix
 _ALARM = RESERVED + b"alarm/"
 _COMPACT = RESERVED + b"compact"
+_CLUSTER_ID = RESERVED + b"cluster_id"
 _HISTORY_END = history.CHANGES[:-1] + b"0"  # the first key after both history ranges
 _TWO_U64 = struct.Struct(">QQ")
 _U64 = struct.Struct(">Q")
@@ -513,6 +516,7 @@ class LevelDBStateMachine:
         self.alarms = {(int(k[len(_ALARM) : len(_ALARM) + 16], 16), int(k[len(_ALARM) + 17 :])) for k, _, _ in records if k.startswith(_ALARM)}
         self.nospace = any(kind == ALARM_NOSPACE for _, kind in self.alarms)  # writes that add data are refused
         self.compact_revision, self.compacted_at = next(((_U64.unpack(v)[0], mod) for k, mod, v in records if k == _COMPACT), (0, 0))
+        self.cluster_id = next((v.decode() for k, _, v in records if k == _CLUSTER_ID), "")  # "": not chosen yet
         # A state from before the history: it starts with the next entry applied.
         self.history_from = next((_U64.unpack(v)[0] for k, _, v in records if k == history.HISTORY_FROM), None)
 
@@ -541,6 +545,8 @@ class LevelDBStateMachine:
             if e.kind != put_kind:
                 if e.kind == EntryKind.CONFIG:
                     self._apply_config(e.data, wb)
+                elif e.data and not self.cluster_id:  # a new leader's no-op offering the cluster's identity
+                    self._noop(e, wb)
                 results.append(None)
                 continue
             d = e.data
@@ -791,7 +797,9 @@ class LevelDBStateMachine:
             return self._compact(cmd.revision, index, wb)
         if isinstance(cmd, Bulk):
             return self._bulk(cmd, index, wb, overlay, changes)
-        raise CommandError(f"unknown command {cmd!r}")
+        # A command that is never logged (a lease keepalive, a cluster id outside a no-op),
+        # sent by a peer: refused alike by every replica, never an exception in apply.
+        return CommandError(f"not a command to apply: {type(cmd).__name__}")
 
     def _delete_prefix(self, prefix: str, index: int, wb, overlay: dict, changes: list | None) -> PrefixDeleted:
         """Every key under the prefix, as this batch leaves them (its own earlier writes
@@ -901,6 +909,22 @@ class LevelDBStateMachine:
             if cur is not None:
                 self._unstamp(key, raw, index, wb, overlay, cur, lease, changes)
         return LeaseRevoked(index, tuple(keys))
+
+    def _noop(self, e: Entry, wb) -> None:
+        """The cluster's identity, from the first no-op that offers one (kv.Node's
+        noop_data); anything else a no-op carries is not ours to read."""
+        try:
+            cmd = decode(e.data)
+        except CommandError:
+            return
+        if type(cmd) is ClusterId:
+            self.cluster_id = cmd.cluster_id
+            wb.put(_DATA + _CLUSTER_ID, _U64.pack(e.index) + cmd.cluster_id.encode())
+
+    def set_cluster_id(self, cluster_id: str) -> None:
+        """A restore's: the new cluster's identity (snapshot/restore.py), not the old one's."""
+        self._db.put(_DATA + _CLUSTER_ID, _U64.pack(self._applied[0]) + cluster_id.encode(), sync=True)
+        self.cluster_id = cluster_id
 
     def _compact(self, revision: int, index: int, wb) -> CompactAnswer:
         if revision <= self.compact_revision:

@@ -11,7 +11,7 @@ import time
 
 import orjson
 import pytest
-from cluster import ProcCluster
+from cluster import ProcCluster, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -235,3 +235,35 @@ def test_kv_status_shows_every_member_even_those_not_asked_and_the_dead(cluster)
     assert set(by_endpoint) == {c.url(i) for i in c.ids}  # one endpoint given, all three shown
     assert by_endpoint[c.url(other)]["reachable"] is False
     assert sum(n.get("role") == "leader" for n in nodes) == 1
+
+
+def test_a_node_restored_with_the_old_clusters_peers_is_kept_out_of_it(cluster, tmp_path):
+    """A backup restored into a new data dir while the old cluster runs, given the old
+    cluster's addresses in --peers (the mistake docs/cluster.md warns of): its nodes dialled
+    the old members as their namesakes and were let in (the old members then logged 'a
+    second node dials as n1'). A restore gives the new cluster an identity of its own: the
+    old members answer with theirs, the restored node hangs up and says why."""
+    lead = cluster.leader()
+    assert cluster.put(lead, "before", b"1")[0] == 200
+    wait_until(lambda: all(cluster.status(i)["cluster_id"] for i in cluster.ids), 10, "the first leader choosing the cluster's id")
+    old_id = cluster.status(lead)["cluster_id"]
+    assert {cluster.status(i)["cluster_id"] for i in cluster.ids} == {old_id}
+    term = cluster.status(lead)["term"]
+    snap = str(tmp_path / "backup.lkvs")
+    kv = [sys.executable, "-m", "kv"]
+    assert subprocess.run(kv + ["snapshot", "save", snap, "--endpoints", cluster.url(lead)], capture_output=True, timeout=60).returncode == 0
+    new = ProcCluster(str(tmp_path / "restored"), proxies=False)
+    new.listen["n2"], new.listen["n3"] = cluster.listen["n2"], cluster.listen["n3"]  # the old cluster's
+    try:
+        r = subprocess.run(kv + ["snapshot", "restore", snap, "--data-dir", new.data_dir("n1"), "--id", "n1", "--peers", new.peers_for("n1")], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        new.start("n1")
+        wait_until(lambda: new.log("n1").count("belongs to another cluster") >= 2, 15, "the restored node saying n2 and n3 are another cluster's")
+        restored = new.status("n1")
+        assert restored["cluster_id"] and restored["cluster_id"] != old_id and restored["leader"] is None
+        assert f"(id {old_id}; this node's is {restored['cluster_id']})" in new.log("n1")
+        assert cluster.put(cluster.leader(), "after", b"2")[0] == 200
+        assert cluster.status(cluster.leader())["term"] == term
+        assert not any("second node dials as 'n1'" in cluster.log(i) for i in cluster.ids)
+    finally:
+        new.close()

@@ -6,6 +6,7 @@ a gRPC status and its connection closed, and the node goes on serving."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -313,9 +314,19 @@ class _Sender:
         self.s = _connect(node)
         self.s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0, b""))
         self.conn_window, self.stream_window, self.initial = 65535, {}, 65535
+        self.answers: dict[int, int] = {}  # stream -> gRPC messages received on it (within the node's first window)
+        self._data: dict[int, bytes] = {}
         self.cv = threading.Condition()
         self.closed = False
         threading.Thread(target=self._read, daemon=True).start()
+
+    def close(self) -> None:
+        """Hang up. (A bare close() while the reading thread waits in recv() on the socket
+        leaves the connection open until that recv returns: the node saw the client hang up
+        only at its next keepalive ping.)"""
+        with contextlib.suppress(OSError):
+            self.s.shutdown(socket.SHUT_RDWR)
+        self.s.close()
 
     def _read(self) -> None:
         buf = b""
@@ -326,7 +337,13 @@ class _Sender:
                     n, kind, flags, sid = int.from_bytes(buf[:3], "big"), buf[3], buf[4], int.from_bytes(buf[5:9], "big")
                     payload, buf = buf[9 : 9 + n], buf[9 + n :]
                     with self.cv:
-                        if kind == http2.WINDOW_UPDATE:
+                        if kind == http2.DATA:
+                            data = self._data.get(sid, b"") + payload
+                            while len(data) >= 5 and len(data) >= 5 + int.from_bytes(data[1:5], "big"):
+                                data = data[5 + int.from_bytes(data[1:5], "big") :]
+                                self.answers[sid] = self.answers.get(sid, 0) + 1
+                            self._data[sid] = data
+                        elif kind == http2.WINDOW_UPDATE:
                             grant = int.from_bytes(payload, "big")
                             if sid == 0:
                                 self.conn_window += grant

@@ -167,6 +167,38 @@ def test_capture_is_a_frozen_view_and_restore_replaces_everything(sm, tmp_path):
     other.close()
 
 
+def test_the_cluster_id_is_set_once_and_kept_by_restarts_and_snapshots(sm, tmp_path):
+    assert sm.cluster_id == ""
+    assert c.decode(c.encode(c.ClusterId("0123456789abcdef"))) == c.ClusterId("0123456789abcdef")
+    for bad in ("0123456789ABCDEF", "0123", "0123456789abcdeg"):
+        with pytest.raises(c.CommandError, match="cluster id"):
+            c.encode(c.ClusterId(bad))
+    def noop(index, data):
+        return Entry(index, index, EntryKind.NOOP, data)
+
+    # a no-op offers it (kv.Node's noop_data); a normal entry holding one is refused, and a
+    # no-op with anything else is no concern of the state machine's
+    refused, ignored = sm.apply([normal(1, c.ClusterId("aa" * 8)), noop(2, b"\x01\x02junk")])
+    assert str(refused) == "not a command to apply: ClusterId" and ignored is None
+    assert sm.cluster_id == ""
+    sm.apply([noop(3, c.encode(c.ClusterId("aa" * 8))), noop(4, c.encode(c.ClusterId("bb" * 8)))])  # two leaders' no-ops: the first holds
+    assert sm.cluster_id == "aa" * 8
+    view = sm.capture()
+    items = list(view.items())
+    view.release()
+    sm.close()
+    again = LevelDBStateMachine(sm.path)
+    other = LevelDBStateMachine(str(tmp_path / "other"))
+    other.restore(4, 4, b"[]", iter(items))  # install-snapshot: the leader's cluster
+    assert again.cluster_id == other.cluster_id == "aa" * 8 and again.scan("") == []
+    other.set_cluster_id("cc" * 8)  # a restore's: another cluster
+    other.close()
+    reopened = LevelDBStateMachine(str(tmp_path / "other"))
+    assert reopened.cluster_id == "cc" * 8
+    reopened.close()
+    again.close()
+
+
 def test_a_view_in_blocks_holds_its_records_as_columns_of_about_the_bytes_asked(sm):
     """What the snapshot writer reads: each block's keys, values and mod_indexes (int64 LE,
     from the records' big-endian) are the records' own, in order, cut at block_bytes."""

@@ -210,3 +210,33 @@ async def test_a_member_known_by_another_ledger_is_refused_as_removed():
         assert asked[0] == "11" * 8 and "22" * 8 in asked
     finally:
         await b.stop()
+
+
+async def test_a_node_of_another_cluster_is_not_connected_and_the_dialer_says_why(caplog):
+    """The acceptor says its cluster's id in WELCOME: a dialer of another cluster (a node
+    restored from a backup given the old cluster's --peers) hangs up before AUTH, logs why
+    once, and no message passes. A side without an id yet (a new cluster before its first
+    leader chose one, an earlier version) connects as before."""
+    addr = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
+    ids = {"a": "aa" * 8, "b": "bb" * 8}
+    got = []
+    b = TcpTransport("b", "g", addr["b"], removed=members(("a",)), cluster_id=lambda: ids["b"])
+    a = TcpTransport("a", "g", addr["a"], removed=members(("b",)), cluster_id=lambda: ids["a"])
+    await b.start(got.append, lambda peer: None)
+    await a.start(lambda m: None, lambda peer: None)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kv.raft.transport"):
+            a.set_peers(addr)
+            await wait_for(lambda: "belongs to another cluster" in caplog.text)
+            await asyncio.sleep(1.5)  # (it dials again meanwhile)
+        line = next(r.getMessage() for r in caplog.records if "another cluster" in r.getMessage())
+        assert line.startswith(f"b at {addr['b']} belongs to another cluster (id {ids['b']}; this node's is {ids['a']})") and "--peers" in line
+        assert sum("another cluster" in r.getMessage() for r in caplog.records) == 1  # once, not at every retry
+        assert not a.connected("b") and not a.send(HeartbeatRequest("a", "b", 1, 0, 0)) and b.peer_url("a") == ""
+        ids["a"] = ""  # no id yet: let in
+        await wait_for(lambda: a.connected("b"))
+        assert a.send(HeartbeatRequest("a", "b", 1, 0, 0))
+        await wait_for(lambda: len(got) == 1)
+    finally:
+        await a.stop()
+        await b.stop()

@@ -125,15 +125,29 @@ class Headers:
 
     def __init__(self, node) -> None:
         self.node = node
-        self.cluster_id, self.member_id = node.ids()
+        self._ids_of = None  # the state's cluster identity the ids were derived from
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """The ids anew when the cluster's identity changed (chosen by the first leader, or
+        a snapshot installed)."""
+        sm = self.node.sm
+        self._ids_of = sm.cluster_id if sm is not None else None
+        self.cluster_id, self.member_id = self.node.ids()
 
     def __call__(self, revision: int) -> rpc_pb2.ResponseHeader:
-        raft = self.node.raft
+        node = self.node
+        if node.sm.cluster_id is not self._ids_of:
+            self._fresh()
+        raft = node.raft
         return rpc_pb2.ResponseHeader(cluster_id=self.cluster_id, member_id=self.member_id, revision=revision, raft_term=raft.term if raft else 0)
 
     def without_revision(self) -> rpc_pb2.ResponseHeader:
         """The header of etcd's cluster calls: ids and term, no revision."""
-        raft = self.node.raft
+        node = self.node
+        if node.sm.cluster_id is not self._ids_of:
+            self._fresh()
+        raft = node.raft
         return rpc_pb2.ResponseHeader(cluster_id=self.cluster_id, member_id=self.member_id, raft_term=raft.term if raft else 0)
 
     def now(self) -> rpc_pb2.ResponseHeader:
