@@ -345,9 +345,9 @@ class _Outbound(asyncio.Protocol):
                 if theirs and ours and theirs != ours:
                     self.ready.set_exception(
                         _OtherCluster(
-                            f"{self.link.peer} at {self.link.addr} belongs to another cluster (id {theirs[:16]}; this node's is {ours}): not "
-                            f"connected. A node restored from a snapshot given the old cluster's --peers, or a wrong address in --peers? "
-                            f"A restored cluster needs addresses of its own"
+                            # (short: the log's rate limit cuts a line at 200 characters)
+                            f"{self.link.peer} at {self.link.addr} belongs to another cluster (id {theirs[:16]}, this one's {ours}): not "
+                            f"connected. Restored from a backup with the old --peers? Give it addresses of its own"
                         )
                     )
                     self.transport.close()

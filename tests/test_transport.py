@@ -230,7 +230,7 @@ async def test_a_node_of_another_cluster_is_not_connected_and_the_dialer_says_wh
             await wait_for(lambda: "belongs to another cluster" in caplog.text)
             await asyncio.sleep(1.5)  # (it dials again meanwhile)
         line = next(r.getMessage() for r in caplog.records if "another cluster" in r.getMessage())
-        assert line.startswith(f"b at {addr['b']} belongs to another cluster (id {ids['b']}; this node's is {ids['a']})") and "--peers" in line
+        assert line.startswith(f"b at {addr['b']} belongs to another cluster (id {ids['b']}, this one's {ids['a']})") and "--peers" in line
         assert sum("another cluster" in r.getMessage() for r in caplog.records) == 1  # once, not at every retry
         assert not a.connected("b") and not a.send(HeartbeatRequest("a", "b", 1, 0, 0)) and b.peer_url("a") == ""
         ids["a"] = ""  # no id yet: let in
