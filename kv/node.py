@@ -57,7 +57,7 @@ from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
 from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt
 
-SESSIONS_PER_OWNER = 10_000  # open sessions one token may hold, of those opened through one node (open_session)
+SESSIONS_PER_OWNER = 10_000  # open sessions one token may hold in the cluster (open_session)
 
 
 class Node(AsyncRecipes):
@@ -103,8 +103,7 @@ class Node(AsyncRecipes):
         self.writer: Writer | None = None  # the write path (kv/server/writes.py), made in start()
         self.disk: DiskGuard | None = None  # the free-space reserve (kv/server/diskguard.py), made in start()
         self.counters = collections.Counter()
-        self._session_owners: dict[Hashable, set[int]] = {}  # owner -> the sessions opened for it here (open_session)
-        self._sessions_opening: collections.Counter[Hashable] = collections.Counter()  # owner -> those being opened
+        self._sessions_opening: collections.Counter[str] = collections.Counter()  # owner -> its sessions being opened here
         self.leases = LeaseClock(f"leases-{c.id}", self._leading, lambda: self.sm.leases, self._propose_as_leader, self.read_barrier)
         self.watches = WatchHub(
             c.watch_budget_bytes, lambda: self.sm.applied()[0], self.log_range,
@@ -170,13 +169,14 @@ class Node(AsyncRecipes):
             observe_rtt=lambda peer, seconds: self._metrics is not None and self._metrics.observe_rtt(peer, seconds),
             no_space=self.disk.admit,
             cluster_id=lambda: self.sm.cluster_id,
-            # A cluster without an identity yet gets one from the first leader's no-op that
-            # commits (every node offers its own, drawn here; the first applied holds).
-            noop_data=b"" if self.sm.cluster_id else cmds.encode(cmds.ClusterId(secrets.token_hex(8))),
+            # A new cluster's identity is in its first entry, the first leader's no-op: every
+            # founding node offers one of its own (statemachine/leveldb.py _noop).
+            noop_data=cmds.encode(cmds.ClusterId(secrets.token_hex(8))) if self.ledger.last_index() == 0 and not self.sm.cluster_id else b"",
+            level=cmds.COMMAND_LEVEL,
         )
         self.writer = Writer(
             c, self.raft, self.disk, self.leases.answer, self.counters, self._observe("commit_latency"),
-            alarms=lambda: self.sm.nospace,
+            alarms=lambda: self.sm.nospace, owned_sessions=lambda: self.raft.peers_apply(cmds.OWNED_SESSIONS),
         )
         self.caller = FSMCaller(
             self.sm,
@@ -298,32 +298,31 @@ class Node(AsyncRecipes):
         """Open a client session (for X-Kv-Session); returns its id. Its writes are applied
         at most once however often they are sent; it closes after --session-ttl-s unused.
 
-        `owner` (the HTTP front's: a token that is not admin) is recorded with the session
-        (as a digest): past --max-sessions the cluster evicts from the owner holding the
-        most (statemachine/sessions.py), so one tenant opening sessions in a loop evicts
-        its own, not every other client's (whose retried writes would then no longer be
-        known as applied). It may also hold at most SESSIONS_PER_OWNER of the sessions
-        opened through this node that are still open (those being opened included), or
-        Unavailable."""
-        if owner is None:
-            return await self._writing().open_session(timeout=timeout)
-        held, opening = self._session_owners.setdefault(owner, set()), self._sessions_opening
-        if len(held) + opening[owner] >= SESSIONS_PER_OWNER:
-            still = self.sm.sessions.last if self.sm is not None else {}
-            held.intersection_update(still)  # the expired and evicted go
-            if len(held) + opening[owner] >= SESSIONS_PER_OWNER:
-                raise Unavailable(
-                    f"this token holds {len(held) + opening[owner]} open client sessions opened through this node, the most one "
-                    f"may: reuse a kv.Client (it keeps one session a write in flight) rather than one a request, or use another "
-                    f"node; unused sessions close after --session-ttl-s ({self.config.session_ttl_s:g} s)"
-                )
-        opening[owner] += 1  # (counted while it is opened: concurrent opens cannot all pass the check)
+        `owner` (the HTTP front's: a token that is not admin) is recorded with the session,
+        as a digest keyed with the cluster secret: past --max-sessions the cluster evicts
+        from the owner holding the most (statemachine/sessions.py), so one tenant opening
+        sessions in a loop evicts its own, not every other client's (whose retried writes
+        would then no longer be known as applied); and it may hold at most
+        SESSIONS_PER_OWNER open sessions in the cluster (those being opened here
+        included), or Unavailable. Both once every member runs a version that records
+        owners (raft peers_apply); until then its sessions are everyone's."""
+        writer = self._writing()
+        if owner is None or not self.raft.peers_apply(cmds.OWNED_SESSIONS):
+            return await writer.open_session(timeout=timeout)
+        secret = (self.config.cluster_secret or "").encode()
+        tag = "t:" + hashlib.blake2b(str(owner).encode(), digest_size=8, key=hashlib.sha256(secret).digest()).hexdigest()
+        opening = self._sessions_opening
+        held = len(self.sm.sessions.of_owner.get(tag, ())) + opening[tag]
+        if held >= SESSIONS_PER_OWNER:
+            raise Unavailable(
+                f"this token holds {held} open client sessions, the most one may: reuse a kv.Client (it keeps one session a "
+                f"write in flight) rather than one a request; unused sessions close after --session-ttl-s ({self.config.session_ttl_s:g} s)"
+            )
+        opening[tag] += 1  # (counted while it is opened: concurrent opens cannot all pass the check)
         try:
-            session = await self._writing().open_session(timeout=timeout, owner=hashlib.blake2b(str(owner).encode(), digest_size=8).hexdigest())
+            return await writer.open_session(timeout=timeout, owner=tag)
         finally:
-            opening[owner] -= 1
-        held.add(session)
-        return session
+            opening[tag] -= 1
 
     def propose_now(self, slots: Sequence[Slot]) -> None:
         """The write path without a task per write (kv.open's, the etcd API's plain puts):

@@ -65,6 +65,7 @@ class LoopbackNetwork:
 class LoopbackTransport:
     def __init__(self, net: LoopbackNetwork, node_id: str, advertise_url: str) -> None:
         self._net, self.node_id, self.advertise_url = net, node_id, advertise_url
+        self.level = 0
         self._peers: set[str] = set()
         self._queue: asyncio.Queue[tuple[float, str, bytes]] = asyncio.Queue()
         self._pump: asyncio.Task | None = None
@@ -132,6 +133,10 @@ class LoopbackTransport:
     def peer_url(self, peer: str) -> str:
         other = self._net._up.get(peer)
         return other.advertise_url if other is not None else ""
+
+    def peer_level(self, peer: str) -> int:
+        other = self._net._up.get(peer)
+        return other.level if other is not None else 0
 
     def counters(self) -> TransportCounters:
         return TransportCounters(dict(self._sent_bytes), dict(self._received_bytes), self._frames_sent, self._frames_dropped, 0)

@@ -213,6 +213,7 @@ class RaftNode:
         no_space: Callable[[int], str | None] = lambda nbytes: None,
         cluster_id: Callable[[], str] = lambda: "",
         noop_data: bytes = b"",
+        level: int = 0,
     ) -> None:
         """Hooks: `snapshots` streams and receives snapshot files;
         `no_space(nbytes)` says why proposals of nbytes are refused for now (the disk is
@@ -220,7 +221,8 @@ class RaftNode:
         `result_encoder` encodes an apply result for a follower that forwarded the command;
         `cluster_id()` is this node's cluster's identity ("": none yet; raft/transport.py);
         `noop_data` what the no-op this node appends when it becomes leader carries (the
-        application's to read as it applies it; raft/core.py).
+        application's to read as it applies it; raft/core.py); `level` the level of the
+        application's commands this node applies, which its peers learn (peer_level).
         Metrics: `observe_fsync(seconds)` of each ledger write (called from the writer
         thread), `observe_rtt(peer, seconds)` of a heartbeat's round trip.
         Peers are reached through `transport`; without one, through TCP on `listen` (with
@@ -253,6 +255,8 @@ class RaftNode:
                 ssl=peer_tls,
             )
         self.transport = transport
+        if transport is not None:
+            transport.level = level
         self._advertise_url = advertise_url
         self._snapshots = snapshots
         if snapshots is not None:
@@ -957,6 +961,12 @@ class RaftNode:
     def peer_url(self, peer: str) -> str:
         """The client URL a peer announced in its transport handshake ("" if none)."""
         return self.transport.peer_url(peer) if self.transport is not None else ""
+
+    def peers_apply(self, level: int) -> bool:
+        """Whether every other member said, when this node last reached it, that it applies
+        commands of `level` (a command an earlier version cannot apply waits for that)."""
+        others = [m for m in self.membership.members if m != self.id]
+        return not others or (self.transport is not None and all(self.transport.peer_level(m) >= level for m in others))
 
     @property
     def role(self) -> Role:

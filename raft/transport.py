@@ -19,12 +19,17 @@ A connection starts with a handshake (frames of their own, before any message):
 nonce_c is 16 random bytes followed by the dialer's ledger_id (raft/ledger.py; nothing from
 a version before them, which an acceptor takes for "not known"): the field where an older
 acceptor, which reads it as an opaque nonce, still lets the dialer in. nonce_s, likewise,
-is 16 random bytes followed by the acceptor's cluster id (the state's ClusterId; nothing
-while it has none, or from an earlier version): a dialer that has one too, another, hangs
-up before AUTH and says so. Restoring a backup into a new cluster gives it an identity of
-its own (snapshot/restore.py), so a restored node given the old cluster's --peers, or a
-node of any other cluster dialling the wrong address, never exchanges a message with it
-(etcd's cluster ID check).
+is 16 random bytes followed by what the acceptor says of itself, "v=LEVEL;c=CLUSTER_ID"
+(nothing from an earlier version, which an earlier dialer MACs as the opaque nonce it
+takes it for; fields a dialer does not know it skips):
+- c: its cluster's id (the state's ClusterId; absent while it has none): a dialer that
+  has one too, another, hangs up before AUTH and says so. Restoring a backup into a new
+  cluster gives it an identity of its own (snapshot/restore.py), so a restored node given
+  the old cluster's --peers, or a node of any other cluster dialling the wrong address,
+  never exchanges a message with it (etcd's cluster ID check);
+- v: the level of commands it applies (kv's COMMAND_LEVEL; `peer_level`): a command that
+  an earlier version cannot apply is proposed only once every member says it can (etcd's
+  cluster version), or the replicas would differ.
 
 The acceptor refuses (and closes) unless the group is its own, `to` is itself, `from` is
 not refused as removed and, with a cluster secret, proof_c is right (constant-time compare); the dialer
@@ -117,6 +122,16 @@ def _unpack_strs(body: bytes | memoryview, count: int) -> list[bytes]:
         o += n
     if o != len(body):
         raise codec.CodecError("stray bytes in handshake frame")
+    return out
+
+
+def _fields(said: bytes) -> dict[str, str]:
+    """What an acceptor says of itself after WELCOME's nonce: "k=v;k=v" (see above)."""
+    out = {}
+    for part in said.decode(errors="replace").split(";"):
+        k, eq, v = part.partition("=")
+        if eq:
+            out[k] = v
     return out
 
 
@@ -274,7 +289,7 @@ class _Inbound(asyncio.Protocol):
                 raise codec.CodecError(why)
             if (why := t.stranger(src_s)) is not None:
                 raise codec.CodecError(why)
-            self.peer, self.ledger, self.nonce_c, self.nonce_s = src_s, ledger, nonce_c, os.urandom(NONCE_BYTES) + t.cluster_id().encode()
+            self.peer, self.ledger, self.nonce_c, self.nonce_s = src_s, ledger, nonce_c, os.urandom(NONCE_BYTES) + t.about()
             self._url = url.decode()
             proof = _mac(t.secret, b"accept", group, src, dst, nonce_c)
             self.transport.write(codec.frame(WELCOME, pack_strs(self.nonce_s, proof)))
@@ -341,7 +356,8 @@ class _Outbound(asyncio.Protocol):
                 nonce_s, proof = _unpack_strs(body, 2)
                 if not hmac.compare_digest(proof, _mac(t.secret, b"accept", g, me, peer, self.nonce_c)):
                     raise codec.CodecError(f"{self.link.peer} failed cluster-secret authentication")
-                theirs, ours = nonce_s[NONCE_BYTES:].decode(errors="replace"), t.cluster_id()
+                said = _fields(nonce_s[NONCE_BYTES:])
+                theirs, ours = said.get("c", ""), t.cluster_id()
                 if theirs and ours and theirs != ours:
                     self.ready.set_exception(
                         _OtherCluster(
@@ -353,6 +369,8 @@ class _Outbound(asyncio.Protocol):
                     self.transport.close()
                     return
                 self.transport.write(auth_frame(_mac(t.secret, b"dial", g, me, peer, self.nonce_c, nonce_s)))
+                level = said.get("v", "")
+                t.peer_levels[self.link.peer] = int(level) if level.isdigit() and len(level) < 6 else 0
                 self.ready.set_result(True)
         except codec.CodecError as e:
             log.warning("dropping connection to %s: %s", self.link.peer, e)
@@ -410,7 +428,7 @@ class _Link:
                     log.warning("%s: it was stopping, or it refused us (see its log: group, membership, cluster secret)%s", e, maybe)
                 else:
                     log.debug("cannot reach %s at %s: %s", self.peer, self.addr, e)
-                if not isinstance(e, (_RefusedByPeer, _OtherCluster)):
+                if not isinstance(e, _RefusedByPeer):  # (another cluster's node is not the peer: its other address may be)
                     self._at = (self._at + 1) % len(self.addrs)
                 await asyncio.sleep(backoff.next())
                 continue
@@ -479,6 +497,8 @@ class TcpTransport:
         self.stranger = stranger  # why a peer that was never removed is still not let in, or None
         self.ledger_id = ledger_id  # this node's, said in the handshakes it dials
         self.cluster_id = cluster_id  # this node's cluster's ("": none yet), said in the handshakes it accepts
+        self.level = 0  # the level of commands this node applies, said there too (set by the driver)
+        self.peer_levels: dict[str, int] = {}  # what peers said of theirs when this node last dialled them
         self.secret = secret.encode() if secret else None
         self.advertise_url = advertise_url
         self._links: dict[str, _Link] = {}
@@ -573,6 +593,14 @@ class TcpTransport:
 
     def peer_url(self, peer: str) -> str:
         return self.peer_urls.get(peer, "")
+
+    def peer_level(self, peer: str) -> int:
+        return self.peer_levels.get(peer, 0)
+
+    def about(self) -> bytes:
+        """What this node says of itself in a WELCOME, after the nonce (see above)."""
+        cid = self.cluster_id()
+        return b"v=%d" % self.level + (b";c=" + cid.encode() if cid else b"")
 
     # A peer's client URL is the one it announced in its handshake (requests are forwarded
     # there, a leader's with the client's token). Two nodes may dial as one member: a stray

@@ -32,6 +32,9 @@ class Transport(Protocol):
     # Set by the driver before start: a peer refused this node as a member removed from
     # the cluster (TcpTransport's handshake says so; a transport that cannot tell never calls it).
     on_removed: Callable[[str], None]
+    # Set by the driver before start: what this node says it applies (the application's
+    # level of commands, kv's COMMAND_LEVEL), which peer_level reports on the other side.
+    level: int
 
     async def start(self, on_message: Callable[[Message], None], on_connected: Callable[[str], None]) -> None:
         """Begin: every message received for this node goes to on_message (in the event
@@ -55,5 +58,9 @@ class Transport(Protocol):
 
     def peer_url(self, peer: str) -> str:
         """The client URL the peer announced ("" if none)."""
+
+    def peer_level(self, peer: str) -> int:
+        """The level of commands the peer said it applies, when last connected (0: not
+        known, or a version before levels)."""
 
     def counters(self) -> TransportCounters: ...

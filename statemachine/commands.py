@@ -29,9 +29,9 @@ Commands:
                              while a NOSPACE one is raised, writes that add data are refused
 - Compact(revision)          etcd's Compact: no read or watch at or below `revision` is
                              served from now on (ledgerkv keeps no older versions to drop)
-- ClusterId(cluster_id)      the cluster's identity, offered in a new leader's no-op (the
-                             first one applied holds; never a normal entry): peers of
-                             another cluster are not let in
+- ClusterId(cluster_id)      the cluster's identity, in the no-op of a new cluster's first
+                             entry (never a normal entry): peers of another cluster are
+                             not let in
 - Bulk(rows)                 put many keys at one index, each only if its own condition
                              holds (a mod_index, or none); rows.py holds the columnar format
 
@@ -68,6 +68,12 @@ _OP_ALARM = 17  # raise or clear an alarm (etcd's Maintenance.Alarm)
 _OP_COMPACT = 18  # etcd's Compact: the revision below which no read or watch is served
 _OP_BULK = 19  # many puts, each with its own condition (rows.py)
 _OP_SESSION_OPEN_OWNED = 20  # a session opened for an owner (_OP_SESSION_OPEN: for none)
+
+# What this version applies, which a node says to its peers (raft/transport.py): a command
+# an earlier version cannot apply is proposed only once every member says it can. 0: a
+# version before levels; 2: SessionOpen with an owner (opcode 20).
+COMMAND_LEVEL = 2
+OWNED_SESSIONS = 2
 _OP_CLUSTER_ID = 21  # the cluster's identity (ClusterId)
 OP_IN_SESSION = _OP_SESSION
 MAX_KEEPALIVES = 10_000  # leases one batched keepalive renews
@@ -308,8 +314,8 @@ class Compact(NamedTuple):
 
 
 class ClusterId(NamedTuple):
-    """The cluster's identity (16 hex digits, drawn at random): a new leader's no-op offers
-    it while the state has none, and the first one applied holds (kv.Node, raft/core.py).
+    """The cluster's identity (16 hex digits, drawn at random): the no-op of a new
+    cluster's first entry carries it (kv.Node, raft/core.py); a restore sets another.
     The peer handshake says it (raft/transport.py), so a node of another cluster, a
     restored one given the old cluster's --peers say, is not let in. Never logged as a
     normal entry (a normal entry holding one is refused, changing nothing)."""
@@ -640,7 +646,7 @@ def is_cluster_id(s: object) -> bool:
 
 MAX_SESSION_ID = (1 << 53) - 1  # session ids travel as JSON numbers: exact in every language
 MAX_SESSIONS = 10_000_000
-MAX_OWNER_BYTES = 64  # a session's owner (SessionOpen): a digest of a token
+MAX_OWNER_BYTES = 1024  # a session's owner (SessionOpen): a token's digest, "node:" and a member id
 IN_SESSION = bytes((COMMAND_FORMAT, _OP_SESSION))
 SESSION_IDS = struct.Struct(">QQ")
 SESSION_HEAD_BYTES = len(IN_SESSION) + SESSION_IDS.size

@@ -545,7 +545,7 @@ class LevelDBStateMachine:
             if e.kind != put_kind:
                 if e.kind == EntryKind.CONFIG:
                     self._apply_config(e.data, wb)
-                elif e.data and not self.cluster_id:  # a new leader's no-op offering the cluster's identity
+                elif e.index == 1 and e.data:  # a new cluster's first leader's no-op: the cluster's identity
                     self._noop(e, wb)
                 results.append(None)
                 continue
@@ -911,8 +911,11 @@ class LevelDBStateMachine:
         return LeaseRevoked(index, tuple(keys))
 
     def _noop(self, e: Entry, wb) -> None:
-        """The cluster's identity, from the first no-op that offers one (kv.Node's
-        noop_data); anything else a no-op carries is not ours to read."""
+        """The cluster's identity, from the no-op of the log's first entry (kv.Node's
+        noop_data). Only there: a cluster made by an earlier version, whose first no-op
+        offered none, keeps having none (its members, upgraded one at a time, skip or
+        apply later no-ops alike, and would each take another id). Anything else a no-op
+        carries is not ours to read."""
         try:
             cmd = decode(e.data)
         except CommandError:

@@ -61,7 +61,9 @@ own batch.
 from __future__ import annotations
 
 import struct
+import sys
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from .commands import IN_SESSION, PUT_HEAD, SESSION_HEAD_BYTES, SESSION_IDS
@@ -85,8 +87,10 @@ class SessionTable:
     def __init__(self) -> None:
         # session -> [last seq, index that last used it, whether its record holds that
         # request's result, its fingerprint, its owner]; least recently used first
-        self.last: dict[int, list] = {}
-        self.of_owner: dict[str, dict[int, None]] = {}  # owner -> its sessions, in the same order
+        # (OrderedDicts: a session used moves to the end, and the first is found at once
+        # however many came and went before it)
+        self.last: OrderedDict[int, list] = OrderedDict()
+        self.of_owner: dict[str, OrderedDict[int, None]] = {}  # owner -> its sessions, in the same order
         self.dirty: set[int] = set()  # sessions whose record a plain put left behind
         self.evicted = 0  # sessions closed to make room for new ones (a metric)
 
@@ -96,30 +100,37 @@ class SessionTable:
     def load(self, records: Iterable[tuple[bytes, int, bytes]]) -> None:
         """Rebuild from the reserved records: (key without the data prefix, mod_index,
         value without it)."""
-        rows, owners = [], {}
+        rows, owners = {}, {}
         for key, used, value in records:
             if key.startswith(SESSION_RECORD):
                 seq, fp = _SEQ_FP.unpack_from(value)
-                rows.append((used, int(key[len(SESSION_RECORD) :], 16), seq, fp))
+                rows[int(key[len(SESSION_RECORD) :], 16)] = [seq, used, True, fp]
             elif key.startswith(SESSION_OWNER):
                 owners[int(key[len(SESSION_OWNER) :], 16)] = value.decode()
-        rows.sort()
-        self.last, self.of_owner, self.dirty = {}, {}, set()
-        for used, session, seq, fp in rows:
-            self._add(session, [seq, used, True, fp, owners.get(session, "")])
+        self.last, self.dirty = OrderedDict((k, v + [sys.intern(owners.get(k, ""))]) for k, v in rows.items()), set()
+        self._sort()
+
+    def _sort(self) -> None:
+        """Put both orders in the order of the index that last used each session, the order
+        every replica has (each entry uses at most one session)."""
+        rows = sorted(self.last.items(), key=lambda row: row[1][1])
+        self.last, self.of_owner = OrderedDict(), {}
+        for session, s in rows:
+            self._add(session, s)
 
     def _add(self, session: int, s: list) -> None:
+        """A session at the most recently used end."""
         self.last[session] = s
-        self.of_owner.setdefault(s[4], {})[session] = None
+        mine = self.of_owner.get(s[4])
+        if mine is None:
+            mine = self.of_owner[s[4]] = OrderedDict()
+        mine[session] = None
 
     def use(self, session: int) -> list:
         """Session's row, moved to the most recently used end (the caller updates it)."""
-        last = self.last
-        s = last.pop(session)
-        last[session] = s
-        mine = self.of_owner[s[4]]
-        del mine[session]
-        mine[session] = None
+        s = self.last[session]
+        self.last.move_to_end(session)
+        self.of_owner[s[4]].move_to_end(session)
         return s
 
     def _drop(self, session: int) -> str:
@@ -134,8 +145,12 @@ class SessionTable:
 
     def replay(self, entries: Iterable) -> None:
         """Apply again what the plain puts of these entries (the ledger's, after the records'
-        `sessions_at`) did to their sessions; everything else is in the records already."""
+        `sessions_at`) did to their sessions; everything else is in the records already.
+        (The sessions replayed and those whose records are newer are put back in order at
+        the end: a session used by a plain put before another's record was written goes
+        before it.)"""
         last = self.last
+        replayed = False
         for e in entries:
             head = plain_put_in_session(e.data) if e.kind == 0 else None
             if head is None:
@@ -143,9 +158,11 @@ class SessionTable:
             session, seq = head
             s = last.get(session)
             if s is not None and seq > s[0] and e.index > s[1]:
-                s = self.use(session)
                 s[0], s[1], s[2], s[3] = seq, e.index, False, fingerprint(e.data, SESSION_HEAD_BYTES)
                 self.dirty.add(session)
+                replayed = True
+        if replayed:
+            self._sort()
 
     def open(self, session: int, index: int, max_sessions: int, owner: str = "") -> list[tuple[int, str]]:
         """Open a session (again: a no-op); returns the sessions evicted to make room, each
@@ -160,7 +177,7 @@ class SessionTable:
             oldest = next(iter(mine))
             evicted.append((oldest, self._drop(oldest)))
         self.evicted += len(evicted)
-        self._add(session, [0, index, True, 0, owner])
+        self._add(session, [0, index, True, 0, sys.intern(owner)])  # (one string an owner: its sessions share it)
         return evicted
 
     def expire(self, upto: int) -> list[tuple[int, str]]:

@@ -126,7 +126,11 @@ def test_a_watch_canceled_in_the_same_breath_as_its_create_is_closed(node):
     no `finally`): each watch is still closed, and the stream's count of live watches
     goes down (done callbacks). (Before, such a watch was closed only once the garbage
     collector took the task: this passed then too, a few seconds later.)"""
+    deadline = time.monotonic() + 10
+    while _open_watches(node) and time.monotonic() < deadline:  # the earlier tests' streams, closed, let go of theirs
+        time.sleep(0.1)
     before = _open_watches(node)
+    assert before == 0
     s = _Sender(node)
     s.call(1, "/etcdserverpb.Watch/Watch")
     msgs = []

@@ -117,6 +117,28 @@ def test_past_the_limit_the_owner_holding_the_most_loses_its_least_recently_used
         m.close()
 
 
+def test_after_a_crash_the_sessions_are_in_the_order_every_other_replica_has(tmp_path, sm):
+    """Found by a review: replaying the plain puts after a crash moved their sessions after
+    those whose records were written later, so the restarted replica closed (expiry) or
+    evicted other sessions than the rest, and a write applied on some replicas only."""
+    import shutil
+
+    opened = [normal(1, c.SessionOpen(1, 100, "t")), normal(2, c.SessionOpen(2, 100, "t")), normal(3, c.SessionOpen(3, 100))]
+    sm.apply(opened)
+    sm.capture().release()  # the records flushed: sessions_at 3
+    later = [in_session(4, 1, 1, c.Put("a", b"1")), in_session(5, 2, 1, c.Put("b", b"1", c.Cond("b", "mod", 0)))]  # a plain put waits; a conditional one is written
+    sm.apply(later)
+    crashed = str(tmp_path / "crashed")
+    shutil.copytree(sm.path, crashed)
+    again = LevelDBStateMachine(crashed)
+    again.replay_sessions(opened + later)
+    for m in (sm, again):
+        assert list(m.sessions.last) == [3, 1, 2] and {o: list(x) for o, x in m.sessions.of_owner.items()} == {"": [3], "t": [1, 2]}
+    nxt = [normal(6, c.SessionsExpire(4)), in_session(7, 1, 2, c.Put("a", b"2")), in_session(8, 2, 2, c.Put("b", b"2"))]
+    assert sm.apply(nxt) == again.apply(nxt) == [None, c.SessionExpired(1), c.PutResult(8)]
+    again.close()
+
+
 def test_sessions_survive_a_restart_and_a_snapshot_in_lru_order(tmp_path, sm):
     sm.apply([normal(1, c.SessionOpen(11, 100)), normal(2, c.SessionOpen(22, 100)), in_session(3, 11, 1, c.Put("k", b"v"))])
     view = sm.capture()
@@ -164,7 +186,7 @@ def test_the_codec_carries_sessions_and_refuses_what_cannot_be_one():
         assert c.decode(c.encode(cmd)) == cmd
     assert c.encode(c.SessionOpen(7, 5))[1] == 11  # without an owner: the opcode versions before owners read
     with pytest.raises(c.CommandError, match="owner"):
-        c.encode(c.SessionOpen(7, 5, "x" * 65))
+        c.encode(c.SessionOpen(7, 5, "x" * 1025))
     for r in (c.SessionOpened(3), c.SessionExpired(4), c.StaleRequest(1, 2, 3)):
         assert c.decode_result(c.encode_result(r)) == r
     for bad in (c.InSession(0, 1, c.Put("a", b"")), c.InSession(1, 0, c.Put("a", b"")), c.InSession(2**53, 1, c.Put("a", b""))):
@@ -427,8 +449,8 @@ async def test_a_token_opens_a_bounded_number_of_sessions_and_cannot_evict_every
     """Found by an attacker review: a token scoped to a prefix opened 51,000 sessions through
     POST /v1/sessions, evicting every other client's (the admin's retried write was then
     answered SESSION_EXPIRED). A token that is not admin holds at most SESSIONS_PER_OWNER
-    of the sessions opened through a node that are still open, those being opened
-    included; once they close (here: evicted past --max-sessions), it opens more."""
+    open sessions in the cluster, those being opened included; once they close (here:
+    evicted past --max-sessions), it opens more."""
     from aiohttp.test_utils import TestClient
     from served import ServedNode
 
@@ -480,6 +502,10 @@ async def test_a_tenant_opening_sessions_in_a_loop_evicts_its_own_not_other_clie
             r = await client.put(f"/v1/kv/{key}", data=b"1", headers=h)
             assert r.status == 200
             firsts.append((h, key, await r.json()))
+        # plain writes at once grow the node's own pool of sessions (found by a review: those
+        # were everyone's, so a tenant made "everyone" the largest owner, then evicted it)
+        burst = await asyncio.gather(*(client.put(f"/v1/kv/app/{i}", data=b"x", headers=flood) for i in range(10)))
+        assert [r.status for r in burst] == [200] * 10 and len(node.sm.sessions.of_owner["node:n1"]) > 2
         for _ in range(40):
             assert (await client.post("/v1/sessions", headers=flood)).status == 200
         assert len(node.sm.sessions) == 12 and node.sm.sessions.evicted > 0
@@ -489,3 +515,26 @@ async def test_a_tenant_opening_sessions_in_a_loop_evicts_its_own_not_other_clie
     finally:
         await client.close()
         await node.stop()
+
+
+async def test_owners_are_recorded_only_once_every_member_says_it_applies_them(tmp_path):
+    """A session opened with an owner is a command (opcode 20) a version before owners
+    cannot apply: such a replica would not open it and would refuse every write in it that
+    the others apply. Until every member says (in the peer handshake) that it applies
+    them, sessions are opened without an owner (found by a review)."""
+    from inproc import InprocCluster
+
+    cluster = InprocCluster(str(tmp_path))
+    await cluster.start()
+    try:
+        lead = await cluster.leader()
+        f1, f2 = await cluster.followers()
+        s1 = await f1.open_session(owner="Bearer t")
+        assert lead.sm.sessions.last[s1][4].startswith("t:")
+        f2.raft.transport.level = 0  # as an earlier version says
+        s2 = await f1.open_session(owner="Bearer t")
+        await lead.put("k", b"v")  # (a write through the pool)
+        assert lead.sm.sessions.last[s2][4] == "" and f1.raft.peers_apply(c.OWNED_SESSIONS) is False
+        assert all(s[4] == "" for sid, s in lead.sm.sessions.last.items() if sid != s1)
+    finally:
+        await cluster.stop()

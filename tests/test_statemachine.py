@@ -176,13 +176,18 @@ def test_the_cluster_id_is_set_once_and_kept_by_restarts_and_snapshots(sm, tmp_p
     def noop(index, data):
         return Entry(index, index, EntryKind.NOOP, data)
 
-    # a no-op offers it (kv.Node's noop_data); a normal entry holding one is refused, and a
-    # no-op with anything else is no concern of the state machine's
-    refused, ignored = sm.apply([normal(1, c.ClusterId("aa" * 8)), noop(2, b"\x01\x02junk")])
-    assert str(refused) == "not a command to apply: ClusterId" and ignored is None
-    assert sm.cluster_id == ""
-    sm.apply([noop(3, c.encode(c.ClusterId("aa" * 8))), noop(4, c.encode(c.ClusterId("bb" * 8)))])  # two leaders' no-ops: the first holds
+    # The no-op of the log's first entry carries it (kv.Node's noop_data): a later no-op's
+    # offer (a cluster made by an earlier version, whose members would each take another) is
+    # ignored, as is a no-op with anything else; a normal entry holding one is refused.
+    sm.apply([noop(1, c.encode(c.ClusterId("aa" * 8)))])
     assert sm.cluster_id == "aa" * 8
+    refused, ignored, later = sm.apply([normal(2, c.ClusterId("cc" * 8)), noop(3, b"\x01\x02junk"), noop(4, c.encode(c.ClusterId("bb" * 8)))])
+    assert str(refused) == "not a command to apply: ClusterId" and ignored is None and later is None
+    assert sm.cluster_id == "aa" * 8
+    older = LevelDBStateMachine(str(tmp_path / "older"))
+    older.apply([noop(1, b""), noop(2, c.encode(c.ClusterId("bb" * 8)))])
+    assert older.cluster_id == ""
+    older.close()
     view = sm.capture()
     items = list(view.items())
     view.release()

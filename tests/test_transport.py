@@ -216,12 +216,14 @@ async def test_a_node_of_another_cluster_is_not_connected_and_the_dialer_says_wh
     """The acceptor says its cluster's id in WELCOME: a dialer of another cluster (a node
     restored from a backup given the old cluster's --peers) hangs up before AUTH, logs why
     once, and no message passes. A side without an id yet (a new cluster before its first
-    leader chose one, an earlier version) connects as before."""
+    leader chose one, an earlier version) connects as before. The acceptor says the level
+    of commands it applies there too."""
     addr = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
     ids = {"a": "aa" * 8, "b": "bb" * 8}
     got = []
     b = TcpTransport("b", "g", addr["b"], removed=members(("a",)), cluster_id=lambda: ids["b"])
     a = TcpTransport("a", "g", addr["a"], removed=members(("b",)), cluster_id=lambda: ids["a"])
+    b.level = 7  # what it says it applies (kv's COMMAND_LEVEL)
     await b.start(got.append, lambda peer: None)
     await a.start(lambda m: None, lambda peer: None)
     try:
@@ -233,10 +235,30 @@ async def test_a_node_of_another_cluster_is_not_connected_and_the_dialer_says_wh
         assert line.startswith(f"b at {addr['b']} belongs to another cluster (id {ids['b']}, this one's {ids['a']})") and "--peers" in line
         assert sum("another cluster" in r.getMessage() for r in caplog.records) == 1  # once, not at every retry
         assert not a.connected("b") and not a.send(HeartbeatRequest("a", "b", 1, 0, 0)) and b.peer_url("a") == ""
+        assert a.peer_level("b") == 0  # (not known: never connected)
         ids["a"] = ""  # no id yet: let in
         await wait_for(lambda: a.connected("b"))
+        assert a.peer_level("b") == 7 and b.peer_level("a") == 0  # (b never dialled a)
         assert a.send(HeartbeatRequest("a", "b", 1, 0, 0))
         await wait_for(lambda: len(got) == 1)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_an_acceptor_of_an_earlier_version_says_nothing_after_the_nonce_and_is_connected():
+    """An earlier version's WELCOME has the 16-byte nonce alone: a dialer with a cluster id
+    connects (no id to compare), and takes the peer for one that applies no command level."""
+    addr = {"a": f"127.0.0.1:{free_port()}", "b": f"127.0.0.1:{free_port()}"}
+    b = TcpTransport("b", "g", addr["b"], removed=members(("a",)))
+    b.about = lambda: b""  # what an earlier version sends
+    a = TcpTransport("a", "g", addr["a"], removed=members(("b",)), cluster_id=lambda: "aa" * 8)
+    await b.start(lambda m: None, lambda peer: None)
+    await a.start(lambda m: None, lambda peer: None)
+    try:
+        a.set_peers(addr)
+        await wait_for(lambda: a.connected("b"))
+        assert a.peer_level("b") == 0
     finally:
         await a.stop()
         await b.stop()

@@ -137,7 +137,7 @@ class Headers:
 
     def __call__(self, revision: int) -> rpc_pb2.ResponseHeader:
         node = self.node
-        if node.sm.cluster_id is not self._ids_of:
+        if node.sm is not None and node.sm.cluster_id is not self._ids_of:
             self._fresh()
         raft = node.raft
         return rpc_pb2.ResponseHeader(cluster_id=self.cluster_id, member_id=self.member_id, revision=revision, raft_term=raft.term if raft else 0)
@@ -145,7 +145,7 @@ class Headers:
     def without_revision(self) -> rpc_pb2.ResponseHeader:
         """The header of etcd's cluster calls: ids and term, no revision."""
         node = self.node
-        if node.sm.cluster_id is not self._ids_of:
+        if node.sm is not None and node.sm.cluster_id is not self._ids_of:
             self._fresh()
         raft = node.raft
         return rpc_pb2.ResponseHeader(cluster_id=self.cluster_id, member_id=self.member_id, raft_term=raft.term if raft else 0)

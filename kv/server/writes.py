@@ -10,6 +10,7 @@ again to the next leader until the deadline, and the state machine applies it on
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -55,13 +56,21 @@ class Writer:
         counters: Counter,
         observe_commit: Callable[[float], None],
         alarms: Callable[[], bool] = lambda: False,
+        owned_sessions: Callable[[], bool] = lambda: False,
     ) -> None:
-        """`alarms()`: whether a NOSPACE alarm is raised through the log (set_alarm)."""
+        """`alarms()`: whether a NOSPACE alarm is raised through the log (set_alarm);
+        `owned_sessions()` whether every member records sessions' owners."""
         self.config, self.raft, self.disk, self.alarms = config, raft, disk, alarms
         self._answer_local, self._observe_commit = answer_local, observe_commit
+        self._owned_sessions = owned_sessions
         self.counters = counters
-        # Sessions for the writes this node is handed without one.
-        self.sessions = SessionPool(self._open_session)
+        # Sessions for the writes this node is handed without one: owned by the node, so
+        # that writes flooding in (they grow the pool) cost the pool its sessions past
+        # --max-sessions, not the admin's or kv.open's (statemachine/sessions.py).
+        mine = "node:" + config.id
+        if len(mine.encode()) > cmds.MAX_OWNER_BYTES:  # (ids are not bounded)
+            mine = "node:" + hashlib.blake2b(config.id.encode(), digest_size=8).hexdigest()
+        self.sessions = SessionPool(lambda deadline, wait: self._open_session(deadline, wait, mine if self._owned_sessions() else ""))
 
     def samples(self) -> list[Sample]:
         c = self.counters
