@@ -57,7 +57,7 @@ from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
 from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt
 
-SESSIONS_PER_OWNER = 10_000  # open sessions one token may hold in the cluster (open_session)
+SESSIONS_PER_OWNER = 10_000  # open sessions one token may hold, of those opened through one node (open_session)
 
 
 class Node(AsyncRecipes):
@@ -103,7 +103,8 @@ class Node(AsyncRecipes):
         self.writer: Writer | None = None  # the write path (kv/server/writes.py), made in start()
         self.disk: DiskGuard | None = None  # the free-space reserve (kv/server/diskguard.py), made in start()
         self.counters = collections.Counter()
-        self._sessions_opening: collections.Counter[str] = collections.Counter()  # owner -> its sessions being opened here
+        self._session_owners: dict[Hashable, set[int]] = {}  # owner -> the sessions opened for it here (open_session)
+        self._sessions_opening: collections.Counter[Hashable] = collections.Counter()  # owner -> those being opened
         self.leases = LeaseClock(f"leases-{c.id}", self._leading, lambda: self.sm.leases, self._propose_as_leader, self.read_barrier)
         self.watches = WatchHub(
             c.watch_budget_bytes, lambda: self.sm.applied()[0], self.log_range,
@@ -299,30 +300,37 @@ class Node(AsyncRecipes):
         at most once however often they are sent; it closes after --session-ttl-s unused.
 
         `owner` (the HTTP front's: a token that is not admin) is recorded with the session,
-        as a digest keyed with the cluster secret: past --max-sessions the cluster evicts
-        from the owner holding the most (statemachine/sessions.py), so one tenant opening
-        sessions in a loop evicts its own, not every other client's (whose retried writes
-        would then no longer be known as applied); and it may hold at most
-        SESSIONS_PER_OWNER open sessions in the cluster (those being opened here
-        included), or Unavailable. Both once every member runs a version that records
-        owners (raft peers_apply); until then its sessions are everyone's."""
+        as a digest keyed with the cluster secret, once every member runs a version that
+        records owners (raft peers_apply; until then the session has none): past
+        --max-sessions the cluster evicts from the owner holding the most
+        (statemachine/sessions.py), so one tenant opening sessions in a loop evicts its
+        own, not every other client's (whose retried writes would then no longer be known
+        as applied). And it may hold at most SESSIONS_PER_OWNER of the sessions opened
+        through this node that are still open (those being opened included), or
+        Unavailable, whether owners are recorded or not."""
         writer = self._writing()
-        if owner is None or not self.raft.peers_apply(cmds.OWNED_SESSIONS):
+        if owner is None:
             return await writer.open_session(timeout=timeout)
-        secret = (self.config.cluster_secret or "").encode()
-        tag = "t:" + hashlib.blake2b(str(owner).encode(), digest_size=8, key=hashlib.sha256(secret).digest()).hexdigest()
-        opening = self._sessions_opening
-        held = len(self.sm.sessions.of_owner.get(tag, ())) + opening[tag]
-        if held >= SESSIONS_PER_OWNER:
-            raise Unavailable(
-                f"this token holds {held} open client sessions, the most one may: reuse a kv.Client (it keeps one session a "
-                f"write in flight) rather than one a request; unused sessions close after --session-ttl-s ({self.config.session_ttl_s:g} s)"
-            )
-        opening[tag] += 1  # (counted while it is opened: concurrent opens cannot all pass the check)
+        held, opening = self._session_owners.setdefault(owner, set()), self._sessions_opening
+        if len(held) + opening[owner] >= SESSIONS_PER_OWNER:
+            held.intersection_update(self.sm.sessions.last)  # the expired and evicted go
+            if len(held) + opening[owner] >= SESSIONS_PER_OWNER:
+                raise Unavailable(
+                    f"this token holds {len(held) + opening[owner]} open client sessions opened through this node, the most one "
+                    f"may: reuse a kv.Client (it keeps one session a write in flight) rather than one a request, or use another "
+                    f"node; unused sessions close after --session-ttl-s ({self.config.session_ttl_s:g} s)"
+                )
+        tag = ""
+        if self.raft.peers_apply(cmds.OWNED_SESSIONS):
+            secret = hashlib.sha256((self.config.cluster_secret or "").encode()).digest()
+            tag = "t:" + hashlib.blake2b(str(owner).encode(), digest_size=8, key=secret).hexdigest()
+        opening[owner] += 1  # (counted while it is opened: concurrent opens cannot all pass the check)
         try:
-            return await writer.open_session(timeout=timeout, owner=tag)
+            session = await writer.open_session(timeout=timeout, owner=tag)
         finally:
-            opening[tag] -= 1
+            opening[owner] -= 1
+        held.add(session)
+        return session
 
     def propose_now(self, slots: Sequence[Slot]) -> None:
         """The write path without a task per write (kv.open's, the etcd API's plain puts):

@@ -370,7 +370,7 @@ class _Outbound(asyncio.Protocol):
                     return
                 self.transport.write(auth_frame(_mac(t.secret, b"dial", g, me, peer, self.nonce_c, nonce_s)))
                 level = said.get("v", "")
-                t.peer_levels[self.link.peer] = int(level) if level.isdigit() and len(level) < 6 else 0
+                t.peer_levels[self.link.peer] = int(level) if level.isascii() and level.isdigit() and len(level) < 6 else 0
                 self.ready.set_result(True)
         except codec.CodecError as e:
             log.warning("dropping connection to %s: %s", self.link.peer, e)
@@ -560,6 +560,9 @@ class TcpTransport:
         for pid in list(self._links):
             if pid not in addrs or addrs[pid] != self._links[pid].addrs:
                 self._links.pop(pid).close()
+        for pid in list(self.peer_levels):
+            if pid not in addrs:  # (removed: an id added again says anew)
+                del self.peer_levels[pid]
         for pid, a in addrs.items():
             if pid != self.node_id and pid not in self._links:
                 self._links[pid] = _Link(self, pid, a)

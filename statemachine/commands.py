@@ -171,7 +171,7 @@ class LeaseQuery(NamedTuple):
 
 class SessionOpen(NamedTuple):
     """Open a client session with this id (chosen at random by whoever opens it) for
-    `owner` (a digest of a token that is not admin; "": anyone else). Opening one more than
+    `owner` (see sessions.py; "": none). Opening one more than
     `max_sessions` (the proposer's --max-sessions, carried in the entry so that every
     replica evicts alike) closes the least recently used of the owner holding the most
     (sessions.py)."""
@@ -646,7 +646,7 @@ def is_cluster_id(s: object) -> bool:
 
 MAX_SESSION_ID = (1 << 53) - 1  # session ids travel as JSON numbers: exact in every language
 MAX_SESSIONS = 10_000_000
-MAX_OWNER_BYTES = 1024  # a session's owner (SessionOpen): a token's digest, "node:" and a member id
+MAX_OWNER_BYTES = 64  # a session's owner (SessionOpen): a token's digest, "node:" and a member id (or its digest)
 IN_SESSION = bytes((COMMAND_FORMAT, _OP_SESSION))
 SESSION_IDS = struct.Struct(">QQ")
 SESSION_HEAD_BYTES = len(IN_SESSION) + SESSION_IDS.size

@@ -23,10 +23,12 @@ index.
 
 Which one: the least recently used of the owner that holds the most (ties: the owner whose
 least recently used session is the older). A session's owner is who opened it: a digest of
-the token, for a token that is not admin (kv.Node.open_session); "" for everyone else (the
-admin, kv.open, the nodes' own sessions, a cluster without tokens: one owner, so plain least
-recently used). One tenant opening sessions in a loop then evicts its own, never another's
-while it holds more than they do. A write in a session that is not open is refused
+the token, for a token that is not admin (kv.Node.open_session); "node:" and its id, for the
+sessions a node opens for the writes it is handed without one (kv/server/writes.py); ""
+for the sessions others open (the admin's, kv.Node.open_session's). One tenant opening
+sessions in a loop then evicts its own, never another's while it holds more than they do.
+Owners are recorded once every member applies them (kv.Node.open_session): before, every
+session's is "" and the least recently used goes. A write in a session that is not open is refused
 (SessionExpired) and changes nothing, so a copy that arrives after its session closed can
 never apply a second time.
 

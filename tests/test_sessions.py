@@ -186,7 +186,7 @@ def test_the_codec_carries_sessions_and_refuses_what_cannot_be_one():
         assert c.decode(c.encode(cmd)) == cmd
     assert c.encode(c.SessionOpen(7, 5))[1] == 11  # without an owner: the opcode versions before owners read
     with pytest.raises(c.CommandError, match="owner"):
-        c.encode(c.SessionOpen(7, 5, "x" * 1025))
+        c.encode(c.SessionOpen(7, 5, "x" * 65))
     for r in (c.SessionOpened(3), c.SessionExpired(4), c.StaleRequest(1, 2, 3)):
         assert c.decode_result(c.encode_result(r)) == r
     for bad in (c.InSession(0, 1, c.Put("a", b"")), c.InSession(1, 0, c.Put("a", b"")), c.InSession(2**53, 1, c.Put("a", b""))):
@@ -449,8 +449,8 @@ async def test_a_token_opens_a_bounded_number_of_sessions_and_cannot_evict_every
     """Found by an attacker review: a token scoped to a prefix opened 51,000 sessions through
     POST /v1/sessions, evicting every other client's (the admin's retried write was then
     answered SESSION_EXPIRED). A token that is not admin holds at most SESSIONS_PER_OWNER
-    open sessions in the cluster, those being opened included; once they close (here:
-    evicted past --max-sessions), it opens more."""
+    of the sessions opened through a node that are still open, those being opened
+    included; once they close (here: evicted past --max-sessions), it opens more."""
     from aiohttp.test_utils import TestClient
     from served import ServedNode
 
@@ -517,7 +517,7 @@ async def test_a_tenant_opening_sessions_in_a_loop_evicts_its_own_not_other_clie
         await node.stop()
 
 
-async def test_owners_are_recorded_only_once_every_member_says_it_applies_them(tmp_path):
+async def test_owners_are_recorded_only_once_every_member_says_it_applies_them(tmp_path, monkeypatch):
     """A session opened with an owner is a command (opcode 20) a version before owners
     cannot apply: such a replica would not open it and would refuse every write in it that
     the others apply. Until every member says (in the peer handshake) that it applies
@@ -536,5 +536,11 @@ async def test_owners_are_recorded_only_once_every_member_says_it_applies_them(t
         await lead.put("k", b"v")  # (a write through the pool)
         assert lead.sm.sessions.last[s2][4] == "" and f1.raft.peers_apply(c.OWNED_SESSIONS) is False
         assert all(s[4] == "" for sid, s in lead.sm.sessions.last.items() if sid != s1)
+        import kv.node
+
+        monkeypatch.setattr(kv.node, "SESSIONS_PER_OWNER", 3)  # the per-node cap holds all the same (found by a review)
+        await f1.open_session(owner="Bearer t")
+        with pytest.raises(kv.Unavailable, match="reuse a kv.Client"):
+            await f1.open_session(owner="Bearer t")
     finally:
         await cluster.stop()

@@ -10,6 +10,7 @@ again to the next leader until the deadline, and the state machine applies it on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections import Counter
@@ -64,9 +65,10 @@ class Writer:
         self._answer_local, self._observe_commit = answer_local, observe_commit
         self._owned_sessions = owned_sessions
         self.counters = counters
-        # Sessions for the writes this node is handed without one: owned by the node, so
-        # that writes flooding in (they grow the pool) cost the pool its sessions past
-        # --max-sessions, not the admin's or kv.open's (statemachine/sessions.py).
+        # Sessions for the writes this node is handed without one (kv.open's, the etcd
+        # API's, HTTP writes without X-Kv-Session): owned by the node, so that writes
+        # flooding in (they grow the pool) cost the pool its sessions past --max-sessions,
+        # not those clients opened (statemachine/sessions.py).
         mine = "node:" + config.id
         if len(mine.encode()) > cmds.MAX_OWNER_BYTES:  # (ids are not bounded)
             mine = "node:" + hashlib.blake2b(config.id.encode(), digest_size=8).hexdigest()
@@ -142,7 +144,7 @@ class Writer:
         after --session-ttl-s unused."""
         raft = self.raft
         wait = timeout if timeout is not None else self.config.write_timeout_s
-        return await self._open_session(raft.loop.time() + wait, wait, owner)  # a new one: never one of the node's own
+        return await self._open_session(raft.loop.time() + wait, wait, owner, here=True)  # a new one: never one of the node's own
 
     def propose_now(self, slots: Sequence[Slot]) -> None:
         """The write path without a task per write (kv.open's, and the etcd API's plain
@@ -247,11 +249,17 @@ class Writer:
         except Timeout as e:
             raise NotLeader(f"no client session could be opened for the write in time ({e}); it was not carried out: retry shortly") from e
 
-    async def _open_session(self, deadline: float, wait: float, owner: str = "") -> int:
+    async def _open_session(self, deadline: float, wait: float, owner: str = "", here: bool = False) -> int:
+        """`here`: wait until this node has applied the open too (kv.Node counts a token's
+        open sessions in its own table: one opened through a follower that lags is not
+        there yet, and would be taken for closed)."""
         session = new_session_id()
         applied, _ = await self._send(encode_command(cmds.SessionOpen(session, self.config.max_sessions, owner)), deadline, wait)
         if type(applied.result) is not cmds.SessionOpened:
             raise Unavailable(f"opening client session {session} failed: {applied.result!r}")
+        if here:
+            with contextlib.suppress(DeadlineExceeded):  # (open all the same: the cap counts it a little late)
+                await self.raft.wait_applied(applied.index, deadline)
         return session
 
     def leader_view(self) -> tuple[bool, int, int]:
