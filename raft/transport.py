@@ -392,7 +392,7 @@ class _Link:
     def __init__(self, t: TcpTransport, peer: str, addrs: tuple[str, ...]) -> None:
         self.t, self.peer, self.addrs = t, peer, addrs
         self._at = 0  # the address dialled: addrs[_at]
-        self._told = ""  # the other-cluster warning logged for this link (once)
+        self._told: set[str] = set()  # the other-cluster warnings logged for this link (each once)
         self.conn: _Outbound | None = None
         self._queued: list[bytes] = []  # frames sent this turn of the loop, written by _flush
         self._queued_bytes = 0
@@ -418,9 +418,9 @@ class _Link:
                 elif isinstance(e, _RemovedByPeer):
                     self.t.on_removed(self.peer)
                 elif isinstance(e, _OtherCluster):
-                    if str(e) != self._told:  # (once, not at every retry)
+                    if str(e) not in self._told:  # (once an address, not at every retry)
                         log.warning("%s", e)
-                        self._told = str(e)
+                        self._told.add(str(e))
                 elif isinstance(e, _RefusedByPeer):
                     # The peer logs why; with TLS 1.3 a peer that does not trust our
                     # certificate hangs up only after the TLS handshake, without a reason.
@@ -433,7 +433,7 @@ class _Link:
                 await asyncio.sleep(backoff.next())
                 continue
             backoff.reset()
-            self._told = ""
+            self._told.clear()
             self.conn = proto
             self.t._on_connected(self.peer)
             await proto.lost

@@ -267,3 +267,34 @@ def test_a_node_restored_with_the_old_clusters_peers_is_kept_out_of_it(cluster, 
         assert not any("second node dials as 'n1'" in cluster.log(i) for i in cluster.ids)
     finally:
         new.close()
+
+
+def test_a_tenant_flooding_sessions_through_every_node_leaves_the_admins_exactly_once_write_alone(tmp_path):
+    """Three real nodes with tokens and --max-sessions 30: the admin opens a session through
+    one follower and creates a key in it; a prefix-scoped token opens 100 sessions round-robin
+    over the nodes. The admin's write, sent again through the other follower, is answered as
+    the first time (before owners were recorded, its session was evicted: 409 SESSION_EXPIRED)."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('"a-admin-0123" = "admin"\n"t-tenant-0123" = { role = "write", prefix = "app/" }\n')
+    from test_adversarial_net import AuthedCluster  # (its helper requests carry the admin token)
+
+    c = AuthedCluster(str(tmp_path / "c"), extra=["--tokens", str(tokens), "--max-sessions", "30"], proxies=False)
+    c.token = "a-admin-0123"
+    c.start()
+    try:
+        lead = c.leader()
+        f1, f2 = [i for i in c.ids if i != lead]
+        admin, tenant = {"Authorization": "Bearer a-admin-0123"}, {"Authorization": "Bearer t-tenant-0123"}
+        wait_until(lambda: c.request(f1, "POST", "/v1/sessions", b"", admin)[0] == 200, 20, "a session through a follower")
+        code, _, body = c.request(f1, "POST", "/v1/sessions", b"", admin)
+        h = {**admin, "X-Kv-Session": str(orjson.loads(body)["id"]), "X-Kv-Seq": "1", "If-None-Match": "*"}
+        code, _, first = c.request(f1, "PUT", "/v1/kv/cfg/x", b"1", h)
+        assert code == 200, first
+        opened = [c.request(c.ids[i % 3], "POST", "/v1/sessions", b"", tenant, timeout=10)[0] for i in range(100)]
+        assert opened == [200] * 100
+        evicted = sum(int(float(line.split()[1])) for line in c.request(lead, "GET", "/metrics", None, admin)[2].decode().splitlines() if line.startswith("kv_sessions_evicted_total "))
+        assert evicted >= 70
+        code, _, again = c.request(f2, "PUT", "/v1/kv/cfg/x", b"1", h)
+        assert code == 200 and orjson.loads(again) == orjson.loads(first), again
+    finally:
+        c.close()

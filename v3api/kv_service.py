@@ -208,8 +208,9 @@ class KVService(rpc_pb2_grpc.KVServicer):
         per branch, a nested transaction's within what its parent leaves — then that no key
         is written twice along one path."""
         txn = self._checked_txn(request, self.max_ops)
-        all_of = list(_nested(txn))
-        if sum(len(t.compares) for t in all_of) > self.max_ops or sum(len(t.success) + len(t.failure) for t in all_of) > 2 * self.max_ops:
+        ops = list(cmds.txn_ops(txn))
+        all_of = [txn, *(op for op in ops if type(op) is cmds.TxnReq)]
+        if sum(len(t.compares) for t in all_of) > self.max_ops or len(ops) > 2 * self.max_ops:
             # etcd lets each nested transaction hold what its parent leaves: 32 of 32
             # compares each, a request of 30 kB, evaluated 1,024 compares on every node
             # (etcd's text alone: Go's clientv3 knows its errors by their text; docs/etcd.md says why)
@@ -269,14 +270,6 @@ class KVService(rpc_pb2_grpc.KVServicer):
         if len(p.value) > self.node.config.max_value_bytes:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, wire.ERR_TOO_LARGE)
         return put_req(p)
-
-
-def _nested(txn: cmds.TxnReq):
-    """The transaction and every transaction nested in it, in either branch."""
-    yield txn
-    for op in txn.success + txn.failure:
-        if type(op) is cmds.TxnReq:
-            yield from _nested(op)
 
 
 def put_req(p: rpc_pb2.PutRequest) -> cmds.PutReq:

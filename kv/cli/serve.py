@@ -14,7 +14,7 @@ from ..server import tls
 from ..server.config import NodeConfig, check_hostport
 from ..server.datadir import DataDirLock, holds_a_node
 from ..server.eventlog import log_term_from, setup_logging
-from ..server.join import join_cluster, promote_when_caught_up
+from ..server.join import join_cluster
 from ..server.process import check_can_listen, http_connection_cap, install_uvloop, listen_error, raise_fd_limit, tune_gc
 from ..raft.errors import MemberRemoved
 from .refusal import EXIT_ERROR, EXIT_REMOVED
@@ -81,7 +81,6 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     log_term_from(lambda: node.raft.term if node.raft else None)
     tune_gc()
     runner = grpc_server = None
-    promoting = asyncio.ensure_future(promote_when_caught_up(config, lambda: any(m["id"] == config.id and m["voter"] for m in node.members()))) if config.join else None
     try:
         from ..v3api.access import CallCounts  # etcd's API: its two fronts' calls, counted together
 
@@ -152,8 +151,6 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
             log.info("handed leadership to %s before stopping", to)
         return code
     finally:
-        if promoting is not None:
-            promoting.cancel()
         if runner is not None:
             await runner.cleanup()
         if grpc_server is not None:

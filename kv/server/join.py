@@ -1,15 +1,14 @@
 """Joining a running cluster (kv serve --join URL): a new node asks a member to add it as
-a learner, starts from the membership it is given, and asks to become a voter until the
-leader agrees that it has caught up."""
+a learner to be promoted once caught up (`kv member add --voter`: the leader promotes it by
+itself, raft/core.py _maybe_promote), and starts from the membership it is given."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 from ..client.async_client import AsyncClient
-from ..errors import BadRequest, Conflict, KVError, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
+from ..errors import BadRequest, Conflict, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
 from ..raft.backoff import Backoff
 from ..raft.membership import Member, Membership, new_ledger_id
 from .config import NodeConfig
@@ -34,7 +33,7 @@ async def join_cluster(config: NodeConfig) -> tuple[Membership, str]:
     async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s), cacert=config.cacert) as c:
         while True:
             try:
-                members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=False, ledger=ledger_id)
+                members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=True, ledger=ledger_id)
                 _refuse_a_voter_that_lost_its_data(config, members)  # (the leader's list, as of the add)
                 return Membership.of(Member(m["id"], m["peer"], m.get("http", ""), m["voter"]) for m in members), ledger_id
             except (MemberExists, Unauthorized, BadRequest):
@@ -66,21 +65,3 @@ def _refuse_a_voter_that_lost_its_data(config: NodeConfig, members: list[dict]) 
             f"first (kv member remove {config.id} --endpoints {config.join}{' --token ...' if config.token else ''}), then run "
             f"this command again (no leader to remove it? kv status says; docs/cluster.md: a majority lost for good)"
         )
-
-
-async def promote_when_caught_up(config: NodeConfig, is_voter: Callable[[], bool]) -> None:
-    """A joined learner asks to become a voter until the leader agrees it has caught up;
-    `is_voter()` says whether the membership this node has applied counts it a voter."""
-    if is_voter():  # a restart (--join kept in its command) of a node that is a voter already
-        return
-    async with AsyncClient(config.join, token=config.token, timeout=10, cacert=config.cacert) as c:
-        while not is_voter():
-            try:
-                members = await c.promote_member(config.id)
-            except KVError as e:  # Conflict until caught up; or the cluster is busy
-                log.info("waiting to be made a voter once caught up (the leader says: %s); asking again", e)
-            else:  # the leader's list once the promotion committed (or once it was so already)
-                if any(m["id"] == config.id and m["voter"] for m in members):
-                    break
-            await asyncio.sleep(1.0)
-        log.info("joined the cluster as a voter")

@@ -82,26 +82,28 @@ class Members:
             )
         cur = self._leaders("membership changes are made by the leader").membership
         old = cur.get(member_id)
+        promote = voter and old is not None and not (old.voter or old.promote)
         if old is not None and not replace:
-            if old.peer_addr != peer or old.http_url not in (http, "") or (voter and not (old.voter or old.promote)):
+            if old.peer_addr != peer or old.http_url not in (http, ""):
                 raise MemberExists(
                     f"{member_id} is already a member (peer {old.peer_addr}, client URL {old.http_url or 'not known'}); "
                     "remove it first, or replace its addresses (kv member add ... --replace)"
                 )
-            if old.voter or ((old.http_url == http or not http) and (old.ledger == ledger or not ledger)):
+            if old.voter or (not promote and (old.http_url == http or not http) and (old.ledger == ledger or not ledger)):
                 # asked again for what is already so (a voter's client URL or ledger not
                 # known, a founding member's, stays so: a voter's join is refused by the
                 # joiner, join.py)
                 return self.list()
             # a learner added without its client URL (kv member add), now joining with it,
             # or joining again from another data dir: its URL and ledger are recorded (the
-            # other data dir's links are refused then)
+            # other data dir's links are refused then); asked to be a voter (a join asks),
+            # it is promoted once caught up
         if old is None and replace:
             raise NotFound(f"{member_id} is not a member; add it instead")
         if old is None:
             new = Member(member_id, peer, http, voter=False, promote=voter, ledger=ledger)
         else:
-            new = dataclasses.replace(old, peer_addr=peer, http_url=http or old.http_url, ledger=ledger or old.ledger)
+            new = dataclasses.replace(old, peer_addr=peer, http_url=http or old.http_url, ledger=ledger or old.ledger, promote=old.promote or promote)
         await self._change(cur.with_member(new), timeout)
         if replace:
             log.info("member %s moved: peer %s, client URL %s", member_id, new.peer_addr, new.http_url or "not known")
