@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -279,7 +280,9 @@ class RaftNode:
         self._proposals: list[tuple[int, bytes, asyncio.Future]] = []
         self._read_batches: dict[tuple[bool, int | None], ReadBatch] = {}  # (lease, deadline's bucket): reads not yet asked of the core
         self._read_futs: dict[int, ReadBatch] = {}  # ctx -> the reads the core was asked for under it
-        self._ctx = itertools.count(1)
+        # Numbers forwards and read batches from a random start: a leader's late answer to a
+        # forward from this node's run before a restart must not be taken for this run's.
+        self._ctx = itertools.count(secrets.randbits(62))
         self._pending: dict[int, tuple[int, asyncio.Future]] = {}  # index -> (term, future)
         # Proposals' deadline entries, in proposal order: (bucket, waiter or AllOf), taken
         # out of the Deadlines once answered (_forget_answered), not held until they are due.
@@ -608,8 +611,8 @@ class RaftNode:
             self.loop.create_task(self._serve_forward(msg))
             return
         if t is ForwardResponse:
-            fut = self._forwards.get(msg.req_id, (None, None))[1]
-            if fut is not None and not fut.done():
+            leader, fut = self._forwards.get(msg.req_id, (None, None))
+            if fut is not None and msg.src == leader and not fut.done():
                 fut.set_result(msg)
             return
         if t is SnapshotChunk or t is SnapshotChunkAck:

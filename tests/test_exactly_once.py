@@ -35,7 +35,7 @@ import time
 import urllib.request
 
 import pytest
-from cluster import ProcCluster
+from cluster import ProcCluster, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -383,3 +383,48 @@ def test_etcd_api_puts_on_the_leader_apply_once_across_leader_changes(tmp_path):
     # away, a timeout) may belong to a put that was applied.
     open_ended = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN", "CANCELLED"}
     assert [(k, code) for k, code in failed if code not in open_ended and k in versions] == []
+
+
+def test_a_late_answer_to_a_restarted_followers_earlier_run_is_not_its_own(tmp_path):
+    """A follower forwards a compare-and-set that will fail; the leader holds its answer
+    (failpoint: a slow leader); the follower is killed -9 and restarted, and forwards a
+    compare-and-set that commits. The held answer to the earlier run must not be taken for
+    the new one's (forward ids started at 1 on every start, so it was: 412 for a write that
+    committed, and the reverse, 200 for one refused)."""
+    hold = 4.0  # under the write timeout: the leader does answer the earlier run, late
+    c = ProcCluster(str(tmp_path), env={"KV_FAILPOINTS": f"write.before_answer~{hold}"})
+    with c:
+        c.start()
+        a = c.leader()
+        b = next(i for i in c.ids if i != a)
+        opened: list = []
+        openers = [threading.Thread(target=lambda: opened.append(c.request(a, "POST", "/v1/sessions", timeout=30))) for _ in range(2)]
+        for t in openers:
+            t.start()
+        for t in openers:
+            t.join()
+        s1, s2 = (json.loads(body)["id"] for _, _, body in opened)
+        code, _, body = c.request(a, "PUT", "/v1/kv/x", b"v0", timeout=30)
+        assert code == 200, body
+        mod = json.loads(body)["index"]
+
+        def put_x(session: int, if_match: int, value: bytes, out: list) -> None:
+            h = {"X-Kv-Session": str(session), "X-Kv-Seq": "1", "If-Match": f'"{if_match}"'}
+            try:
+                out.append(c.request(b, "PUT", "/v1/kv/x", value, h, timeout=30))
+            except OSError as e:  # the earlier run is killed before it answers
+                out.append(e)
+
+        earlier: list = []
+        t = threading.Thread(target=put_x, args=(s1, mod + 1000, b"refused", earlier))
+        t.start()
+        time.sleep(0.5)  # forwarded, its answer held by the leader
+        c.kill(b)
+        t.join()
+        c.start(b)
+        wait_until(lambda: c.status(b).get("leader") == a, 10, f"the restarted {b} to know the leader")
+        now: list = []
+        put_x(s2, mod, b"committed", now)
+        code, _, body = now[0]
+        assert code == 200, (code, body)
+        assert c.get(a, "x")[1] == b"committed"
