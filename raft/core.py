@@ -99,6 +99,11 @@ class RaftCore:
             config, self.log, self._send, lambda s: self._ready.snapshot_sends.append(s), lambda lost: self._ready.lost_entries.append(lost)
         )
         self.transferee: str | None = None
+        # The term in which we last sent a TimeoutNow. Its transferee may act on it at any
+        # time in that term, long after the transfer was given up (a paused process, a slow
+        # link), and its voters then set check-quorum's lease aside: for the rest of that term
+        # our lease proves nothing, and lease reads take a heartbeat round.
+        self._handed_over_in = -1
         self._transfer_deadline = 0.0
         # Read index: reads wait there until a heartbeat round confirms leadership.
         self._reads = ReadIndex()
@@ -568,6 +573,7 @@ class RaftCore:
         t = self.transferee
         pr = self._repl.progress.get(t) if t else None
         if pr is not None and pr.match >= self.log.last_index():
+            self._handed_over_in = self.term
             self._send(TimeoutNow(self.id, pr.peer, self.term))
 
     # ======================================================================================
@@ -591,6 +597,7 @@ class RaftCore:
         return (
             self.cfg.check_quorum
             and self.transferee is None
+            and self._handed_over_in != self.term
             and self.committed_in_term()
             and self._reads.lease_valid(now, self.cfg.election_timeout_ms * self.cfg.lease_safety)
         )

@@ -678,6 +678,41 @@ def test_an_isolated_leader_never_serves_a_linearizable_read():
     assert any(f.ctx == 7 for f in failed)  # failed when it stepped down (check quorum)
 
 
+def test_a_transfer_given_up_leaves_no_lease_to_read_by():
+    """A leadership transfer whose TimeoutNow reaches the transferee only after the leader
+    gave it up (the transferee paused, a slow link): the transferee then campaigns with the
+    transfer's right to set the voters' leases aside and wins, while the old leader, cut off,
+    still holds the lease its last heartbeat round earned. A lease read there would be
+    stale (found from outside: an acknowledged write, then the old value from the old
+    leader with consistency=lease). After a TimeoutNow, the leader's lease is gone for the
+    rest of its term."""
+    sim, lid, tid = settled_with_a_follower(seed=21)
+    leader = sim.nodes[lid].core
+    sim.cut.add((lid, tid))  # the TimeoutNow does not arrive (yet)
+    leader.transfer_leadership(tid, sim.now)
+    sim._process(sim.nodes[lid])
+    sim.run_for(leader.cfg.election_timeout_ms + 100)  # past the transfer's deadline: given up
+    assert leader.transferee is None and sim.leader() == lid
+    sim.cut.clear()
+    sim.run_for(200)  # heartbeat rounds confirmed: without the fix, a lease again
+    term = leader.term
+    sim.isolate(lid)  # the old leader hears nothing from here on
+    sim.nodes[tid].core.step(TimeoutNow(lid, tid, term), sim.now)  # the late TimeoutNow
+    sim._process(sim.nodes[tid])
+    sim.run_for(100)
+    new = sim.nodes[tid].core
+    assert new.role == Role.LEADER and new.term == term + 1
+    new.propose([(EntryKind.NORMAL, b"after")], sim.now)
+    sim._process(sim.nodes[tid])
+    sim.run_for(50)
+    assert new.commit_index > leader.commit_index  # a write the old leader never saw, committed
+    served, _ = reads_answered_at(sim, lid)
+    leader.read_index(99, sim.now, lease=True)
+    sim._process(sim.nodes[lid])
+    assert leader.role == Role.LEADER and leader.term == term  # it has not heard yet
+    assert not any(r.ctx == 99 for r in served), "a lease read on a leader that handed over"
+
+
 def settled_with_a_follower(seed: int) -> tuple[Sim, str, str]:
     """A 3-node sim with a leader that has committed an entry, and one of its followers."""
     sim = Sim(3, seed=seed)
