@@ -5,6 +5,7 @@ watches.)"""
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import urllib.request
 import time
@@ -149,3 +150,40 @@ def test_a_watch_canceled_in_the_same_breath_as_its_create_is_closed(node):
         time.sleep(0.1)
     assert _open_watches(node) == before
     s.close()
+
+
+async def test_watches_waiting_for_a_full_stream_to_drain_wait_in_turn(tmp_path):
+    """A stream whose client reads slowly, its queue full, with many watches waiting for
+    room: each answer the client reads wakes one of them, not all (a stream of 5,000 stalled
+    watches cost the node 6 ms of its loop per answer read; one token holder reading slowly
+    kept a node's loop busy for minutes). Wakeups are counted by the stream's event."""
+    from kv import Node, NodeConfig
+    from kv.v3api.watch_service import WatchService, _Stream
+
+    class Counted(asyncio.Event):
+        woken = 0
+
+        async def wait(self):
+            await super().wait()
+            Counted.woken += 1
+
+    node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), watch_buffer_bytes=1000))
+    await node.start()
+    try:
+        stream = _Stream(WatchService(node, None), None)
+        stream._changed = Counted()
+        answer = rpc_pb2.WatchResponse(watch_id=1, events=[{"kv": {"key": b"k", "value": b"v" * 500}}])
+        for _ in range(40):  # past the stream's limit (4 x 1,000 bytes)
+            stream.put(answer)
+        waiting = [asyncio.ensure_future(stream.room()) for _ in range(500)]
+        await asyncio.sleep(0.1)
+        for _ in range(20):  # the client reads 20 answers: the queue stays full
+            await stream.get()
+            await asyncio.sleep(0)
+        assert not any(t.done() for t in waiting)
+        assert Counted.woken <= 2 * 20, f"{Counted.woken} wakeups for 20 answers read"
+        while stream.out:  # the client reads the rest: every watch gets its turn
+            await stream.get()
+        await asyncio.wait_for(asyncio.gather(*waiting), 10)
+    finally:
+        await node.stop()
