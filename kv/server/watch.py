@@ -142,7 +142,8 @@ class Watch:
                 if timer is not None:
                     timer.cancel()
             if not self._buf and self._failure is None and not self._closed and self._live:
-                return [], self._hub.applied_index()
+                # (not below where the watch started: one from an index ahead of this node)
+                return [], max(self._hub.applied_index(), self.cursor - 1)
         return None
 
     def _ended(self) -> KVError:
