@@ -227,3 +227,25 @@ def test_a_path_that_is_a_file_is_refused_as_a_data_dir_with_a_kv_error(tmp_path
     with pytest.raises(kv.BadRequest, match="a directory on its path is a file"):
         kv.open(str(f / "sub"))
     assert f.read_text() == "not a directory"
+
+
+def test_a_cluster_members_data_dir_is_refused_at_once(tmp_path):
+    """A stopped cluster member's data dir, opened with its id (what the error for the
+    wrong id suggests): refused in one line, not a wait for a leader that one member of
+    three can never elect (it hung for good)."""
+    import asyncio
+
+    from kv import Node, NodeConfig
+    from kv.bench.harness import free_port
+
+    async def member() -> None:
+        peers = {i: f"127.0.0.1:{free_port()}" for i in ("n1", "n2", "n3")}
+        node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), peers=peers))
+        await node.start()
+        await node.stop()
+
+    asyncio.run(member())
+    with pytest.raises(kv.BadRequest, match=r"member 'n1' of a cluster of 3 \(n1, n2, n3\).*kv serve"):
+        kv.open(str(tmp_path / "n1"), id="n1")
+    with pytest.raises(kv.KVError, match="belongs to node 'n1'"):
+        kv.open(str(tmp_path / "n1"))

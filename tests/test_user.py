@@ -238,6 +238,39 @@ def test_cluster_up_whose_terminal_closes_stops_its_nodes(tmp_path):
         out.close()
 
 
+def _processes_naming(text: str) -> list[int]:
+    """The pids of processes with `text` in their command line."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_cluster_up_whose_output_pipe_closes_stops_its_nodes(tmp_path):
+    """`kv cluster up | head -1`: the reader goes away before the table of nodes is printed.
+    The command stops its nodes and ends as a Unix tool does on a closed pipe (141); it
+    used to die there and leave the nodes running, holding the ports and data dirs."""
+    d = str(tmp_path / "kvdata")
+    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(_free_base_port()), "--nodes", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert up.stdout.readline().startswith(b"[")  # "starting 1 nodes under ..."
+        up.stdout.close()  # (what head does once it has its line)
+        assert up.wait(60) == 141
+        time.sleep(1.0)  # (a node left behind would have its data dir by now)
+        assert _processes_naming(d) == [], "the node runs on"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for pid in _processes_naming(d):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_cluster_up_whose_nodes_die_at_start_exits_non_zero_naming_them(tmp_path):
     d = str(tmp_path / "kvdata")
     # A heartbeat longer than half the election timeout: every node refuses to start. (With

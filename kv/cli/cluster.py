@@ -146,31 +146,31 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
     _say(f"starting {nodes} nodes under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
     if kept:  # (a newcomer took a data dir left from an earlier run for a new cluster)
         _say(f"  with the data of an earlier run ({', '.join(kept)}): delete {os.path.abspath(data_dir)} first to start afresh")
-    for n in plan:
-        ndir = os.path.join(data_dir, n["id"])
-        os.makedirs(ndir, exist_ok=True)
-        logs[n["id"]] = open(os.path.join(ndir, "serve.log"), "ab")
-        n["args"] = ["--id", n["id"], "--data-dir", os.path.abspath(ndir), "--http", n["http"], "--grpc", n["grpc"], "--peers", n["peers"], *extra]
-        procs[n["id"]] = await asyncio.create_subprocess_exec(
-            *SERVE, *n["args"], stdout=logs[n["id"]], stderr=logs[n["id"]], start_new_session=True,
-        )
-    print()
-    rows = [("node", "client endpoint", "etcd API (gRPC)", "pid"), *((n["id"], n["url"], n["grpc"], str(procs[n["id"]].pid)) for n in plan)]
-    print("\n".join(columns(rows, right=(3,), indent="  ")))
-    print()
-    endpoints = ",".join(n["url"] for n in plan)
-    print(f"  try:  kv put hello world --endpoints {endpoints}")
-    print(f"        kv get hello --endpoints {endpoints}")
-    print(f"        kv status --endpoints {endpoints}")
-    print(f"        etcdctl --endpoints {','.join(n['grpc'] for n in plan)} get hello")
-    if endpoints != (os.environ.get("KV_ENDPOINTS") or ",".join(DEFAULT_ENDPOINTS)):  # where commands without --endpoints go
-        print(f"  or, for every command in a shell:  export KV_ENDPOINTS={endpoints}")
-    if os.environ.get("KV_TOKEN") or os.environ.get("KV_TOKENS"):  # the nodes took them from this shell
-        print("  tokens are on ($KV_TOKEN / $KV_TOKENS): in another shell, export KV_TOKEN=<a token> first;")
-        print("        etcdctl takes one as --user root:<token>")
-    print("  Ctrl-C stops the cluster.\n", flush=True)
     code = 0
-    try:
+    try:  # (from the first node started: whatever breaks, from a closed stdout up, stops them)
+        for n in plan:
+            ndir = os.path.join(data_dir, n["id"])
+            os.makedirs(ndir, exist_ok=True)
+            logs[n["id"]] = open(os.path.join(ndir, "serve.log"), "ab")
+            n["args"] = ["--id", n["id"], "--data-dir", os.path.abspath(ndir), "--http", n["http"], "--grpc", n["grpc"], "--peers", n["peers"], *extra]
+            procs[n["id"]] = await asyncio.create_subprocess_exec(
+                *SERVE, *n["args"], stdout=logs[n["id"]], stderr=logs[n["id"]], start_new_session=True,
+            )
+        print()
+        rows = [("node", "client endpoint", "etcd API (gRPC)", "pid"), *((n["id"], n["url"], n["grpc"], str(procs[n["id"]].pid)) for n in plan)]
+        print("\n".join(columns(rows, right=(3,), indent="  ")))
+        print()
+        endpoints = ",".join(n["url"] for n in plan)
+        print(f"  try:  kv put hello world --endpoints {endpoints}")
+        print(f"        kv get hello --endpoints {endpoints}")
+        print(f"        kv status --endpoints {endpoints}")
+        print(f"        etcdctl --endpoints {','.join(n['grpc'] for n in plan)} get hello")
+        if endpoints != (os.environ.get("KV_ENDPOINTS") or ",".join(DEFAULT_ENDPOINTS)):  # where commands without --endpoints go
+            print(f"  or, for every command in a shell:  export KV_ENDPOINTS={endpoints}")
+        if os.environ.get("KV_TOKEN") or os.environ.get("KV_TOKENS"):  # the nodes took them from this shell
+            print("  tokens are on ($KV_TOKEN / $KV_TOKENS): in another shell, export KV_TOKEN=<a token> first;")
+            print("        etcdctl takes one as --user root:<token>")
+        print("  Ctrl-C stops the cluster.\n", flush=True)
         died = await _watch(plan, procs, stop, {nid: os.path.abspath(f.name) for nid, f in logs.items()})
         code = 1 if died else 0
     finally:
