@@ -38,7 +38,9 @@ To a peer the caller's `removed(from, its ledger_id)` refuses (a member removed 
 cluster, or the data dir a member had before it was removed and joined again from an empty
 one) it says so first: REMOVED, proof_r = HMAC(secret, "removed"|group|from|to|nonce_c),
 which the dialer checks before it believes it (the node stops once most of the others, or
-its leader, say so: raft/node.py).
+its leader, say so: raft/node.py). To a dialer that reached the wrong node or group (a slip
+in --peers) it says why in REFUSED, a line the dialer only logs (nothing proves it), and
+the dialer tries the peer's other address: the one dialled is not that peer's.
 After that every frame must carry `src` = the authenticated id and `dst` = the acceptor.
 Peers are known by id, never by address: the address dialled may be a proxy or a NAT.
 A frame that does not parse, is too large or breaks these rules closes that connection and
@@ -77,6 +79,7 @@ log = logging.getLogger("kv.raft.transport")
 MAGIC = b"LKV1"
 HELLO, WELCOME, AUTH = 100, 101, 102  # the handshake's frame types
 REMOVED = 103  # the acceptor's answer to a member removed from the cluster (then it closes)
+REFUSED = 104  # the acceptor's answer to a dialer that reached the wrong node or group: why
 HANDSHAKE_TIMEOUT = 5.0
 NONCE_BYTES = 16  # nonce_c's random part, before the dialer's ledger_id
 PREAUTH_MAX_FRAME = 4096  # HELLO and AUTH are a few hundred bytes
@@ -278,8 +281,10 @@ class _Inbound(asyncio.Protocol):
                 raise codec.CodecError("not a ledgerkv peer")
             src_s = src.decode()
             if group.decode() != t.group:
+                self._refuse(f"this is a node of group {t.group!r}, not {group.decode()!r}")
                 raise codec.CodecError(f"peer {src_s!r} is in group {group.decode()!r}, we are in {t.group!r}")
             if dst.decode() != t.node_id:
+                self._refuse(f"this is node {t.node_id!r}, not {dst.decode()!r}")
                 raise codec.CodecError(f"peer {src_s!r} dialled node {dst.decode()!r} but reached {t.node_id!r}")
             if src_s == t.node_id:
                 raise codec.CodecError(f"a peer claims to be this node ({src_s!r})")
@@ -306,6 +311,9 @@ class _Inbound(asyncio.Protocol):
         else:
             raise codec.CodecError("unexpected frame during handshake")
 
+    def _refuse(self, why: str) -> None:
+        self.transport.write(codec.frame(REFUSED, pack_strs(why.encode())))
+
 
 class _RefusedByPeer(ConnectionError):
     pass
@@ -318,6 +326,10 @@ class _RemovedByPeer(_RefusedByPeer):
 
 class _OtherCluster(ConnectionError):
     """The peer answered with another cluster's id: this node hung up."""
+
+
+class _NotThePeer(ConnectionError):
+    """What answered at the peer's address says it is another node (REFUSED)."""
 
 
 class _Outbound(asyncio.Protocol):
@@ -349,6 +361,12 @@ class _Outbound(asyncio.Protocol):
                     if not hmac.compare_digest(proof, _mac(t.secret, b"removed", g, me, peer, self.nonce_c)):
                         raise codec.CodecError(f"{self.link.peer} says this node was removed, without the cluster secret's proof")
                     self.ready.set_exception(_RemovedByPeer(f"{self.link.peer} refuses this node: it was removed from the cluster"))
+                    self.transport.close()
+                    return
+                if ftype == REFUSED and not self.ready.done():
+                    (why,) = _unpack_strs(body, 1)
+                    said = "".join(ch if ch.isprintable() else "?" for ch in why.decode(errors="replace")[:100])
+                    self.ready.set_exception(_NotThePeer(f"{self.link.peer} at {self.link.addr} answered {said!r}: check its address in --peers"))
                     self.transport.close()
                     return
                 if ftype != WELCOME or self.ready.done():
@@ -417,9 +435,11 @@ class _Link:
                     log.warning("TLS with %s at %s failed: %s; check --peer-cert/--peer-key/--peer-ca on both", self.peer, self.addr, e)
                 elif isinstance(e, _RemovedByPeer):
                     self.t.on_removed(self.peer)
-                elif isinstance(e, _OtherCluster):
+                elif isinstance(e, (_OtherCluster, _NotThePeer)):
                     if str(e) not in self._told:  # (once an address, not at every retry)
                         log.warning("%s", e)
+                        if len(self._told) >= 16:  # (what answers at an address may say something new each time)
+                            self._told.clear()
                         self._told.add(str(e))
                 elif isinstance(e, _RefusedByPeer):
                     # The peer logs why; with TLS 1.3 a peer that does not trust our

@@ -62,6 +62,9 @@ CASES = [
                  "kv serve: --peers n1=127.0.0.1:28999 and --http 127.0.0.1:28999 are the same port: give each its own", 1, id="http-is-peer-port"),
     pytest.param(SERVE + ["--http", "0.0.0.0:28999", "--peers", "n1=127.0.0.1:28999"], {}, {},
                  "kv serve: --peers n1=127.0.0.1:28999 and --http 0.0.0.0:28999 are the same port: give each its own", 1, id="http-all-is-peer-port"),
+    # (a node given its own address for another member dialled itself, and the logs spoke of a handshake refused)
+    pytest.param(SERVE + ["--peers", "n1=127.0.0.1:28997,n2=127.0.0.1:28998,n3=127.0.0.1:28997"], {}, {},
+                 "kv serve: --peers 'n1=127.0.0.1:28997,n2=127.0.0.1:28998,n3=127.0.0.1:28997': peers 'n1' and 'n3' have the same address 127.0.0.1:28997: each member listens on its own", 1, id="peers-same-address"),
     pytest.param(["put", "k", "v", "--timeout", "inf"], {}, {}, "kv put: argument --timeout: inf is not a finite number of seconds", 2, id="timeout-inf"),
     pytest.param(SERVE + ["--http", "nowhere"], {}, {}, "--http 'nowhere': expected HOST:PORT", 1, id="flag-hostport"),
     pytest.param(SERVE + ["--grpc", "http://127.0.0.1:2379"], {}, {}, "--grpc 'http://127.0.0.1:2379': expected HOST:PORT without the scheme, e.g. 127.0.0.1:2379", 1, id="flag-hostport-url"),

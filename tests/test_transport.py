@@ -246,6 +246,32 @@ async def test_a_node_of_another_cluster_is_not_connected_and_the_dialer_says_wh
         await b.stop()
 
 
+async def test_a_peer_address_that_reaches_another_node_is_named_and_the_next_one_tried(caplog):
+    """A slip in --peers: c dials b at a's address. a says who it is before it hangs up, c
+    logs it once ("check its address in --peers"; it used to log at every retry that b
+    'closed the connection during the handshake ... see its log', and only a's log said
+    why), and tries b's other address (the membership's), where b answers."""
+    addr = {i: f"127.0.0.1:{free_port()}" for i in "abc"}
+    got = []
+    a = TcpTransport("a", "g", addr["a"], removed=members(("b", "c")))
+    b = TcpTransport("b", "g", addr["b"], removed=members(("a", "c")))
+    c = TcpTransport("c", "g", addr["c"], removed=members(("a", "b")))
+    await a.start(lambda m: None, lambda peer: None)
+    await b.start(got.append, lambda peer: None)
+    await c.start(lambda m: None, lambda peer: None)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kv.raft.transport"):
+            c.set_peers({"b": (addr["a"], addr["b"])})
+            await wait_for(lambda: c.connected("b"))
+            assert c.send(HeartbeatRequest("c", "b", 1, 0, 0))
+            await wait_for(lambda: len(got) == 1)
+        said = [r.getMessage() for r in caplog.records if r.name == "kv.raft.transport" and "answered" in r.getMessage()]
+        assert said == [f"b at {addr['a']} answered \"this is node 'a', not 'b'\": check its address in --peers"]
+    finally:
+        for t in (a, b, c):
+            await t.stop()
+
+
 async def test_an_acceptor_of_an_earlier_version_says_nothing_after_the_nonce_and_is_connected():
     """An earlier version's WELCOME has the 16-byte nonce alone: a dialer with a cluster id
     connects (no id to compare), and takes the peer for one that applies no command level."""

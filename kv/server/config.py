@@ -24,14 +24,17 @@ def parse_peers(spec: str | dict) -> dict[str, str]:
     if isinstance(spec, dict):
         return {str(k): str(v) for k, v in spec.items()}
     peers: dict[str, str] = {}
+    at: dict[tuple[str, int], str] = {}  # address -> the peer given it
     for item in filter(None, (p.strip() for p in spec.split(","))):
         nid, sep, addr = item.partition("=")
         if not sep or not nid or not addr:
             raise BadRequest(f"bad peer {item!r}: expected ID=HOST:PORT, e.g. n1=127.0.0.1:7001")
-        check_hostport(addr, f"peer {nid}")
+        where = check_hostport(addr, f"peer {nid}")
         if nid in peers:
             raise BadRequest(f"peer {nid!r} is listed twice in --peers")
-        peers[nid] = addr
+        if where in at:  # (a node given its own address for another dials itself)
+            raise BadRequest(f"peers {at[where]!r} and {nid!r} have the same address {addr}: each member listens on its own")
+        peers[nid], at[where] = addr, nid
     return peers
 
 
