@@ -11,6 +11,7 @@ from aiohttp import web
 
 from kv import Node
 from kv.common.tls import client_context
+from kv.errors import WrongCluster
 from kv.server.access import request_forwarded
 
 from . import routes_admin, routes_kv, routes_leases, routes_members, routes_sessions, routes_watch
@@ -18,6 +19,7 @@ from .answer import Answer
 from .auth import ADMIN, OPEN_PATHS, Grant, authorize
 from .context import CONTEXT, LARGE_ANSWER, HttpContext
 from .errors import run_handler
+from .params import CLUSTER_HEADER
 from .fastpath import FastFront
 from .listener import CappedSite
 
@@ -54,6 +56,11 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
     c = request.app[CONTEXT]
     t0 = time.perf_counter()
     request_forwarded.set(False)  # requests of one keep-alive connection share a task
+    want = request.headers.get(CLUSTER_HEADER)
+    if want:
+        mine = c.node.cluster_id
+        if mine and want != mine:
+            handler = _wrong_cluster(mine, want)
     if c.grants and request.path not in OPEN_PATHS and not (c.metrics_public and request.path == "/metrics"):
 
         async def checked(request: web.Request):
@@ -63,12 +70,24 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
         resp = await run_handler(request, checked)
     else:
         resp = await run_handler(request, handler)
+    if want == "" and type(resp) is Answer and c.node.cluster_id:  # asked: which cluster is this?
+        resp.headers = {**(resp.headers or {}), CLUSTER_HEADER: c.node.cluster_id}
     elapsed = time.perf_counter() - t0
     route = request.match_info.route.name or "unmatched"
     c.node.metrics.observe_http(route, resp.status, elapsed)
     if c.access_log:
         _log_access(request, route, resp.status, elapsed)
     return resp
+
+
+def _wrong_cluster(mine: str, want: str):
+    async def refuse(request: web.Request):
+        raise WrongCluster(
+            f"this node belongs to cluster {mine}, not to {want}, the one the client reached first: its endpoints mix "
+            "two clusters (nothing was done); check them (--endpoints, $KV_ENDPOINTS)"
+        )
+
+    return refuse
 
 
 def _log_access(request: web.Request, route: str, status: int, elapsed: float) -> None:

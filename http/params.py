@@ -47,6 +47,9 @@ async def read_body(request: web.Request, limit: int, what: str = "the body", li
 
 
 TIMEOUT_HEADER = "X-Kv-Timeout"  # kv.Client sends it on every request
+# kv.Client sends the cluster id it reached first ("" before it knows it, and the answer
+# says it): a node of another cluster refuses the request (421) before doing anything.
+CLUSTER_HEADER = "X-Kv-Cluster"
 _SECONDS = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9})?")
 
 

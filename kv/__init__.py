@@ -62,6 +62,7 @@ from .errors import (  # noqa: E402
     Unauthorized,
     Unavailable,
     ValueTooLarge,
+    WrongCluster,
 )
 from .common.results import BulkRefusal, BulkResult, DeleteResult, Event, Item, LeaseStatus, Page, PrefixDeleteResult, RevokeResult, TxnResult, WriteResult  # noqa: E402
 from .common.sessions import RequestId  # noqa: E402
@@ -116,6 +117,7 @@ __all__ = [
     "ValueTooLarge",
     "Watch",
     "WatchCompacted",
+    "WrongCluster",
     "WriteResult",
     "open",
 ]

@@ -213,6 +213,13 @@ class Unauthorized(KVError):
     code, http_status = "UNAUTHORIZED", 401
 
 
+class WrongCluster(KVError):
+    """The node belongs to another cluster than the one the client reached first: its
+    endpoints mix two clusters. Nothing was done."""
+
+    code, http_status = "WRONG_CLUSTER", 421
+
+
 class DataDirLocked(KVError):
     """The data dir is in use by another owner (a process, or another store in this one).
     Nothing in it was read or changed."""

@@ -800,11 +800,17 @@ class Node(AsyncRecipes):
         """The revision of the last Compact applied here (0: none)."""
         return self.sm.compact_revision if self.sm is not None else 0
 
+    @property
+    def cluster_id(self) -> str:
+        """The cluster's identity ("" until its first leader chose one, or for a cluster made
+        by an earlier version until it is restored)."""
+        return self.sm.cluster_id if self.sm is not None else ""
+
     def ids(self) -> tuple[int, int]:
         """(cluster id, member id) as etcd's API reports them: stable 64-bit numbers derived
         from the cluster's identity (its group's name until a leader has chosen one) and
         this node's id."""
-        return etcd_id((self.sm.cluster_id if self.sm is not None else "") or self.config.group), etcd_id(self.config.id)
+        return etcd_id(self.cluster_id or self.config.group), etcd_id(self.config.id)
 
     # -- watch -----------------------------------------------------------------------------
 

@@ -132,3 +132,51 @@ if __name__ == "__main__":
         assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
     finally:
         c.close()
+
+
+MIXED = r"""
+import json, sys
+import kv
+
+with kv.Client(sys.argv[1], timeout=3) as c:
+    c.put("mixed/a", b"1")
+    print("written", flush=True)
+    sys.stdin.readline()  # the node that took it is paused now
+    for what, call in (("put", lambda: c.put("mixed/b", b"2")), ("get", lambda: c.get("mixed/a"))):
+        try:
+            print(what, "answered", call(), flush=True)
+        except kv.KVError as e:
+            print(what, type(e).__name__, type(e.__cause__).__name__, " ".join(str(e).split()), flush=True)
+"""
+
+
+def test_a_client_whose_endpoints_mix_two_clusters_is_refused_not_answered(tmp_path):
+    """One endpoint of another cluster in a client's list (a typo): the client writes to
+    the node it reached first, that node hangs, and the client turns to the other. That node
+    refuses what belongs to another cluster (421, nothing done): the write fails as outcome
+    unknown and the read fails, where the read answered 'no such key' for the key just
+    written and the write went to the other cluster."""
+    one, two = ProcCluster(str(tmp_path / "one"), 1, proxies=False), ProcCluster(str(tmp_path / "two"), 1, proxies=False)
+    with one, two:
+        one.start()
+        two.start()
+        one.leader()
+        two.leader()
+        p = subprocess.Popen([sys.executable, "-c", MIXED, f"{one.url('n1')},{two.url('n1')}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "written", p.stderr.read()
+            first, other = (one, two) if one.get("n1", "mixed/a")[0] == 200 else (two, one)
+            first.pause("n1")
+            p.stdin.write("\n")
+            p.stdin.flush()
+            put, get = p.stdout.readline().split(" ", 3), p.stdout.readline().split(" ", 3)
+            first.resume("n1")
+            assert p.wait(30) == 0, p.stderr.read()
+        finally:
+            if p.poll() is None:
+                p.kill()
+        assert put[1:3] == ["Timeout", "WrongCluster"] and "belongs to another cluster" in put[3], put
+        assert get[1:3] == ["WrongCluster", "NoneType"] and "mix two clusters (nothing was done)" in get[3], get
+        assert [other.get("n1", k)[0] for k in ("mixed/a", "mixed/b")] == [404, 404]
+        status = subprocess.run([sys.executable, "-m", "kv", "status", "--endpoints", f"{one.url('n1')},{two.url('n1')}"], capture_output=True, text=True, timeout=60)
+        assert status.returncode == 1 and "these endpoints belong to 2 clusters (cluster " in status.stderr, status

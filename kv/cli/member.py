@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 
+from .. import errors
 from ..client.endpoints import HINT
 from ..common.text import columns
 from .options import client_command, with_client
@@ -95,7 +96,21 @@ def _emit_status(rows: list) -> int:
         for ep, st in rows
     ]
     emit({"nodes": nodes})
-    return 1 if not any(n["reachable"] for n in nodes) else 0
+    return 1 if not any(n["reachable"] for n in nodes) or _mixed(rows) else 0
+
+
+def _mixed(rows: list) -> bool:
+    """Whether the nodes answering belong to more than one cluster (a slip in the
+    endpoints); says so on stderr."""
+    ids: dict[str, list[str]] = {}
+    for ep, st in rows:
+        if isinstance(st, dict) and st.get("cluster_id"):
+            ids.setdefault(st["cluster_id"], []).append(ep)
+    if len(ids) < 2:
+        return False
+    which = "; ".join(f"cluster {cid}: {', '.join(eps)}" for cid, eps in ids.items())
+    print(f"these endpoints belong to {len(ids)} clusters ({which}): check --endpoints / $KV_ENDPOINTS", file=sys.stderr)
+    return True
 
 
 def _print_status(rows: list) -> int:
@@ -106,7 +121,8 @@ def _print_status(rows: list) -> int:
     for ep, st in rows:
         if isinstance(st, Exception):
             down += 1
-            table.append(("?", "unreachable", "", "", "", "", "", "", "", "", ep))
+            refused = isinstance(st, (errors.Unauthorized, errors.Forbidden))  # it answered: not with its status
+            table.append(("?", "refused" if refused else "unreachable", "", "", "", "", "", "", "", "", ep))
         else:
             table.append(tuple(str(st.get(k) if st.get(k) is not None else "-") for k in cols) + (ep,))
     print("\n".join(columns(table)))
@@ -116,4 +132,5 @@ def _print_status(rows: list) -> int:
             if down < len(rows):  # others answered: "is the cluster running?" is beside the point
                 why = why.split(HINT, 1)[0]
             print(why, file=sys.stderr)
-    return 1 if down == len(rows) else 0  # the same rule as _emit_status
+    mixed = _mixed(rows)
+    return 1 if down == len(rows) or mixed else 0  # the same rule as _emit_status

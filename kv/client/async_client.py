@@ -41,6 +41,7 @@ from ..raft.messages import Entry
 from ..statemachine.commands import Cond, Put
 from .endpoints import (
     ATTEMPT_TIMEOUT_S,
+    CLUSTER_HEADER,
     NOT_A_NODE,
     NOT_CONNECTED,
     SEQ_HEADER,
@@ -103,6 +104,9 @@ class AsyncClient(AsyncRecipes):
         self._connections = connections
         self._session: aiohttp.ClientSession | None = None
         self.rotation = Rotation(self.endpoints)
+        # The cluster the first node to answer belongs to (CLUSTER_HEADER): a node of
+        # another, reached through a mistake in the endpoints, refuses what it is sent.
+        self.cluster_id = ""
         self._sessions = SessionPool(self._open_session)  # one per write in flight
 
     async def __aenter__(self) -> AsyncClient:
@@ -180,7 +184,7 @@ class AsyncClient(AsyncRecipes):
                 # The node answers within what is left less a margin (X-Kv-Timeout), so
                 # that a write no leader took comes back as such (NotLeader: not carried
                 # out), not as this client's own time-out (outcome unknown).
-                sent = {**(headers or {}), TIMEOUT_HEADER: f"{max(left - margin(left), 0.001):.3f}"}
+                sent = {**(headers or {}), TIMEOUT_HEADER: f"{max(left - margin(left), 0.001):.3f}", CLUSTER_HEADER: self.cluster_id}
                 if request_id is not None:
                     sent[SESSION_HEADER], sent[SEQ_HEADER] = str(request_id.session), str(request_id.seq)
                 async with self._sess().request(
@@ -189,6 +193,8 @@ class AsyncClient(AsyncRecipes):
                     method, URL(with_query(ep + path, params), encoded=True), data=data, headers=sent, timeout=aiohttp.ClientTimeout(total=left)
                 ) as resp:
                     body = await resp.read()
+                    if not self.cluster_id:
+                        self.cluster_id = resp.headers.get(CLUSTER_HEADER, "")
                     if resp.status == 404 and not is_ours(body):
                         # Another web server at this URL: its 404 is not "no such key".
                         raise errors.Unavailable(f"{ep} answered 404 without ledgerkv's error body: {NOT_A_NODE}")
@@ -198,6 +204,11 @@ class AsyncClient(AsyncRecipes):
                     last = told = error_for(resp.status, body, ep)  # a node's answer says more than another endpoint's silence
                     if resp.status == 504 and request_id is not None:
                         reached = told  # the node could not tell in its time: ask again while there is time
+                    elif isinstance(told, errors.WrongCluster) and reached is not None:
+                        raise errors.Timeout(
+                            f"{ep}: the write was to be sent again after {describe(reached)}, and this endpoint belongs to another "
+                            "cluster (its endpoints mix two): the first copy may or may not have been applied; check the endpoints"
+                        ) from told
                     elif isinstance(told, errors.SessionExpired) and reached is not None:
                         raise errors.Timeout(
                             f"{ep}: the write was sent again after {describe(reached)}, and by then its session had closed: the "
@@ -372,7 +383,7 @@ class AsyncClient(AsyncRecipes):
         Compacted when no endpoint still holds the start. end_index: stop after the changes
         of that index (a bounded range of the change feed). idle_timeout: seconds without a
         byte (the node sends progress every 5 s) before the node is taken for dead."""
-        return watch(self.rotation, self._sess, self.timeout, prefix, start_index, idle_timeout, end_index)
+        return watch(self.rotation, self._sess, self.timeout, prefix, start_index, idle_timeout, end_index, lambda: self.cluster_id)
 
     async def txn(self, conds: Sequence[Cond] = (), ops: Sequence = (), else_ops: Sequence = ()) -> TxnResult:
         """Atomically: if every kv.Cond holds run `ops`, else `else_ops` (kv.Put, kv.Delete,

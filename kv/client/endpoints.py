@@ -22,7 +22,7 @@ log = logging.getLogger("kv.client")
 DEFAULT_ENDPOINTS = ("http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003")
 
 # The server's error code picks the class where the status alone is ambiguous.
-_ERRORS_BY_CODE = {c.code: c for c in (errors.MemberExists, errors.NoQuorum, errors.Unavailable, errors.NotLeader, errors.FutureRevision)}
+_ERRORS_BY_CODE = {c.code: c for c in (errors.MemberExists, errors.NoQuorum, errors.Unavailable, errors.NotLeader, errors.FutureRevision, errors.WrongCluster)}
 _ERRORS = {
     400: errors.BadRequest,
     401: errors.Unauthorized,
@@ -185,6 +185,7 @@ _ASK = {"connection refused": NOTHING_LISTENS, "the host name does not resolve":
 
 
 TIMEOUT_HEADER = "X-Kv-Timeout"  # the seconds this client waits for an answer (http/errors.py)
+CLUSTER_HEADER = "X-Kv-Cluster"  # the cluster this client reached first (http/params.py)
 # One node's share of a request that may be sent again: above an election (a node waiting
 # for a leader answers 503 within it), far below a call's timeout and a lease's ttl.
 ATTEMPT_TIMEOUT_S = 2.0

@@ -21,7 +21,7 @@ from .. import errors
 from ..common.results import Event
 from ..common.wire import key_from, value_from
 from ..raft.backoff import Backoff
-from .endpoints import Rotation, Unreachable, describe, raise_for, unreachable_hint, with_query
+from .endpoints import CLUSTER_HEADER, Rotation, Unreachable, describe, raise_for, unreachable_hint, with_query
 
 
 class _Position:
@@ -67,11 +67,12 @@ def _event(d: dict) -> Event:
 
 async def watch(
     rotation: Rotation, session: Callable[[], aiohttp.ClientSession], timeout: float,
-    prefix: str, start_index: int | None, idle_timeout: float, end_index: int | None = None,
+    prefix: str, start_index: int | None, idle_timeout: float, end_index: int | None = None, cluster_id: Callable[[], str] = str,
 ) -> AsyncIterator[Event]:
     """The changes under prefix from start_index, from whichever of the rotation's endpoints
     serves them; `session()` is the client's HTTP session, `timeout` how long no endpoint
-    may serve the watch before it gives up (Unavailable)."""
+    may serve the watch before it gives up (Unavailable), `cluster_id()` the cluster the
+    client reached first, if it knows (a node of another refuses the watch)."""
     pos = _Position(start_index)
     bound = {"to": str(end_index)} if end_index is not None else {}
     eps = rotation.endpoints
@@ -85,7 +86,9 @@ async def watch(
         ep = rotation.current()
         params = {"prefix": prefix, **pos.resume(), **bound}
         try:
-            async with session().get(URL(with_query(ep + "/v1/watch", params), encoded=True), timeout=stream_timeout) as resp:
+            cluster = cluster_id()
+            headers = {CLUSTER_HEADER: cluster} if cluster else None
+            async with session().get(URL(with_query(ep + "/v1/watch", params), encoded=True), headers=headers, timeout=stream_timeout) as resp:
                 if resp.status == 410:
                     compacted.add(ep)
                     last_error = errors.Compacted(f"{ep}: {(await resp.read())[:500].decode(errors='replace')}")
