@@ -72,7 +72,9 @@ def load_tokens(path: str) -> dict[str, Grant]:
         if isinstance(spec, str):
             spec = {"role": spec}
         if not isinstance(spec, dict) or set(spec) - {"role", "prefix"}:
-            raise BadRequest(f'{where}: give a role ("read", "write", "admin") or {{role = "...", prefix = "..."}}')
+            unknown = sorted(set(spec) - {"role", "prefix"}) if isinstance(spec, dict) else []
+            said = f" ({', '.join(map(repr, unknown))}: {'not one of them' if len(unknown) == 1 else 'not among them'})" if unknown else ""
+            raise BadRequest(f'{where}: give a role ("read", "write", "admin") or {{role = "...", prefix = "..."}}{said}')
         role, prefix = spec.get("role"), spec.get("prefix", "")
         if role not in ROLES or not isinstance(prefix, str):
             raise BadRequest(f"{where}: role must be one of {', '.join(ROLES)} and prefix a string, not {role!r}, {prefix!r}")

@@ -141,7 +141,7 @@ def check_single_change(
         if len(ok) < need:
             raise ConfigChangeRefused(
                 f"refused: the {len(new.voters)} voters after this change need {need} for a majority, but only "
-                f"{len(ok)} of them ({', '.join(ok) or 'none'}) are reachable and caught up; "
+                f"{len(ok)} of them ({', '.join(ok) or 'none'}) {'is' if len(ok) == 1 else 'are'} reachable and caught up; "
                 "bring members back first, or remove an unreachable one instead"
             )
 

@@ -644,10 +644,10 @@ class RaftNode:
         if (len(said) * 2 > len(others) or peer == self.core.leader_id) and self.failure is None:
             said = sorted(set(said) | {peer})
             log.error(
-                "node %s: %s refuse this node as a member removed from the cluster (kv member remove): it stops. To run it "
+                "node %s: %s %s this node as a member removed from the cluster (kv member remove): it stops. To run it "
                 "again, start it from an empty data dir with --join URL (a member's client URL): it adds itself back. Still "
                 "listed by kv member list? Then the cluster knows it by another data dir: remove it first, if that one is gone",
-                self.id, ", ".join(said),
+                self.id, ", ".join(said), "refuses" if len(said) == 1 else "refuse",
             )
             self.fail(MemberRemoved(f"node {self.id} was removed from the cluster ({', '.join(sorted(said))} refuse it)"))
 

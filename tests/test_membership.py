@@ -5,6 +5,7 @@ Nothing acknowledged may be lost meanwhile."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -93,7 +94,7 @@ def test_grow_three_to_five_under_load_then_remove_a_follower_and_the_leader(tmp
         check_acked(c, w.acked, rest)
         # Both removed members learn it from the others and stop, saying so (they ran on
         # as pre-candidates, answering every request "no leader").
-        said = "refuse this node as a member removed from the cluster"
+        said = "this node as a member removed from the cluster"
         for gone in (follower, lead):
             wait_until(lambda: not c.alive(gone), timeout=30, what=f"{gone} stopped")
             assert said in c.log(gone) and "start it from an empty data dir with --join URL" in c.log(gone)
@@ -235,7 +236,7 @@ def test_a_member_added_back_is_not_let_in_from_its_old_data_dir(tmp_path):
         wait_until(lambda: not c.alive(gone), timeout=30, what="the old data dir's node stopped")
         assert c.procs[gone].returncode == EXIT_REMOVED
         with open(old_log) as f:
-            assert "refuse this node as a member removed from the cluster" in f.read()
+            assert "this node as a member removed from the cluster" in f.read()
         said = f"'{gone}' joined from another data dir than this one (ledger "
         assert said in c.log(lead), c.log(lead)[-2000:]
         assert c.leader() == lead and c.status(lead)["term"] == term
@@ -296,6 +297,6 @@ def test_a_joined_member_wiped_and_started_with_stale_peers_stops_on_the_leaders
         assert c.procs["n4"].returncode == EXIT_REMOVED
         with open(os.path.join(c.root, "n4-wiped.log")) as f:
             said = f.read()
-        assert f"{lead} refuse this node as a member removed from the cluster" in said and "remove it first" in said, said[-1500:]
+        assert re.search(rf"{lead}(, n\d)* refuses? this node as a member removed from the cluster", said) and "remove it first" in said, said[-1500:]
     finally:
         c.close()

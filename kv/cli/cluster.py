@@ -143,7 +143,7 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     kept = [n["id"] for n in plan if holds_a_node(os.path.join(data_dir, n["id"]))]
-    _say(f"starting {nodes} nodes under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
+    _say(f"starting {nodes} node{'s' if nodes != 1 else ''} under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
     if kept:  # (a newcomer took a data dir left from an earlier run for a new cluster)
         _say(f"  with the data of an earlier run ({', '.join(kept)}): delete {os.path.abspath(data_dir)} first to start afresh")
     code = 0
@@ -268,14 +268,16 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                     last = _last_line(log_paths[nid])
                     _say(f"node {nid} exited with code {p.returncode}; its log is {log_paths[nid]}" + (f": {last}" if last else ""))
                     args = next(n["args"] for n in plan if n["id"] == nid)
-                    # (mkdir: its data dir, where the log goes, may be gone, an rm -rf'd node's)
+                    # (a removed node's mkdir: its data dir, where the log goes, is made anew)
                     log_dir = shlex.quote(os.path.dirname(log_paths[nid]))
                     to_log = f">> {shlex.quote(log_paths[nid])} 2>&1"
                     if p.returncode == EXIT_REMOVED:  # its old data dir is refused: it comes back as a new member
                         _say(f"  it was removed (kv member remove); to add it back as a new member, from an empty data dir, in another shell: "
                              f"rm -rf {log_dir} && mkdir -p {log_dir} && {_rejoin_line(nid, args, plan)} {to_log}")
-                    else:
-                        _say(f"  to bring {nid} back, in another shell: mkdir -p {log_dir} && {_restart_line(args)} {to_log}")
+                    else:  # (not with a data dir made anew: an empty one would come back as a founding member)
+                        _say(f"  to bring {nid} back, in another shell: {_restart_line(args)} {to_log}")
+                        _say(f"  (if {log_dir} is gone, a lost disk: kv member remove {nid}, then join it afresh from an empty "
+                             "data dir with --join, as docs/cluster.md says)")
             seen = await statuses(s, {n["id"]: n["url"] for n in plan})
             for nid in exited:  # brought back by hand, as the hint says
                 missed[nid] = 0 if nid in seen else missed.get(nid, 0) + 1
