@@ -57,11 +57,9 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
     t0 = time.perf_counter()
     request_forwarded.set(False)  # requests of one keep-alive connection share a task
     want = request.headers.get(CLUSTER_HEADER)
-    if want:
-        mine = c.node.cluster_id
-        if mine and want != mine:
-            handler = _wrong_cluster(mine, want)
-    if c.grants and request.path not in OPEN_PATHS and not (c.metrics_public and request.path == "/metrics"):
+    if want and c.node.cluster_id and want != c.node.cluster_id:  # (before the token: another cluster's may differ)
+        resp = await run_handler(request, _wrong_cluster(c.node.cluster_id, want))
+    elif c.grants and request.path not in OPEN_PATHS and not (c.metrics_public and request.path == "/metrics"):
 
         async def checked(request: web.Request):
             authorize(request, c.grants)
@@ -84,7 +82,8 @@ def _wrong_cluster(mine: str, want: str):
     async def refuse(request: web.Request):
         raise WrongCluster(
             f"this node belongs to cluster {mine}, not to {want}, the one the client reached first: its endpoints mix "
-            "two clusters (nothing was done); check them (--endpoints, $KV_ENDPOINTS)"
+            "two clusters, or the cluster was made anew or restored since (then make a new client); nothing was done "
+            "here; check the endpoints (--endpoints, $KV_ENDPOINTS)"
         )
 
     return refuse

@@ -80,10 +80,10 @@ class Store:
         self._drain_scheduled = False
         try:
             self._call(self._node.start())
-            members = self._node.raft.core.membership.ids
-            if members != {self.config.id}:  # it could never elect a leader alone
+            voters = self._node.raft.core.membership.voters
+            if voters != {self.config.id}:  # it could never elect a leader alone
                 raise BadRequest(
-                    f"{path} holds member {self.config.id!r} of a cluster of {len(members)} ({', '.join(sorted(members))}): "
+                    f"{path} holds member {self.config.id!r} of a cluster of {len(voters)} ({', '.join(sorted(voters))}): "
                     "kv.open() opens single-node stores only; run it with kv serve (or kv.Node in-process) beside the others"
                 )
             self._call(self._caught_up())

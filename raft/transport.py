@@ -38,8 +38,8 @@ To a peer the caller's `removed(from, its ledger_id)` refuses (a member removed 
 cluster, or the data dir a member had before it was removed and joined again from an empty
 one) it says so first: REMOVED, proof_r = HMAC(secret, "removed"|group|from|to|nonce_c),
 which the dialer checks before it believes it (the node stops once most of the others, or
-its leader, say so: raft/node.py). To a dialer that reached the wrong node or group (a slip
-in --peers) it says why in REFUSED, a line the dialer only logs (nothing proves it), and
+its leader, say so: raft/node.py). To a dialer that reached the wrong node (a slip
+in --peers) it says which node it is in REFUSED, a line the dialer only logs (nothing proves it), and
 the dialer tries the peer's other address: the one dialled is not that peer's.
 After that every frame must carry `src` = the authenticated id and `dst` = the acceptor.
 Peers are known by id, never by address: the address dialled may be a proxy or a NAT.
@@ -79,7 +79,7 @@ log = logging.getLogger("kv.raft.transport")
 MAGIC = b"LKV1"
 HELLO, WELCOME, AUTH = 100, 101, 102  # the handshake's frame types
 REMOVED = 103  # the acceptor's answer to a member removed from the cluster (then it closes)
-REFUSED = 104  # the acceptor's answer to a dialer that reached the wrong node or group: why
+REFUSED = 104  # the acceptor's answer to a dialer that reached the wrong node: which it is
 HANDSHAKE_TIMEOUT = 5.0
 NONCE_BYTES = 16  # nonce_c's random part, before the dialer's ledger_id
 PREAUTH_MAX_FRAME = 4096  # HELLO and AUTH are a few hundred bytes
@@ -281,7 +281,6 @@ class _Inbound(asyncio.Protocol):
                 raise codec.CodecError("not a ledgerkv peer")
             src_s = src.decode()
             if group.decode() != t.group:
-                self._refuse(f"this is a node of group {t.group!r}, not {group.decode()!r}")
                 raise codec.CodecError(f"peer {src_s!r} is in group {group.decode()!r}, we are in {t.group!r}")
             if dst.decode() != t.node_id:
                 self._refuse(f"this is node {t.node_id!r}, not {dst.decode()!r}")

@@ -135,12 +135,14 @@ def test_cluster_up_does_not_count_a_node_of_another_cluster_on_a_members_ports(
     """A node started by hand on n3's ports with another cluster's data dir (a newcomer's
     slip): kv cluster up said 'n3 answers again; 3/3 nodes answering'. It is not counted,
     and said once."""
-    from kv.cli.cluster import _ours
+    from kv.cli.cluster import _Ours
 
-    strangers: set[str] = set()
+    ours = _Ours()
+    assert sorted(ours.only({"n1": {"cluster_id": ""}, "n2": {"cluster_id": ""}})) == ["n1", "n2"]  # (no id chosen yet)
     seen = {"n1": {"cluster_id": "a1"}, "n2": {"cluster_id": "a1"}, "n3": {"cluster_id": "b2"}}
     for _ in range(2):
-        assert sorted(_ours(seen, strangers)) == ["n1", "n2"]
+        assert sorted(ours.only(seen)) == ["n1", "n2"]
     said = capsys.readouterr().out
     assert said.count("n3's address answers as a node of another cluster (id b2, this one's a1): not counted") == 1
-    assert sorted(_ours({"n1": {"cluster_id": ""}, "n2": {"cluster_id": ""}}, strangers)) == ["n1", "n2"]  # (no ids: an earlier version's)
+    # its own nodes down and strangers in their places: still this cluster's id, not the most common one
+    assert sorted(ours.only({"n1": {"cluster_id": "b2"}, "n2": {"cluster_id": "b2"}, "n3": {"cluster_id": "a1"}})) == ["n3"]

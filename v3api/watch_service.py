@@ -122,13 +122,18 @@ class _Stream:
         return msg
 
     async def room(self) -> None:
-        """Wait until the queue holds at most its limit."""
+        """Wait until the queue holds at most its limit (a watch: in turn with the others)."""
         if self.queued <= self.limit and not self._turn.locked():
             return
         async with self._turn:
-            while self.queued > self.limit:
-                self._changed.clear()
-                await self._changed.wait()
+            await self.below_limit()
+
+    async def below_limit(self) -> None:
+        """Wait until the queue holds at most its limit (the stream's request reader: one
+        task, which does not queue behind watches waiting for the node's budget)."""
+        while self.queued > self.limit:
+            self._changed.clear()
+            await self._changed.wait()
 
     def release_all(self) -> None:
         self.closed = True
@@ -264,7 +269,7 @@ class WatchService(rpc_pb2_grpc.WatchServicer):
 
         async def read() -> None:
             async for req in request_iterator:
-                await stream.room()  # a client that sends and never reads stops being read
+                await stream.below_limit()  # a client that sends and never reads stops being read
                 which = req.WhichOneof("request_union")
                 if which == "create_request":
                     c = req.create_request

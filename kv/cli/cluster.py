@@ -198,20 +198,29 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
     return code
 
 
-def _ours(seen: dict[str, dict], strangers: set[str]) -> dict[str, dict]:
-    """The statuses of the nodes of this cluster (the id most of them report): one started
-    by hand on a member's ports with another cluster's data dir is not counted (said once)."""
-    ids = collections.Counter(st.get("cluster_id") for st in seen.values() if st.get("cluster_id"))
-    if not ids:
-        return seen
-    ours = ids.most_common(1)[0][0]
-    theirs = {nid: st["cluster_id"] for nid, st in seen.items() if st.get("cluster_id", ours) not in (ours, "")}
-    for nid in theirs.keys() - strangers:
-        _say(f"{nid}'s address answers as a node of another cluster (id {theirs[nid]}, this one's {ours}): not counted; "
-             "was it started by hand with another data dir?")
-    strangers.clear()  # (said again if it comes back after a node of ours)
-    strangers.update(theirs)
-    return {nid: st for nid, st in seen.items() if nid not in theirs}
+class _Ours:
+    """This cluster's id, as the nodes this command started first report it (a new
+    cluster's first leader chooses it): a node started by hand on a member's ports with
+    another cluster's data dir is not counted (said once)."""
+
+    def __init__(self) -> None:
+        self.cluster_id = ""
+        self.strangers: set[str] = set()  # nodes answering at a member's address as another cluster's
+
+    def only(self, seen: dict[str, dict]) -> dict[str, dict]:
+        """The statuses of the nodes of this cluster."""
+        if not self.cluster_id:
+            ids = collections.Counter(st.get("cluster_id") for st in seen.values() if st.get("cluster_id"))
+            if not ids:
+                return seen
+            self.cluster_id = ids.most_common(1)[0][0]
+        ours = self.cluster_id
+        theirs = {nid: st["cluster_id"] for nid, st in seen.items() if st.get("cluster_id", ours) not in (ours, "")}
+        for nid in theirs.keys() - self.strangers:
+            _say(f"{nid}'s address answers as a node of another cluster (id {theirs[nid]}, this one's {ours}): not counted; "
+                 "was it started by hand with another data dir?")
+        self.strangers = set(theirs)  # (said again if it comes back after a node of ours)
+        return {nid: st for nid, st in seen.items() if nid not in theirs}
 
 
 def _holders(data_dir: str, ids: list[str]) -> dict[str, int | None]:
@@ -277,7 +286,7 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
     back: set[str] = set()  # of those, the ones answering again
     missed: dict[str, int] = {}  # of those, status polls in a row each did not answer
     told_restarted = False
-    strangers: set[str] = set()  # nodes answering at a member's address as another cluster's
+    ours = _Ours()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
         while not stop.is_set():
             for nid, p in procs.items():  # first: the nodes asked below have not exited since
@@ -296,7 +305,7 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
                         _say(f"  to bring {nid} back, in another shell: {_restart_line(args)} {to_log}")
                         _say(f"  (if {log_dir} is gone, a lost disk: kv member remove {nid}, then join it afresh from an empty "
                              "data dir with --join, as docs/cluster.md says)")
-            seen = _ours(await statuses(s, {n["id"]: n["url"] for n in plan}), strangers)
+            seen = ours.only(await statuses(s, {n["id"]: n["url"] for n in plan}))
             for nid in exited:  # brought back by hand, as the hint says
                 missed[nid] = 0 if nid in seen else missed.get(nid, 0) + 1
                 if nid in seen and nid not in back:

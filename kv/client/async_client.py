@@ -72,6 +72,11 @@ def _key_path(key: str) -> str:
     return "/v1/kv/" + quote(checked_key_bytes(key), safe="/")
 
 
+# What the cluster answers a session's write with once it is applied (or refused by the
+# state machine, as every copy is): the truth about the first copy too.
+_APPLIED_ANSWERS = (errors.PreconditionFailed, errors.Conflict, errors.LeaseNotFound)
+
+
 class AsyncClient(AsyncRecipes):
     """    async with kv.AsyncClient("http://127.0.0.1:8001,http://127.0.0.1:8002") as c:
             await c.put("a", b"1")
@@ -184,7 +189,7 @@ class AsyncClient(AsyncRecipes):
                 # The node answers within what is left less a margin (X-Kv-Timeout), so
                 # that a write no leader took comes back as such (NotLeader: not carried
                 # out), not as this client's own time-out (outcome unknown).
-                sent = {**(headers or {}), TIMEOUT_HEADER: f"{max(left - margin(left), 0.001):.3f}", CLUSTER_HEADER: self.cluster_id}
+                sent = {CLUSTER_HEADER: self.cluster_id, **(headers or {}), TIMEOUT_HEADER: f"{max(left - margin(left), 0.001):.3f}"}
                 if request_id is not None:
                     sent[SESSION_HEADER], sent[SEQ_HEADER] = str(request_id.session), str(request_id.seq)
                 async with self._sess().request(
@@ -204,15 +209,17 @@ class AsyncClient(AsyncRecipes):
                     last = told = error_for(resp.status, body, ep)  # a node's answer says more than another endpoint's silence
                     if resp.status == 504 and request_id is not None:
                         reached = told  # the node could not tell in its time: ask again while there is time
-                    elif isinstance(told, errors.WrongCluster) and reached is not None:
-                        raise errors.Timeout(
-                            f"{ep}: the write was to be sent again after {describe(reached)}, and this endpoint belongs to another "
-                            "cluster (its endpoints mix two): the first copy may or may not have been applied; check the endpoints"
-                        ) from told
                     elif isinstance(told, errors.SessionExpired) and reached is not None:
                         raise errors.Timeout(
                             f"{ep}: the write was sent again after {describe(reached)}, and by then its session had closed: the "
                             "first copy may or may not have been applied; read the key before retrying"
+                        ) from told
+                    elif request_id is not None and reached is not None and resp.status != 503 and not isinstance(told, _APPLIED_ANSWERS):
+                        # Refused by this node for reasons of its own (another cluster's, a token it does not
+                        # take, a smaller limit): that says nothing of the copy that may have reached another.
+                        raise errors.Timeout(
+                            f"{ep}: the write was sent again after {describe(reached)}, and refused there ({told}): the first copy "
+                            "may or may not have been applied; read the key before retrying"
                         ) from told
                     elif resp.status != 503:
                         raise told
@@ -466,8 +473,9 @@ class AsyncClient(AsyncRecipes):
     # -- administration --------------------------------------------------------------------
 
     async def status(self, endpoint: str | None = None) -> dict:
-        """One node's own view (GET /v1/status)."""
-        return await self._json("GET", "/v1/status", endpoint=endpoint)
+        """One node's own view (GET /v1/status), whichever cluster it belongs to (its
+        cluster_id says: kv status shows nodes, and says when they belong to two)."""
+        return await self._json("GET", "/v1/status", endpoint=endpoint, headers={CLUSTER_HEADER: ""})
 
     async def status_all(self) -> list[tuple[str, dict | Exception]]:
         """(endpoint, status or the error) for every endpoint."""
