@@ -9,9 +9,8 @@ import time
 import aiohttp
 from aiohttp import web
 
-from kv import Node
+from kv import Node, WrongCluster
 from kv.common.tls import client_context
-from kv.errors import WrongCluster
 from kv.server.access import request_forwarded
 
 from . import routes_admin, routes_kv, routes_leases, routes_members, routes_sessions, routes_watch

@@ -80,7 +80,7 @@ class Store:
         self._drain_scheduled = False
         try:
             self._call(self._node.start())
-            voters = self._node.raft.core.membership.voters
+            voters = self._node.raft.membership.voters
             if voters != {self.config.id}:  # it could never elect a leader alone
                 raise BadRequest(
                     f"{path} holds member {self.config.id!r} of a cluster of {len(voters)} ({', '.join(sorted(voters))}): "

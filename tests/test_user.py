@@ -409,9 +409,16 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         os.killpg(run.back.pid, signal.SIGKILL)
         run.back.wait()
         wait_until(lambda: "n3 (restarted by hand) stopped answering; 2/3 nodes answering" in up_out.read_text(), 30, "cluster up seeing n3 gone again")
-        # This time its data dir is gone too (rm -rf), and the same command brings it back:
-        # the cluster idles, and the leader finds it out at a heartbeat and catches it up.
-        shutil.rmtree(os.path.join(d, "n3"))  # (its log with it: the command makes the dir again)
+        # This time its data dir is gone too (rm -rf): the command does not make it anew (an
+        # empty one comes back as a founding member that forgot its vote); the hint says to
+        # remove and rejoin it. Made anew anyway, the cluster idles, and the leader finds it
+        # out at a heartbeat and catches it up.
+        n3_dir = os.path.join(d, "n3")
+        shutil.rmtree(n3_dir)
+        assert f"(if {shlex.quote(n3_dir)} is gone, a lost disk: kv member remove n3, then join it afresh" in up_out.read_text()
+        refused = subprocess.run(["bash", "-c", command], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+        assert refused.returncode != 0 and "No such file or directory" in refused.stderr and not os.path.exists(n3_dir)
+        os.makedirs(n3_dir)
         run.run(command)
         wait_until(lambda: up_out.read_text().count("n3 answers again (restarted by hand)") == 2, 60, "cluster up seeing n3 back again")
         wait_until(
