@@ -128,3 +128,31 @@ def test_crash_while_installing_a_snapshot(make, point):
     recover_and_check(c, lag, acked)
     if point.startswith("install.mid_receive"):
         assert "resuming snapshot" in c.log(lag)  # the partial file was kept and continued
+
+
+def test_a_partial_snapshot_that_lost_its_tail_in_a_machine_crash_is_sent_again_from_what_it_holds(make):
+    """The follower crashes mid-receive, and the machine with it: the partial file's tail,
+    flushed but not synced, is gone, below what it had acknowledged. It resumes from what it
+    holds, and the leader's next transfer (started when the follower answers again) fills it
+    from there. (A review worried that the leader's earlier transfer, which only moves its
+    mark forward, would resend from the old mark forever; here a new one takes over.)"""
+    import glob
+    import os
+
+    from kv.snapshot.manager import CHUNK_BYTES
+
+    c = make(extra=SNAP)
+    c.start()
+    lead = c.leader()
+    lag = next(i for i in c.ids if i != lead)
+    c.kill(lag)
+    acked = write_some(c, 300, "k", via=[i for i in c.ids if i != lag], value=b"i" * 8000)
+    c.node_env[lag] = {"KV_FAILPOINTS": "install.mid_receive@2"}
+    c.start(lag, wait=False)
+    assert wait_exit(c, lag, timeout=30) == EXIT_CODE
+    (part,) = glob.glob(os.path.join(c.data_dir(lag), "snapshots", "recv-*.part"))
+    assert os.path.getsize(part) == 2 * CHUNK_BYTES
+    os.truncate(part, CHUNK_BYTES // 2)  # (what the page cache held and the disk did not)
+    c.node_env[lag] = {}
+    recover_and_check(c, lag, acked)
+    assert f"at byte {CHUNK_BYTES // 2}" in c.log(lag)
