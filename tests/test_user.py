@@ -271,6 +271,30 @@ def test_cluster_up_whose_output_pipe_closes_stops_its_nodes(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_cluster_up_whose_output_pipe_closes_later_stops_its_nodes_at_its_next_line(tmp_path):
+    """The reader goes away after the table (kv cluster up | head -15): at the next line the
+    command has to say (a node exited), it stops the others and ends (141). It ran on."""
+    d = str(tmp_path / "kvdata")
+    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(_free_base_port()), "--nodes", "2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        lines = []
+        while not any(ln.startswith(b"[") and b"leader: " in ln for ln in lines):
+            lines.append(up.stdout.readline())
+            assert lines[-1], lines
+        pids = [int(ln.split()[-1]) for ln in lines if ln.strip()[:2] in (b"n1", b"n2")]
+        up.stdout.close()
+        os.kill(pids[0], signal.SIGKILL)
+        assert up.wait(60) == 141
+        time.sleep(0.5)
+        assert _processes_naming(d) == [], "a node runs on"
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for pid in _processes_naming(d):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_cluster_up_whose_nodes_die_at_start_exits_non_zero_naming_them(tmp_path):
     d = str(tmp_path / "kvdata")
     # A heartbeat longer than half the election timeout: every node refuses to start. (With

@@ -74,9 +74,16 @@ def layout(nodes: int, base_port: int, host: str = "127.0.0.1") -> list[dict]:
 GONE_AFTER_MISSES = 3  # status polls in a row (a second each) a node restarted by hand did not answer
 
 
+class _Output:
+    closed = False  # whoever read this command's output went away (kv cluster up | head)
+
+
 def _say(msg: str) -> None:
     try:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    except BrokenPipeError:  # as at the table: the cluster stops (the nodes, then this command)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _Output.closed = True
     except OSError:  # the terminal is gone (SIGHUP): the nodes are still to be stopped
         pass
 
@@ -173,7 +180,7 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
             print("        etcdctl takes one as --user root:<token>")
         print("  Ctrl-C stops the cluster.\n", flush=True)
         died = await _watch(plan, procs, stop, {nid: os.path.abspath(f.name) for nid, f in logs.items()})
-        code = 1 if died else 0
+        code = 141 if _Output.closed else 1 if died else 0
     finally:
         _say("stopping all nodes ...")
         for p in procs.values():
@@ -288,7 +295,7 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
     told_restarted = False
     ours = _Ours()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
-        while not stop.is_set():
+        while not stop.is_set() and not _Output.closed:
             for nid, p in procs.items():  # first: the nodes asked below have not exited since
                 if p.returncode is not None and nid not in exited:
                     exited.append(nid)
