@@ -251,18 +251,13 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
-def test_cluster_up_whose_output_pipe_closes_stops_its_nodes(tmp_path):
-    """`kv cluster up | head -1`: the reader goes away before the table of nodes is printed.
-    The command stops its nodes and ends as a Unix tool does on a closed pipe (141); it
-    used to die there and leave the nodes running, holding the ports and data dirs."""
-    d = str(tmp_path / "kvdata")
-    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(_free_base_port()), "--nodes", "1"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+@contextlib.contextmanager
+def _piped_cluster_up(d: str, nodes: int):
+    """`kv cluster up` on data dir d, its output read through a pipe; whatever it leaves
+    running is killed at the end."""
+    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(_free_base_port()), "--nodes", str(nodes)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        assert up.stdout.readline().startswith(b"[")  # "starting 1 node under ..."
-        up.stdout.close()  # (what head does once it has its line)
-        assert up.wait(60) == 141
-        time.sleep(1.0)  # (a node left behind would have its data dir by now)
-        assert _processes_naming(d) == [], "the node runs on"
+        yield up
     finally:
         if up.poll() is None:
             up.kill()
@@ -271,12 +266,24 @@ def test_cluster_up_whose_output_pipe_closes_stops_its_nodes(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+def test_cluster_up_whose_output_pipe_closes_stops_its_nodes(tmp_path):
+    """`kv cluster up | head -1`: the reader goes away before the table of nodes is printed.
+    The command stops its nodes and ends as a Unix tool does on a closed pipe (141); it
+    used to die there and leave the nodes running, holding the ports and data dirs."""
+    d = str(tmp_path / "kvdata")
+    with _piped_cluster_up(d, 1) as up:
+        assert up.stdout.readline().startswith(b"[")  # "starting 1 node under ..."
+        up.stdout.close()  # (what head does once it has its line)
+        assert up.wait(60) == 141
+        time.sleep(1.0)  # (a node left behind would have its data dir by now)
+        assert _processes_naming(d) == [], "the node runs on"
+
+
 def test_cluster_up_whose_output_pipe_closes_later_stops_its_nodes_at_its_next_line(tmp_path):
     """The reader goes away after the table (kv cluster up | head -15): at the next line the
     command has to say (a node exited), it stops the others and ends (141). It ran on."""
     d = str(tmp_path / "kvdata")
-    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(_free_base_port()), "--nodes", "2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
+    with _piped_cluster_up(d, 2) as up:
         lines = []
         while not any(ln.startswith(b"[") and b"leader: " in ln for ln in lines):
             lines.append(up.stdout.readline())
@@ -287,12 +294,6 @@ def test_cluster_up_whose_output_pipe_closes_later_stops_its_nodes_at_its_next_l
         assert up.wait(60) == 141
         time.sleep(0.5)
         assert _processes_naming(d) == [], "a node runs on"
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        for pid in _processes_naming(d):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_cluster_up_whose_nodes_die_at_start_exits_non_zero_naming_them(tmp_path):
