@@ -80,7 +80,7 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
 def _wrong_cluster(mine: str, want: str):
     async def refuse(request: web.Request):
         raise WrongCluster(
-            f"this node belongs to cluster {mine}, not to {want}, the one the client reached first: its endpoints mix "
+            f"this node belongs to cluster {mine}, not to {want[:64]!r}, the one the client reached first: its endpoints mix "
             "two clusters, or the cluster was made anew or restored since (then make a new client); nothing was done "
             "here; check the endpoints (--endpoints, $KV_ENDPOINTS)"
         )

@@ -178,5 +178,9 @@ def test_a_client_whose_endpoints_mix_two_clusters_is_refused_not_answered(tmp_p
         assert put[1:3] == ["Timeout", "WrongCluster"] and "may or may not have been applied" in put[3], put
         assert get[1:3] == ["WrongCluster", "NoneType"] and "endpoints mix two clusters" in get[3] and "nothing was done" in get[3], get
         assert [other.get("n1", k)[0] for k in ("mixed/a", "mixed/b")] == [404, 404]
+        # A stranger's huge cluster id (8 kB, aiohttp's header limit) is refused alike, and not sent back whole.
+        code, _, body = other.request("n1", "PUT", "/v1/kv/mixed/c", b"x", {"X-Kv-Cluster": "z" * 8000})
+        assert code == 421 and len(body) < 600 and b"WRONG_CLUSTER" in body, (code, body[:200])
+        assert other.get("n1", "mixed/c")[0] == 404
         status = subprocess.run([sys.executable, "-m", "kv", "status", "--endpoints", f"{one.url('n1')},{two.url('n1')}"], capture_output=True, text=True, timeout=60)
         assert status.returncode == 1 and "these endpoints belong to 2 clusters (cluster " in status.stderr, status

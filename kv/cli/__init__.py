@@ -10,9 +10,9 @@ import argparse
 import difflib
 import importlib
 import logging
-import os
 import sys
 
+from .output import silence_stdout
 from .refusal import debug_wanted, describe
 from .settings import serve_config
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader went away (kv scan | head): stop quietly, as Unix tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        silence_stdout()
         return 141  # 128 + SIGPIPE
     except Exception as e:
         if debug_wanted(args.debug):

@@ -24,6 +24,7 @@ from ..errors import BadRequest, DataDirLocked
 from ..bench.harness import SERVE, statuses
 from ..common.text import columns
 from .options import at_least
+from .output import silence_stdout
 from .refusal import EXIT_REMOVED
 from ..server.process import CannotListen, check_can_listen
 
@@ -82,7 +83,7 @@ def _say(msg: str) -> None:
     try:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
     except BrokenPipeError:  # as at the table: the cluster stops (the nodes, then this command)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()
         _Output.closed = True
     except OSError:  # the terminal is gone (SIGHUP): the nodes are still to be stopped
         pass

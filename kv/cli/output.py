@@ -9,11 +9,18 @@ document per line (NDJSON). Values appear as in the HTTP API: UTF-8 text, or bas
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import orjson
 
 FORMATS = ("text", "json")
+
+
+def silence_stdout() -> None:
+    """The reader of stdout went away (kv scan | head): what is still printed goes nowhere,
+    and nothing is left to fail at exit when Python flushes it."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def add_output_option(parser: argparse.ArgumentParser) -> None:

@@ -67,7 +67,7 @@ def _event(d: dict) -> Event:
 
 async def watch(
     rotation: Rotation, session: Callable[[], aiohttp.ClientSession], timeout: float,
-    prefix: str, start_index: int | None, idle_timeout: float, end_index: int | None = None, cluster_id: Callable[[], str] = str,
+    prefix: str, start_index: int | None, idle_timeout: float, end_index: int | None = None, cluster_id: Callable[[], str] = lambda: "",
 ) -> AsyncIterator[Event]:
     """The changes under prefix from start_index, from whichever of the rotation's endpoints
     serves them; `session()` is the client's HTTP session, `timeout` how long no endpoint
