@@ -229,10 +229,8 @@ def test_a_path_that_is_a_file_is_refused_as_a_data_dir_with_a_kv_error(tmp_path
     assert f.read_text() == "not a directory"
 
 
-def test_a_cluster_members_data_dir_is_refused_at_once(tmp_path):
-    """A stopped cluster member's data dir, opened with its id (what the error for the
-    wrong id suggests): refused in one line, not a wait for a leader that one member of
-    three can never elect (it hung for good)."""
+def _stopped_member(data_dir) -> None:
+    """Leave a stopped member of a three-node cluster (its ledger written) in data_dir."""
     import asyncio
 
     from kv import Node, NodeConfig
@@ -240,12 +238,44 @@ def test_a_cluster_members_data_dir_is_refused_at_once(tmp_path):
 
     async def member() -> None:
         peers = {i: f"127.0.0.1:{free_port()}" for i in ("n1", "n2", "n3")}
-        node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), peers=peers))
+        node = Node(NodeConfig(id="n1", data_dir=str(data_dir), peers=peers))
         await node.start()
         await node.stop()
 
     asyncio.run(member())
+
+
+def test_a_cluster_members_data_dir_is_refused_at_once(tmp_path):
+    """A stopped cluster member's data dir, opened with its id (what the error for the
+    wrong id suggests): refused in one line, not a wait for a leader that one member of
+    three can never elect (it hung for good)."""
+    _stopped_member(tmp_path / "n1")
     with pytest.raises(kv.BadRequest, match=r"member 'n1' of a cluster of 3 \(n1, n2, n3\).*kv serve"):
         kv.open(str(tmp_path / "n1"), id="n1")
     with pytest.raises(kv.KVError, match="belongs to node 'n1'"):
         kv.open(str(tmp_path / "n1"))
+
+
+def test_the_dir_of_kv_cluster_up_is_not_a_members_and_the_other_way_round(tmp_path):
+    """kv.open (or kv serve, or a restore) given the parent of stopped members' dirs, kv
+    cluster up's --data-dir: refused, naming them; it made an empty store beside them. And
+    kv cluster up given a member's own dir: refused, not three members made inside it."""
+    import subprocess
+    import sys
+
+    from kv.bench.harness import free_port
+
+    _stopped_member(tmp_path / "n1")
+    (tmp_path / "n2").mkdir()  # (a dir no node ran in is not named)
+    with pytest.raises(kv.BadRequest, match=r"is not a member's data dir: it holds those of n1 \(kv cluster up's layout\)"):
+        kv.open(str(tmp_path))
+    assert not (tmp_path / "ledger").exists() and not (tmp_path / "state").exists()
+
+    def kv_cli(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kv", *argv], capture_output=True, text=True, timeout=60)
+
+    served = kv_cli("serve", "--id", "n9", "--data-dir", str(tmp_path), "--http", f"127.0.0.1:{free_port()}")
+    assert served.returncode != 0 and "it holds those of n1" in served.stderr, served.stderr
+    up = kv_cli("cluster", "up", "--data-dir", str(tmp_path / "n1"), "--base-port", str(free_port()))
+    assert up.returncode != 0 and "is a member's data dir (it holds a ledger)" in up.stderr, up.stderr
+    assert not (tmp_path / "ledger").exists() and not (tmp_path / "n1" / "n1").exists()

@@ -96,7 +96,7 @@ async def up(nodes: int | None, data_dir: str, base_port: int | None, extra: lis
     if nodes is not None and nodes < 1:
         raise BadRequest("--nodes must be at least 1")
     made = not os.path.exists(data_dir)
-    lock = DataDirLock.acquire(data_dir)  # a second `cluster up` here stops at this line
+    lock = DataDirLock.acquire(data_dir, of_members=True)  # a second `cluster up` here stops at this line
     try:
         nodes, base_port = _same_layout(data_dir, nodes, base_port)
         plan = layout(nodes, base_port)

@@ -25,6 +25,16 @@ def holds_a_node(data_dir: str) -> bool:
     return os.path.exists(os.path.join(data_dir, LEDGER_NAME))
 
 
+def members_within(data_dir: str) -> list[str]:
+    """The subdirectories of data_dir a node has run in, by name (kv cluster up's layout:
+    one data dir a member, named by its id)."""
+    try:
+        names = sorted(os.listdir(data_dir))
+    except OSError:
+        return []
+    return [n for n in names if holds_a_node(os.path.join(data_dir, n))]
+
+
 class DataDirLock:
     """Held from acquire() until release() (or the end of the process)."""
 
@@ -32,9 +42,12 @@ class DataDirLock:
         self.data_dir, self._fd = data_dir, fd
 
     @classmethod
-    def acquire(cls, data_dir: str) -> DataDirLock:
+    def acquire(cls, data_dir: str, *, of_members: bool = False) -> DataDirLock:
         """Create data_dir if needed and lock it; raise DataDirLocked, changing nothing,
-        when another owner holds it."""
+        when another owner holds it. A member's data dir (of_members False) must not be
+        kv cluster up's, which holds members' dirs (of_members True), nor the other way
+        round: a store opened on the parent of three stopped members came up empty beside
+        them (and a cluster made inside a member's dir mixed its files with theirs)."""
         try:
             os.makedirs(data_dir, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -51,7 +64,13 @@ class DataDirLock:
             raise DataDirLocked(data_dir, holder) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return cls(data_dir, fd)
+        lock = cls(data_dir, fd)
+        try:
+            _check_layout(data_dir, of_members)
+        except BaseException:
+            lock.release()
+            raise
+        return lock
 
     @property
     def held(self) -> bool:
@@ -63,6 +82,21 @@ class DataDirLock:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _check_layout(data_dir: str, of_members: bool) -> None:
+    if of_members and holds_a_node(data_dir):
+        raise BadRequest(
+            f"{data_dir} is a member's data dir (it holds a ledger), not one for kv cluster up, which makes a dir for "
+            "each member inside its --data-dir: give another"
+        )
+    members = [] if of_members or holds_a_node(data_dir) else members_within(data_dir)
+    if members:
+        raise BadRequest(
+            f"{data_dir} is not a member's data dir: it holds those of {', '.join(members)} (kv cluster up's layout). "
+            f"Give one of them, {os.path.join(data_dir, members[0])} say, while its member is stopped; "
+            "or reach the running cluster with kv.Client or the CLI's --endpoints"
+        )
 
 
 def _read_pid(fd: int) -> int | None:
