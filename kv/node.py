@@ -185,10 +185,10 @@ class Node(AsyncRecipes):
             c.id,
             load_snapshot=self.snapshots.load_into_state_machine,
             after_apply=[self.snapshots.after_apply],
-            after_load=[self.watches.snapshot_loaded],
+            after_load=[self.watches.snapshot_loaded, self.snapshots.resume],
             observe_apply=self._observe("apply"),
-            after_reopen=[recovery.replay_sessions],
-            before_close=[self.exports.drain],
+            after_reopen=[recovery.replay_sessions, self.snapshots.resume],
+            before_close=[self.exports.drain, self.snapshots.quiesce],
         )
         await self.raft.start()
         self.caller.start()

@@ -14,7 +14,8 @@ them copes: apply.raise (the state machine fails to apply a batch of committed e
 Delay points hold the code there for a while, every time (`delay()`: `name~SECONDS` in
 KV_FAILPOINTS), to widen a window for a fault test: write.before_answer (the leader holds
 the answer to a write that is applied, so that a kill there leaves it committed and
-unacknowledged).
+unacknowledged), snapshot.mid_write (a snapshot being written holds its view of the state
+after each block).
 """
 
 from __future__ import annotations

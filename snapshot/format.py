@@ -130,6 +130,8 @@ def write_snapshot(
         w.write(framed_block(keys, values, mods))
         total += len(keys)
         failpoints.hit("snapshot.mid_write")
+        if held := failpoints.delay("snapshot.mid_write"):
+            time.sleep(held)
         if progress is not None:
             progress(total, w.pos)
     w.write(END_BLOCK)

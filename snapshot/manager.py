@@ -123,6 +123,8 @@ class SnapshotManager:
         self.raft: SnapshotDriver | None = None  # bound by the driver (bind)
         self.stats = SnapshotStats()
         self._taking: asyncio.Future | None = None
+        self._state_open = asyncio.Event()  # cleared while the state's database is closed (quiesce)
+        self._state_open.set()
         self._newest: SnapshotFile | None = self.store.newest()
         self._newest_bytes = 0  # the newest snapshot's size if LARGE_SNAPSHOT_BYTES or more
         self._applied_bytes = 0  # of the entries applied since it was taken (since this start)
@@ -138,6 +140,7 @@ class SnapshotManager:
         self.raft = driver
 
     async def stop(self) -> None:
+        self._state_open.set()  # (a snapshot waiting for the state goes on, and fails on a closed one)
         tasks = list(self._senders.values())
         if self._taking is not None:
             tasks.append(self._taking)
@@ -177,6 +180,21 @@ class SnapshotManager:
             if snap.index >= wanted:
                 return snap
 
+    async def quiesce(self) -> None:
+        """Before the state machine's database is closed (a snapshot loaded into it, or it
+        opened again after a full disk): the snapshot being written from it, if any, is
+        finished first, and none starts until resume(). Its thread reads the database:
+        closed under it, the process died (SIGSEGV), a follower that fell behind while it
+        wrote one."""
+        self._state_open.clear()
+        if self._taking is not None:
+            await asyncio.wait([self._taking])
+
+    def resume(self, *_: object) -> None:
+        """The state machine's database is open again (FSMCaller's after_load and
+        after_reopen hooks)."""
+        self._state_open.set()
+
     def _note_size(self) -> None:
         try:
             size = os.path.getsize(self._newest.path) if self._newest is not None else 0
@@ -193,6 +211,7 @@ class SnapshotManager:
     async def _take(self) -> SnapshotFile:
         host = self.host
         loop = asyncio.get_running_loop()
+        await self._state_open.wait()
         view = host.capture()
         self._applied_bytes = 0
         t0 = time.monotonic()
@@ -205,7 +224,8 @@ class SnapshotManager:
         finally:
             view.release()
         took = time.monotonic() - t0
-        self._newest = snap
+        if self._newest is None or snap.index > self._newest.index:  # (one installed meanwhile is newer)
+            self._newest = snap
         self._note_size()
         self.stats.taken += 1
         self.stats.take_seconds += took

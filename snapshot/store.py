@@ -7,9 +7,11 @@ newest `keep` files are kept; a corrupt newest file is skipped for an older vali
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -31,6 +33,10 @@ class SnapshotStore:
     def __init__(self, path: str, keep: int = 3) -> None:
         self.path = path
         self.keep = keep
+        # A snapshot taken (a worker thread) and one received from the leader (the ledger
+        # writer's) can land at once: each prunes, and one unlinked what the other had
+        # listed (FileNotFoundError: the node stopped on it).
+        self._pruning = threading.Lock()
         os.makedirs(path, exist_ok=True)
         for name in os.listdir(path):
             if name.startswith("tmp-"):  # left over by a crash while writing
@@ -98,5 +104,7 @@ class SnapshotStore:
         return SnapshotFile(final, index, term)
 
     def prune(self) -> None:
-        for s in self.list()[self.keep :]:
-            os.unlink(s.path)
+        with self._pruning:
+            for s in self.list()[self.keep :]:
+                with contextlib.suppress(FileNotFoundError):  # (removed by hand, say)
+                    os.unlink(s.path)

@@ -138,6 +138,7 @@ class FSMCaller:
         log.info("node %s: loading snapshot %d/%d into the state machine", self.node_id, meta.index, meta.term)
         for hook in self._before_close:
             await hook()
+        self.sm.close_for_restore()  # (here, not in the worker: no read of it is running now)
         await asyncio.get_running_loop().run_in_executor(None, self._load_snapshot, meta)
         self.applied = meta.index
         for hook in self._after_load:

@@ -49,7 +49,8 @@ from typing import Any
 
 import plyvel
 
-from ..raft.errors import KVError
+from ..raft.disk import is_disk_full
+from ..raft.errors import KVError, NoSpace
 from ..raft.messages import Entry, EntryKind
 from .commands import (
     IN_SESSION,
@@ -160,6 +161,26 @@ _RECENT_ENTRY = 256  # what an entry costs besides its key and value (dict slot,
 Change = tuple[int, str, bytes | None]
 
 
+class StateLoading(KVError):
+    """The node is loading a snapshot into its state machine (it fell behind the leader's
+    ledger): retry in a moment, or ask another node."""
+
+    code, http_status = "UNAVAILABLE", 503
+
+
+class _Loading:
+    """The database while a snapshot is loaded into a new one: every use is refused (from
+    any thread) rather than reaching the closed LevelDB or the half-loaded one."""
+
+    closed = True
+
+    def __getattr__(self, name: str):
+        raise StateLoading("this node is loading a snapshot into its state machine: retry in a moment, or ask another node")
+
+
+_LOADING = _Loading()
+
+
 class StateCorrupt(KVError):
     """The state directory is incomplete or unreadable."""
 
@@ -252,6 +273,8 @@ class LevelDBStateMachine:
                 self._db.close()
             if isinstance(e, plyvel.IOError) and "lock" in str(e).lower():
                 raise StateLocked(f"the state machine in {path} is open in another process ({e})") from e
+            if is_disk_full(e, path):  # (not damage: it was moved aside as such, and its copy kept on the full disk)
+                raise NoSpace(f"the state machine in {path} cannot be opened: its disk is full ({e}). Free space on it and start the node again; nothing is lost") from e
             raise StateCorrupt(f"the state machine in {path} cannot be opened ({e})") from e
         if layout > STATE_FORMAT:
             self._db.close()
@@ -1198,55 +1221,72 @@ class LevelDBStateMachine:
     def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]]) -> int:
         """Replace everything with a snapshot's records; returns how many user keys were
         loaded (besides ledgerkv's own records). A marker makes a crash in the middle
-        visible at the next start (`incomplete`)."""
-        self._db.put(_RESTORING, b"1", sync=True)
-        self._forget_recent()
-        self._db.close()
+        visible at the next start (`incomplete`). The database is refused to every other
+        user until it is whole (close_for_restore, unless that was called already)."""
+        if self._db is not _LOADING:
+            self.close_for_restore()
         shutil.rmtree(self.path)
         os.makedirs(self.path)
-        self._db = _open(self.path)
-        self._db.put(_RESTORING, b"1", sync=True)
-        self._purge_from = history.CHANGES
-        n = own = 0
-        wb = self._db.write_batch()
-        pack = _U64.pack
-        # A snapshot carries the keys' create_revision and version as meta records, which
-        # sort before every user key: they are held until their keys' records come and
-        # written into them (those beyond _HELD_MAX as they are, folded afterwards).
-        meta = _META[len(_DATA) :]
-        held: dict[bytes, bytes] = {}
-        for key, value, mod in items:
-            n += 1
-            if key[:1] == RESERVED:
-                own += 1
-                if key.startswith(meta) and len(held) < _HELD_MAX:
-                    held[key[len(meta) :]] = value
+        db = _open(self.path)
+        try:
+            db.put(_RESTORING, b"1", sync=True)
+            self._purge_from = history.CHANGES
+            n = own = 0
+            wb = db.write_batch()
+            pack = _U64.pack
+            # A snapshot carries the keys' create_revision and version as meta records, which
+            # sort before every user key: they are held until their keys' records come and
+            # written into them (those beyond _HELD_MAX as they are, folded afterwards).
+            meta = _META[len(_DATA) :]
+            held: dict[bytes, bytes] = {}
+            for key, value, mod in items:
+                n += 1
+                if key[:1] == RESERVED:
+                    own += 1
+                    if key.startswith(meta) and len(held) < _HELD_MAX:
+                        held[key[len(meta) :]] = value
+                    else:
+                        wb.put(_DATA + key, pack(mod) + value)
                 else:
-                    wb.put(_DATA + key, pack(mod) + value)
-            else:
-                versions = held.pop(key, None) if held else None
-                wb.put(_DATA + key, pack(mod) + value if versions is None else _stamped(mod, *_META_VALUE.unpack(versions), value))
-            if n % _RESTORE_BATCH == 0:
-                wb.write()
-                wb = self._db.write_batch()
-        wb.write()
-        self._fold_meta_records()
-        # A synced write flushes LevelDB's log, and with it every record written above.
-        fin = self._db.write_batch(sync=True)
-        fin.put(_STATE_FORMAT, b"%d" % STATE_FORMAT)
-        fin.put(_MEMBERSHIP, membership)
-        fin.put(_APPLIED, _TWO_U64.pack(index, term))
-        self._membership = membership
-        fin.delete(_RESTORING)
-        fin.put(_SESSIONS_AT, _U64.pack(index))
-        self.sessions_at = index
-        fin.write()
+                    versions = held.pop(key, None) if held else None
+                    wb.put(_DATA + key, pack(mod) + value if versions is None else _stamped(mod, *_META_VALUE.unpack(versions), value))
+                if n % _RESTORE_BATCH == 0:
+                    wb.write()
+                    wb = db.write_batch()
+            wb.write()
+            self._fold_meta_records(db)
+            # A synced write flushes LevelDB's log, and with it every record written above.
+            fin = db.write_batch(sync=True)
+            fin.put(_STATE_FORMAT, b"%d" % STATE_FORMAT)
+            fin.put(_MEMBERSHIP, membership)
+            fin.put(_APPLIED, _TWO_U64.pack(index, term))
+            self._membership = membership
+            fin.delete(_RESTORING)
+            fin.put(_SESSIONS_AT, _U64.pack(index))
+            self.sessions_at = index
+            fin.write()
+        except BaseException:
+            db.close()  # (a full disk, say: FSMCaller opens the state again once there is room)
+            raise
+        self._db = db
         self._applied = (index, term)
         self.incomplete = False
         self._load_reserved()
         if self.history_from is None:  # a snapshot from before the history
             self._start_history(self._db, index + 1)
         return n - own
+
+    def close_for_restore(self) -> None:
+        """A restore's first step, on the thread that serves reads (the event loop's, where
+        no read is in progress then): the state marked as being replaced (durably: a crash
+        from here on is seen at the next start), the database closed, and refused to every
+        user until restore() has loaded the new one. Its users in other threads are let go
+        first (FSMCaller's before_close hooks): closed under a read in another thread, a
+        LevelDB database crashed the process (SIGSEGV)."""
+        self._db.put(_RESTORING, b"1", sync=True)
+        self._forget_recent()
+        db, self._db = self._db, _LOADING
+        db.close()
 
     def _upgrade_layout(self) -> None:
         """An earlier version's state: its meta records folded into the keys' records, then
@@ -1265,19 +1305,21 @@ class LevelDBStateMachine:
         if folded:
             log.info("state machine %s: folded %d keys' create_revision and version into their records", self.path, folded)
 
-    def _fold_meta_records(self) -> int:
+    def _fold_meta_records(self, db=None) -> int:
         """Move the keys' create_revision and version from their meta records into the
-        keys' own records; returns how many keys. A key's meta record goes in the batch
-        that folds it, so a crash in between leaves the rest for the next open."""
+        keys' own records (of db, this state's database by default); returns how many keys.
+        A key's meta record goes in the batch that folds it, so a crash in between leaves
+        the rest for the next open."""
+        db = self._db if db is None else db
         n, start = 0, _META
         while True:
-            wb = self._db.write_batch()
+            wb = db.write_batch()
             batch = 0
-            with self._db.iterator(start=start, stop=_META_END, verify_checksums=True) as it:
+            with db.iterator(start=start, stop=_META_END, verify_checksums=True) as it:
                 for mk, mv in it:
                     wb.delete(mk)
                     k = _DATA + mk[len(_META) :]
-                    raw = self._db.get(k, verify_checksums=True)
+                    raw = db.get(k, verify_checksums=True)
                     if raw is not None and raw[0] < 0x80:
                         wb.put(k, _stamped(_U64.unpack_from(raw)[0], *_META_VALUE.unpack_from(mv, _U64.size), raw[8:]))
                         n += 1

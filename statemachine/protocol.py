@@ -75,6 +75,11 @@ class StateMachine(Protocol):
         """The oldest revision whose changes history_changes still has."""
         ...
 
+    def close_for_restore(self) -> None:
+        """The first step of loading a snapshot, on the thread that reads the state: close
+        it, refusing every use until restore() has loaded the new one."""
+        ...
+
     def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]]) -> int:
         """onSnapshotLoad: replace the whole state with a snapshot's; returns the number
         of keys loaded."""

@@ -9,6 +9,7 @@ import subprocess
 import pytest
 from cluster import ProcCluster
 
+from kv.bench.harness import wait_until
 from kv.raft.failpoints import EXIT_CODE
 
 pytestmark = pytest.mark.slow
@@ -156,3 +157,34 @@ def test_a_partial_snapshot_that_lost_its_tail_in_a_machine_crash_is_sent_again_
     c.node_env[lag] = {}
     recover_and_check(c, lag, acked)
     assert f"at byte {CHUNK_BYTES // 2}" in c.log(lag)
+
+
+def test_a_follower_installs_a_snapshot_while_it_writes_one_of_its_own(make):
+    """A follower that falls behind while writing a snapshot of its own (a worker thread
+    reading its database) is sent the leader's and loads it: the load waits for that
+    snapshot, and no read of the database runs while it is replaced. The database was
+    closed under the writing thread: the node died of SIGSEGV (a fault review: 2-7 times
+    in 25 pauses of a follower), or its snapshot failed on a closed database."""
+    c = make(extra=SNAP)
+    c.start()
+    lead = c.leader()
+    lag = next(i for i in c.ids if i != lead)
+    acked = write_some(c, 140, "a", via=[lead], value=b"a" * 8000)  # two blocks of snapshot
+    c.kill(lag)
+    c.node_env[lag] = {"KV_FAILPOINTS": "snapshot.mid_write~5"}  # its snapshots hold their view 5 s a block
+    c.start(lag)
+    acked.update(write_some(c, 20, "b", via=[lead]))  # past its threshold: it starts one
+    wait_until(lambda: c.status(lag)["applied_index"] >= 150, 10, "the follower past its snapshot threshold")
+    c.isolate(lag)
+    acked.update(write_some(c, 320, "c", via=[i for i in c.ids if i != lag], value=b"c" * 2000))
+    assert c.status(lead)["ledger_begin_index"] > c.status(lag)["applied_index"]
+    c.heal()
+    wait_until(lambda: "loading snapshot" in c.log(lag), 20, "the follower loading the leader's snapshot")
+    c.wait_converged(timeout=40)
+    assert c.alive(lag), c.log(lag)[-2000:]
+    log = c.log(lag)
+    assert "never retrieved" not in log and "Traceback" not in log, log[-3000:]
+    wait_until(lambda: "snapshot at" in c.log(lag), 20, "the follower's own snapshot written")
+    for k, idx in acked.items():
+        code, _, etag = c.get(lag, k, consistency="stale")
+        assert code == 200 and etag == f'"{idx}"', (k, code, etag)

@@ -4,6 +4,7 @@ peers), or refused with a clear message — never wrong data, never a lost ackno
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import os
 import struct
@@ -347,3 +348,31 @@ def test_a_state_written_by_a_later_version_is_refused_not_rebuilt(tmp_path):
     with pytest.raises(L.StateTooNew, match="written by a later ledgerkv .*run that version or a later one"):
         L.LevelDBStateMachine(path)
     assert os.path.exists(path) and not issubclass(L.StateTooNew, StateCorrupt)
+
+
+def test_a_state_that_cannot_be_opened_for_a_full_disk_is_not_taken_for_damaged(small_disk):
+    """A node restarted on a full disk: LevelDB cannot write its new log file. That is no
+    damage: the state stays where it is (it was moved aside, a copy left on the full disk,
+    and the node exited naming the damage), and the error says to free space."""
+    from kv.statemachine import commands as c
+    from kv.statemachine import leveldb as L
+    from kv.raft.messages import Entry, EntryKind
+
+    state = str(small_disk / "state")
+    sm = L.LevelDBStateMachine(state)
+    sm.apply([Entry(i, 1, EntryKind.NORMAL, c.encode(c.Put(f"k{i}", b"v" * 100))) for i in range(1, 101)])
+    sm.close()
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    with pytest.raises(kv.NoSpace, match="its disk is full .*Free space on it and start the node again; nothing is lost"):
+        L.LevelDBStateMachine(state)
+    filler.unlink()
+    sm = L.LevelDBStateMachine(state)
+    try:
+        assert sm.count() == 100 and sm.get("k100")[1] == b"v" * 100
+    finally:
+        sm.close()
