@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from . import quorum
 from .config import CoreConfig
-from .errors import ConfigChangeRefused, NotLeader, TransferInProgress
+from .errors import CommittedEntryConflict, ConfigChangeRefused, NotLeader, TransferInProgress
 from .log import LogStorage, RaftLog
 from .membership import ConfigLog, Membership, check_single_change
 from .messages import (
@@ -760,8 +760,14 @@ class RaftCore:
             return
         snap = m.snapshot
         if snap.index <= self.commit_index:
-            # We hold all of it already; what we hold up to our commit index matches.
-            self._push_reply(m, PushType.INSTALL_SNAPSHOT, PushCode.SUCCESS, index=self.commit_index)
+            # We hold all of it already, so it must match what we hold (when we still hold
+            # its last entry to tell). The answer is the snapshot's index, not our commit
+            # index, which a leader short of our committed entries does not hold: the
+            # entries it sends next are compared with ours.
+            ours = self.log.term(snap.index)
+            if ours is not None and ours != snap.term:
+                raise CommittedEntryConflict(self.id, m.src, m.term, snap.index, ours, snap.term)
+            self._push_reply(m, PushType.INSTALL_SNAPSHOT, PushCode.SUCCESS, index=snap.index)
             return
         if self.log.term(snap.index) == snap.term:
             # Raft Figure 13, step 6: we hold the snapshot's last entry, so our log matches

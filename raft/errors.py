@@ -77,3 +77,19 @@ class LedgerError(RaftError):
 
 class ConfigChangeRefused(RaftError):
     """A membership change was refused; nothing was changed. The message says why."""
+
+
+class CommittedEntryConflict(RaftError):
+    """The leader's log differs from this node's at an entry this node has committed (and
+    applied): one of them does not hold what it acknowledged (a data dir put back from an
+    older copy, a disk that lost writes). Raft cannot go on safely from there (etcd panics
+    alike): the node stops rather than overwrite, or serve, what it applied."""
+
+    def __init__(self, node: str, leader: str, term: int, index: int, ours: int | None, theirs: int) -> None:
+        super().__init__(
+            f"node {node}: leader {leader} (term {term}) holds an entry of term {theirs} at index {index}, which this node "
+            f"committed and applied with term {ours}: one of them lost entries it had acknowledged (a data dir put back "
+            "from an older copy, or a disk that lost writes). Stopping rather than overwrite or serve it. Find the nodes "
+            "that hold every acknowledged write (kv status: the highest applied index, each node's log), and bring the "
+            "others back from them (kv member remove, then kv serve --join with an empty data dir)"
+        )

@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from . import quorum
 from .config import CoreConfig
+from .errors import CommittedEntryConflict
 from .log import RaftLog, entry_size
 from .membership import Membership
 from .messages import CoreMessage, Entry, HeartbeatRequest, HeartbeatResponse, PushCode, PushRequest, PushResponse, PushType
@@ -336,6 +337,8 @@ def match_push(
         return PushCode.INCONSISTENT_STATE, {}
     local = log.term(prev)
     if local != prev_term:
+        if prev <= commit_index:
+            raise CommittedEntryConflict(m.dst, m.src, m.term, prev, local, prev_term)
         return PushCode.INCONSISTENT_STATE, {"index": prev, "x_term": local, "x_index": log.first_index_of_term(local, prev)}
     if t == PushType.COMPARE:
         return PushCode.SUCCESS, {"index": prev}
@@ -346,10 +349,11 @@ def match_push(
     while k < len(entries) and entries[k].index <= last:
         e = entries[k]
         if log.term(e.index) != e.term:
+            if e.index <= commit_index:
+                raise CommittedEntryConflict(m.dst, m.src, m.term, e.index, log.term(e.index), e.term)
             if t != PushType.TRUNCATE:
                 x_term = log.term(e.index) or 0
                 return PushCode.INCONSISTENT_STATE, {"index": e.index, "x_term": x_term, "x_index": log.first_index_of_term(x_term, e.index)}
-            assert e.index > commit_index, "a leader asked to overwrite a committed entry"
             log.truncate_and_append(e.index, entries[k:])
             truncated(e.index)
             appended(entries[k:])

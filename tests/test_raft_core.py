@@ -8,7 +8,7 @@ from sim import Sim
 
 from kv.raft import quorum
 from kv.raft.core import CoreConfig, RaftCore
-from kv.raft.errors import NotLeader, TransferInProgress
+from kv.raft.errors import CommittedEntryConflict, NotLeader, TransferInProgress
 from kv.raft.log import MemoryStorage
 from kv.raft.membership import Member, Membership
 from kv.raft.messages import (
@@ -18,6 +18,7 @@ from kv.raft.messages import (
     HeartbeatCode,
     HeartbeatRequest,
     HeartbeatResponse,
+    InstallSnapshotRequest,
     PushCode,
     PushRequest,
     PushResponse,
@@ -25,6 +26,7 @@ from kv.raft.messages import (
     ReadIndexRequest,
     ReadIndexResponse,
     Role,
+    SnapshotMeta,
     TimeoutNow,
     VoteRequest,
     VoteResponse,
@@ -857,3 +859,35 @@ def test_the_entry_cache_is_bounded_in_bytes():
     assert log._cache_bytes <= 1 << 20 and log._cache_bytes == sum(len(e.data) for e in log._cache)
     assert log.entries(1, 201, 1 << 40, 1 << 30)[-1].index == 200  # older ones come from storage
     assert [e.index for e in log.entries(1, 3, 1 << 40, 10)] == [1, 2]
+
+
+def test_a_leader_whose_log_differs_at_a_committed_entry_stops_the_follower():
+    """A node whose data dir was put back from an older copy can lead a majority that lacks
+    entries another node committed and applied (a fault review lost 150 acknowledged writes
+    that way, and the node holding them took the new leader's entries over its own, or
+    answered reads from them). Its pushes and snapshots are refused by stopping that node,
+    as etcd panics: never overwrite, and never go on serving, what was applied."""
+
+    def applied_four() -> RaftCore:
+        storage = MemoryStorage()
+        storage.write(1, [Entry(i, 1 if i <= 2 else 2, EntryKind.NORMAL, b"") for i in range(1, 5)])
+        return RaftCore(CoreConfig("n2"), storage, HardState(2, None), MEMBERS, 4, 0.0, seed=1)
+
+    # the leader's entry 3 is of term 3, where this node applied one of term 2
+    with pytest.raises(CommittedEntryConflict, match=r"node n2: leader n1 \(term 3\) holds an entry of term 3 at index 3, which this node committed and applied with term 2"):
+        applied_four().step(PushRequest("n1", "n2", 3, PushType.COMPARE, 1, 3, 3), 1.0)
+    with pytest.raises(CommittedEntryConflict, match="at index 4"):
+        applied_four().step(PushRequest("n1", "n2", 3, PushType.TRUNCATE, 1, 3, 2, [Entry(4, 3, EntryKind.NORMAL, b"")], 4, 4), 1.0)
+    with pytest.raises(CommittedEntryConflict, match="at index 3"):
+        applied_four().step(InstallSnapshotRequest("n1", "n2", 3, 1, SnapshotMeta(3, 3, b"")), 1.0)
+    # Beyond what it committed, a conflict is Raft's usual one: reported, then cut.
+    f = applied_four()
+    f.step(PushRequest("n1", "n2", 3, PushType.TRUNCATE, 1, 4, 2, [Entry(5, 3, EntryKind.NORMAL, b"")], 4, 5), 1.0)
+    assert f.log.last_index() == 5 and f.commit_index == 4
+    # A snapshot it holds, that matches: answered with the snapshot's index, which the
+    # leader holds, not this node's commit index
+    f = applied_four()
+    f.step(InstallSnapshotRequest("n1", "n2", 3, 1, SnapshotMeta(2, 1, b"")), 1.0)
+    _, msgs = all_messages(f)
+    (resp,) = [m for m in msgs if isinstance(m, PushResponse)]
+    assert resp.code == PushCode.SUCCESS and resp.index == 2
