@@ -16,7 +16,11 @@ from .params import json_body
 
 
 async def list_members(request: web.Request) -> Answer:
-    return json_response({"members": ctx(request).node.members()})
+    # After a read barrier, as a read of a key: a node that lagged (restarted, say) listed
+    # the members it knew, without one whose addition had been acknowledged.
+    node = ctx(request).node
+    await node.read_barrier(request.query.get("consistency", "linearizable"))
+    return json_response({"members": node.members()})
 
 
 async def _on_leader(request: web.Request, change, body: dict | None = None) -> Answer:

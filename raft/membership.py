@@ -78,6 +78,14 @@ class Membership:
         m = self.members.get(node_id)
         return m is not None and bool(m.ledger) and m.ledger != ledger
 
+    def refuses_as_replaced(self, own_id: str, node_id: str, ledger: str) -> bool:
+        """Whether member own_id, holding this membership, turns away node_id dialling from
+        the data dir of `ledger` as replaced. A learner does not: it is catching up, so the
+        membership it holds may predate node_id's latest join (a node joining from an empty
+        dir held an earlier entry naming the leader's previous data dir, refused the leader
+        for it, and never learnt of the newer one, which only that leader could send it)."""
+        return own_id in self.voters and self.replaced(node_id, ledger)
+
     def with_member(self, member: Member) -> Membership:
         return Membership({**self.members, member.id: member})
 

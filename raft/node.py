@@ -989,7 +989,7 @@ class RaftNode:
         cluster (the log line keeps 200 characters), or None."""
         if self._refuse_peer(peer):
             return f"{peer!r} was removed from this cluster"
-        if self.core.membership.replaced(peer, ledger):
+        if self.core.membership.refuses_as_replaced(self.id, peer, ledger):
             return (
                 f"{peer!r} joined from another data dir than this one (ledger {ledger or 'not said'}): "
                 "removed and joined again, or this one's data was lost"

@@ -250,6 +250,28 @@ def test_a_member_added_back_is_not_let_in_from_its_old_data_dir(tmp_path):
         c.close()
 
 
+def test_a_lagging_node_lists_the_members_a_change_acknowledged_before_made(tmp_path):
+    """GET /v1/members (kv member list, Client.members) reads after a barrier, like a key:
+    a node restarted behind the log listed the members it knew, without n4 whose addition
+    had been acknowledged (a fault review: 2 of 2; a script chose what to remove from it).
+    consistency=stale still answers this node's own view."""
+    c = ProcCluster(str(tmp_path), proxies=False)
+    try:
+        lead, follower = stop_a_follower(c)
+        body = orjson.dumps({"id": "n4", "peer": f"127.0.0.1:{free_port()}"})
+        assert c.request(lead, "POST", "/v1/members", body, {"Content-Type": "application/json"})[0] == 200
+        for i in range(3000):  # (the follower has some way to go once it is back)
+            assert c.put(lead, f"w/{i}", b"x" * 200)[0] == 200
+        c.start(follower)
+        code, _, got = c.request(follower, "GET", "/v1/members")
+        assert code == 200 and "n4" in {m["id"] for m in orjson.loads(got)["members"]}, got
+        code, _, got = c.request(follower, "GET", "/v1/members?consistency=stale")
+        assert code == 200 and follower in {m["id"] for m in orjson.loads(got)["members"]}
+        assert c.request(follower, "GET", "/v1/members?consistency=fresh")[0] == 400
+    finally:
+        c.close()
+
+
 def test_a_member_moved_to_new_addresses_is_reached_there(tmp_path):
     """`kv member add n3 NEW_PEER --http URL --replace` for a node moved to another machine:
     the others keep the old address in their --peers (where they dial a peer, for a proxy or

@@ -128,3 +128,8 @@ def test_a_member_is_replaced_only_when_it_joined_from_another_data_dir():
     assert m.replaced("n2", "")  # or a version before ledger ids, on whatever data dir
     assert not m.replaced("n9", "22" * 8)  # not a member: is_member's to refuse
     assert Membership.decode(m.encode()) == m  # the record survives the log and the snapshots
+    # A voter turns its old data dir away; a learner, catching up from entries older than
+    # the peer's latest join perhaps, lets it in (a joining node refused the leader so, for good).
+    m = m.with_member(Member("n3", "a:3", voter=False))
+    assert m.refuses_as_replaced("n1", "n2", "22" * 8) and not m.refuses_as_replaced("n1", "n2", "11" * 8)
+    assert not m.refuses_as_replaced("n3", "n2", "22" * 8)
