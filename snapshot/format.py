@@ -73,6 +73,7 @@ class SnapshotHeader:
     group: str = "default"
     node: str = ""
     format: int = FORMAT
+    cluster: str = ""  # the id of the cluster whose state it holds ("": a file from before ids)
 
     def to_json(self) -> dict:
         return {
@@ -83,6 +84,7 @@ class SnapshotHeader:
             "created": self.created,
             "group": self.group,
             "node": self.node,
+            **({"cluster": self.cluster} if self.cluster else {}),
         }
 
 
@@ -197,9 +199,12 @@ def _header_of(d) -> SnapshotHeader:
     group, node = d.get("group", "default"), d.get("node", "")
     if type(group) is not str or not group or type(node) is not str:
         raise SnapshotFormatError("snapshot header: group (non-empty) and node must be strings")
+    cluster = d.get("cluster", "")
+    if type(cluster) is not str or len(cluster) > 64:
+        raise SnapshotFormatError("snapshot header: cluster must be a cluster id (a string)")
     membership = d.get("membership", [])
     _check_membership(membership)
-    return SnapshotHeader(index, term, json.dumps(membership, separators=(",", ":")).encode(), float(created), group, node, d["format"])
+    return SnapshotHeader(index, term, json.dumps(membership, separators=(",", ":")).encode(), float(created), group, node, d["format"], cluster)
 
 
 def _index_field(d: dict, name: str) -> int:
@@ -434,8 +439,8 @@ def iter_records(f, header_offset: int | None = None) -> Iterator[tuple[bytes, b
         yield from zip(*parse_block(payload, count))
 
 
-def new_header(index: int, term: int, membership: bytes, group: str, node: str) -> SnapshotHeader:
-    return SnapshotHeader(index, term, membership, time.time(), group, node)
+def new_header(index: int, term: int, membership: bytes, group: str, node: str, cluster: str = "") -> SnapshotHeader:
+    return SnapshotHeader(index, term, membership, time.time(), group, node, cluster=cluster)
 
 
 def fsync_dir(path: str) -> None:

@@ -74,6 +74,10 @@ class SnapshotHost(Protocol):
     def group(self) -> str: ...
 
     @property
+    def cluster_id(self) -> str:
+        """The id of the cluster whose state this is ("" until its first entry is applied)."""
+
+    @property
     def snapshot_threshold(self) -> int:
         """Entries applied since the newest snapshot before the next is taken."""
 
@@ -152,6 +156,29 @@ class SnapshotManager:
 
     # -- taking snapshots ------------------------------------------------------------------
 
+    def set_aside_foreign(self, cluster_id: str) -> None:
+        """Rename the snapshot files of another cluster than cluster_id (copied in by
+        hand) *.foreign, so that nothing sends, saves or loads them as this node's: one
+        was taken for this node's newest, with an index beyond its log, handed to `kv
+        snapshot save` as a backup, installed on a node that joined, and no snapshot was
+        taken after it. Files from before cluster ids name none and are kept."""
+        if not cluster_id:
+            return
+        for s in self.store.list():
+            try:
+                with open(s.path, "rb") as f:
+                    theirs = read_header(f)[0].cluster
+            except (SnapshotFormatError, OSError):
+                continue  # (a damaged file: newest_valid sets it aside when it is needed)
+            if theirs and theirs != cluster_id:
+                os.replace(s.path, s.path + ".foreign")
+                log.error(
+                    "snapshot %s is of another cluster (%s, not this node's %s): set aside as %s.foreign",
+                    s.path, theirs, cluster_id, os.path.basename(s.path),
+                )
+        self._newest = self.store.newest()
+        self._note_size()
+
     def newest_meta(self) -> SnapshotFile | None:
         return self._newest
 
@@ -219,7 +246,7 @@ class SnapshotManager:
             if self._newest is not None and self._newest.index >= view.index:
                 return self._newest
             membership = view.membership or self.raft.membership.encode()
-            header = new_header(view.index, view.term, membership, host.group, host.node_id)
+            header = new_header(view.index, view.term, membership, host.group, host.node_id, host.cluster_id)
             snap = await loop.run_in_executor(None, self.store.write, header, view.blocks(BLOCK_BYTES))
         finally:
             view.release()

@@ -77,7 +77,7 @@ def restore(
             # what a member added later receives).
             view = sm.capture()
             try:
-                fresh = new_header(header.index, header.term, membership.encode(), group, node_id)
+                fresh = new_header(header.index, header.term, membership.encode(), group, node_id, sm.cluster_id)
                 SnapshotStore(os.path.join(data_dir, "snapshots")).write(fresh, view.blocks(BLOCK_BYTES))
             finally:
                 view.release()

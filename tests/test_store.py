@@ -279,3 +279,28 @@ def test_the_dir_of_kv_cluster_up_is_not_a_members_and_the_other_way_round(tmp_p
     up = kv_cli("cluster", "up", "--data-dir", str(tmp_path / "n1"), "--base-port", str(free_port()))
     assert up.returncode != 0 and "is a member's data dir (it holds a ledger)" in up.stderr, up.stderr
     assert not (tmp_path / "ledger").exists() and not (tmp_path / "n1" / "n1").exists()
+
+
+def test_a_snapshot_file_of_another_cluster_is_set_aside(tmp_path):
+    """A snapshot file copied in by hand from another cluster (a fault review's) was taken
+    for the node's newest: its index beyond the node's log, handed out by kv snapshot save
+    as a backup, installed on a node that joined, and no snapshot was taken after it. It is
+    set aside as *.foreign, named in the log; the node's own files are kept."""
+    import shutil
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with kv.open(a) as db:
+        for i in range(40):
+            db.put(f"a/{i}", b"theirs")
+        theirs = db.snapshot()
+    with kv.open(b) as db:
+        db.put("b", b"ours")
+        ours = db.snapshot()
+    assert theirs.index > ours.index
+    copied = shutil.copy(theirs.path, os.path.join(b, "snapshots"))
+    with kv.open(b) as db:
+        assert db.status()["snapshot_index"] == ours.index
+        assert db.get("b").value == b"ours" and db.get("a/1") is None
+        assert db.snapshot().index > ours.index  # (taken anew: none newer in the way)
+    assert not os.path.exists(copied) and os.path.exists(copied + ".foreign")
+    assert os.path.exists(ours.path)

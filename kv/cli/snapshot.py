@@ -125,6 +125,7 @@ def _described(path: str, info: dict) -> list[str]:
             ["keys", f"{info['keys']} (and {info['own_records']} records of ledgerkv's own: versions, history, leases, sessions)"],
             ["blocks", str(info["blocks"])],
             ["members", members or "(none)"],
+            ["cluster", info.get("cluster") or "(not recorded: written before cluster ids)"],
         ]
     )
 

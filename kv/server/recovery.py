@@ -39,6 +39,7 @@ class Recovery:
             raise DataDirLocked(c.data_dir) from e
         except StateCorrupt as e:
             self.sm = self.rebuild_state(e)
+        self.snapshots.set_aside_foreign(self.sm.cluster_id)
         self.reconcile()
         self.replay_sessions()
         if c.force_new_cluster:

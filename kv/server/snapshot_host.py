@@ -18,6 +18,10 @@ class SnapshotHost:
         self.node_id, self.group = config.id, config.group
         self.snapshot_threshold, self.snapshot_trailing = config.snapshot_threshold, config.snapshot_trailing
 
+    @property
+    def cluster_id(self) -> str:
+        return self._state().cluster_id
+
     def capture(self):
         return self._state().capture()
 
