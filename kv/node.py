@@ -188,7 +188,8 @@ class Node(AsyncRecipes):
             after_load=[self.watches.snapshot_loaded, self.snapshots.resume],
             observe_apply=self._observe("apply"),
             after_reopen=[recovery.replay_sessions, self.snapshots.resume],
-            before_close=[self.exports.drain, self.snapshots.quiesce],
+            # (the snapshot being written first: an export opened while it is waited for is drained next)
+            before_close=[self.snapshots.quiesce, self.exports.drain],
         )
         await self.raft.start()
         self.caller.start()

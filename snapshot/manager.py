@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -129,6 +130,8 @@ class SnapshotManager:
         self._taking: asyncio.Future | None = None
         self._state_open = asyncio.Event()  # cleared while the state's database is closed (quiesce)
         self._state_open.set()
+        self._reading = False  # the snapshot being taken has passed _state_open: it reads the state
+        self._newest_lock = threading.Lock()  # _newest: installs set it in the ledger writer's thread
         self._newest: SnapshotFile | None = self.store.newest()
         self._newest_bytes = 0  # the newest snapshot's size if LARGE_SNAPSHOT_BYTES or more
         self._applied_bytes = 0  # of the entries applied since it was taken (since this start)
@@ -214,7 +217,7 @@ class SnapshotManager:
         closed under it, the process died (SIGSEGV), a follower that fell behind while it
         wrote one."""
         self._state_open.clear()
-        if self._taking is not None:
+        if self._taking is not None and self._reading:  # (one still before the gate waits at it)
             await asyncio.wait([self._taking])
 
     def resume(self, *_: object) -> None:
@@ -239,6 +242,13 @@ class SnapshotManager:
         host = self.host
         loop = asyncio.get_running_loop()
         await self._state_open.wait()
+        self._reading = True
+        try:
+            return await self._take_open(host, loop)
+        finally:
+            self._reading = False
+
+    async def _take_open(self, host: SnapshotHost, loop: asyncio.AbstractEventLoop) -> SnapshotFile:
         view = host.capture()
         self._applied_bytes = 0
         t0 = time.monotonic()
@@ -251,8 +261,9 @@ class SnapshotManager:
         finally:
             view.release()
         took = time.monotonic() - t0
-        if self._newest is None or snap.index > self._newest.index:  # (one installed meanwhile is newer)
-            self._newest = snap
+        with self._newest_lock:
+            if self._newest is None or snap.index > self._newest.index:  # (one installed meanwhile is newer)
+                self._newest = snap
         self._note_size()
         self.stats.taken += 1
         self.stats.take_seconds += took
@@ -452,7 +463,8 @@ class SnapshotManager:
     def install(self, meta: SnapshotMeta) -> None:
         """Ledger writer thread, before the ledger is reset to the snapshot."""
         path = self._verified.pop((meta.index, meta.term))
-        self._newest = self.store.adopt(path, meta.index, meta.term)
+        with self._newest_lock:
+            self._newest = self.store.adopt(path, meta.index, meta.term)
         self._note_size()
         self._applied_bytes = 0
         self.stats.installed += 1

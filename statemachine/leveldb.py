@@ -527,12 +527,14 @@ class LevelDBStateMachine:
         with self._db.iterator(start=_USER_DATA, stop=_DATA_END, include_value=False) as it:
             return sum(1 for _ in it)
 
-    def _load_reserved(self) -> None:
-        """The lease and session tables, from their records."""
+    def _load_reserved(self, db=None) -> None:
+        """The lease and session tables, from their records (of db, this state's database by
+        default)."""
+        db = self._db if db is None else db
         records = []
         # Not the keys' meta records, nor the history (history.py): every key has those.
         for lo, hi in ((_DATA + RESERVED, history.VERSIONS), (_HISTORY_END, _META), (_META_END, _USER_DATA)):
-            with self._db.iterator(start=lo, stop=hi, verify_checksums=True) as it:
+            with db.iterator(start=lo, stop=hi, verify_checksums=True) as it:
                 records += [(k[1:], _U64.unpack_from(v)[0], v[8:]) for k, v in it]
         self.leases.load((k, v) for k, _, v in records)
         self.sessions.load(records)
@@ -1268,12 +1270,12 @@ class LevelDBStateMachine:
         except BaseException:
             db.close()  # (a full disk, say: FSMCaller opens the state again once there is room)
             raise
-        self._db = db
+        self._load_reserved(db)
+        if self.history_from is None:  # a snapshot from before the history
+            self._start_history(db, index + 1)
         self._applied = (index, term)
         self.incomplete = False
-        self._load_reserved()
-        if self.history_from is None:  # a snapshot from before the history
-            self._start_history(self._db, index + 1)
+        self._db = db  # (last: readers see the new state once its tables match it)
         return n - own
 
     def close_for_restore(self) -> None:

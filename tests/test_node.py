@@ -563,3 +563,25 @@ async def test_answered_writes_are_let_go_at_once_not_held_until_their_deadline(
     first.answered = True
     await raft.propose_many(payloads[2:3], deadline=loop.time() + 60)[0]
     assert not filed(first) and not filed(later) and not raft._filed
+
+
+async def test_the_state_closes_for_a_snapshot_load_while_a_snapshot_is_asked_for(tmp_path):
+    """Before its database closes (a snapshot is loaded into it), a node waits for the
+    snapshot being written from it; one asked for in the same turn of the loop (kv snapshot
+    save), not yet reading, waits for the state to open again instead. quiesce waited for
+    that one, which waited for resume: the state machine hung for good (a review found it)."""
+    node = kv.Node(id="n1", data_dir=str(tmp_path / "n1"))
+    await node.start()
+    try:
+        await node.put("k", b"v")
+        snapshots = node.snapshots
+        taken = asyncio.ensure_future(snapshots.take())
+        closing = asyncio.ensure_future(snapshots.quiesce())  # (runs right after take() made its task)
+        await asyncio.wait_for(closing, 5)
+        await asyncio.sleep(0.2)
+        assert not taken.done()  # held at the closed state...
+        snapshots.resume()
+        snap = await asyncio.wait_for(taken, 10)  # ...and taken once it is open again
+        assert snap.index >= 2
+    finally:
+        await node.stop()

@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     a.add_argument("--http", default="", help="add: the new member's client URL")
     a.add_argument("--voter", action="store_true", help="add: promote it to a voter once it has caught up (it always joins as a learner; without --voter it stays one until kv member promote)")
     a.add_argument("--replace", action="store_true", help="add: change an existing member's addresses")
+    a.add_argument("--stale", action="store_true", help="list: the answering node's own view, without a quorum check (answers without a leader)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,7 +81,7 @@ async def _member(c, args: argparse.Namespace) -> int:
     elif args.action == "promote":
         members = await c.promote_member(args.id)
     else:
-        members = await c.members()
+        members = await c.members(consistency="stale" if args.stale else "linearizable")
     if wants_json(args):
         emit({"members": members})
         return 0

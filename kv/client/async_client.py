@@ -537,9 +537,10 @@ class AsyncClient(AsyncRecipes):
                     yield entries
             reader.finish(last)
 
-    async def members(self) -> list[dict]:
-        """The cluster's members: id, peer, http, voter, leader."""
-        return (await self._json("GET", "/v1/members"))["members"]
+    async def members(self, *, consistency: str = "linearizable") -> list[dict]:
+        """The cluster's members: id, peer, http, voter, leader. Read after a barrier, as a
+        key is; consistency="stale": the answering node's own view, even without a leader."""
+        return (await self._json("GET", "/v1/members", params={"consistency": consistency}))["members"]
 
     async def add_member(self, member_id: str, peer: str, http: str = "", *, voter: bool = False, replace: bool = False, ledger: str = "") -> list[dict]:
         """Add a member listening for peers on `peer` (a learner, promoted once caught up
