@@ -287,7 +287,8 @@ class SnapshotManager:
         if found is None:
             raise SnapshotFormatError(
                 f"the ledger starts after index {min_index} but no valid snapshot covers it: this data dir is "
-                "incomplete. Remove it and restart the node so it catches up from the cluster"
+                "incomplete. Remove it and restart the node so it catches up from the cluster (or, if kv snapshot restore "
+                "was seeding it and stopped, remove it and run the restore again)"
             )
         s, header = found
         return SnapshotMeta(s.index, s.term, header.membership)
