@@ -179,7 +179,7 @@ class Ledger:
         if who["node_id"] != node_id or who["group"] != group:
             raise LedgerError(
                 f"the data dir {os.path.dirname(self.path) or self.path} belongs to node {who['node_id']!r} of group "
-                f"{who['group']!r}, not to node {node_id!r} of group {group!r}: check --id, --group and --data-dir"
+                f"{who['group']!r}, not to node {node_id!r} of group {group!r}: check --id, --group and --data-dir (kv.open: its id= and group=; a cluster member's dir is opened by kv serve)"
             )
         if "ledger_id" not in who:  # a ledger from before ledger ids
             txn.put(b"identity", json.dumps({**who, "ledger_id": ledger_id}).encode(), db=self._meta)
