@@ -61,7 +61,7 @@ def parse_endpoints(spec: str | Sequence[str] | None) -> list[str]:
     return out
 
 
-NOT_A_NODE = "is it a ledgerkv node's client URL (kv serve --http; --endpoints, $KV_ENDPOINTS)?"
+NOT_A_NODE = "is it a ledgerkv node's client URL (kv serve --http; kv.Client's endpoints, the CLI's --endpoints or $KV_ENDPOINTS)?"
 
 
 def is_ours(body: bytes) -> bool:
@@ -113,8 +113,8 @@ def error_for(status: int, body: bytes, endpoint: str) -> errors.KVError:
     return errors.KVError(msg)
 
 
-NOTHING_LISTENS = "is the cluster running (kv cluster up), and are these its client URLs (--endpoints, $KV_ENDPOINTS)?"
-NO_SUCH_HOST = "is the name spelled right, and are these the cluster's client URLs (--endpoints, $KV_ENDPOINTS)?"
+NOTHING_LISTENS = "is the cluster running (kv cluster up), and are these its client URLs (kv.Client's endpoints; the CLI's --endpoints or $KV_ENDPOINTS)?"
+NO_SUCH_HOST = "is the name spelled right, and are these the cluster's client URLs (kv.Client's endpoints; the CLI's --endpoints or $KV_ENDPOINTS)?"
 UNREACHABLE_NOTICE_S = 2.0  # every endpoint unreachable this long: say so while waiting
 UNREACHABLE_REPEAT_S = 60.0  # and not again from the same client sooner (a loop of calls)
 
