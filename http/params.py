@@ -58,6 +58,11 @@ def write_timeout(request: web.Request) -> float | None:
     return _timeout(request, request.app[CONTEXT].node.config.write_timeout_s)
 
 
+def consistency_param(request: web.Request) -> str:
+    """?consistency= of a read: linearizable (the default), lease or stale (kv.Node checks it)."""
+    return request.query.get("consistency", "linearizable")
+
+
 def read_timeout(request: web.Request) -> float | None:
     """The seconds a linearizable read may wait here: X-Kv-Timeout, at most --read-timeout-s."""
     return _timeout(request, request.app[CONTEXT].node.config.read_timeout_s)

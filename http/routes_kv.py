@@ -15,14 +15,10 @@ from .auth import check_keys, hidden_leases, lease_prefix
 from .context import ctx
 from .errors import json_response
 from .keys import key_from_raw_path, key_param
-from .params import MAX_INDEX, read_body, read_timeout, request_id, revision_param, write_timeout
+from .params import MAX_INDEX, consistency_param, read_body, read_timeout, request_id, revision_param, write_timeout
 
 KV_PREFIX = "/v1/kv/"
 MAX_LIST = 10_000
-
-
-def _consistency(request: web.Request) -> str:
-    return request.query.get("consistency", "linearizable")
 
 
 _ETAG = re.compile(r'(?:W/)?"([0-9]{1,19})"')  # one quoted mod_index, ASCII digits
@@ -73,7 +69,7 @@ def _if_match(value: str | None) -> tuple[int | None, bool]:
 async def get_key(request: web.Request) -> Answer:
     c = ctx(request)
     key = key_from_raw_path(request.raw_path, KV_PREFIX)
-    item, index = await c.node.get_at(key, consistency=_consistency(request), timeout=read_timeout(request), revision=revision_param(request))
+    item, index = await c.node.get_at(key, consistency=consistency_param(request), timeout=read_timeout(request), revision=revision_param(request))
     if item is None:
         raise NotFound(f"key {shown_key(key)} does not exist")
     c.room_for(len(item.value))
@@ -119,11 +115,11 @@ async def list_keys(request: web.Request) -> Answer:
     cap = c.node.config.max_txn_read_bytes
     prefix, after, revision = key_param(request, "prefix", ""), key_param(request, "after"), revision_param(request)
     if fmt == "rows" and revision is None:  # for bulk readers (kv.spark's import reads back this way): no JSON, no base64
-        body, _, size, more, index = await c.node.scan_rows(prefix, after=after, limit=limit, consistency=_consistency(request), timeout=read_timeout(request), max_bytes=cap)
+        body, _, size, more, index = await c.node.scan_rows(prefix, after=after, limit=limit, consistency=consistency_param(request), timeout=read_timeout(request), max_bytes=cap)
         c.room_for(size)
         return _rows_answer(body, index, more)
     items, index = await c.node.scan_page(
-        prefix, after=after, limit=limit + 1, consistency=_consistency(request), timeout=read_timeout(request), max_bytes=cap, revision=revision,
+        prefix, after=after, limit=limit + 1, consistency=consistency_param(request), timeout=read_timeout(request), max_bytes=cap, revision=revision,
     )
     size = sum(len(key_bytes(it.key)) + len(it.value) for it in items)  # as the state machine counts
     more = len(items) > limit or size >= cap  # cut short by its size: the client reads on from `next`

@@ -12,14 +12,14 @@ from .answer import Answer
 from .context import ctx
 from .errors import json_response
 from .forward import forward_to_leader
-from .params import json_body, read_timeout
+from .params import consistency_param, json_body, read_timeout
 
 
 async def list_members(request: web.Request) -> Answer:
     # After a read barrier, as a read of a key: a node that lagged (restarted, say) listed
     # the members it knew, without one whose addition had been acknowledged.
     node = ctx(request).node
-    await node.read_barrier(request.query.get("consistency", "linearizable"), read_timeout(request))
+    await node.read_barrier(consistency_param(request), read_timeout(request))
     return json_response({"members": node.members()})
 
 

@@ -23,7 +23,8 @@ is the snapshot layer's (snapshot/format.py). They are re-exported here.
     └── the layers' own, translated by kv.Node where they have a public meaning:
         RaftError (kv.raft.errors: TransferInProgress, LedgerError, ConfigChangeRefused,
         CodecError; kv.raft.node: NodeStopped, Overloaded, OutcomeUnknown ── DeadlineExceeded),
-        kv.statemachine: CommandError, StateCorrupt, StateLocked, ApplyFailed
+        kv.statemachine: CommandError, StateUnreadable (StateCorrupt, StateLoading: kv.Unavailable),
+        StateLocked, ApplyFailed
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from .server.writes import Writer
 from .common.sessions import Slot
 from .statemachine import commands as cmds
 from .statemachine.caller import FSMCaller
-from .statemachine.leveldb import LevelDBStateMachine, StateCorrupt
+from .statemachine.leveldb import LevelDBStateMachine, StateUnreadable
 
 SESSIONS_PER_OWNER = 10_000  # open sessions one token may hold, of those opened through one node (open_session)
 
@@ -455,7 +455,7 @@ class Node(AsyncRecipes):
             return 0
         try:
             got = self.sm.get(validate_key(key))
-        except StateCorrupt as e:
+        except StateUnreadable as e:
             raise public_error(e, fix="use another member meanwhile") from e
         return len(got[1]) if got else 0
 
@@ -512,7 +512,7 @@ class Node(AsyncRecipes):
             else:
                 index = self._past(revision, index)  # (read at it: the index it answers, as scan_page's)
                 got = self.sm.get_at(key, index)
-        except StateCorrupt as e:
+        except StateUnreadable as e:
             raise public_error(e) from e
         return (Item(key, got[1], got[0]) if got else None), index
 
@@ -553,7 +553,7 @@ class Node(AsyncRecipes):
             try:
                 at = None if revision is None else self._past(revision, self.sm.applied()[0])
                 rows = self.sm.scan(prefix, after, n, None, at)
-            except StateCorrupt as e:
+            except StateUnreadable as e:
                 raise public_error(e) from e
             return [Item(k, v, m) for k, v, m in rows], len(rows) == n
 
@@ -575,7 +575,7 @@ class Node(AsyncRecipes):
                 at = self._past(revision, index)
                 return Page([Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit, max_bytes, at)], at)
             return Page([Item(k, v, m) for k, v, m in self.sm.scan(prefix, after, limit, max_bytes)], index)
-        except StateCorrupt as e:
+        except StateUnreadable as e:
             raise public_error(e) from e
 
     async def scan_rows(
@@ -591,7 +591,7 @@ class Node(AsyncRecipes):
         index = await self.read_barrier(consistency, timeout)
         try:
             return (*self.sm.scan_rows(prefix, after, limit, max_bytes), index)
-        except StateCorrupt as e:
+        except StateUnreadable as e:
             raise public_error(e) from e
 
     async def put_many(self, items: dict[str, bytes] | Sequence[tuple[str, bytes]], *, timeout: float | None = None) -> TxnResult:
@@ -723,7 +723,7 @@ class Node(AsyncRecipes):
             if revision is not None and revision != index:
                 return self.sm.range(req, self._past(revision, index)), index
             return self.sm.range(req), index
-        except StateCorrupt as e:
+        except StateUnreadable as e:
             raise public_error(e) from e
 
     def etcd_key(self, key: bytes) -> cmds.KeyValue | None:
@@ -732,7 +732,7 @@ class Node(AsyncRecipes):
         such key."""
         try:
             return self.sm.key_value(key)
-        except StateCorrupt as e:
+        except StateUnreadable as e:
             raise public_error(e) from e
 
     def etcd_keys_in(self, key: bytes, end: bytes, most: int) -> int:
@@ -740,7 +740,7 @@ class Node(AsyncRecipes):
         no further than most + 1."""
         try:
             return self.sm.keys_in(key, end, most)
-        except StateCorrupt as e:
+        except StateUnreadable as e:
             raise public_error(e) from e
 
     async def etcd_txn(self, txn: cmds.TxnReq, *, timeout: float | None = None, request_id: RequestId | None = None) -> cmds.TxnResp:
@@ -766,7 +766,7 @@ class Node(AsyncRecipes):
             return self.sm.read_txn(txn, index)
         except cmds.CommandError as e:
             raise BadRequest(str(e)) from None
-        except StateCorrupt as e:
+        except StateUnreadable as e:
             raise public_error(e) from e
 
     async def set_alarm(self, member: int, alarm: int, active: bool, *, timeout: float | None = None) -> list[tuple[int, int]]:

@@ -26,7 +26,7 @@ from .server.answers import bulk_result, delete_result, prefix_delete_result, pu
 from .server.config import NodeConfig
 from .server.reads import CONSISTENCY
 from .statemachine import commands as cmds
-from .statemachine.leveldb import StateCorrupt
+from .statemachine.leveldb import StateUnreadable
 
 LOCAL_ID = "local"
 EMBEDDED_MAX_REQUEST_BYTES = 256 << 20
@@ -226,7 +226,7 @@ class Store:
         _check_consistency(consistency)
         try:
             got = self._sm().get(key)
-        except StateCorrupt as e:
+        except StateUnreadable as e:
             raise public_error(e, fix="close and reopen the store to rebuild it") from e
         return Item(key, got[1], got[0]) if got else None
 
@@ -245,7 +245,7 @@ class Store:
         while left > 0:
             try:
                 rows = sm.scan(prefix, after, int(min(left, page)))
-            except StateCorrupt as e:
+            except StateUnreadable as e:
                 raise public_error(e, fix="close and reopen the store to rebuild it") from e
             if not rows:
                 return

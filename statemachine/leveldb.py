@@ -161,7 +161,12 @@ _RECENT_ENTRY = 256  # what an entry costs besides its key and value (dict slot,
 Change = tuple[int, str, bytes | None]
 
 
-class StateLoading(KVError):
+class StateUnreadable(KVError):
+    """The state machine cannot be read here now (kv.Node answers kv.Unavailable: read from
+    another member meanwhile)."""
+
+
+class StateLoading(StateUnreadable):
     """The node is loading a snapshot into its state machine (it fell behind the leader's
     ledger): retry in a moment, or ask another node."""
 
@@ -175,13 +180,13 @@ class _Loading:
     closed = True
 
     def __getattr__(self, name: str):
-        raise StateLoading("this node is loading a snapshot into its state machine: retry in a moment, or ask another node")
+        raise StateLoading("this node is loading a snapshot into its state machine: retry in a moment")
 
 
 _LOADING = _Loading()
 
 
-class StateCorrupt(KVError):
+class StateCorrupt(StateUnreadable):
     """The state directory is incomplete or unreadable."""
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -275,6 +277,15 @@ def test_a_lagging_node_lists_the_members_a_change_acknowledged_before_made(tmp_
         code, _, got = c.request(follower, "GET", "/v1/members", headers={"X-Kv-Timeout": "1"}, timeout=10)
         assert code == 503 and time.monotonic() - t0 < 3, (code, got)
         assert c.request(follower, "GET", "/v1/members?consistency=stale")[0] == 200
+        # and so from the command line, as an operator runs it during the outage
+        def member_list(*flags: str) -> subprocess.CompletedProcess:
+            argv = [sys.executable, "-m", "kv", "member", "list", *flags, "--endpoints", c.url(follower), "--timeout", "3"]
+            return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+        said = member_list()
+        assert said.returncode == 1 and "no leader could take the request" in said.stderr and "is the cluster running" not in said.stderr, said.stderr
+        said = member_list("--stale")
+        assert said.returncode == 0 and f"{follower}\tvoter" in said.stdout and "n4\tlearner" in said.stdout, said
     finally:
         c.close()
 

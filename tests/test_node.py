@@ -585,3 +585,18 @@ async def test_the_state_closes_for_a_snapshot_load_while_a_snapshot_is_asked_fo
         assert snap.index >= 2
     finally:
         await node.stop()
+
+
+async def test_a_read_while_a_snapshot_is_loaded_is_unavailable_not_an_internal_error(tmp_path):
+    """While the state is replaced by a snapshot, a read is refused as kv.Unavailable (503:
+    read from another member meanwhile), the public error kv.Node's callers catch, and
+    never reaches the closed database."""
+    node = kv.Node(id="n1", data_dir=str(tmp_path / "n1"))
+    await node.start()
+    try:
+        await node.put("k", b"v")
+        node.sm.close_for_restore()  # (the load's first step; nothing loads it again here)
+        with pytest.raises(kv.Unavailable, match="loading a snapshot into its state machine.*another member"):
+            await node.get("k", consistency="stale")
+    finally:
+        await node.stop()

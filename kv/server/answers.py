@@ -9,14 +9,14 @@ from ..errors import BadRequest, Conflict, KVError, LeaseNotFound, NoSpace, Prec
 from ..raft.errors import ConfigChangeRefused, TransferInProgress
 from ..raft.node import Applied, DeadlineExceeded, NodeStopped, OutcomeUnknown, Overloaded
 from ..statemachine import commands as cmds
-from ..statemachine.leveldb import StateCorrupt
+from ..statemachine.leveldb import StateUnreadable
 
 
 def public_error(e: KVError, *, written: bool = False, wait: float = 0.0, fix: str = "read from another member meanwhile") -> KVError:
     """The one place where the layers' own errors become the public ones of kv/errors.py.
     `written`: the request may have been appended, so a stop or a missed deadline leaves its
     outcome unknown (Timeout) rather than refused (Unavailable); `fix`: what a reader of a
-    damaged state machine should do."""
+    state machine it cannot read (damaged, or loading a snapshot) should do."""
     if written and isinstance(e, (OutcomeUnknown, NodeStopped)):
         return unknown_outcome(e, wait)
     if isinstance(e, (Overloaded, NodeStopped)):
@@ -25,7 +25,7 @@ def public_error(e: KVError, *, written: bool = False, wait: float = 0.0, fix: s
         return Conflict(str(e))
     if isinstance(e, cmds.CommandError):
         return BadRequest(str(e))
-    if isinstance(e, StateCorrupt):
+    if isinstance(e, StateUnreadable):  # (damaged, or a snapshot being loaded into it)
         return Unavailable(f"{e}; {fix}")
     return e
 

@@ -85,12 +85,14 @@ class DataDirLock:
 
 
 def _check_layout(data_dir: str, of_members: bool) -> None:
-    if of_members and holds_a_node(data_dir):
-        raise BadRequest(
-            f"{data_dir} is a member's data dir (it holds a ledger), not one for kv cluster up, which makes a dir for "
-            "each member inside its --data-dir: give another"
-        )
-    members = [] if of_members or holds_a_node(data_dir) else members_within(data_dir)
+    if holds_a_node(data_dir):
+        if of_members:
+            raise BadRequest(
+                f"{data_dir} is a member's data dir (it holds a ledger), not one for kv cluster up, which makes a dir "
+                "for each member inside its --data-dir: give another"
+            )
+        return
+    members = [] if of_members else members_within(data_dir)
     if members:
         raise BadRequest(
             f"{data_dir} is not a member's data dir: it holds those of {', '.join(members)} (kv cluster up's layout). "
