@@ -81,6 +81,7 @@ class Node(AsyncRecipes):
         config: NodeConfig | None = None,
         *,
         initial_membership: Membership | None = None,
+        joined_at: int = 0,
         ledger_id: str | None = None,
         data_dir_lock: DataDirLock | None = None,
         transport: Transport | None = None,
@@ -90,8 +91,9 @@ class Node(AsyncRecipes):
         # The data dir's lock, if the caller took it already (kv serve does, before it
         # looks into the directory); the node releases it when it stops.
         self._lock = data_dir_lock
-        # A node that joins a running cluster starts from the membership the cluster gave it.
-        self._initial_membership = initial_membership
+        # A node that joins a running cluster starts from the membership the cluster gave it
+        # (the committed one, whose entry is at index joined_at: it passes over older ones).
+        self._initial_membership, self._joined_at = initial_membership, joined_at
         self._ledger_id = ledger_id  # and the ledger_id it gave the cluster for its ledger (join.py)
         self._transport = transport
         self.raft: RaftNode | None = None
@@ -141,7 +143,7 @@ class Node(AsyncRecipes):
         # starts, the one recovery opens (it may load a snapshot into it), then the node's.
         host = SnapshotHost(c, lambda: self.sm if self.sm is not None else recovery.sm)
         self.snapshots = SnapshotManager(host, c.snapshot_path, keep=c.snapshot_keep)
-        recovery = Recovery(c, self.ledger, self.snapshots, self._initial_membership)
+        recovery = Recovery(c, self.ledger, self.snapshots, self._initial_membership, self._joined_at)
         self.sm, membership = await asyncio.get_running_loop().run_in_executor(None, recovery.open)
         self.sm.on_changes = self.watches.publish
         self.raft = RaftNode(
@@ -174,6 +176,7 @@ class Node(AsyncRecipes):
             # founding node offers one of its own (statemachine/leveldb.py _noop).
             noop_data=cmds.encode(cmds.ClusterId(secrets.token_hex(8))) if self.ledger.last_index() == 0 and not self.sm.cluster_id else b"",
             level=cmds.COMMAND_LEVEL,
+            membership_index=self.sm.membership_index,
         )
         self.writer = Writer(
             c, self.raft, self.disk, self.leases.answer, self.counters, self._observe("commit_latency"),
@@ -892,6 +895,12 @@ class Node(AsyncRecipes):
 
     def members(self) -> list[dict]:
         return self._members.list()
+
+    def membership_index(self) -> int:
+        """The index of the log entry of the newest membership known committed, which
+        add_member, remove_member and promote_member answer with: a node that joins passes
+        over the older ones as it catches up."""
+        return self._running().committed_membership[1]
 
     def leader_url(self) -> str | None:
         """The leader's client URL, if this node knows it."""

@@ -72,7 +72,10 @@ class RaftCore:
         now: float = 0.0,
         seed: int | None = None,
         known: frozenset[str] = frozenset(),
+        membership_index: int = 0,
     ) -> None:
+        """`membership_index`: the index of the entry `membership` came from (ConfigLog's
+        `since`; a node that joined: the committed one the leader gave it)."""
         self.cfg = config
         self.id = config.node_id
         self.log = RaftLog(storage)
@@ -111,7 +114,7 @@ class RaftCore:
         self._ready = Ready()
         self._hs_dirty = False
         self._applicable_reported = self.applicable_index()
-        self._configs = ConfigLog(membership)
+        self._configs = ConfigLog(membership, membership_index)
         # Every id that appeared in a configuration this node has seen. Requests are handled
         # whatever the current configuration says (dissertation §4.2.1): a node that lags
         # behind a change must still hear from the members the change brought. A message
@@ -259,6 +262,12 @@ class RaftCore:
         """The newest configuration known committed (a member removed by a change still in
         progress is in it: it must hear back until its removal commits)."""
         return self._configs.committed
+
+    @property
+    def committed_membership_index(self) -> int:
+        """The index of the committed configuration's entry (what a node that joins is
+        given with it: raft/membership.py ConfigLog)."""
+        return self._configs.committed_index
 
     def _configs_committed(self) -> None:
         c = self.commit_index
@@ -778,8 +787,7 @@ class RaftCore:
             return
         self.log.restore(snap.index, snap.term)
         self.commit_index = snap.index
-        if snap.membership:
-            self._configs.restore(Membership.decode(snap.membership), snap.index)
+        if snap.membership and self._configs.restore(Membership.decode(snap.membership), snap.index):
             self._membership_changed()
         self._ready.snapshot = snap
         self._push_reply(m, PushType.INSTALL_SNAPSHOT, PushCode.SUCCESS, index=snap.index)

@@ -158,18 +158,28 @@ class ConfigLog:
     """The configurations in the log (Raft dissertation §4.1, one change at a time).
 
     `latest` is the newest configuration in the log, committed or not: it is in effect as
-    soon as it is appended; `index` is its entry's index (0 if it came from the start or
-    with a snapshot, and no CONFIG entry has followed). `committed` is the newest one at or
-    below the commit index. The CONFIG entries above the commit index are kept to fall back
-    on if they are truncated away."""
+    soon as it is appended; `index` is its entry's index (0 if it came from the start, or
+    the snapshot's index if it came with one and no CONFIG entry has followed). `committed`
+    is the newest one at or below the commit index, `committed_index` its entry's. The
+    CONFIG entries above the commit index are kept to fall back on if they are truncated
+    away.
 
-    def __init__(self, committed: Membership) -> None:
+    `since`: the index of the entry the starting configuration came from. A node that
+    joined a running cluster starts from the committed configuration the leader gave it,
+    then replays the log from its start (or from an older snapshot): the CONFIG entries at
+    or below that index are older than what it holds and are passed over. Taken as newer,
+    they named the members' earlier data dirs, and the node refused a leader that had been
+    removed and joined again since, which alone could send it the newer ones: stuck."""
+
+    def __init__(self, committed: Membership, since: int = 0) -> None:
         self.committed = committed
         self.latest = committed
-        self.index = 0
+        self.index = self.committed_index = self.since = since
         self._uncommitted: list[tuple[int, Membership]] = []
 
     def append(self, index: int, membership: Membership) -> None:
+        if index <= self.since:
+            return
         self._uncommitted.append((index, membership))
         self.latest, self.index = membership, index
 
@@ -178,19 +188,25 @@ class ConfigLog:
         if not self._uncommitted or self._uncommitted[-1][0] < from_index:
             return False
         self._uncommitted = [(i, m) for i, m in self._uncommitted if i < from_index]
-        self.index, self.latest = self._uncommitted[-1] if self._uncommitted else (0, self.committed)
+        self.index, self.latest = self._uncommitted[-1] if self._uncommitted else (self.committed_index, self.committed)
         return True
 
     def commit(self, commit_index: int) -> bool:
         """Entries up to commit_index committed. Returns whether `committed` changed."""
         changed = False
         while self._uncommitted and self._uncommitted[0][0] <= commit_index:
-            self.committed = self._uncommitted.pop(0)[1]
+            self.committed_index, self.committed = self._uncommitted.pop(0)
             changed = True
         return changed
 
-    def restore(self, membership: Membership, index: int) -> None:
-        """A snapshot up to index, with its configuration, replaced the log."""
+    def restore(self, membership: Membership, index: int) -> bool:
+        """A snapshot up to index, with its configuration, replaced the log. Returns whether
+        the configuration changed (not for a snapshot older than `since`)."""
         self._uncommitted = []
+        if index < self.since:
+            changed = self.latest is not self.committed
+            self.latest, self.index = self.committed, self.committed_index
+            return changed
         self.committed = self.latest = membership
-        self.index = index
+        self.index = self.committed_index = index
+        return True

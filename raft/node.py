@@ -215,8 +215,10 @@ class RaftNode:
         cluster_id: Callable[[], str] = lambda: "",
         noop_data: bytes = b"",
         level: int = 0,
+        membership_index: int = 0,
     ) -> None:
-        """Hooks: `snapshots` streams and receives snapshot files;
+        """`membership_index`: the index of the entry `membership` came from (RaftCore's).
+        Hooks: `snapshots` streams and receives snapshot files;
         `no_space(nbytes)` says why proposals of nbytes are refused for now (the disk is
         nearly full), or None;
         `result_encoder` encodes an apply result for a follower that forwarded the command;
@@ -234,7 +236,7 @@ class RaftNode:
         self._membership0 = membership
         me = membership.get(self.id)
         listen = listen or (me.peer_addr if me is not None and me.peer_addr else None)
-        self.core = RaftCore(config, ledger, ledger.hard_state(), membership, applied_index, self._clock(), seed=None)
+        self.core = RaftCore(config, ledger, ledger.hard_state(), membership, applied_index, self._clock(), seed=None, membership_index=membership_index)
         self.core.noop_data = noop_data
         self._refuse_peer = refuse_peer
         # Where this node dials a peer, when that differs from the address the membership
@@ -926,6 +928,11 @@ class RaftNode:
     def membership(self) -> Membership:
         """The newest configuration this node knows (an immutable value)."""
         return self.core.membership
+
+    @property
+    def committed_membership(self) -> tuple[Membership, int]:
+        """The newest configuration known committed, and the index of its entry."""
+        return self.core.committed_membership, self.core.committed_membership_index
 
     def log_range(self) -> tuple[int, int]:
         """(first, last): the committed entries this node's ledger holds and it has applied

@@ -4,6 +4,9 @@ Layout:
 
     b"\\x00applied"     index + term of the last applied entry (2 x u64, big-endian)
     b"\\x00membership"  the membership as of the applied index (from CONFIG entries)
+    b"\\x00membership_at"  the index of the entry (or snapshot) it came from, u64 (none: 0);
+                       a node that joined: of the committed one the leader gave it, above
+                       the older CONFIG entries it applies next (passed over)
     b"\\x00restoring"   present while a snapshot is being loaded: the state is incomplete
     b"\\x00state_format"  the layout's version (STATE_FORMAT; none: 1, before 2026-11-29)
     b"k" + key         mod_index (u64) + value: a key's first version (created at its mod_index,
@@ -122,6 +125,7 @@ log = logging.getLogger("kv.statemachine")
 
 _APPLIED = b"\x00applied"
 _MEMBERSHIP = b"\x00membership"
+_MEMBERSHIP_AT = b"\x00membership_at"
 _RESTORING = b"\x00restoring"
 _SYNC = b"\x00sync"
 _REMOVED = b"\x00removed"  # ids removed from the cluster (JSON list): their peers are refused
@@ -299,6 +303,8 @@ class LevelDBStateMachine:
         if not hasattr(self, "purged"):  # (kept across reopen: a counter)
             self.purged = 0  # changes whose history records purge_history dropped
         self._membership = self._db.get(_MEMBERSHIP) or b""
+        raw_at = self._db.get(_MEMBERSHIP_AT)
+        self.membership_index = _U64.unpack(raw_at)[0] if raw_at else 0
         self._removed = set(json.loads(self._db.get(_REMOVED) or b"[]"))
         if self._db.get(_EFFECTS_FROM) is not None:
             self._drop_effect_records()
@@ -574,7 +580,7 @@ class LevelDBStateMachine:
         for e in entries:
             if e.kind != put_kind:
                 if e.kind == EntryKind.CONFIG:
-                    self._apply_config(e.data, wb)
+                    self._apply_config(e.index, e.data, wb)
                 elif e.index == 1 and e.data:  # a new cluster's first leader's no-op: the cluster's identity
                     self._noop(e, wb)
                 results.append(None)
@@ -718,11 +724,15 @@ class LevelDBStateMachine:
     def open_sessions(self) -> int:
         return len(self.sessions)
 
-    def _apply_config(self, data: bytes, wb) -> None:
+    def _apply_config(self, index: int, data: bytes, wb) -> None:
+        if index <= self.membership_index:
+            return  # older than the membership this node joined with (raft/membership.py ConfigLog)
         before = {m["id"] for m in json.loads(self.membership() or b"[]")}
         after = {m["id"] for m in json.loads(data or b"[]")}
         self._removed = (self._removed | (before - after)) - after
         wb.put(_MEMBERSHIP, data)
+        wb.put(_MEMBERSHIP_AT, _U64.pack(index))
+        self.membership_index = index
         wb.put(_REMOVED, json.dumps(sorted(self._removed)).encode())
         self._membership = data
 
@@ -1230,6 +1240,10 @@ class LevelDBStateMachine:
         loaded (besides ledgerkv's own records). A marker makes a crash in the middle
         visible at the next start (`incomplete`). The database is refused to every other
         user until it is whole (close_for_restore, unless that was called already)."""
+        if self.membership_index > index:  # a node that joined since, loading an older snapshot
+            membership, membership_at = self._membership, self.membership_index
+        else:
+            membership_at = index
         if self._db is not _LOADING:
             self.close_for_restore()
         shutil.rmtree(self.path)
@@ -1266,8 +1280,9 @@ class LevelDBStateMachine:
             fin = db.write_batch(sync=True)
             fin.put(_STATE_FORMAT, b"%d" % STATE_FORMAT)
             fin.put(_MEMBERSHIP, membership)
+            fin.put(_MEMBERSHIP_AT, _U64.pack(membership_at))
             fin.put(_APPLIED, _TWO_U64.pack(index, term))
-            self._membership = membership
+            self._membership, self.membership_index = membership, membership_at
             fin.delete(_RESTORING)
             fin.put(_SESSIONS_AT, _U64.pack(index))
             self.sessions_at = index
@@ -1355,10 +1370,14 @@ class LevelDBStateMachine:
         the applied index, which a batch in another thread may be moving."""
         self._db.put(_SYNC, b"", sync=True)
 
-    def set_membership(self, membership: bytes) -> None:
-        """Record the bootstrap membership of a brand-new node."""
-        self._db.put(_MEMBERSHIP, membership, sync=True)
-        self._membership = membership
+    def set_membership(self, membership: bytes, index: int = 0) -> None:
+        """Record the bootstrap membership of a brand-new node: a new cluster's, or (at
+        `index`, its entry's) the one a node that joins was given."""
+        wb = self._db.write_batch(sync=True)
+        wb.put(_MEMBERSHIP, membership)
+        wb.put(_MEMBERSHIP_AT, _U64.pack(index))
+        wb.write()
+        self._membership, self.membership_index = membership, index
 
     def close(self) -> None:
         if self._db is not None and not self._db.closed:

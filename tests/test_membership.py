@@ -17,6 +17,7 @@ import pytest
 from cluster import ProcCluster, wait_until
 from kv.bench.harness import free_port
 from kv.cli.refusal import EXIT_REMOVED
+from kv.raft.failpoints import EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
@@ -248,6 +249,53 @@ def test_a_member_added_back_is_not_let_in_from_its_old_data_dir(tmp_path):
         c.wait_converged()
         assert c.get(gone, "later", "stale")[:2] == (200, b"3")
         assert b"kv_snapshot_installs_total 1.0" in c.request(gone, "GET", "/metrics")[2]
+    finally:
+        c.close()
+
+
+def rejoin_from_an_empty_dir(c: ProcCluster, member: str, crash_at: str = "") -> None:
+    """Stop a member, remove it, and let it join again from an empty data dir (a new ledger
+    id: the membership entries name the data dir each join came from). With crash_at, it
+    first dies at that crash point (KV_FAILPOINTS) once, and is started again."""
+    c.stop(member)
+    shutil.rmtree(c.data_dir(member))
+    lead = c.leader(among=[i for i in c.ids if i != member])
+    assert c.request(lead, "DELETE", f"/v1/members/{member}")[0] == 200
+    c.joining[member] = True
+    if crash_at:
+        c.node_env[member] = {"KV_FAILPOINTS": crash_at}
+        c.start(member, join_via=lead, wait=False)
+        wait_until(lambda: not c.alive(member), timeout=30, what=f"{member} dying at {crash_at}")
+        assert c.procs[member].returncode == EXIT_CODE, c.log(member)[-2000:]
+        c.node_env[member] = {}
+    c.start(member, join_via=lead)
+    wait_until(lambda: member in voters(c, c.leader()), timeout=30, what=f"{member} a voter again")
+
+
+def test_a_node_joining_passes_over_membership_entries_older_than_its_join(tmp_path):
+    """A node joins with the committed membership, then replays the log from its start: the
+    membership entries there are older. Taken as newer (a fault review), they named the
+    leader's earlier data dir: the joiner, restarted while it caught up, refused the leader
+    as "joined from another data dir" and never caught up. Here the leader's id joined
+    again twice, then the joiner joins and dies with part of the log."""
+    c = ProcCluster(str(tmp_path), proxies=False)
+    try:
+        c.start()
+        lead = c.leader()
+        moved, joiner = [i for i in c.ids if i != lead]
+        rejoin_from_an_empty_dir(c, moved)
+        for i in range(64):  # four pushes' worth (4 MiB each): the joiner gets the log in parts
+            assert c.put(c.leader(), f"big/{i}", b"x" * (256 << 10))[0] == 200
+        rejoin_from_an_empty_dir(c, moved)
+        code, _, got = c.request(c.leader(), "POST", "/v1/leader/transfer", orjson.dumps({"to": moved}), {"Content-Type": "application/json"})
+        assert code == 200, got
+        wait_until(lambda: c.leader() == moved, what=f"{moved} leading")
+        # dies once its ledger holds the first part (the leader's earlier joins), not the rest
+        rejoin_from_an_empty_dir(c, joiner, crash_at="ledger.after_commit@2")
+        assert c.put(moved, "after", b"2")[0] == 200
+        c.wait_converged()  # (without the fix: never, the leader refused for good)
+        assert c.get(joiner, "after", "stale")[:2] == (200, b"2")
+        assert "joined from another data dir" not in c.log(joiner)
     finally:
         c.close()
 

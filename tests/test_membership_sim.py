@@ -133,3 +133,26 @@ def test_a_member_is_replaced_only_when_it_joined_from_another_data_dir():
     m = m.with_member(Member("n3", "a:3", voter=False))
     assert m.refuses_as_replaced("n1", "n2", "22" * 8) and not m.refuses_as_replaced("n1", "n2", "11" * 8)
     assert not m.refuses_as_replaced("n3", "n2", "22" * 8)
+
+
+def test_a_configuration_log_started_from_a_joined_membership_passes_over_older_entries():
+    """A node that joined starts from the committed configuration whose entry is at `since`;
+    the log it then receives from the start (or from an older snapshot) holds older
+    configurations, which must not replace it (they may name its leader's earlier data
+    dir, which it then refuses). Entries after `since` do, and can be truncated back."""
+    from kv.raft.membership import ConfigLog, Membership
+
+    given = Membership.of([Member("n1", "a", ledger="1" * 16), Member("n2", "b"), Member("n3", "c", voter=False)])
+    older = Membership.of([Member("n1", "a", ledger="2" * 16), Member("n2", "b")])
+    log = ConfigLog(given, since=9)
+    log.append(4, older)
+    assert (log.latest, log.index, log.committed_index) == (given, 9, 9)
+    assert not log.restore(older, 6)  # a snapshot from before the join
+    assert (log.latest, log.committed, log.index) == (given, given, 9)
+    newer = given.with_member(Member("n3", "c"))
+    log.append(12, newer)
+    assert (log.latest, log.index, log.committed) == (newer, 12, given)
+    assert log.truncate(12) and (log.latest, log.index) == (given, 9)
+    log.append(12, newer)
+    assert log.commit(12) and (log.committed, log.committed_index) == (newer, 12)
+    assert log.restore(older, 30) and (log.latest, log.index) == (older, 30)

@@ -591,3 +591,30 @@ class _FailingBatch:
         import plyvel
 
         raise plyvel.IOError("No space left on device")
+
+
+def test_a_joined_node_passes_over_membership_entries_older_than_its_join(tmp_path):
+    """A node that joined starts from the committed membership the leader gave it (at the
+    index of its entry), then applies the log from its start or from an older snapshot:
+    the membership entries and snapshots there are older and leave it as it is, across a
+    restart too. Newer ones replace it (raft/membership.py ConfigLog, on the Raft side)."""
+    def config(*ids: str, index: int) -> Entry:
+        return Entry(index, 1, EntryKind.CONFIG, ("[" + ",".join(f'{{"id":"{i}","peer":"h:{n}"}}' for n, i in enumerate(ids)) + "]").encode())
+
+    given = config("n1", "n2", "n3", index=0).data
+    path = str(tmp_path / "state")
+    sm = LevelDBStateMachine(path)
+    sm.set_membership(given, 7)
+    sm.apply([config("n1", "n2", index=2), normal(3, c.Put("a", b"1")), config("n1", index=5)])
+    assert (sm.membership(), sm.membership_index) == (given, 7)
+    sm.restore(4, 1, config("n9", index=0).data, iter([]))  # a snapshot from before the join
+    assert (sm.membership(), sm.membership_index) == (given, 7)
+    sm.close()
+    sm = LevelDBStateMachine(path)
+    assert (sm.membership(), sm.membership_index) == (given, 7)
+    newer = config("n1", "n3", index=8)
+    sm.apply([config("n2", index=6), Entry(7, 1, EntryKind.NOOP, b""), newer])
+    assert (sm.membership(), sm.membership_index) == (newer.data, 8)
+    sm.restore(20, 1, b"[]", iter([]))
+    assert (sm.membership(), sm.membership_index) == (b"[]", 20)
+    sm.close()

@@ -72,11 +72,11 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     lock = DataDirLock.acquire(config.data_dir)  # before anything in it is looked at
     try:
         fresh = not holds_a_node(config.data_dir)
-        initial, ledger_id = await join_cluster(config) if config.join and fresh else (None, None)
+        initial, joined_at, ledger_id = await join_cluster(config) if config.join and fresh else (None, 0, None)
     except BaseException:
         lock.release()
         raise
-    node = Node(config, initial_membership=initial, ledger_id=ledger_id, data_dir_lock=lock)
+    node = Node(config, initial_membership=initial, joined_at=joined_at, ledger_id=ledger_id, data_dir_lock=lock)
     await node.start()
     log_term_from(lambda: node.raft.term if node.raft else None)
     tune_gc()

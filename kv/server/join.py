@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import orjson
+
 from ..client.async_client import AsyncClient
 from ..errors import BadRequest, Conflict, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
 from ..raft.backoff import Backoff
@@ -16,9 +18,11 @@ from .config import NodeConfig
 log = logging.getLogger("kv.serve")
 
 
-async def join_cluster(config: NodeConfig) -> tuple[Membership, str]:
+async def join_cluster(config: NodeConfig) -> tuple[Membership, int, str]:
     """Ask a member of a running cluster (config.join) to add this new node as a learner;
-    returns the membership to start from, and the ledger_id to give the node's ledger: the
+    returns the membership to start from (the committed one with the addition) and the
+    index of its log entry (0: a leader of a version that does not say), and the ledger_id
+    to give the node's ledger: the
     cluster knows the member by it, and refuses any other data dir as it (the one it had
     before it was removed, say: raft/transport.py). Temporary refusals (another membership change in
     progress, no leader, the member not reachable yet) are waited out with backoff until
@@ -33,9 +37,15 @@ async def join_cluster(config: NodeConfig) -> tuple[Membership, str]:
     async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s), cacert=config.cacert) as c:
         while True:
             try:
-                members = await c.add_member(config.id, config.peers[config.id], config.advertise_url, voter=True, ledger=ledger_id)
+                doc = {"id": config.id, "peer": config.peers[config.id], "http": config.advertise_url, "voter": True, "ledger": ledger_id}
+                _, _, body = await c.request("POST", "/v1/members", data=orjson.dumps(doc), headers={"Content-Type": "application/json"})
+                answer = orjson.loads(body)
+                members = answer["members"]
                 _refuse_a_voter_that_lost_its_data(config, members)  # (the leader's list, as of the add)
-                return Membership.of(Member(m["id"], m["peer"], m.get("http", ""), m["voter"]) for m in members), ledger_id
+                membership = Membership.of(
+                    Member(m["id"], m["peer"], m.get("http", ""), m["voter"], bool(m.get("promote")), m.get("ledger", "")) for m in members
+                )
+                return membership, int(answer.get("index", 0)), ledger_id
             except (MemberExists, Unauthorized, BadRequest):
                 raise
             except (Conflict, NotLeader, Unavailable, Timeout) as e:

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from ..errors import BadRequest, KVError, MemberExists, NotFound, NotLeader, Timeout
+from ..errors import BadRequest, Conflict, KVError, MemberExists, NotFound, NotLeader, Timeout
 from ..raft.errors import ConfigChangeRefused, TransferInProgress
 from ..raft.membership import Member, Membership, is_ledger_id
 from ..raft.messages import Role
@@ -28,11 +28,14 @@ class Members:
     def __init__(self, config: NodeConfig, running: Callable[[], RaftNode]) -> None:
         self.config, self._running = config, running
 
-    def list(self) -> list[dict]:
+    def list(self, committed: bool = False) -> list[dict]:
+        """The newest membership this node knows, or the newest known committed: what a
+        change is answered with (a node that joins starts from it, kv/server/join.py)."""
         raft = self._running()
         leader = raft.leader_id
         out = []
-        for m in sorted(raft.membership.members.values(), key=lambda m: m.id):
+        membership = raft.committed_membership[0] if committed else raft.membership
+        for m in sorted(membership.members.values(), key=lambda m: m.id):
             d = {"id": m.id, "peer": m.peer_addr, "http": m.http_url or raft.peer_url(m.id), "voter": m.voter}
             if m.id == raft.id:
                 d["http"] = self.config.advertise_url
@@ -80,7 +83,8 @@ class Members:
                 '"ledger" is the ledger id (16 hex digits) of the data dir joining as the member, which kv serve --join '
                 'sends; not with "replace", which moves a member and keeps its data dir'
             )
-        cur = self._leaders("membership changes are made by the leader").membership
+        raft = self._leaders("membership changes are made by the leader")
+        cur = raft.membership
         old = cur.get(member_id)
         promote = voter and old is not None and not (old.voter or old.promote)
         if old is not None and not replace:
@@ -93,7 +97,9 @@ class Members:
                 # asked again for what is already so (a voter's client URL or ledger not
                 # known, a founding member's, stays so: a voter's join is refused by the
                 # joiner, join.py)
-                return self.list()
+                if raft.membership != raft.committed_membership[0]:
+                    raise Conflict(f"adding {member_id} is still in progress; retry once it has committed")
+                return self.list(committed=True)
             # a learner added without its client URL (kv member add), now joining with it,
             # or joining again from another data dir: its URL and ledger are recorded (the
             # other data dir's links are refused then); asked to be a voter (a join asks),
@@ -107,7 +113,7 @@ class Members:
         await self._change(cur.with_member(new), timeout)
         if replace:
             log.info("member %s moved: peer %s, client URL %s", member_id, new.peer_addr, new.http_url or "not known")
-        return self.list()
+        return self.list(committed=True)
 
     async def remove(self, member_id: str, timeout: float | None) -> list[dict]:
         cur = self._leaders("membership changes are made by the leader").membership
@@ -116,7 +122,7 @@ class Members:
         if cur.voters == {member_id}:
             raise BadRequest(f"{member_id} is the last voter; add another voter before removing it")
         await self._change(cur.without(member_id), timeout)
-        return self.list()
+        return self.list(committed=True)
 
     async def promote(self, member_id: str, timeout: float | None) -> list[dict]:
         cur = self._leaders("membership changes are made by the leader").membership
@@ -124,9 +130,9 @@ class Members:
         if m is None:
             raise NotFound(f"{member_id} is not a member; add it as a learner first")
         if m.voter:
-            return self.list()
+            return self.list(committed=True)
         await self._change(cur.with_member(dataclasses.replace(m, voter=True, promote=False)), timeout)
-        return self.list()
+        return self.list(committed=True)
 
     def _leaders(self, why: str) -> RaftNode:
         """The running Raft node, if it leads: what a membership request is answered from

@@ -22,11 +22,14 @@ log = logging.getLogger("kv.node")
 
 class Recovery:
     """Opens the state machine of a member whose ledger and snapshots are open already.
-    `initial_membership`: what a member that joins a running cluster was given."""
+    `initial_membership`: what a member that joins a running cluster was given, and
+    `joined_at` the index of its entry."""
 
-    def __init__(self, config: NodeConfig, ledger: Ledger, snapshots: SnapshotManager, initial_membership: Membership | None = None) -> None:
+    def __init__(
+        self, config: NodeConfig, ledger: Ledger, snapshots: SnapshotManager, initial_membership: Membership | None = None, joined_at: int = 0
+    ) -> None:
         self.config, self.ledger, self.snapshots = config, ledger, snapshots
-        self._initial_membership = initial_membership
+        self._initial_membership, self._joined_at = initial_membership, joined_at
         self.sm: LevelDBStateMachine | None = None
 
     def open(self) -> tuple[LevelDBStateMachine, Membership]:
@@ -47,7 +50,7 @@ class Recovery:
         membership = self.membership()
         if not self.sm.membership() and self.ledger.last_index() == 0:
             bootstrap.record(c.data_dir, c.peers or membership.ids)
-            self.sm.set_membership(membership.encode())
+            self.sm.set_membership(membership.encode(), self._joined_at if self._initial_membership is not None else 0)
         else:
             if c.join and not c.force_new_cluster and set(membership.ids) == {c.id}:
                 # (a node that joined has the cluster's members: this one made a cluster of
