@@ -25,7 +25,7 @@ from .errors import BadRequest, Compacted, Forbidden, FutureRevision, KeyNotFoun
 from .raft.ledger import Ledger
 from .raft.membership import Membership
 from .raft.messages import Role
-from .raft.node import Applied, CoreConfig, RaftNode
+from .raft.node import Applied, CoreConfig, NodeStopped, RaftNode
 from .raft.transport_protocol import Transport
 from .server import eventlog, layer_metrics, limits, reads, tls
 from .server.answers import (
@@ -862,7 +862,10 @@ class Node(AsyncRecipes):
         index, as a read does), then a snapshot of everything applied (snapshot.manager's
         take). Returns (the snapshot file's info, the commit index the barrier waited for)."""
         index = await self.read_barrier("linearizable", timeout)
-        return await self.snapshots.take(), index
+        try:
+            return await self.snapshots.take(), index
+        except NodeStopped as e:
+            raise public_error(e) from None
 
     async def transfer_leadership(self, to: str, *, timeout: float | None = None) -> str:
         """Hand leadership to member `to` (it is caught up first; writes are refused while

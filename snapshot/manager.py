@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from ..raft import failpoints
 from ..raft.messages import InstallSnapshotRequest, Role, SnapshotChunk, SnapshotChunkAck, SnapshotMeta
+from ..raft.node import NodeStopped
 from .format import BLOCK_BYTES, SnapshotFormatError, iter_records, new_header, read_header, verify
 from .store import SnapshotFile, SnapshotStore
 
@@ -128,6 +129,7 @@ class SnapshotManager:
         self.raft: SnapshotDriver | None = None  # bound by the driver (bind)
         self.stats = SnapshotStats()
         self._taking: asyncio.Future | None = None
+        self._stopped = False  # none is taken after stop(): the state closes soon after
         self._state_open = asyncio.Event()  # cleared while the state's database is closed (quiesce)
         self._state_open.set()
         self._reading = False  # the snapshot being taken has passed _state_open: it reads the state
@@ -147,6 +149,9 @@ class SnapshotManager:
         self.raft = driver
 
     async def stop(self) -> None:
+        # Entries are still applied after this (the FSM caller stops later): a snapshot its
+        # threshold started then would read the state in a thread as the node closes it.
+        self._stopped = True
         self._state_open.set()  # (a snapshot waiting for the state goes on, and fails on a closed one)
         tasks = list(self._senders.values())
         if self._taking is not None:
@@ -194,7 +199,7 @@ class SnapshotManager:
         (`size`: the bytes of the entries just applied)."""
         self._applied_bytes += size
         base = self._newest.index if self._newest else 0
-        if applied - base >= self.host.snapshot_threshold and self._taking is None and self._applied_bytes >= self._newest_bytes // 2:
+        if applied - base >= self.host.snapshot_threshold and self._taking is None and not self._stopped and self._applied_bytes >= self._newest_bytes // 2:
             self._taking = asyncio.ensure_future(self._take_once())
 
     async def take(self) -> SnapshotFile:
@@ -204,6 +209,8 @@ class SnapshotManager:
         if it stopped short of that."""
         wanted = self.raft.applied_index
         while True:
+            if self._stopped:
+                raise NodeStopped("the node is stopping: no snapshot is taken now; take it from another member")
             if self._taking is None:
                 self._taking = asyncio.ensure_future(self._take_once())
             snap = await asyncio.shield(self._taking)

@@ -600,3 +600,23 @@ async def test_a_read_while_a_snapshot_is_loaded_is_unavailable_not_an_internal_
             await node.get("k", consistency="stale")
     finally:
         await node.stop()
+
+
+async def test_no_snapshot_is_started_once_the_snapshot_manager_stopped(tmp_path):
+    """A node stops its snapshot manager before its Raft driver and FSM caller, which still
+    apply entries: a snapshot their threshold started then read the state in a thread while
+    the node closed it (closed under a reader, LevelDB crashes the process). None starts
+    after the manager stopped, and one asked for is refused as the node stopping."""
+    node = kv.Node(id="n1", data_dir=str(tmp_path / "n1"), snapshot_threshold=10)
+    await node.start()
+    try:
+        await node.put("k", b"v")
+        await node.snapshots.stop()  # (node.stop()'s first steps)
+        for i in range(30):
+            await node.put(f"k{i}", b"v")
+        await asyncio.sleep(0.5)
+        assert node.snapshots.newest_meta() is None and not os.listdir(node.config.snapshot_path)
+        with pytest.raises(kv.Unavailable, match="stopping"):
+            await node.take_snapshot()
+    finally:
+        await node.stop()

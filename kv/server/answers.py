@@ -12,13 +12,16 @@ from ..statemachine import commands as cmds
 from ..statemachine.leveldb import StateUnreadable
 
 
-def public_error(e: KVError, *, written: bool = False, wait: float = 0.0, fix: str = "read from another member meanwhile") -> KVError:
+def public_error(
+    e: KVError, *, written: bool = False, wait: float = 0.0, fix: str = "read from another member meanwhile", check: str = "read the key"
+) -> KVError:
     """The one place where the layers' own errors become the public ones of kv/errors.py.
     `written`: the request may have been appended, so a stop or a missed deadline leaves its
-    outcome unknown (Timeout) rather than refused (Unavailable); `fix`: what a reader of a
-    state machine it cannot read (damaged, or loading a snapshot) should do."""
+    outcome unknown (Timeout) rather than refused (Unavailable), and `check` says how to find
+    it out; `fix`: what a reader of a state machine it cannot read (damaged, or loading a
+    snapshot) should do."""
     if written and isinstance(e, (OutcomeUnknown, NodeStopped)):
-        return unknown_outcome(e, wait)
+        return unknown_outcome(e, wait, check)
     if isinstance(e, (Overloaded, NodeStopped)):
         return Unavailable(str(e))
     if isinstance(e, (ConfigChangeRefused, TransferInProgress)):
@@ -61,12 +64,13 @@ def encode_command(cmd: cmds.Command) -> bytes:
         raise public_error(e) from e
 
 
-def unknown_outcome(e: Exception, wait: float) -> Timeout:
-    """The error for a write whose outcome cannot be known any more."""
+def unknown_outcome(e: Exception, wait: float, check: str = "read the key") -> Timeout:
+    """The error for a write whose outcome cannot be known any more (`check`: how to find
+    it out)."""
     if isinstance(e, DeadlineExceeded):
-        return Timeout(f"the write was not confirmed within {wait:.1f}s; it may or may not have been committed: read the key before retrying")
+        return Timeout(f"the write was not confirmed within {wait:.1f}s; it may or may not have been committed: {check} before retrying")
     if isinstance(e, OutcomeUnknown):
-        return Timeout(f"{e}: read the key before retrying")
+        return Timeout(f"{e}: {check} before retrying")
     return Timeout(f"the node stopped before the write was confirmed; it may or may not have been committed ({e})")
 
 

@@ -150,7 +150,7 @@ class Members:
         except (ConfigChangeRefused, TransferInProgress) as e:
             raise public_error(e) from None
         except (OutcomeUnknown, NodeStopped) as e:
-            raise public_error(e, written=True, wait=self.config.write_timeout_s) from e
+            raise public_error(e, written=True, wait=self.config.write_timeout_s, check="list the members (kv member list)") from e
         log.info("membership changed: %s", ", ".join(f"{m.id}{'' if m.voter else ' (learner)'}" for m in sorted(new.members.values(), key=lambda m: m.id)))
 
     async def transfer_leadership(self, to: str, timeout: float | None) -> str:
