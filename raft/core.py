@@ -753,6 +753,14 @@ class RaftCore:
         if problem is not None:
             self._push_reply(m, m.type, PushCode[problem])
             return
+        c = self.commit_index
+        if 0 < m.leader_end_index < c and (self.log.term(c) or 0) < m.term:
+            # The leader lacks entries this node committed in an earlier term than the
+            # leader's, which every leader holds from its election on (Leader Completeness):
+            # a majority lost them (data dirs put back from older copies). Caught here before
+            # any compare reaches them (the leader's log may end before this one's start),
+            # while this node would serve linearizable reads from them.
+            raise CommittedEntryConflict(self.id, m.src, m.term, c, self.log.term(c), None)
         t = m.type
         if t == PushType.COMMIT:
             self._follower_commit(m.commit_index)

@@ -85,9 +85,10 @@ class CommittedEntryConflict(RaftError):
     older copy, a disk that lost writes). Raft cannot go on safely from there (etcd panics
     alike): the node stops rather than overwrite, or serve, what it applied."""
 
-    def __init__(self, node: str, leader: str, term: int, index: int, ours: int | None, theirs: int) -> None:
+    def __init__(self, node: str, leader: str, term: int, index: int, ours: int | None, theirs: int | None) -> None:
+        held = "no entry" if theirs is None else f"an entry of term {theirs}"
         super().__init__(
-            f"node {node}: leader {leader} (term {term}) holds an entry of term {theirs} at index {index}, which this node "
+            f"node {node}: leader {leader} (term {term}) holds {held} at index {index}, which this node "
             f"committed and applied with term {ours}: one of them lost entries it had acknowledged (a data dir put back "
             "from an older copy, or a disk that lost writes). Stopping rather than overwrite or serve it. Find the nodes "
             "that hold every acknowledged write (kv status: the highest applied index, each node's log), and bring the "

@@ -159,7 +159,10 @@ class PushRequest:
     prev_term: int
     entries: tuple[Entry, ...] | list[Entry] = ()
     commit_index: int = 0
-    leader_end_index: int = 0  # TRUNCATE: the leader's last index when the request was made
+    # The leader's last index when the request was made (0: not said, a version before
+    # 2026-12-07 but for TRUNCATE): the follower's answer to TRUNCATE reads it, and a
+    # follower that committed entries of earlier terms beyond it stops (core._handle_push).
+    leader_end_index: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -110,7 +110,7 @@ class Replication:
                 prev = pr.next - 1
                 commit = min(commit_index, batch[-1].index)
                 self._send(
-                    PushRequest(self.id, pr.peer, self.term, PushType.APPEND, pr.seq, prev, log.term(prev), batch, commit)
+                    PushRequest(self.id, pr.peer, self.term, PushType.APPEND, pr.seq, prev, log.term(prev), batch, commit, last)
                 )
                 pr.sent_commit = max(pr.sent_commit, commit)
                 pr.sent(batch[0].index, batch[-1].index, now, size)
@@ -125,7 +125,7 @@ class Replication:
                 elif now >= pr.commit_due:
                     # DLedger's COMMIT request: an idle follower learns the commit index.
                     pr.sent_commit, pr.commit_due = commit, None
-                    self._send(PushRequest(self.id, pr.peer, self.term, PushType.COMMIT, pr.seq, 0, 0, (), commit))
+                    self._send(PushRequest(self.id, pr.peer, self.term, PushType.COMMIT, pr.seq, 0, 0, (), commit, last))
             return
         if pr.probe_sent_at is not None:
             return  # one COMPARE / TRUNCATE / INSTALL_SNAPSHOT at a time
@@ -141,7 +141,7 @@ class Replication:
             return
         pr.probe_sent_at = now
         if st == DispatcherState.COMPARE:
-            self._send(PushRequest(self.id, pr.peer, self.term, PushType.COMPARE, pr.seq, prev, prev_term))
+            self._send(PushRequest(self.id, pr.peer, self.term, PushType.COMPARE, pr.seq, prev, prev_term, (), 0, log.last_index()))
         else:  # TRUNCATE carries the first batch after the match point
             last = log.last_index()
             batch = log.entries(pr.next, last + 1, cfg.max_batch_bytes, cfg.max_batch_entries)

@@ -891,3 +891,30 @@ def test_a_leader_whose_log_differs_at_a_committed_entry_stops_the_follower():
     _, msgs = all_messages(f)
     (resp,) = [m for m in msgs if isinstance(m, PushResponse)]
     assert resp.code == PushCode.SUCCESS and resp.index == 2
+
+
+def test_a_leader_that_lacks_entries_committed_before_its_term_stops_the_follower():
+    """Every leader holds what was committed before its term (Leader Completeness), so a
+    leader whose log ends before entries this node committed in an earlier term lost them
+    with a majority (a data dir put back). A fault review saw such a node serve
+    linearizable reads from them for as long as the leader's log ended before this one's
+    start, where no compare reaches. Each push says where the leader's log ends; from a
+    version that does not say (0), or past entries of the leader's own term, nothing."""
+
+    def applied_four() -> RaftCore:
+        storage = MemoryStorage()
+        storage.write(1, [Entry(i, 1 if i <= 2 else 2, EntryKind.NORMAL, b"") for i in range(1, 5)])
+        return RaftCore(CoreConfig("n2"), storage, HardState(2, None), MEMBERS, 4, 0.0, seed=1)
+
+    for push in (
+        PushRequest("n1", "n2", 3, PushType.COMPARE, 1, 2, 1, (), 0, 2),
+        PushRequest("n1", "n2", 3, PushType.APPEND, 1, 2, 1, [Entry(3, 3, EntryKind.NORMAL, b"")], 3, 3),
+        PushRequest("n1", "n2", 3, PushType.COMMIT, 1, 0, 0, (), 2, 3),
+    ):
+        with pytest.raises(CommittedEntryConflict, match=r"leader n1 \(term 3\) holds no entry at index 4, which this node committed"):
+            applied_four().step(push, 1.0)
+    f = applied_four()  # (a leader that does not say)
+    f.step(PushRequest("n1", "n2", 3, PushType.COMPARE, 1, 2, 1), 1.0)
+    f = applied_four()  # entries of the leader's term, which a message sent earlier may not cover
+    f.step(PushRequest("n1", "n2", 2, PushType.COMPARE, 1, 2, 1, (), 0, 3), 1.0)
+    assert f.log.last_index() == 4 and f.commit_index == 4
