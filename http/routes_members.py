@@ -28,9 +28,9 @@ async def _on_leader(request: web.Request, change, body: dict | None = None) -> 
         members = await change()
     except NotLeader:
         return await forward_to_leader(request, orjson.dumps(body) if body is not None else b"")
-    # "index": the log index of the membership listed (the committed one): a node joining
-    # with it passes over older membership entries (kv/server/join.py)
-    return json_response({"members": members, "index": ctx(request).node.membership_index()})
+    # (with the log index of the membership listed, the committed one, and the ids removed
+    # before: a node that joins starts from them, kv/server/join.py)
+    return json_response({"members": members, **ctx(request).node.membership_record()})
 
 
 async def add_member(request: web.Request) -> Answer:

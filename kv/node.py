@@ -23,7 +23,6 @@ from .common.wire import BulkBody, bulk_body
 from .client.recipes import AsyncRecipes
 from .errors import BadRequest, Compacted, Forbidden, FutureRevision, KeyNotFound, KVError, LeaseExists, NotLeader, RevisionCompacted, Unavailable
 from .raft.ledger import Ledger
-from .raft.membership import Membership
 from .raft.messages import Role
 from .raft.node import Applied, CoreConfig, NodeStopped, RaftNode
 from .raft.transport_protocol import Transport
@@ -42,6 +41,7 @@ from .server.answers import (
 )
 from .server.config import NodeConfig
 from .server.datadir import DataDirLock
+from .server.join import Joined
 from .server.members import Members
 from .server.diskguard import DiskGuard
 from .server.exports import PinnedViews
@@ -80,9 +80,7 @@ class Node(AsyncRecipes):
         self,
         config: NodeConfig | None = None,
         *,
-        initial_membership: Membership | None = None,
-        joined_at: int = 0,
-        ledger_id: str | None = None,
+        joined: Joined | None = None,
         data_dir_lock: DataDirLock | None = None,
         transport: Transport | None = None,
         **options,
@@ -91,10 +89,8 @@ class Node(AsyncRecipes):
         # The data dir's lock, if the caller took it already (kv serve does, before it
         # looks into the directory); the node releases it when it stops.
         self._lock = data_dir_lock
-        # A node that joins a running cluster starts from the membership the cluster gave it
-        # (the committed one, whose entry is at index joined_at: it passes over older ones).
-        self._initial_membership, self._joined_at = initial_membership, joined_at
-        self._ledger_id = ledger_id  # and the ledger_id it gave the cluster for its ledger (join.py)
+        # A node that joins a running cluster starts from what the cluster gave it (join.py).
+        self._joined = joined
         self._transport = transport
         self.raft: RaftNode | None = None
         self.sm: LevelDBStateMachine | None = None
@@ -136,14 +132,14 @@ class Node(AsyncRecipes):
         c = self.config
         peer_tls = tls.peer_tls(c.peer_cert, c.peer_key, c.peer_ca)
         eventlog.guard("kv.raft.transport")  # strangers on the peer port must not flood the log
-        self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync, ledger_id=self._ledger_id)
+        self.ledger = Ledger(c.ledger_path, c.id, c.group, map_size=c.ledger_map_size, sync=c.fsync, ledger_id=joined.ledger_id if (joined := self._joined) else None)
         self.disk = DiskGuard(c.data_dir, c.min_free_bytes, c.id, stalled=self._stalled_on_disk)
         self.disk.check()
         # The state machine the snapshots are taken from and loaded into: while the node
         # starts, the one recovery opens (it may load a snapshot into it), then the node's.
         host = SnapshotHost(c, lambda: self.sm if self.sm is not None else recovery.sm)
         self.snapshots = SnapshotManager(host, c.snapshot_path, keep=c.snapshot_keep)
-        recovery = Recovery(c, self.ledger, self.snapshots, self._initial_membership, self._joined_at)
+        recovery = Recovery(c, self.ledger, self.snapshots, self._joined)
         self.sm, membership = await asyncio.get_running_loop().run_in_executor(None, recovery.open)
         self.sm.on_changes = self.watches.publish
         self.raft = RaftNode(
@@ -899,11 +895,13 @@ class Node(AsyncRecipes):
     def members(self) -> list[dict]:
         return self._members.list()
 
-    def membership_index(self) -> int:
-        """The index of the log entry of the newest membership known committed, which
-        add_member, remove_member and promote_member answer with: a node that joins passes
-        over the older ones as it catches up."""
-        return self._running().committed_membership[1]
+    def membership_record(self) -> dict:
+        """What add_member, remove_member and promote_member are answered with beside the
+        members (the newest committed membership): "index", the log index of its entry,
+        and "removed", the ids removed from the cluster, whose old data dirs are refused. A
+        node that joins starts from them (it passes over older membership entries, and
+        refuses what the cluster does)."""
+        return {"index": self._running().committed_membership[1], "removed": sorted(self.sm.removed())}
 
     def leader_url(self) -> str | None:
         """The leader's client URL, if this node knows it."""

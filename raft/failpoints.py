@@ -6,7 +6,8 @@ time, or the N-th time with @N. Unset, `hit()` costs one set lookup.
 
 Points: ledger.before_commit, ledger.after_commit, hardstate.before_save,
 hardstate.after_save, snapshot.mid_write, snapshot.after_rename, install.mid_receive,
-install.after_adopt, install.after_reset.
+install.after_adopt, install.after_reset, start.before_membership (a node's first start: its
+ledger made, the membership it starts from not recorded yet).
 
 Failure points raise InjectedFailure instead (`raise_at()`), to test how the code around
 them copes: apply.raise (the state machine fails to apply a batch of committed entries).

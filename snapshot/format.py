@@ -74,6 +74,7 @@ class SnapshotHeader:
     node: str = ""
     format: int = FORMAT
     cluster: str = ""  # the id of the cluster whose state it holds ("": a file from before ids)
+    removed: tuple[str, ...] = ()  # the ids removed from the cluster as of it (since 2026-12-07)
 
     def to_json(self) -> dict:
         return {
@@ -85,6 +86,7 @@ class SnapshotHeader:
             "group": self.group,
             "node": self.node,
             **({"cluster": self.cluster} if self.cluster else {}),
+            **({"removed": list(self.removed)} if self.removed else {}),
         }
 
 
@@ -204,7 +206,15 @@ def _header_of(d) -> SnapshotHeader:
         raise SnapshotFormatError("snapshot header: cluster must be a cluster id (a string)")
     membership = d.get("membership", [])
     _check_membership(membership)
-    return SnapshotHeader(index, term, json.dumps(membership, separators=(",", ":")).encode(), float(created), group, node, d["format"], cluster)
+    removed = d.get("removed", [])
+    if type(removed) is not list or len(removed) > MAX_REMOVED or any(type(r) is not str or not 0 < len(r) <= 255 for r in removed):
+        raise SnapshotFormatError(f"snapshot header: removed must be a list of at most {MAX_REMOVED} member ids")
+    return SnapshotHeader(
+        index, term, json.dumps(membership, separators=(",", ":")).encode(), float(created), group, node, d["format"], cluster, tuple(removed)
+    )
+
+
+MAX_REMOVED = 100_000  # (a header is read whole: bounded)
 
 
 def _index_field(d: dict, name: str) -> int:
@@ -439,8 +449,8 @@ def iter_records(f, header_offset: int | None = None) -> Iterator[tuple[bytes, b
         yield from zip(*parse_block(payload, count))
 
 
-def new_header(index: int, term: int, membership: bytes, group: str, node: str, cluster: str = "") -> SnapshotHeader:
-    return SnapshotHeader(index, term, membership, time.time(), group, node, cluster=cluster)
+def new_header(index: int, term: int, membership: bytes, group: str, node: str, cluster: str = "", removed: Iterable[str] = ()) -> SnapshotHeader:
+    return SnapshotHeader(index, term, membership, time.time(), group, node, cluster=cluster, removed=tuple(sorted(removed)))
 
 
 def fsync_dir(path: str) -> None:

@@ -88,13 +88,14 @@ class SnapshotHost(Protocol):
         """Entries kept in the ledger behind a snapshot (for followers a little behind)."""
 
     def capture(self) -> Any:
-        """A consistent view of the state (index, term, membership, items(), release())."""
+        """A consistent view of the state (index, term, membership, removed, items(), release())."""
 
     def sync_state(self) -> None:
         """Make everything applied durable (before the ledger drops it); any thread."""
 
-    def load_state(self, index: int, term: int, membership: bytes, records: Iterable[tuple[bytes, bytes, int]]) -> int:
-        """Replace the state with a snapshot's records (a worker thread); returns how many."""
+    def load_state(self, index: int, term: int, membership: bytes, records: Iterable[tuple[bytes, bytes, int]], removed: Iterable[str] = ()) -> int:
+        """Replace the state with a snapshot's records and the ids removed from the cluster
+        as of it (a worker thread); returns how many records."""
 
 
 @dataclass
@@ -263,7 +264,7 @@ class SnapshotManager:
             if self._newest is not None and self._newest.index >= view.index:
                 return self._newest
             membership = view.membership or self.raft.membership.encode()
-            header = new_header(view.index, view.term, membership, host.group, host.node_id, host.cluster_id)
+            header = new_header(view.index, view.term, membership, host.group, host.node_id, host.cluster_id, view.removed)
             snap = await loop.run_in_executor(None, self.store.write, header, view.blocks(BLOCK_BYTES))
         finally:
             view.release()
@@ -305,7 +306,7 @@ class SnapshotManager:
         path = self.store.file_name(meta.index, meta.term)
         with open(path, "rb") as f:
             header, offset = read_header(f)
-            n = self.host.load_state(header.index, header.term, header.membership, iter_records(f, offset))
+            n = self.host.load_state(header.index, header.term, header.membership, iter_records(f, offset), header.removed)
         log.info("node %s: state machine loaded from snapshot %d/%d (%d keys)", self.host.node_id, meta.index, meta.term, n)
 
     # -- sending (leader) ------------------------------------------------------------------

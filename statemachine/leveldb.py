@@ -47,7 +47,7 @@ import shutil
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Any
 
 import plyvel
@@ -1233,17 +1233,21 @@ class LevelDBStateMachine:
 
     def capture(self) -> LevelDBView:
         self.flush_sessions()  # the snapshot carries every session as of its index
-        return LevelDBView(self._db.snapshot(), *self._applied, self.membership(), self._db.approximate_size)
+        return LevelDBView(self._db.snapshot(), *self._applied, self.membership(), self._db.approximate_size, self.removed())
 
-    def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]]) -> int:
-        """Replace everything with a snapshot's records; returns how many user keys were
-        loaded (besides ledgerkv's own records). A marker makes a crash in the middle
-        visible at the next start (`incomplete`). The database is refused to every other
-        user until it is whole (close_for_restore, unless that was called already)."""
+    def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]], removed: Iterable[str] = ()) -> int:
+        """Replace everything with a snapshot's records (`removed`: the ids removed from the
+        cluster as of it); returns how many user keys were loaded (besides ledgerkv's own
+        records). A marker makes a crash in the middle visible at the next start
+        (`incomplete`). The database is refused to every other user until it is whole
+        (close_for_restore, unless that was called already)."""
+        removed = set(removed)
         if self.membership_index > index:  # a node that joined since, loading an older snapshot
             membership, membership_at = self._membership, self.membership_index
+            removed |= self._removed
         else:
             membership_at = index
+        removed -= {m["id"] for m in json.loads(membership or b"[]")}
         if self._db is not _LOADING:
             self.close_for_restore()
         shutil.rmtree(self.path)
@@ -1281,8 +1285,9 @@ class LevelDBStateMachine:
             fin.put(_STATE_FORMAT, b"%d" % STATE_FORMAT)
             fin.put(_MEMBERSHIP, membership)
             fin.put(_MEMBERSHIP_AT, _U64.pack(membership_at))
+            fin.put(_REMOVED, json.dumps(sorted(removed)).encode())
             fin.put(_APPLIED, _TWO_U64.pack(index, term))
-            self._membership, self.membership_index = membership, membership_at
+            self._membership, self.membership_index, self._removed = membership, membership_at, removed
             fin.delete(_RESTORING)
             fin.put(_SESSIONS_AT, _U64.pack(index))
             self.sessions_at = index
@@ -1370,14 +1375,16 @@ class LevelDBStateMachine:
         the applied index, which a batch in another thread may be moving."""
         self._db.put(_SYNC, b"", sync=True)
 
-    def set_membership(self, membership: bytes, index: int = 0) -> None:
+    def set_membership(self, membership: bytes, index: int = 0, removed: Iterable[str] = ()) -> None:
         """Record the bootstrap membership of a brand-new node: a new cluster's, or (at
-        `index`, its entry's) the one a node that joins was given."""
+        `index`, its entry's, with the ids `removed` before) the one a node that joins was
+        given."""
         wb = self._db.write_batch(sync=True)
         wb.put(_MEMBERSHIP, membership)
         wb.put(_MEMBERSHIP_AT, _U64.pack(index))
+        wb.put(_REMOVED, json.dumps(sorted(removed)).encode())
         wb.write()
-        self._membership, self.membership_index = membership, index
+        self._membership, self.membership_index, self._removed = membership, index, set(removed)
 
     def close(self) -> None:
         if self._db is not None and not self._db.closed:
@@ -1390,9 +1397,11 @@ class LevelDBStateMachine:
 class LevelDBView:
     """A LevelDB snapshot: a consistent view while writes go on."""
 
-    def __init__(self, snap, index: int, term: int, membership: bytes, approximate_size: Callable[[bytes, bytes], int] | None = None) -> None:
+    def __init__(
+        self, snap, index: int, term: int, membership: bytes, approximate_size: Callable[[bytes, bytes], int] | None = None, removed: frozenset[str] = frozenset()
+    ) -> None:
         self._snap = snap
-        self.index, self.term, self.membership = index, term, membership
+        self.index, self.term, self.membership, self.removed = index, term, membership, removed
         self._size = approximate_size  # of the database's files between two keys (now, not as of the view: an estimate)
 
     def items(self) -> Iterator[tuple[bytes, bytes, int]]:

@@ -8,7 +8,7 @@ with the same parameters."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from ..raft.messages import Entry
@@ -80,9 +80,9 @@ class StateMachine(Protocol):
         it, refusing every use until restore() has loaded the new one."""
         ...
 
-    def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]]) -> int:
-        """onSnapshotLoad: replace the whole state with a snapshot's; returns the number
-        of keys loaded."""
+    def restore(self, index: int, term: int, membership: bytes, items: Iterator[tuple[bytes, bytes, int]], removed: Iterable[str] = ()) -> int:
+        """onSnapshotLoad: replace the whole state with a snapshot's (`removed`: the ids
+        removed from the cluster as of it); returns the number of keys loaded."""
         ...
 
     def reopen(self) -> None:

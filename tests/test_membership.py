@@ -388,3 +388,63 @@ def test_a_joined_member_wiped_and_started_with_stale_peers_stops_on_the_leaders
         assert re.search(rf"{lead}(, n\d)* refuses? this node as a member removed from the cluster", said) and "remove it first" in said, said[-1500:]
     finally:
         c.close()
+
+
+def test_a_joiner_killed_before_it_recorded_the_membership_resumes_the_join(tmp_path):
+    """A joiner killed after its ledger was made and before it recorded the membership it
+    was given came back, with the same command, as a cluster of its own whose only member
+    it was: it took writes the cluster never saw and turned the leader away (a fault
+    review, 2 of 2). The cluster's answer is kept in the data dir until it is recorded."""
+    c = ProcCluster(str(tmp_path), proxies=False)
+    try:
+        c.start()
+        lead = c.leader()
+        assert c.put(lead, "before", b"1")[0] == 200
+        c.add_node("n4")
+        c.node_env["n4"] = {"KV_FAILPOINTS": "start.before_membership"}
+        c.start("n4", join_via=lead, wait=False)
+        wait_until(lambda: not c.alive("n4"), timeout=30, what="n4 dying before it recorded the membership")
+        assert c.procs["n4"].returncode == EXIT_CODE, c.log("n4")[-2000:]
+        assert os.path.exists(os.path.join(c.data_dir("n4"), "ledger"))
+        c.node_env["n4"] = {}
+        c.start("n4", join_via=lead)
+        wait_until(lambda: "n4" in voters(c, c.leader()), timeout=30, what="n4 a voter")
+        s = c.status("n4")
+        assert s["leader"] == c.leader() and s["cluster_id"] == c.status(lead)["cluster_id"], s
+        c.wait_converged()
+        assert c.get("n4", "before", "stale")[:2] == (200, b"1")
+        assert not os.path.exists(os.path.join(c.data_dir("n4"), "joined.json"))
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("snapshots", [False, True], ids=["log", "snapshots"])
+def test_a_removed_members_old_data_dir_is_refused_after_every_member_joined_again(tmp_path, snapshots):
+    """The ids removed from the cluster are part of what a node that joins is given, and of
+    snapshots: n4 is removed and its data dir kept; then every other member is removed and
+    joins again from an empty data dir, one at a time, so none of them saw n4's removal in
+    its log. Started again from its old data dir, n4 ran on for good, served stale reads
+    and was told nothing (a fault review, with and without snapshots); it is refused as
+    removed and stops (exit 3)."""
+    extra = ["--snapshot-threshold", "30", "--snapshot-trailing", "5"] if snapshots else []
+    c = ProcCluster(str(tmp_path), 4, proxies=False, extra=extra)
+    try:
+        c.start()
+        assert c.put(c.leader(), "before", b"1")[0] == 200
+        c.stop("n4")
+        assert c.request(c.leader(among=["n1", "n2", "n3"]), "DELETE", "/v1/members/n4")[0] == 200
+        c.ids.remove("n4")
+        for member in ("n1", "n2", "n3"):
+            rejoin_from_an_empty_dir(c, member)
+            for i in range(40):  # (with snapshots: each joiner installs one)
+                assert c.put(c.leader(), f"{member}/{i}", b"x")[0] == 200
+        lead = c.leader()
+        assert all(not m["id"] == "n4" for m in c.members(lead))
+        c.ids.append("n4")
+        c.joining.clear()  # (n4's command as before: --peers names the four)
+        c.start("n4", wait=False)
+        wait_until(lambda: not c.alive("n4"), timeout=30, what="n4, removed, stopping")
+        assert c.procs["n4"].returncode == EXIT_REMOVED, c.log("n4")[-2000:]
+        assert c.leader() == lead
+    finally:
+        c.close()

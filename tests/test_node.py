@@ -460,7 +460,8 @@ async def test_a_learner_serves_stale_reads_and_never_votes(tmp_path):
     from kv.bench.harness import free_port
 
     from kv import NodeConfig
-    from kv.raft.membership import Membership
+    from kv.raft.membership import Membership, new_ledger_id
+    from kv.server.join import Joined
 
     c = InprocCluster(str(tmp_path))
     await c.start()
@@ -473,7 +474,7 @@ async def test_a_learner_serves_stale_reads_and_never_votes(tmp_path):
         assert {m["id"]: m["voter"] for m in members}["n4"] is False
         learner = c.node(
             NodeConfig(id="n4", data_dir=str(tmp_path / "n4"), peers={"n4": addr}, heartbeat_ms=50, election_timeout_ms=500),
-            initial_membership=Membership.decode(lead.raft.core.membership.encode()),
+            joined=Joined(Membership.decode(lead.raft.core.membership.encode()), 0, new_ledger_id()),
         )
         await learner.start()
         await learner.wait_applied((await lead.put("after", b"2")).index, timeout=10)

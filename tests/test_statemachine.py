@@ -604,17 +604,18 @@ def test_a_joined_node_passes_over_membership_entries_older_than_its_join(tmp_pa
     given = config("n1", "n2", "n3", index=0).data
     path = str(tmp_path / "state")
     sm = LevelDBStateMachine(path)
-    sm.set_membership(given, 7)
+    sm.set_membership(given, 7, ["n0"])  # (removed before the join: the cluster says)
     sm.apply([config("n1", "n2", index=2), normal(3, c.Put("a", b"1")), config("n1", index=5)])
-    assert (sm.membership(), sm.membership_index) == (given, 7)
-    sm.restore(4, 1, config("n9", index=0).data, iter([]))  # a snapshot from before the join
-    assert (sm.membership(), sm.membership_index) == (given, 7)
+    assert (sm.membership(), sm.membership_index, sm.removed()) == (given, 7, {"n0"})
+    sm.restore(4, 1, config("n9", index=0).data, iter([]), ["n8", "n3"])  # a snapshot from before the join
+    assert (sm.membership(), sm.membership_index, sm.removed()) == (given, 7, {"n0", "n8"})
     sm.close()
     sm = LevelDBStateMachine(path)
-    assert (sm.membership(), sm.membership_index) == (given, 7)
+    assert (sm.membership(), sm.membership_index, sm.removed()) == (given, 7, {"n0", "n8"})
     newer = config("n1", "n3", index=8)
     sm.apply([config("n2", index=6), Entry(7, 1, EntryKind.NOOP, b""), newer])
     assert (sm.membership(), sm.membership_index) == (newer.data, 8)
-    sm.restore(20, 1, b"[]", iter([]))
-    assert (sm.membership(), sm.membership_index) == (b"[]", 20)
+    assert sm.removed() == {"n0", "n8", "n2"}
+    sm.restore(20, 1, b"[]", iter([]), ["n5"])
+    assert (sm.membership(), sm.membership_index, sm.removed()) == (b"[]", 20, {"n5"})
     sm.close()

@@ -304,3 +304,28 @@ def test_a_snapshot_file_of_another_cluster_is_set_aside(tmp_path):
         assert db.snapshot().index > ours.index  # (taken anew: none newer in the way)
     assert not os.path.exists(copied) and os.path.exists(copied + ".foreign")
     assert os.path.exists(ours.path)
+
+
+def test_a_snapshot_carries_the_ids_removed_from_the_cluster(tmp_path):
+    """A node whose state is replaced by a snapshot (installed from the leader, or rebuilt
+    when damaged) keeps refusing the old data dirs of members removed before it: the
+    snapshot's header lists them. Files without the list (before 2026-12-07) read as none,
+    and a list that is not one is refused as damage."""
+    import io
+    import json
+
+    from kv.snapshot.format import SnapshotFormatError, new_header, read_header, write_snapshot
+
+    def written(header) -> io.BytesIO:
+        f = io.BytesIO()
+        write_snapshot(f, header, [])
+        return f
+
+    got, _ = read_header(written(new_header(9, 2, b"[]", "default", "n1", "c" * 16, {"n7", "n4"})))
+    assert got.removed == ("n4", "n7")
+    got, _ = read_header(written(new_header(9, 2, b"[]", "default", "n1")))
+    assert got.removed == () and "removed" not in got.to_json()
+    bad = json.dumps({**new_header(9, 2, b"[]", "default", "n1").to_json(), "removed": "n4"}).encode()
+    f = io.BytesIO(b"".join([written(new_header(9, 2, b"[]", "default", "n1")).getvalue()[:8], len(bad).to_bytes(4, "big"), bad]))
+    with pytest.raises(SnapshotFormatError, match="removed must be a list"):
+        read_header(f)

@@ -14,7 +14,7 @@ from ..server import tls
 from ..server.config import NodeConfig, check_hostport
 from ..server.datadir import DataDirLock, holds_a_node
 from ..server.eventlog import log_term_from, setup_logging
-from ..server.join import join_cluster
+from ..server.join import forget_join, join_cluster, keep_join, kept_join
 from ..server.process import check_can_listen, http_connection_cap, install_uvloop, listen_error, raise_fd_limit, tune_gc
 from ..raft.errors import MemberRemoved
 from .refusal import EXIT_ERROR, EXIT_REMOVED
@@ -71,13 +71,16 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     )
     lock = DataDirLock.acquire(config.data_dir)  # before anything in it is looked at
     try:
-        fresh = not holds_a_node(config.data_dir)
-        initial, joined_at, ledger_id = await join_cluster(config) if config.join and fresh else (None, 0, None)
+        joined = kept_join(config.data_dir)  # (a join answered before the node last stopped)
+        if joined is None and config.join and not holds_a_node(config.data_dir):
+            joined = await join_cluster(config)
+            keep_join(config.data_dir, joined)
     except BaseException:
         lock.release()
         raise
-    node = Node(config, initial_membership=initial, joined_at=joined_at, ledger_id=ledger_id, data_dir_lock=lock)
+    node = Node(config, joined=joined, data_dir_lock=lock)
     await node.start()
+    forget_join(config.data_dir)
     log_term_from(lambda: node.raft.term if node.raft else None)
     tune_gc()
     runner = grpc_server = None

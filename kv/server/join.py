@@ -5,7 +5,10 @@ itself, raft/core.py _maybe_promote), and starts from the membership it is given
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+from dataclasses import dataclass
 
 import orjson
 
@@ -13,21 +16,43 @@ from ..client.async_client import AsyncClient
 from ..errors import BadRequest, Conflict, MemberExists, NotLeader, Timeout, Unauthorized, Unavailable
 from ..raft.backoff import Backoff
 from ..raft.membership import Member, Membership, new_ledger_id
+from ..snapshot.format import fsync_dir
 from .config import NodeConfig
 
 log = logging.getLogger("kv.serve")
 
 
-async def join_cluster(config: NodeConfig) -> tuple[Membership, int, str]:
-    """Ask a member of a running cluster (config.join) to add this new node as a learner;
-    returns the membership to start from (the committed one with the addition) and the
-    index of its log entry (0: a leader of a version that does not say), and the ledger_id
-    to give the node's ledger: the
-    cluster knows the member by it, and refuses any other data dir as it (the one it had
-    before it was removed, say: raft/transport.py). Temporary refusals (another membership change in
-    progress, no leader, the member not reachable yet) are waited out with backoff until
+@dataclass(frozen=True)
+class Joined:
+    """What a node that joins a running cluster starts from: the cluster's answer to its
+    addition (the newest committed membership, the log index of its entry, and the ids
+    removed from the cluster before, whose old data dirs it refuses), and the ledger_id it
+    gave for its ledger (the cluster refuses any other data dir as it)."""
+
+    membership: Membership
+    index: int
+    ledger_id: str
+    removed: frozenset[str] = frozenset()
+
+    def to_dict(self) -> dict:
+        return {"members": self.membership.to_dict(), "index": self.index, "ledger": self.ledger_id, "removed": sorted(self.removed)}
+
+    @classmethod
+    def from_dict(cls, d: dict, ledger_id: str | None = None) -> Joined:
+        """From to_dict's form, or from the cluster's answer (with the ledger_id sent)."""
+        members = Membership.of(
+            Member(m["id"], m["peer"], m.get("http", ""), bool(m["voter"]), bool(m.get("promote")), m.get("ledger", "")) for m in d["members"]
+        )
+        return cls(members, int(d.get("index", 0)), ledger_id or str(d["ledger"]), frozenset(map(str, d.get("removed", ()))))
+
+
+async def join_cluster(config: NodeConfig) -> Joined:
+    """Ask a member of a running cluster (config.join) to add this new node as a learner,
+    to be known by a new ledger_id (Joined). Temporary refusals (another membership change
+    in progress, no leader, the member not reachable yet) are waited out with backoff until
     --join-timeout; a permanent one (the id is a member with other addresses, a bad token,
-    a bad request) ends it at once."""
+    a bad request) ends it at once. (A leader of a version before 2026-12-07 answers
+    without "index" and "removed": 0 and none.)"""
     if config.id not in config.peers:
         raise BadRequest(f"with --join, --peers must still give this node's own peer address ({config.id}=HOST:PORT)")
     loop = asyncio.get_running_loop()
@@ -40,12 +65,8 @@ async def join_cluster(config: NodeConfig) -> tuple[Membership, int, str]:
                 doc = {"id": config.id, "peer": config.peers[config.id], "http": config.advertise_url, "voter": True, "ledger": ledger_id}
                 _, _, body = await c.request("POST", "/v1/members", data=orjson.dumps(doc), headers={"Content-Type": "application/json"})
                 answer = orjson.loads(body)
-                members = answer["members"]
-                _refuse_a_voter_that_lost_its_data(config, members)  # (the leader's list, as of the add)
-                membership = Membership.of(
-                    Member(m["id"], m["peer"], m.get("http", ""), m["voter"], bool(m.get("promote")), m.get("ledger", "")) for m in members
-                )
-                return membership, int(answer.get("index", 0)), ledger_id
+                _refuse_a_voter_that_lost_its_data(config, answer["members"])  # (the leader's list, as of the add)
+                return Joined.from_dict(answer, ledger_id)
             except (MemberExists, Unauthorized, BadRequest):
                 raise
             except (Conflict, NotLeader, Unavailable, Timeout) as e:
@@ -75,3 +96,42 @@ def _refuse_a_voter_that_lost_its_data(config: NodeConfig, members: list[dict]) 
             f"first (kv member remove {config.id} --endpoints {config.join}{' --token ...' if config.token else ''}), then run "
             f"this command again (no leader to remove it? kv status says; docs/cluster.md: a majority lost for good)"
         )
+
+
+# The cluster's answer to a join, kept in the data dir from the moment it is given until the
+# node has recorded it: a joiner killed in between (its ledger made, the membership not yet
+# recorded) was started again as a cluster of its own, whose only member it was.
+JOINED_FILE = "joined.json"
+
+
+def keep_join(data_dir: str, joined: Joined) -> None:
+    """Keep a join's answer (written whole, then fsynced) until forget_join."""
+    path = os.path.join(data_dir, JOINED_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(joined.to_dict(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    fsync_dir(data_dir)
+
+
+def kept_join(data_dir: str) -> Joined | None:
+    """The answer to a join that began in this data dir and was not recorded yet, or None."""
+    try:
+        with open(os.path.join(data_dir, JOINED_FILE)) as f:
+            return Joined.from_dict(json.load(f))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:
+        raise BadRequest(
+            f"{os.path.join(data_dir, JOINED_FILE)} is damaged ({e}): it holds the answer to a join that did not finish; "
+            "remove the data dir and run the join again"
+        ) from None
+
+
+def forget_join(data_dir: str) -> None:
+    """The node recorded the membership it joined with (kv.Node started)."""
+    try:
+        os.remove(os.path.join(data_dir, JOINED_FILE))
+    except FileNotFoundError:
+        pass

@@ -10,26 +10,25 @@ import time
 
 from .config import NodeConfig
 from ..errors import BadRequest, DataDirLocked
+from ..raft import failpoints
 from ..raft.ledger import Ledger, LedgerWrite
 from ..raft.membership import Member, Membership
 from ..raft.messages import Entry, EntryKind
 from ..snapshot.manager import SnapshotManager
 from ..statemachine.leveldb import LevelDBStateMachine, StateCorrupt, StateLocked
 from . import bootstrap
+from .join import Joined
 
 log = logging.getLogger("kv.node")
 
 
 class Recovery:
     """Opens the state machine of a member whose ledger and snapshots are open already.
-    `initial_membership`: what a member that joins a running cluster was given, and
-    `joined_at` the index of its entry."""
+    `joined`: what a member that joins a running cluster was given (join.py)."""
 
-    def __init__(
-        self, config: NodeConfig, ledger: Ledger, snapshots: SnapshotManager, initial_membership: Membership | None = None, joined_at: int = 0
-    ) -> None:
+    def __init__(self, config: NodeConfig, ledger: Ledger, snapshots: SnapshotManager, joined: Joined | None = None) -> None:
         self.config, self.ledger, self.snapshots = config, ledger, snapshots
-        self._initial_membership, self._joined_at = initial_membership, joined_at
+        self._joined = joined
         self.sm: LevelDBStateMachine | None = None
 
     def open(self) -> tuple[LevelDBStateMachine, Membership]:
@@ -49,8 +48,16 @@ class Recovery:
             self.force_new_cluster()
         membership = self.membership()
         if not self.sm.membership() and self.ledger.last_index() == 0:
+            if c.join and self._joined is None and not c.force_new_cluster:
+                # (its --peers name it alone: it would begin a cluster of its own)
+                raise BadRequest(
+                    f"--join {c.join}: {c.data_dir} holds the start of a node that never recorded the membership it joined "
+                    "with (it stopped first, under a version before 2026-12-07): remove the data dir and run the join again"
+                )
+            failpoints.hit("start.before_membership")  # (a first start: the ledger made, nothing recorded)
             bootstrap.record(c.data_dir, c.peers or membership.ids)
-            self.sm.set_membership(membership.encode(), self._joined_at if self._initial_membership is not None else 0)
+            j = self._joined
+            self.sm.set_membership(membership.encode(), j.index if j else 0, j.removed if j else ())
         else:
             if c.join and not c.force_new_cluster and set(membership.ids) == {c.id}:
                 # (a node that joined has the cluster's members: this one made a cluster of
@@ -139,8 +146,8 @@ class Recovery:
         stored = self.sm.membership()
         if stored:
             return Membership.decode(stored)
-        if self._initial_membership is not None:
-            return self._initial_membership
+        if self._joined is not None:
+            return self._joined.membership
         c = self.config
         me_url = c.advertise_url
         return Membership.of(Member(i, addr, me_url if i == c.id else "") for i, addr in (c.peers or {c.id: ""}).items())

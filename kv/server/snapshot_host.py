@@ -28,5 +28,5 @@ class SnapshotHost:
     def sync_state(self) -> None:
         self._state().sync()
 
-    def load_state(self, index: int, term: int, membership: bytes, records) -> int:
-        return self._state().restore(index, term, membership, records)
+    def load_state(self, index: int, term: int, membership: bytes, records, removed=()) -> int:
+        return self._state().restore(index, term, membership, records, removed)
