@@ -72,6 +72,7 @@ log = logging.getLogger("kv.raft.node")
 # How long a leader waits for a forwarded write to apply (the follower gives up earlier).
 FORWARD_WAIT_S = 60.0
 REMOVED_QUORUM_S = 30.0  # refusals as a removed member counted together (_refused_as_removed)
+REFUSED_WARN_S = 60.0  # a leader refused by a member that is behind logs it this often
 
 
 class NodeStopped(RaftError):
@@ -270,6 +271,7 @@ class RaftNode:
         self._stalled_at = 0.0  # since when
         self._installed: set[int] = set()  # the Readies of the batch being written whose snapshot is installed
         self._removed_by: dict[str, float] = {}  # peer -> when it last refused this node as removed
+        self._removed_warned: dict[str, float] = {}  # peer -> when that was last logged (as leader)
         self._heartbeat_sent: dict[str, float] = {}  # peer -> when the oldest unanswered heartbeat left
         self._last_leader: str | None = None
         self._result_encoder = result_encoder
@@ -643,7 +645,9 @@ class RaftNode:
         self._removed_by[peer] = now
         others = [v for v in self.core.membership.voters if v != self.id] or [peer]
         said = [p for p in others if now - self._removed_by.get(p, -REMOVED_QUORUM_S) < REMOVED_QUORUM_S]
-        if (len(said) * 2 > len(others) or peer == self.core.leader_id) and self.failure is None:
+        if len(said) * 2 > len(others) or peer == self.core.leader_id:
+            if self.failure is not None:
+                return
             said = sorted(set(said) | {peer})
             log.error(
                 "node %s: %s %s this node as a member removed from the cluster (kv member remove): it stops. To run it "
@@ -652,6 +656,17 @@ class RaftNode:
                 self.id, ", ".join(said), "refuses" if len(said) == 1 else "refuse",
             )
             self.fail(MemberRemoved(f"node {self.id} was removed from the cluster ({', '.join(sorted(said))} refuse it)"))
+        elif self.role == Role.LEADER and now - self._removed_warned.get(peer, -REFUSED_WARN_S) >= REFUSED_WARN_S:
+            # A leader the others follow: the refusing member is the one behind (a voter that
+            # was down while this node's id was removed and joined again twice holds an entry
+            # naming its earlier data dir, and only this node could send it the newer).
+            self._removed_warned[peer] = now
+            log.warning(
+                "node %s: %s refuses this node, which leads, as a removed member or as an earlier data dir of its id: %s "
+                "was down while this node's id was removed and joined again, and its membership is older. It catches up "
+                "from another leader (kv leader transfer)",
+                self.id, peer, peer,
+            )
 
     # ======================================================================================
     # The loop
