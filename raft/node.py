@@ -650,7 +650,8 @@ class RaftNode:
                 return
             said = sorted(set(said) | {peer})
             log.error(
-                "node %s: %s %s this node as a member removed from the cluster (kv member remove): it stops. To run it "
+                "node %s: %s %s this node as a member removed from the cluster (kv member remove), or as a data dir its id "
+                "no longer runs from (it joined again from another): it stops. To run it "
                 "again, start it from an empty data dir with --join URL (a member's client URL): it adds itself back. Still "
                 "listed by kv member list? Then the cluster knows it by another data dir: remove it first, if that one is gone",
                 self.id, ", ".join(said), "refuses" if len(said) == 1 else "refuse",

@@ -161,6 +161,10 @@ def test_bad_membership_requests_get_clear_errors(tmp_path):
         assert post("/v1/members", {"id": "n9"})[0] == 400  # no peer address
         assert post("/v1/members", {"id": "n 9", "peer": "127.0.0.1:1"})[0] == 400
         assert post("/v1/members", {"id": "n9", "peer": "nowhere"})[0] == 400
+        # a client URL without its scheme was kept as given, and the member's --join then
+        # refused as another member with the "same" addresses (a newcomer's run)
+        code, body = post("/v1/members", {"id": "n9", "peer": "127.0.0.1:9", "http": "127.0.0.1:8"})
+        assert code == 400 and "such as http://" in body["error"]["message"], body
         # "ledger" is what a join sends: a ledger id, and never to rebind a member in place
         assert post("/v1/members", {"id": "n9", "peer": "127.0.0.1:9", "ledger": "zz"})[0] == 400
         assert post("/v1/members", {"id": "n9", "peer": "127.0.0.1:9", "ledger": 7})[0] == 400

@@ -265,6 +265,19 @@ async def test_reads_asked_together_share_one_ask_and_a_cancelled_one_takes_no_o
     assert not lead.raft._read_futs
 
 
+async def test_a_transfer_to_a_member_that_is_down_says_how_far_behind_it_is(cluster):
+    """`kv leader transfer` to a member that is down said only that leadership did not move
+    in time (a newcomer's run): it now says how far behind the member is, and to check that
+    it runs and is reachable."""
+    lead = await cluster.leader()
+    down = (await cluster.followers())[0].config.id
+    await cluster.stop(down)
+    for i in range(5):
+        await lead.put(f"k{i}", b"x")
+    with pytest.raises(kv.Timeout, match=rf"did not move to {down} in time.*{down} has the log up to \d+ of \d+ \(is it running"):
+        await lead.transfer_leadership(down, timeout=1)
+
+
 async def test_no_quorum_means_errors_not_answers(cluster):
     lead = await cluster.leader()
     await lead.put("k", b"v")

@@ -329,3 +329,25 @@ def test_a_snapshot_carries_the_ids_removed_from_the_cluster(tmp_path):
     f = io.BytesIO(b"".join([written(new_header(9, 2, b"[]", "default", "n1")).getvalue()[:8], len(bad).to_bytes(4, "big"), bad]))
     with pytest.raises(SnapshotFormatError, match="removed must be a list"):
         read_header(f)
+
+
+def test_a_join_cut_short_before_its_answer_was_kept_is_not_taken_for_a_new_cluster(tmp_path):
+    """kv serve keeps the cluster's answer to a join (joined.json) before the node starts.
+    Killed while writing it, the data dir holds only joined.json.tmp, and a start without
+    --join would have begun a one-node cluster of its own there (a newcomer's run): it is
+    refused, naming what to run; with --join the join is made again. A kept answer is
+    read back whole."""
+    from kv.raft.membership import Member, Membership
+    from kv.server.join import JOINED_FILE, Joined, keep_join, kept_join
+
+    d = str(tmp_path / "n4")
+    os.makedirs(d)
+    assert kept_join(d, joining=False) is None
+    with open(os.path.join(d, JOINED_FILE + ".tmp"), "w") as f:
+        f.write('{"members": [')
+    with pytest.raises(kv.BadRequest, match="cut short.*run the same command with --join URL again"):
+        kept_join(d, joining=False)
+    assert kept_join(d, joining=True) is None  # (kv serve --join joins again and keeps the new answer)
+    joined = Joined(Membership.of([Member("n1", "h:1", "http://h:2", ledger="ab" * 8), Member("n4", "h:3", voter=False)]), 12, "cd" * 8, frozenset({"n2"}))
+    keep_join(d, joined)
+    assert kept_join(d, joining=False) == joined

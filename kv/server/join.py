@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import orjson
@@ -63,7 +64,10 @@ async def join_cluster(config: NodeConfig) -> Joined:
         while True:
             try:
                 doc = {"id": config.id, "peer": config.peers[config.id], "http": config.advertise_url, "voter": True, "ledger": ledger_id}
-                _, _, body = await c.request("POST", "/v1/members", data=orjson.dumps(doc), headers={"Content-Type": "application/json"})
+                _, _, body = await c.request(
+                    "POST", "/v1/members", data=orjson.dumps(doc), headers={"Content-Type": "application/json"},
+                    deadline=time.monotonic() + max(0.1, min(10.0, deadline - loop.time())),  # (no attempt runs past --join-timeout)
+                )
                 answer = orjson.loads(body)
                 _refuse_a_voter_that_lost_its_data(config, answer["members"])  # (the leader's list, as of the add)
                 return Joined.from_dict(answer, ledger_id)
@@ -115,8 +119,16 @@ def keep_join(data_dir: str, joined: Joined) -> None:
     fsync_dir(data_dir)
 
 
-def kept_join(data_dir: str) -> Joined | None:
-    """The answer to a join that began in this data dir and was not recorded yet, or None."""
+def kept_join(data_dir: str, joining: bool) -> Joined | None:
+    """The answer to a join that began in this data dir and was not recorded yet, or None.
+    A join cut short before its answer was kept is refused unless this start joins
+    (`joining`: --join given): without --join the empty dir would begin a cluster of its own."""
+    path = os.path.join(data_dir, JOINED_FILE)
+    if not joining and not os.path.exists(path) and os.path.exists(path + ".tmp"):
+        raise BadRequest(
+            f"a join began in {data_dir} and was cut short before the cluster's answer was kept ({JOINED_FILE}.tmp): "
+            "run the same command with --join URL again (without it, this node would begin a cluster of its own)"
+        )
     try:
         with open(os.path.join(data_dir, JOINED_FILE)) as f:
             return Joined.from_dict(json.load(f))

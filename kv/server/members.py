@@ -78,6 +78,10 @@ class Members:
         if not member_id or any(ch in member_id for ch in ",= /"):
             raise BadRequest(f"bad member id {member_id!r}: a non-empty name without ',', '=', ' ' or '/'")
         check_hostport(peer, f"member {member_id}")
+        if http and not http.startswith(("http://", "https://")):
+            # (kept as given, it was the member's client URL; its --join, with the scheme,
+            # was then refused as another member with the "same" addresses)
+            raise BadRequest(f"bad client URL {http!r} for member {member_id}: expected a URL such as http://10.0.0.4:8001")
         if ledger and (replace or not is_ledger_id(ledger)):
             raise BadRequest(
                 '"ledger" is the ledger id (16 hex digits) of the data dir joining as the member, which kv serve --join '
@@ -168,7 +172,12 @@ class Members:
         while raft.leader_id != to:
             left = deadline - loop.time()
             if left <= 0:
-                raise Timeout(f"leadership did not move to {to} in time; the leader is {raft.leader_id}")
+                m = raft.metrics()
+                p = m.peers.get(to)
+                why = "" if p is None or p.match >= m.ledger_end_index else (
+                    f": {to} has the log up to {p.match} of {m.ledger_end_index} (is it running, and reachable from the leader?)"
+                )
+                raise Timeout(f"leadership did not move to {to} in time; the leader is {raft.leader_id}{why}")
             with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
                 await asyncio.wait_for(raft.leader_changed.wait(), left)
         return to
