@@ -1015,7 +1015,7 @@ class RaftNode:
         if self.core.membership.refuses_as_replaced(self.id, peer, ledger):
             return (
                 f"{peer!r} joined from another data dir than this one (ledger {ledger or 'not said'}): "
-                "removed and joined again, or this one's data was lost"
+                "removed and joined again, or this one's data was lost (or this node has not caught up with its latest join)"
             )
         return None
 
