@@ -23,6 +23,7 @@ from .common.wire import BulkBody, bulk_body
 from .client.recipes import AsyncRecipes
 from .errors import BadRequest, Compacted, Forbidden, FutureRevision, KeyNotFound, KVError, LeaseExists, NotLeader, RevisionCompacted, Unavailable
 from .raft.ledger import Ledger
+from .raft.membership import Membership
 from .raft.messages import Role
 from .raft.node import Applied, CoreConfig, NodeStopped, RaftNode
 from .raft.transport_protocol import Transport
@@ -901,7 +902,12 @@ class Node(AsyncRecipes):
         and "removed", the ids removed from the cluster, whose old data dirs are refused. A
         node that joins starts from them (it passes over older membership entries, and
         refuses what the cluster does)."""
-        return {"index": self._running().committed_membership[1], "removed": sorted(self.sm.removed())}
+        membership, index = self._running().committed_membership_at
+        # (the state machine's removed ids are as of its applied index, which may be behind
+        # the committed membership: members in it since are not removed, and ids it lists
+        # that the committed one does not were removed since)
+        applied = Membership.decode(self.sm.membership()).ids
+        return {"index": index, "removed": sorted((self.sm.removed() | applied) - membership.ids)}
 
     def leader_url(self) -> str | None:
         """The leader's client URL, if this node knows it."""

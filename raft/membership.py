@@ -201,7 +201,8 @@ class ConfigLog:
 
     def restore(self, membership: Membership, index: int) -> bool:
         """A snapshot up to index, with its configuration, replaced the log. Returns whether
-        the configuration changed (not for a snapshot older than `since`)."""
+        `latest` changed. A snapshot older than `since` leaves the configuration as of since
+        (only the uncommitted entries above it, cut with the log, go)."""
         self._uncommitted = []
         if index < self.since:
             changed = self.latest is not self.committed

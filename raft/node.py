@@ -946,7 +946,7 @@ class RaftNode:
         return self.core.membership
 
     @property
-    def committed_membership(self) -> tuple[Membership, int]:
+    def committed_membership_at(self) -> tuple[Membership, int]:
         """The newest configuration known committed, and the index of its entry."""
         return self.core.committed_membership, self.core.committed_membership_index
 

@@ -90,6 +90,11 @@ class SnapshotHost(Protocol):
     def capture(self) -> Any:
         """A consistent view of the state (index, term, membership, removed, items(), release())."""
 
+    def not_capturable(self) -> str | None:
+        """Why the state is not snapshotted at the threshold now (its membership is newer
+        than its index: a node that joined, still catching up), or None. (An explicit
+        take() reads after a barrier, which waits past that.)"""
+
     def sync_state(self) -> None:
         """Make everything applied durable (before the ledger drops it); any thread."""
 
@@ -200,7 +205,7 @@ class SnapshotManager:
         (`size`: the bytes of the entries just applied)."""
         self._applied_bytes += size
         base = self._newest.index if self._newest else 0
-        if applied - base >= self.host.snapshot_threshold and self._taking is None and not self._stopped and self._applied_bytes >= self._newest_bytes // 2:
+        if applied - base >= self.host.snapshot_threshold and self._taking is None and not self._stopped and self.host.not_capturable() is None and self._applied_bytes >= self._newest_bytes // 2:
             self._taking = asyncio.ensure_future(self._take_once())
 
     async def take(self) -> SnapshotFile:

@@ -1254,7 +1254,15 @@ class LevelDBStateMachine:
         os.makedirs(self.path)
         db = _open(self.path)
         try:
-            db.put(_RESTORING, b"1", sync=True)
+            # The membership it keeps goes with the marker: a load cut short is loaded again
+            # at the next start, and a node that joined since the snapshot must still pass
+            # over the older membership entries then (its floor, membership_at).
+            mark = db.write_batch(sync=True)
+            mark.put(_RESTORING, b"1")
+            mark.put(_MEMBERSHIP, membership)
+            mark.put(_MEMBERSHIP_AT, _U64.pack(membership_at))
+            mark.put(_REMOVED, json.dumps(sorted(removed)).encode())
+            mark.write()
             self._purge_from = history.CHANGES
             n = own = 0
             wb = db.write_batch()
@@ -1283,9 +1291,6 @@ class LevelDBStateMachine:
             # A synced write flushes LevelDB's log, and with it every record written above.
             fin = db.write_batch(sync=True)
             fin.put(_STATE_FORMAT, b"%d" % STATE_FORMAT)
-            fin.put(_MEMBERSHIP, membership)
-            fin.put(_MEMBERSHIP_AT, _U64.pack(membership_at))
-            fin.put(_REMOVED, json.dumps(sorted(removed)).encode())
             fin.put(_APPLIED, _TWO_U64.pack(index, term))
             self._membership, self.membership_index, self._removed = membership, membership_at, removed
             fin.delete(_RESTORING)
@@ -1382,9 +1387,10 @@ class LevelDBStateMachine:
         wb = self._db.write_batch(sync=True)
         wb.put(_MEMBERSHIP, membership)
         wb.put(_MEMBERSHIP_AT, _U64.pack(index))
+        removed = set(removed) - {m["id"] for m in json.loads(membership or b"[]")}
         wb.put(_REMOVED, json.dumps(sorted(removed)).encode())
         wb.write()
-        self._membership, self.membership_index, self._removed = membership, index, set(removed)
+        self._membership, self.membership_index, self._removed = membership, index, removed
 
     def close(self) -> None:
         if self._db is not None and not self._db.closed:

@@ -36,7 +36,9 @@ def test_the_node_holding_writes_a_rolled_back_majority_lost_stops_at_the_first_
         for i in range(300):
             assert c.put(old, f"lost/{i}", b"x")[0] == 200
         wait_until(lambda: c.status(old)["ledger_begin_index"] > 20, timeout=30, what="the leader compacted its log")
-        committed = c.status(old)["commit_index"]
+        # (restarted, its commit index is what it applied)
+        wait_until(lambda: (s := c.status(old))["applied_index"] == s["commit_index"], timeout=10, what="the leader applied all")
+        committed = c.status(old)["applied_index"]
         c.stop(a, old)
         shutil.rmtree(c.data_dir(a))
         os.rename(c.data_dir(a) + ".copy", c.data_dir(a))

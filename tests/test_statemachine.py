@@ -619,3 +619,34 @@ def test_a_joined_node_passes_over_membership_entries_older_than_its_join(tmp_pa
     sm.restore(20, 1, b"[]", iter([]), ["n5"])
     assert (sm.membership(), sm.membership_index, sm.removed()) == (b"[]", 20, {"n5"})
     sm.close()
+
+
+def test_a_snapshot_load_cut_short_keeps_the_membership_a_joined_node_holds(tmp_path):
+    """A node that joined at index 30 loads an older snapshot (index 12) and dies in the
+    middle: at the next start the load is made again, and the membership it joined with,
+    its index and the removed ids must still be there to keep (a review: they were written
+    only once the load was whole, and the node took the snapshot's older membership)."""
+    from kv.server.config import NodeConfig
+    from kv.server.snapshot_host import SnapshotHost
+
+    given = b'[{"id":"n1","peer":"h:1"},{"id":"n4","peer":"h:4","voter":false}]'
+    path = str(tmp_path / "state")
+    sm = LevelDBStateMachine(path)
+    sm.set_membership(given, 30, ["n2"])
+    # while it catches up, its membership is newer than what it applied: no snapshot of it
+    host = SnapshotHost(NodeConfig(id="n4", data_dir=str(tmp_path)), lambda: sm)
+    assert "joined the cluster at index 30 and has applied up to 0" in host.not_capturable()
+
+    def records():
+        yield (b"\x01a", b"1", 3)
+        raise OSError("killed")
+
+    with pytest.raises(OSError):
+        sm.restore(12, 1, b'[{"id":"n1","peer":"h:1"},{"id":"n2","peer":"h:2"}]', records(), [])
+    sm = LevelDBStateMachine(path)
+    assert sm.incomplete and (sm.membership(), sm.membership_index, sm.removed()) == (given, 30, {"n2"})
+    sm.restore(12, 1, b'[{"id":"n1","peer":"h:1"},{"id":"n2","peer":"h:2"}]', iter([]), [])
+    assert not sm.incomplete and (sm.membership(), sm.membership_index, sm.removed()) == (given, 30, {"n2"})
+    sm.apply([Entry(i, 1, EntryKind.NOOP, b"") for i in range(13, 31)])
+    assert host.not_capturable() is None
+    sm.close()

@@ -72,7 +72,9 @@ async def serve_node(config: NodeConfig, *, access_log: bool = False) -> int:
     lock = DataDirLock.acquire(config.data_dir)  # before anything in it is looked at
     try:
         joined = kept_join(config.data_dir, bool(config.join))  # (a join answered before the node last stopped)
-        if joined is None and config.join and not holds_a_node(config.data_dir):
+        if joined is not None:
+            log.info("resuming the join the cluster answered before this node last stopped (its membership as of index %d)", joined.index)
+        elif config.join and not holds_a_node(config.data_dir):
             joined = await join_cluster(config)
             keep_join(config.data_dir, joined)
     except BaseException:

@@ -34,7 +34,7 @@ class Members:
         raft = self._running()
         leader = raft.leader_id
         out = []
-        membership = raft.committed_membership[0] if committed else raft.membership
+        membership = raft.committed_membership_at[0] if committed else raft.membership
         for m in sorted(membership.members.values(), key=lambda m: m.id):
             d = {"id": m.id, "peer": m.peer_addr, "http": m.http_url or raft.peer_url(m.id), "voter": m.voter}
             if m.id == raft.id:
@@ -101,8 +101,8 @@ class Members:
                 # asked again for what is already so (a voter's client URL or ledger not
                 # known, a founding member's, stays so: a voter's join is refused by the
                 # joiner, join.py)
-                if raft.membership != raft.committed_membership[0]:
-                    raise Conflict(f"adding {member_id} is still in progress; retry once it has committed")
+                if raft.membership != raft.committed_membership_at[0]:
+                    raise Conflict("a membership change is still in progress; retry once it has committed")
                 return self.list(committed=True)
             # a learner added without its client URL (kv member add), now joining with it,
             # or joining again from another data dir: its URL and ledger are recorded (the

@@ -52,7 +52,8 @@ class Recovery:
                 # (its --peers name it alone: it would begin a cluster of its own)
                 raise BadRequest(
                     f"--join {c.join}: {c.data_dir} holds the start of a node that never recorded the membership it joined "
-                    "with (it stopped first, under a version before 2026-12-07): remove the data dir and run the join again"
+                    "with (a version before 2026-12-07 stopped first, or the answer it kept, joined.json, is gone): remove the "
+                    "data dir and run the join again"
                 )
             failpoints.hit("start.before_membership")  # (a first start: the ledger made, nothing recorded)
             bootstrap.record(c.data_dir, c.peers or membership.ids)
@@ -129,6 +130,11 @@ class Recovery:
         c, ledger = self.config, self.ledger
         if ledger.last_index() == 0:
             raise BadRequest(f"--force-new-cluster recovers an existing member's data, and {c.data_dir} holds none")
+        if ledger.last_index() < self.sm.membership_index:  # (its entry would be older than the membership it holds)
+            raise BadRequest(
+                f"--force-new-cluster: {c.id} joined the cluster at index {self.sm.membership_index} and its log ends at "
+                f"{ledger.last_index()}: it never caught up. Force a member that did (kv status: the highest applied index)"
+            )
         old = self.membership()
         me = old.get(c.id)
         peer = c.peers.get(c.id) or (me.peer_addr if me else "")

@@ -25,6 +25,16 @@ class SnapshotHost:
     def capture(self):
         return self._state().capture()
 
+    def not_capturable(self) -> str | None:
+        # A node that joined holds the membership of the index it joined at, above what it
+        # has applied while it catches up: a snapshot then would pair that membership with
+        # an older index, and a node loading it would take the entries between as newer.
+        sm = self._state()
+        applied, joined = sm.applied()[0], sm.membership_index
+        if applied < joined:
+            return f"it joined the cluster at index {joined} and has applied up to {applied} so far"
+        return None
+
     def sync_state(self) -> None:
         self._state().sync()
 
