@@ -165,6 +165,18 @@ _RECENT_ENTRY = 256  # what an entry costs besides its key and value (dict slot,
 Change = tuple[int, str, bytes | None]
 
 
+def _member_ids(membership: bytes) -> set[str]:
+    """The ids of an encoded membership (raft.membership.Membership.encode)."""
+    return {m["id"] for m in json.loads(membership or b"[]")}
+
+
+def _put_membership(wb, membership: bytes, index: int, removed: set[str]) -> None:
+    """The membership records: the membership, the index it came from, the removed ids."""
+    wb.put(_MEMBERSHIP, membership)
+    wb.put(_MEMBERSHIP_AT, _U64.pack(index))
+    wb.put(_REMOVED, json.dumps(sorted(removed)).encode())
+
+
 class StateUnreadable(KVError):
     """The state machine cannot be read here now (kv.Node answers kv.Unavailable: read from
     another member meanwhile)."""
@@ -727,14 +739,10 @@ class LevelDBStateMachine:
     def _apply_config(self, index: int, data: bytes, wb) -> None:
         if index <= self.membership_index:
             return  # older than the membership this node joined with (raft/membership.py ConfigLog)
-        before = {m["id"] for m in json.loads(self.membership() or b"[]")}
-        after = {m["id"] for m in json.loads(data or b"[]")}
-        self._removed = (self._removed | (before - after)) - after
-        wb.put(_MEMBERSHIP, data)
-        wb.put(_MEMBERSHIP_AT, _U64.pack(index))
-        self.membership_index = index
-        wb.put(_REMOVED, json.dumps(sorted(self._removed)).encode())
-        self._membership = data
+        after = _member_ids(data)
+        self._removed = (self._removed | (_member_ids(self._membership) - after)) - after
+        _put_membership(wb, data, index, self._removed)
+        self._membership, self.membership_index = data, index
 
     def _drop_effect_records(self) -> None:
         """Versions before the history kept a record of what some entries changed, for
@@ -1247,7 +1255,7 @@ class LevelDBStateMachine:
             removed |= self._removed
         else:
             membership_at = index
-        removed -= {m["id"] for m in json.loads(membership or b"[]")}
+        removed -= _member_ids(membership)
         if self._db is not _LOADING:
             self.close_for_restore()
         shutil.rmtree(self.path)
@@ -1259,9 +1267,7 @@ class LevelDBStateMachine:
             # over the older membership entries then (its floor, membership_at).
             mark = db.write_batch(sync=True)
             mark.put(_RESTORING, b"1")
-            mark.put(_MEMBERSHIP, membership)
-            mark.put(_MEMBERSHIP_AT, _U64.pack(membership_at))
-            mark.put(_REMOVED, json.dumps(sorted(removed)).encode())
+            _put_membership(mark, membership, membership_at, removed)
             mark.write()
             self._purge_from = history.CHANGES
             n = own = 0
@@ -1384,11 +1390,9 @@ class LevelDBStateMachine:
         """Record the bootstrap membership of a brand-new node: a new cluster's, or (at
         `index`, its entry's, with the ids `removed` before) the one a node that joins was
         given."""
+        removed = set(removed) - _member_ids(membership)
         wb = self._db.write_batch(sync=True)
-        wb.put(_MEMBERSHIP, membership)
-        wb.put(_MEMBERSHIP_AT, _U64.pack(index))
-        removed = set(removed) - {m["id"] for m in json.loads(membership or b"[]")}
-        wb.put(_REMOVED, json.dumps(sorted(removed)).encode())
+        _put_membership(wb, membership, index, removed)
         wb.write()
         self._membership, self.membership_index, self._removed = membership, index, removed
 

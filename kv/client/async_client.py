@@ -546,8 +546,17 @@ class AsyncClient(AsyncRecipes):
         """Add a member listening for peers on `peer` (a learner, promoted once caught up
         when voter=True); replace=True changes an existing member's addresses. `ledger`:
         the ledger id of the data dir that joins as it (kv serve --join sends it)."""
-        doc = {"id": member_id, "peer": peer, "http": http, "voter": voter, "replace": replace, **({"ledger": ledger} if ledger else {})}
-        return (await self._json("POST", "/v1/members", data=orjson.dumps(doc), headers={"Content-Type": "application/json"}))["members"]
+        return (await self._add_member({"id": member_id, "peer": peer, "http": http, "voter": voter, "replace": replace, **({"ledger": ledger} if ledger else {})}))["members"]
+
+    async def join_member(self, member_id: str, peer: str, http: str, ledger: str) -> dict:
+        """kv serve --join's request: add this node as a member (a learner, promoted once
+        caught up) known by the data dir whose ledger id is `ledger`. Returns the whole
+        answer, which the node starts from: "members" (the newest committed membership),
+        "index" (the log index of its entry) and "removed" (the ids removed before)."""
+        return await self._add_member({"id": member_id, "peer": peer, "http": http, "voter": True, "ledger": ledger})
+
+    async def _add_member(self, doc: dict) -> dict:
+        return await self._json("POST", "/v1/members", data=orjson.dumps(doc), headers={"Content-Type": "application/json"})
 
     async def remove_member(self, member_id: str) -> list[dict]:
         """Remove a member."""

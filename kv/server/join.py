@@ -5,10 +5,8 @@ itself, raft/core.py _maybe_promote), and starts from the membership it is given
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 import orjson
@@ -60,30 +58,30 @@ async def join_cluster(config: NodeConfig) -> Joined:
     deadline = loop.time() + config.join_timeout_s
     backoff = Backoff(0.2, 5.0)
     ledger_id = new_ledger_id()
-    async with AsyncClient(config.join, token=config.token, timeout=min(10.0, config.join_timeout_s), cacert=config.cacert) as c:
-        while True:
-            try:
-                doc = {"id": config.id, "peer": config.peers[config.id], "http": config.advertise_url, "voter": True, "ledger": ledger_id}
-                _, _, body = await c.request(
-                    "POST", "/v1/members", data=orjson.dumps(doc), headers={"Content-Type": "application/json"},
-                    deadline=time.monotonic() + max(0.1, min(10.0, deadline - loop.time())),  # (no attempt runs past --join-timeout)
-                )
-                answer = orjson.loads(body)
-                _refuse_a_voter_that_lost_its_data(config, answer["members"])  # (the leader's list, as of the add)
-                return Joined.from_dict(answer, ledger_id)
-            except (MemberExists, Unauthorized, BadRequest):
-                raise
-            except (Conflict, NotLeader, Unavailable, Timeout) as e:
-                # Adding the same member again is idempotent, so a Timeout (outcome
-                # unknown) is retried like the rest.
-                delay = backoff.next()
-                if loop.time() + delay > deadline:
-                    raise Unavailable(
-                        f"--join {config.join}: the cluster did not add {config.id} within {config.join_timeout_s:g}s "
-                        f"(last answer: {e}); check that the cluster has a leader (kv status), or raise --join-timeout"
-                    ) from e
-                log.info("join: not added yet (%s); retrying in %.1fs", e, delay)
-                await asyncio.sleep(delay)
+    while True:
+        try:
+            return await _ask(config, ledger_id, left=min(10.0, max(0.1, deadline - loop.time())))
+        except (MemberExists, Unauthorized, BadRequest):
+            raise
+        except (Conflict, NotLeader, Unavailable, Timeout) as e:
+            # Adding the same member again is idempotent, so a Timeout (outcome
+            # unknown) is retried like the rest.
+            delay = backoff.next()
+            if loop.time() + delay > deadline:
+                raise Unavailable(
+                    f"--join {config.join}: the cluster did not add {config.id} within {config.join_timeout_s:g}s "
+                    f"(last answer: {e}); check that the cluster has a leader (kv status), or raise --join-timeout"
+                ) from e
+            log.info("join: not added yet (%s); retrying in %.1fs", e, delay)
+            await asyncio.sleep(delay)
+
+
+async def _ask(config: NodeConfig, ledger_id: str, left: float) -> Joined:
+    """One attempt, within `left` seconds (what is left of --join-timeout, 10 at most)."""
+    async with AsyncClient(config.join, token=config.token, timeout=left, cacert=config.cacert) as c:
+        answer = await c.join_member(config.id, config.peers[config.id], config.advertise_url, ledger_id)
+    _refuse_a_voter_that_lost_its_data(config, answer["members"])  # (the leader's list, as of the add)
+    return Joined.from_dict(answer, ledger_id)
 
 
 def _refuse_a_voter_that_lost_its_data(config: NodeConfig, members: list[dict]) -> None:
@@ -111,8 +109,8 @@ JOINED_FILE = "joined.json"
 def keep_join(data_dir: str, joined: Joined) -> None:
     """Keep a join's answer (written whole, then fsynced) until forget_join."""
     path = os.path.join(data_dir, JOINED_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(joined.to_dict(), f)
+    with open(path + ".tmp", "wb") as f:
+        f.write(orjson.dumps(joined.to_dict()))
         f.flush()
         os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
@@ -124,21 +122,18 @@ def kept_join(data_dir: str, joining: bool) -> Joined | None:
     A join cut short before its answer was kept is refused unless this start joins
     (`joining`: --join given): without --join the empty dir would begin a cluster of its own."""
     path = os.path.join(data_dir, JOINED_FILE)
-    if not joining and not os.path.exists(path) and os.path.exists(path + ".tmp"):
-        raise BadRequest(
-            f"a join began in {data_dir} and was cut short before the cluster's answer was kept ({JOINED_FILE}.tmp): "
-            "run the same command with --join URL again (without it, this node would begin a cluster of its own)"
-        )
     try:
-        with open(os.path.join(data_dir, JOINED_FILE)) as f:
-            return Joined.from_dict(json.load(f))
+        with open(path, "rb") as f:
+            return Joined.from_dict(orjson.loads(f.read()))
     except FileNotFoundError:
+        if not joining and os.path.exists(path + ".tmp"):
+            raise BadRequest(
+                f"a join began in {data_dir} and was cut short before the cluster's answer was kept ({JOINED_FILE}.tmp): "
+                "run the same command with --join URL again (without it, this node would begin a cluster of its own)"
+            ) from None
         return None
     except (ValueError, KeyError, TypeError) as e:
-        raise BadRequest(
-            f"{os.path.join(data_dir, JOINED_FILE)} is damaged ({e}): it holds the answer to a join that did not finish; "
-            "remove the data dir and run the join again"
-        ) from None
+        raise BadRequest(f"{path} is damaged ({e}): it holds the answer to a join that did not finish; remove the data dir and run the join again") from None
 
 
 def forget_join(data_dir: str) -> None:
