@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import statistics
+import resource
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,11 @@ async def etcd_cluster(root: str):
 SYSTEMS = {"etcd": etcd_cluster, "ledgerkv": ledgerkv_cluster}
 
 
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 async def one_run(system: str, op: str, clients: int, seconds: float) -> dict:
     root = tempfile.mkdtemp(prefix="kv-etcdapi-")
     try:
@@ -69,13 +75,16 @@ async def one_run(system: str, op: str, clients: int, seconds: float) -> dict:
             if op != "put":  # every key the load reads, outside the measured part
                 subprocess.run([TOOL, "-endpoints", endpoint, "-op", "fill", "-clients", "64"], check=True, capture_output=True)
             before = procs.cpu_seconds()
+            tool_before = _children_cpu()
             r = subprocess.run([TOOL, "-endpoints", endpoint, "-op", op, "-clients", str(clients), "-conns", str(min(clients, 16)), "-seconds", str(seconds)],
                                check=True, capture_output=True, text=True)
             after = procs.cpu_seconds()
+            tool = _children_cpu() - tool_before
         finally:
             procs.stop()
         got = json.loads(r.stdout.strip().splitlines()[-1])
         got["cpu_us_per_op"] = 1e6 * sum(after[i] - before.get(i, 0) for i in after) / max(1, got["ops"])
+        got["client_us_per_op"] = 1e6 * tool / max(1, got["ops"])  # the load tool's share of the same two cores
         return got
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -92,7 +101,7 @@ async def main_async(args) -> None:
                     got = await one_run(system, op, clients, args.seconds)
                     runs[system].append(got)
                     print(f"round {r + 1} {system:9} {op:18} {clients:5} clients  {got['ops_per_s']:9,.0f}/s  cluster {got['cpu_us_per_op']:5.0f} µs/op"
-                          f"  p99 {got['p99_ms']:6.1f} ms  p999 {got['p999_ms']:6.1f} ms  errors {got['errors']}", flush=True)
+                          f"  client {got['client_us_per_op']:4.0f} µs/op  p99 {got['p99_ms']:6.1f} ms  p999 {got['p999_ms']:6.1f} ms  errors {got['errors']}", flush=True)
             base = {k: statistics.median(x[k] for x in runs["etcd"]) for k in ("ops_per_s", "cpu_us_per_op")}
             print(f"\n{op}, {clients} clients, {args.rounds} rounds of {args.seconds:.0f} s; medians, ratios to etcd:")
             for system, rs in runs.items():

@@ -126,6 +126,29 @@ def _serves(node) -> None:
         assert kv.Range(rpc_pb2.RangeRequest(key=b"h2/alive"), timeout=10).kvs[0].value == b"yes"
 
 
+def test_a_put_answer_written_by_hand_is_the_message_protobuf_writes():
+    """wire.Headers.put_response writes a plain put's PutResponse field by field: it must
+    parse as the same message protobuf serializes, for ids, terms and revisions at every
+    varint length (and a term that changes between answers)."""
+    from types import SimpleNamespace
+
+    from kv.v3api import wire
+
+    raft = SimpleNamespace(term=1, applied_index=0)
+    node = SimpleNamespace(sm=SimpleNamespace(cluster_id="c1"), raft=raft, ids=lambda: (14841639068965178418, 1))
+    h = wire.Headers(node)
+    for term in (1, 127, 128, 2**32, 2**64 - 1):
+        raft.term = term
+        for rev in (1, 127, 128, 300, 16_383, 16_384, 2**35, 2**63 - 1):
+            ours = h.put_response(rev)
+            want = rpc_pb2.PutResponse(header=h(rev))
+            assert rpc_pb2.PutResponse.FromString(ours) == want
+            assert ours == want.SerializeToString()
+    node.ids = lambda: (0, 2**63)  # (no cluster id yet: proto3 leaves a zero out)
+    node.sm.cluster_id = "c2"
+    assert h.put_response(5) == rpc_pb2.PutResponse(header=h(5)).SerializeToString()
+
+
 def test_what_is_not_http2_is_answered_and_closed(node):
     # HTTP/1: served by the node's HTTP server, as etcd's client port serves its JSON
     # gateway (MemberList's client URLs are this port's: Patroni sends its calls there)

@@ -455,7 +455,7 @@ class PutsAtOnce:
             # (a task cancelled before its first step never runs: its slot's session is freed here)
             call.task.add_done_callback(lambda _: kv.node.abandon(slot))
         else:
-            call.answer(rpc_pb2.PutResponse(header=kv.header(w.index)))
+            call.answer_encoded(kv.header.put_response(w.index))
 
     async def _resubmitted(self, slot: _PutSlot) -> rpc_pb2.PutResponse:
         kv = self.kv

@@ -154,7 +154,10 @@ class Call:
 
     def answer(self, message) -> None:
         """A unary call's answer, and its status OK."""
-        body = self._body(message)
+        self.answer_encoded(self._body(message))
+
+    def answer_encoded(self, body: bytes) -> None:
+        """answer() with the message already serialized."""
         self.forget_deadline()
         self.answered = True
         self.stream.send_answer(hpack.RESPONSE_HEADERS, _prefix.pack(0, len(body)) + body, _OK_TRAILERS)

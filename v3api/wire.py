@@ -134,6 +134,8 @@ class Headers:
         sm = self.node.sm
         self._ids_of = sm.cluster_id if sm is not None else None
         self.cluster_id, self.member_id = self.node.ids()
+        self._ids_field = _uint_field(1, self.cluster_id) + _uint_field(2, self.member_id)
+        self._term, self._term_field = -1, b""
 
     def __call__(self, revision: int) -> rpc_pb2.ResponseHeader:
         node = self.node
@@ -141,6 +143,20 @@ class Headers:
             self._fresh()
         raft = node.raft
         return rpc_pb2.ResponseHeader(cluster_id=self.cluster_id, member_id=self.member_id, revision=revision, raft_term=raft.term if raft else 0)
+
+    def put_response(self, revision: int) -> bytes:
+        """A plain put's PutResponse, serialized: this header and nothing else. Written
+        here field by field (the ids and the term as they were last encoded) rather than
+        made as a message and serialized, which cost 2.5 µs of the leader's loop a put."""
+        node = self.node
+        if node.sm is not None and node.sm.cluster_id is not self._ids_of:
+            self._fresh()
+        raft = node.raft
+        term = raft.term if raft else 0
+        if term != self._term:
+            self._term, self._term_field = term, _uint_field(4, term)
+        header = self._ids_field + _uint_field(3, revision) + self._term_field
+        return b"\x0a" + _varint(len(header)) + header  # PutResponse.header, field 1
 
     def without_revision(self) -> rpc_pb2.ResponseHeader:
         """The header of etcd's cluster calls: ids and term, no revision."""
@@ -153,6 +169,20 @@ class Headers:
     def now(self) -> rpc_pb2.ResponseHeader:
         raft = self.node.raft
         return self(raft.applied_index if raft else 0)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _uint_field(number: int, value: int) -> bytes:
+    """A varint field of a protobuf message (proto3: a zero is not written)."""
+    return bytes((number << 3,)) + _varint(value) if value else b""
 
 
 def kv_message(kv: cmds.KeyValue, value: bool = True) -> kv_pb2.KeyValue:
