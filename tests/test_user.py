@@ -411,6 +411,11 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         wait_until(lambda: kv_cli("put", "before", "1", "--endpoints", endpoints, "--timeout", "5").returncode == 0, 60, "a write")
         # Not the default ports: it says how to point every command at them.
         assert f"export KV_ENDPOINTS={endpoints}" in up_out.read_text()
+        # ... the Python clients too: kv.Client() without endpoints reads it, as the CLI does.
+        code = "import kv\nwith kv.Client() as c:\n    c.put('from-env', b'3')\n    print(c.get('from-env').value.decode(), c.endpoints[0])"
+        r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ, "KV_ENDPOINTS": endpoints})
+        assert r.returncode == 0 and r.stdout.split() == ["3", endpoints.split(",")[0]], r.stderr[-2000:]
+        assert kv_cli("get", "from-env", "--endpoints", endpoints).stdout == "3"
 
         def pid_of(nid: str) -> int:  # from the table cluster up printed
             return next(int(ln.split()[-1]) for ln in up_out.read_text().splitlines() if ln.strip().startswith(f"{nid} "))

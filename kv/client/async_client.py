@@ -98,7 +98,8 @@ class AsyncClient(AsyncRecipes):
         session, a keepalive) before the next node is asked: a node that hangs (paused,
         stuck, cut off without a reset) costs that, not the whole call. `cacert`: a CA
         certificate (PEM) that https:// endpoints are verified with, in addition to the
-        system's."""
+        system's. `endpoints` left out: $KV_ENDPOINTS if it is set, else the local
+        `kv cluster up` nodes (127.0.0.1:8001-8003), as on the command line."""
         self.endpoints = parse_endpoints(endpoints)
         self._ssl = client_context(cacert)
         for name, value in (("timeout", timeout), ("attempt_timeout", attempt_timeout)):

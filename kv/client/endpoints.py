@@ -5,6 +5,7 @@ reached. kv.AsyncClient and its watch streams share it."""
 from __future__ import annotations
 
 import logging
+import os
 import random
 import socket
 import time
@@ -37,8 +38,13 @@ _ERRORS = {
 
 
 def parse_endpoints(spec: str | Sequence[str] | None) -> list[str]:
+    """A client's endpoints as URLs; None: $KV_ENDPOINTS if it is set (as the CLI reads
+    it: a cluster `kv cluster up --base-port` started elsewhere prints it), else the local
+    `kv cluster up` nodes' defaults."""
     if spec is None:
-        return list(DEFAULT_ENDPOINTS)
+        spec = os.environ.get("KV_ENDPOINTS") or None
+        if spec is None:
+            return list(DEFAULT_ENDPOINTS)
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     out = []
     for e in (x.strip().rstrip("/") for x in items):
