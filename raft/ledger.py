@@ -325,8 +325,10 @@ class Ledger:
         with self._env.begin(write=True) as txn:
             cur = txn.cursor(db=self._db)
             if cur.first():
-                # delete() moves to the next record; past the last one key() is empty.
-                while (key := cur.key()) and _U64.unpack(key)[0] <= index:
+                # delete() moves to the next record; past the last one key() is empty. (Keys
+                # are big-endian: bytes order as their indexes do.)
+                last = _U64.pack(index)
+                while (key := cur.key()) and key <= last:
                     if not cur.delete():
                         break
             self._set_before_begin(txn, index, term)

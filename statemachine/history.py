@@ -168,14 +168,15 @@ def purge(db, start: bytes, below: int, max_records: int) -> tuple[int, bytes]:
     and where the next call starts."""
     wb = db.write_batch()
     n = 0
+    at = len(CHANGES)  # a change record's key ends as its version record's does: (revision, n)
     with db.iterator(start=max(start, CHANGES), stop=change_key(below, 0)) as it:
         for k, v in it:
-            rev, change = _REV_N.unpack_from(k, len(CHANGES))
             wb.delete(k)
-            wb.delete(version_key(v[8:], rev, change))
-            start = k + b"\x00"
+            wb.delete(VERSIONS + escaped(v[8:]) + k[at:])
             n += 1
             if n >= max_records:
                 break
+    if n:
+        start = k + b"\x00"
     wb.write()
     return n, start

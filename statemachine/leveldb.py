@@ -1012,12 +1012,11 @@ class LevelDBStateMachine:
         they are its mod_index and 1) and, unless this batch changed it before, keeps no
         history record (history.py): one record of the three an update writes."""
         k = _DATA + raw
-        touched = k in overlay
         if old is _UNREAD:
             old = self._current(k, overlay)
         if old is None:
             create, version = index, 1
-            if touched:
+            if k in overlay:  # (deleted earlier in this batch)
                 self._keep(raw, index, history.version_value(index, None), wb)
             else:
                 self._list_change(raw, index, wb)
