@@ -83,7 +83,9 @@ async def one_run(system: str, op: str, clients: int, seconds: float) -> dict:
         finally:
             procs.stop()
         got = json.loads(r.stdout.strip().splitlines()[-1])
-        got["cpu_us_per_op"] = 1e6 * sum(after[i] - before.get(i, 0) for i in after) / max(1, got["ops"])
+        nodes = sorted((1e6 * (after[i] - before.get(i, 0)) / max(1, got["ops"]) for i in after), reverse=True)
+        got["cpu_us_per_op"] = sum(nodes)
+        got["nodes_us_per_op"] = nodes  # busiest first: the leader, then the followers
         got["client_us_per_op"] = 1e6 * tool / max(1, got["ops"])  # the load tool's share of the same two cores
         return got
     finally:
@@ -101,13 +103,14 @@ async def main_async(args) -> None:
                     got = await one_run(system, op, clients, args.seconds)
                     runs[system].append(got)
                     print(f"round {r + 1} {system:9} {op:18} {clients:5} clients  {got['ops_per_s']:9,.0f}/s  cluster {got['cpu_us_per_op']:5.0f} µs/op"
-                          f"  client {got['client_us_per_op']:4.0f} µs/op  p99 {got['p99_ms']:6.1f} ms  p999 {got['p999_ms']:6.1f} ms  errors {got['errors']}", flush=True)
+                          f" ({'/'.join(f'{x:.0f}' for x in got['nodes_us_per_op'])})  client {got['client_us_per_op']:4.0f} µs/op  p99 {got['p99_ms']:6.1f} ms  p999 {got['p999_ms']:6.1f} ms  errors {got['errors']}", flush=True)
             base = {k: statistics.median(x[k] for x in runs["etcd"]) for k in ("ops_per_s", "cpu_us_per_op")}
             print(f"\n{op}, {clients} clients, {args.rounds} rounds of {args.seconds:.0f} s; medians, ratios to etcd:")
             for system, rs in runs.items():
                 t = statistics.median(x["ops_per_s"] for x in rs)
                 cpu = statistics.median(x["cpu_us_per_op"] for x in rs)
-                print(f"  {system:9} {t:9,.0f}/s ({t / base['ops_per_s']:.2f}x)  cluster {cpu:5.0f} µs/op ({cpu / base['cpu_us_per_op']:.2f}x)")
+                nodes = "/".join(f"{statistics.median(x['nodes_us_per_op'][k] for x in rs):.0f}" for k in range(len(rs[0]["nodes_us_per_op"])))
+                print(f"  {system:9} {t:9,.0f}/s ({t / base['ops_per_s']:.2f}x)  cluster {cpu:5.0f} µs/op ({cpu / base['cpu_us_per_op']:.2f}x; leader/followers {nodes})")
             print(flush=True)
 
 
