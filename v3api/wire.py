@@ -156,7 +156,7 @@ class Headers:
         if term != self._term:
             self._term, self._term_field = term, _uint_field(4, term)
         header = self._ids_field + _uint_field(3, revision) + self._term_field
-        return b"\x0a" + _varint(len(header)) + header  # PutResponse.header, field 1
+        return b"\x0a" + bytes((len(header),)) + header  # PutResponse.header, field 1 (at most 44 bytes: its length is one)
 
     def without_revision(self) -> rpc_pb2.ResponseHeader:
         """The header of etcd's cluster calls: ids and term, no revision."""
@@ -171,18 +171,16 @@ class Headers:
         return self(raft.applied_index if raft else 0)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def _uint_field(number: int, value: int) -> bytes:
     """A varint field of a protobuf message (proto3: a zero is not written)."""
-    return bytes((number << 3,)) + _varint(value) if value else b""
+    if not value:
+        return b""
+    out = [number << 3]
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def kv_message(kv: cmds.KeyValue, value: bool = True) -> kv_pb2.KeyValue:
