@@ -30,6 +30,9 @@ def run_py(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedPr
     return subprocess.run([PY, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=timeout)
 
 
+KV_BIN = os.path.join(os.path.dirname(PY), "kv")  # the venv's console script
+
+
 def kv_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "kv", *args], capture_output=True, text=True, timeout=timeout)
 
@@ -350,7 +353,11 @@ class _UpRun:
         self.endpoints = ",".join(f"http://127.0.0.1:{self.base + i}" for i in range(3))
         self.out_path = tmp_path / "up.out"
         self._out = open(self.out_path, "w")
-        self.up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", self.d, "--base-port", str(self.base)], stdout=self._out, stderr=subprocess.STDOUT)
+        # As the README runs it: the venv's kv, from a shell where the venv is not activated.
+        self.up = subprocess.Popen(
+            [KV_BIN, "cluster", "up", "--data-dir", self.d, "--base-port", str(self.base)], stdout=self._out, stderr=subprocess.STDOUT,
+            env={**os.environ, "PATH": "/usr/bin:/bin"},
+        )
         self.back: subprocess.Popen | None = None
 
     def text(self) -> str:
@@ -411,6 +418,11 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         wait_until(lambda: kv_cli("put", "before", "1", "--endpoints", endpoints, "--timeout", "5").returncode == 0, 60, "a write")
         # Not the default ports: it says how to point every command at them.
         assert f"export KV_ENDPOINTS={endpoints}" in up_out.read_text()
+        # The commands it suggests run as printed, in a shell where the venv is not active.
+        tried = next(ln for ln in up_out.read_text().splitlines() if "try:  " in ln).split("try:  ", 1)[1]
+        assert tried.startswith(shlex.quote(KV_BIN) + " put hello world"), tried
+        r = subprocess.run(["bash", "-c", tried], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+        assert r.returncode == 0 and r.stdout.startswith("OK index="), (r.stdout, r.stderr)
         # ... the Python clients too: kv.Client() without endpoints reads it, as the CLI does.
         code = "import kv\nwith kv.Client() as c:\n    c.put('from-env', b'3')\n    print(c.get('from-env').value.decode(), c.endpoints[0])"
         r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, env={**os.environ, "KV_ENDPOINTS": endpoints})
@@ -426,7 +438,8 @@ def test_cluster_up_says_how_to_bring_a_dead_node_back_and_that_works(tmp_path):
         # Runnable as printed, in a shell where the venv is not active (the same
         # interpreter `kv cluster up` started the node with; after `env KV_...=...` for the
         # settings it inherited, if any), with -P: not whatever `kv` folder the shell is in.
-        assert command.split(" -P -m kv serve --id n3 ")[0].endswith(shlex.quote(sys.executable))
+        interpreter = shlex.split(command.split(" -P -m kv serve --id n3 ")[0])[-1]
+        assert os.path.realpath(interpreter) == os.path.realpath(sys.executable), command
         assert kv_cli("put", "while-down", "2", "--endpoints", endpoints).returncode == 0
         run.run(command)
         n3_url = f"http://127.0.0.1:{base + 2}"

@@ -79,6 +79,19 @@ class _Output:
     closed = False  # whoever read this command's output went away (kv cluster up | head)
 
 
+def _kv_command() -> str:
+    """How to run kv as this command was run: `kv` when that is what the shell's PATH finds,
+    else the path it was run by (`.venv/bin/kv` from a venv that is not activated, where a
+    bare `kv` is not found), or the interpreter with -m kv."""
+    prog = sys.argv[0]
+    if os.path.basename(prog) != "kv":
+        return f"{shlex.quote(sys.executable)} -m kv"
+    found = shutil.which("kv")
+    if found is not None and os.path.realpath(found) == os.path.realpath(prog):
+        return "kv"
+    return shlex.quote(prog)
+
+
 def _say(msg: str) -> None:
     try:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -170,12 +183,13 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
         print("\n".join(columns(rows, right=(3,), indent="  ")))
         print()
         endpoints = ",".join(n["url"] for n in plan)
-        print(f"  try:  kv put hello world --endpoints {endpoints}")
-        print(f"        kv get hello --endpoints {endpoints}")
-        print(f"        kv status --endpoints {endpoints}")
+        kv = _kv_command()
+        print(f"  try:  {kv} put hello world --endpoints {endpoints}")
+        print(f"        {kv} get hello --endpoints {endpoints}")
+        print(f"        {kv} status --endpoints {endpoints}")
         print(f"        etcdctl --endpoints {','.join(n['grpc'] for n in plan)} get hello")
         if endpoints != (os.environ.get("KV_ENDPOINTS") or ",".join(DEFAULT_ENDPOINTS)):  # where commands without --endpoints go
-            print(f"  or, for every command in a shell:  export KV_ENDPOINTS={endpoints}")
+            print(f"  or, for every command and kv.Client() in a shell:  export KV_ENDPOINTS={endpoints}")
         if os.environ.get("KV_TOKEN") or os.environ.get("KV_TOKENS"):  # the nodes took them from this shell
             print("  tokens are on ($KV_TOKEN / $KV_TOKENS): in another shell, export KV_TOKEN=<a token> first;")
             print("        etcdctl takes one as --user root:<token>")
