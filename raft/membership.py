@@ -25,6 +25,12 @@ def new_ledger_id() -> str:
     return secrets.token_hex(8)
 
 
+def id_order(member_id: str) -> list:
+    """The key members are listed by: their ids with the numbers in them as numbers (n2
+    before n10)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", member_id)]
+
+
 def is_ledger_id(s: object) -> bool:
     return type(s) is str and _LEDGER_ID.fullmatch(s) is not None
 

@@ -57,7 +57,12 @@ def unescaped(esc: bytes) -> bytes:
 
 
 def version_key(raw: bytes, revision: int, n: int) -> bytes:
-    return VERSIONS + escaped(raw) + _REV_N.pack(revision, n)
+    return _version_key(raw, _REV_N.pack(revision, n))
+
+
+def _version_key(raw: bytes, rev_n: bytes) -> bytes:
+    """version_key with (revision, n) packed already: the end of the change's own record key."""
+    return VERSIONS + escaped(raw) + rev_n
 
 
 def version_value(revision: int, prev: KeyValue | None) -> bytes:
@@ -168,11 +173,11 @@ def purge(db, start: bytes, below: int, max_records: int) -> tuple[int, bytes]:
     and where the next call starts."""
     wb = db.write_batch()
     n = 0
-    at = len(CHANGES)  # a change record's key ends as its version record's does: (revision, n)
+    at = len(CHANGES)
     with db.iterator(start=max(start, CHANGES), stop=change_key(below, 0)) as it:
         for k, v in it:
             wb.delete(k)
-            wb.delete(VERSIONS + escaped(v[8:]) + k[at:])
+            wb.delete(_version_key(v[8:], k[at:]))  # (the change record's key ends as its version record's)
             n += 1
             if n >= max_records:
                 break

@@ -10,7 +10,7 @@ import pytest
 from sim import Sim
 
 from kv.raft.errors import ConfigChangeRefused
-from kv.raft.membership import Member
+from kv.raft.membership import Member, id_order
 
 
 def elected(sim: Sim) -> str:
@@ -156,3 +156,8 @@ def test_a_configuration_log_started_from_a_joined_membership_passes_over_older_
     log.append(12, newer)
     assert log.commit(12) and (log.committed, log.committed_index) == (newer, 12)
     assert log.restore(older, 30) and (log.latest, log.index) == (older, 30)
+
+
+def test_members_are_listed_with_the_numbers_in_their_ids_as_numbers():
+    ids = ["n10", "n2", "db-3", "n1", "10", "n2b", "db-12"]
+    assert sorted(ids, key=id_order) == ["10", "db-3", "db-12", "n1", "n2", "n2b", "n10"]

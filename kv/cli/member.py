@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import sys
 
 from .. import errors
+from ..raft.membership import id_order
 from ..client.endpoints import HINT
 from ..common.text import columns
 from .options import client_command, with_client
@@ -50,8 +50,7 @@ async def _every_member(c, rows: list) -> list:
             if p.get("http"):
                 known.setdefault(pid, p["http"].rstrip("/"))
     seen = {st["id"] for st in views}
-    by_id = sorted(known.items(), key=lambda m: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", m[0])])  # n2 before n10
-    extra = [(pid, url) for pid, url in by_id if pid not in seen and url not in asked]
+    extra = [(pid, url) for pid, url in sorted(known.items(), key=lambda m: id_order(m[0])) if pid not in seen and url not in asked]
 
     async def one(pid: str, url: str):
         try:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from ..errors import BadRequest, Conflict, KVError, MemberExists, NotFound, NotLeader, Timeout
 from ..raft.errors import ConfigChangeRefused, TransferInProgress
-from ..raft.membership import Member, Membership, is_ledger_id
+from ..raft.membership import Member, Membership, id_order, is_ledger_id
 from ..raft.messages import Role
 from ..raft.node import NodeStopped, OutcomeUnknown, RaftNode
 from .answers import public_error
@@ -35,7 +35,7 @@ class Members:
         leader = raft.leader_id
         out = []
         membership = raft.committed_membership_at[0] if committed else raft.membership
-        for m in sorted(membership.members.values(), key=lambda m: m.id):
+        for m in sorted(membership.members.values(), key=lambda m: id_order(m.id)):
             d = {"id": m.id, "peer": m.peer_addr, "http": m.http_url or raft.peer_url(m.id), "voter": m.voter}
             if m.id == raft.id:
                 d["http"] = self.config.advertise_url
@@ -122,7 +122,7 @@ class Members:
     async def remove(self, member_id: str, timeout: float | None) -> list[dict]:
         cur = self._leaders("membership changes are made by the leader").membership
         if member_id not in cur:
-            raise NotFound(f"{member_id} is not a member; members: {', '.join(sorted(cur.ids))}")
+            raise NotFound(f"{member_id} is not a member; members: {', '.join(sorted(cur.ids, key=id_order))}")
         if cur.voters == {member_id}:
             raise BadRequest(f"{member_id} is the last voter; add another voter before removing it")
         await self._change(cur.without(member_id), timeout)
@@ -155,7 +155,7 @@ class Members:
             raise public_error(e) from None
         except (OutcomeUnknown, NodeStopped) as e:
             raise public_error(e, written=True, wait=self.config.write_timeout_s, check="list the members (kv member list)") from e
-        log.info("membership changed: %s", ", ".join(f"{m.id}{'' if m.voter else ' (learner)'}" for m in sorted(new.members.values(), key=lambda m: m.id)))
+        log.info("membership changed: %s", ", ".join(f"{m.id}{'' if m.voter else ' (learner)'}" for m in sorted(new.members.values(), key=lambda m: id_order(m.id))))
 
     async def transfer_leadership(self, to: str, timeout: float | None) -> str:
         raft = self._running()
