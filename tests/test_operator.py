@@ -89,6 +89,7 @@ CASES = [
     pytest.param(["snapshot", "save", "x.lkvs", "--endpoints", "http://127.0.0.1:9"], {}, {},
                  "kv snapshot save: http://127.0.0.1:9 did not answer", 1, id="download-unreachable"),
     pytest.param(["put", "k", "v", "--endpoints", "ftp://x", "--timeout", "1"], {}, {}, "kv put: endpoint 'ftp://x' is not a client URL: give http://HOST:PORT or https://HOST:PORT, comma-separated", 1, id="endpoint-scheme"),
+    pytest.param(["get", "k"], {"KV_ENDPOINTS": "127.0.0.1:8001/v1"}, {}, "kv get: $KV_ENDPOINTS='127.0.0.1:8001/v1': endpoint '127.0.0.1:8001/v1' has more", 1, id="endpoint-from-env"),
     pytest.param(["get", "k", "--endpoints", "http://127.0.0.1:80O1"], {}, {}, "kv get: endpoint 'http://127.0.0.1:80O1' is not a client URL", 1, id="endpoint-port"),
     # A path would be put before /v1/kv/...: every request would miss its route, and a
     # key's GET would read as "no such key".

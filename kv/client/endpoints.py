@@ -41,10 +41,20 @@ def parse_endpoints(spec: str | Sequence[str] | None) -> list[str]:
     """A client's endpoints as URLs; None: $KV_ENDPOINTS if it is set (as the CLI reads
     it: a cluster `kv cluster up --base-port` started elsewhere prints it), else the local
     `kv cluster up` nodes' defaults."""
+    env = os.environ.get("KV_ENDPOINTS")
     if spec is None:
-        spec = os.environ.get("KV_ENDPOINTS") or None
+        spec = env or None
         if spec is None:
             return list(DEFAULT_ENDPOINTS)
+    try:
+        return _urls(spec)
+    except errors.BadRequest as e:
+        if spec == env:  # (the CLI's --endpoints defaults to it too)
+            raise errors.BadRequest(f"$KV_ENDPOINTS={env!r}: {e}") from None
+        raise
+
+
+def _urls(spec: str | Sequence[str]) -> list[str]:
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     out = []
     for e in (x.strip().rstrip("/") for x in items):
