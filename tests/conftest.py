@@ -31,9 +31,13 @@ SIM_MODULES = ("test_raft_sim.py", "test_lease_sim.py", "test_membership_sim.py"
 # Also untimed: the benchmarks' smoke runs (they check that reports come out, not figures),
 # the docs (their examples, the site's build), the layout checks (a wheel build) and the
 # crash points (each waits for a failpoint's exit and then for convergence, with bounds of
-# 20-30 s; nothing in them is timed) and the etcd API's watch limits (memory, counts): the
-# timed lane is the run's longer one.
-UNTIMED_MODULES = ("test_bench_smoke.py", "test_docs.py", "test_layout.py", "test_public_api.py", "test_compat_python_etcd3.py", "test_crash_points.py", "test_etcd_watch_limits.py")
+# 20-30 s; nothing in them is timed), the etcd API's watch limits (memory, counts) and the
+# history on a cluster (a paged list, a watch from far behind, compact: waits of 20-60 s):
+# the timed lane is the run's longer one.
+UNTIMED_MODULES = (
+    "test_bench_smoke.py", "test_docs.py", "test_layout.py", "test_public_api.py", "test_compat_python_etcd3.py", "test_crash_points.py",
+    "test_etcd_watch_limits.py", "test_history_cluster.py",
+)
 
 
 def lane(nodeid: str) -> str:

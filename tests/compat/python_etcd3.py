@@ -3,6 +3,7 @@
     .venv/bin/python tests/compat/python_etcd3.py                 # against ledgerkv
     .venv/bin/python tests/compat/python_etcd3.py --against etcd  # against Debian's etcd 3.4
                                                                   # (apt-get install etcd-server)
+    .venv/bin/python tests/compat/python_etcd3.py --prepare       # only make the suite's venv
 
 The suite is `tests/test_etcd3.py` of the sdist of etcd3==0.12.0, run in a venv of its own
 with the versions it was written for (protobuf<=3.20, grpcio<1.60, tenacity 6.1.0,
@@ -149,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", choices=["ledgerkv", "etcd"], default="ledgerkv")
     ap.add_argument("--record", action="store_true", help=f"with --against etcd: write the tests that passed to {os.path.relpath(RECORD, ROOT)}")
+    ap.add_argument("--prepare", action="store_true", help="make the suite's venv (from PyPI) and stop: .ci/run installs it before the tests")
     args = ap.parse_args(argv)
+    if args.prepare:
+        print("python-etcd3's suite: %s" % suite()[1])
+        return 0
     if shutil.which("etcdctl") is None:
         print("etcdctl is not on PATH (Debian: apt-get install etcd-client)", file=sys.stderr)
         return 2
