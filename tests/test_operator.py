@@ -305,6 +305,35 @@ def test_a_node_started_alone_then_with_the_full_peers_is_refused(tmp_path):
         c.close()
 
 
+def test_a_member_restarted_on_another_peer_address_says_where_it_is_dialled_and_the_advice_works(tmp_path):
+    """A follower started again with another address of its own in --peers waited as a
+    pre-candidate for ever, its log saying only that it had no leader: the others dial the
+    address in the membership. It now says so at start, with both ways out, and the first
+    (tell the cluster it moved) brings it back."""
+    c = ProcCluster(str(tmp_path), n=3, proxies=False)
+    try:
+        c.start()
+        follower = next(i for i in c.ids if i != c.leader())
+        c.stop(follower)
+        old, new = c.listen[follower], f"127.0.0.1:{free_port()}"
+        c.listen[follower] = new
+        c.start(follower)
+        line = f"--peers gives its peer address as {new}, but the membership it began with has {old}, where the other members dial it"
+        wait_until(lambda: line in c.log(follower), 20, "the warning")
+        assert f"kv member add {follower} {new} --replace" in c.log(follower) and f"{follower}={old} in --peers" in c.log(follower)
+        r = run_kv("put", "moved/a", "1", "--endpoints", c.endpoints(), "--timeout", "20")
+        assert r.returncode == 0, r.stderr
+        r = run_kv("member", "add", follower, new, "--replace", "--endpoints", c.endpoints(), "--timeout", "20")
+        assert r.returncode == 0, r.stderr
+        wait_until(lambda: c.get(follower, "moved/a", consistency="stale")[1] == b"1", 20, "the moved member to catch up")
+        c.stop(follower)
+        c.start(follower)  # with the address the cluster now has for it: nothing to say
+        wait_until(lambda: c.status(follower)["applied_index"] >= c.status(c.leader())["commit_index"], 20, "the restart to catch up")
+        assert c.log(follower).count("--peers gives its peer address as") == 1
+    finally:
+        c.close()
+
+
 def test_a_listing_piped_into_head_stops_quietly(node):
     """`kv scan p/ | head -1` printed "kv scan: Broken pipe" once head had its line."""
     import kv

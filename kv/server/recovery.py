@@ -69,7 +69,26 @@ class Recovery:
                 )
             if c.peers:
                 bootstrap.check_peers(c.data_dir, c.id, c.peers, membership.ids)
+            self.say_if_moved(membership)
         return self.sm, membership
+
+    def say_if_moved(self, membership: Membership) -> None:
+        """A restart whose --peers gives this member another peer address than the
+        membership it holds: the other members dial the membership's (and their own --peers
+        entry for it), so nothing reaches it, and it waits as a pre-candidate for ever,
+        unless it was moved there with `kv member add ID PEER --replace` while it was down
+        (it learns that once it is reached). It listens where it is told, and says which."""
+        c = self.config
+        me, listen = membership.get(c.id), c.peers.get(c.id)
+        if me is None or not me.peer_addr or not listen or listen == me.peer_addr:
+            return
+        held = f"the membership it holds (as of index {self.sm.membership_index})" if self.sm.membership_index else "the membership it began with"
+        log.warning(
+            "node %s: --peers gives its peer address as %s, but %s has %s, where the other members dial it: nothing "
+            "reaches it there. If it moved, tell the cluster: kv member add %s %s --replace; otherwise start it again "
+            "with %s=%s in --peers",
+            c.id, listen, held, me.peer_addr, c.id, listen, c.id, me.peer_addr,
+        )
 
     def rebuild_state(self, damage: StateCorrupt) -> LevelDBStateMachine:
         """The state machine is damaged: set it aside and start an empty one, which
