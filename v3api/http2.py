@@ -338,6 +338,7 @@ class Connection(asyncio.Protocol):
             self.write(frame(RST_STREAM, 0, sid, struct.pack(">I", REFUSED_STREAM)))
             return
         s = Stream(self, sid, headers)
+        s.remote_done = end  # (before the server sees it: an answer given at once knows whether more comes)
         self.streams[sid] = s
         self.server.open_stream(s)
         if end and not s.closed:

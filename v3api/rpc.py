@@ -323,14 +323,19 @@ class RpcServer:
         path, ctype, encoding, deadline, metadata = head
         if ctype is None or not ctype.startswith("application/grpc"):
             # (curl over TLS, say, offered h2, sending etcd's JSON gateway calls here)
-            s.send_answer(_NOT_GRPC_HEADERS, _NOT_GRPC, b"")  # (empty trailers end it)
+            # Answered once the request has ended, its body dropped (end_received): curl,
+            # answered while it still sent, stopped sending and waited out its timeout.
+            if s.remote_done:
+                _not_grpc(s)
             return
         method = self.methods.get(path)
         if method is None:
             _trailers_only(s, status_block(grpc.StatusCode.UNIMPLEMENTED, unserved(path)))
+            _stop_sending(s)
             return
         if encoding not in (None, "identity"):
             _trailers_only(s, status_block(grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {encoding} is not supported (identity only)"))
+            _stop_sending(s)
             return
         s.call = call = Call(s, method, CallContext(metadata))
         if deadline is not None:
@@ -350,7 +355,8 @@ class RpcServer:
 
     def end_received(self, s: Stream) -> None:
         call = s.call
-        if call is None:
+        if call is None:  # (not a gRPC call, whose body open_stream left to drop)
+            _not_grpc(s)
             return
         if call.queue is not None:
             call.queue.put_nowait(_END)
@@ -447,8 +453,7 @@ class RpcServer:
             call.task.cancel()
         if not call.stream.closed:
             call.finish(code, message)
-            if not call.stream.remote_done:  # answered: the client need not send the rest
-                call.stream.reset(NO_ERROR)
+            _stop_sending(call.stream)
 
     async def _serve(self, call: Call, answer: Callable[[], Awaitable] | None) -> None:
         m, stream = call.method, call.stream
@@ -519,6 +524,17 @@ def _call_head(headers: tuple[tuple[str, str], ...]) -> tuple:
         elif k[:1] != ":" and k not in _NOT_METADATA:
             metadata.append((k, v))
     return path, ctype, encoding, deadline, tuple(metadata)
+
+
+def _stop_sending(s: Stream) -> None:
+    """After an answer that ended the stream while the client still sends its request: it
+    need not send the rest (RST_STREAM NO_ERROR, RFC 9113 8.1)."""
+    if not s.remote_done:
+        s.reset(NO_ERROR)
+
+
+def _not_grpc(s: Stream) -> None:
+    s.send_answer(_NOT_GRPC_HEADERS, _NOT_GRPC, b"")  # (empty trailers end it)
 
 
 def _trailers_only(s: Stream, status: bytes) -> None:
