@@ -9,13 +9,14 @@ import time
 import aiohttp
 from aiohttp import web
 
-from kv import Node, WrongCluster
+from kv import Forbidden, Node, WrongCluster
 from kv.common.tls import client_context
 from kv.server.access import request_forwarded
 
 from . import routes_admin, routes_kv, routes_leases, routes_members, routes_sessions, routes_watch
 from .answer import Answer
 from .auth import ADMIN, OPEN_PATHS, Grant, authorize
+from .cors import PREFLIGHT, Cors
 from .context import CONTEXT, LARGE_ANSWER, HttpContext
 from .errors import run_handler
 from .params import CLUSTER_HEADER
@@ -56,8 +57,13 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
     t0 = time.perf_counter()
     request_forwarded.set(False)  # requests of one keep-alive connection share a task
     want = request.headers.get(CLUSTER_HEADER)
-    if want and c.node.cluster_id and want != c.node.cluster_id:  # (before the token: another cluster's may differ)
-        resp = await run_handler(request, _wrong_cluster(c.node.cluster_id, want))
+    origin = request.headers.get("Origin")  # (a web page's script: http/cors.py)
+    if origin is not None and not c.cors.allows(origin):
+        resp = await run_handler(request, _refuse(Forbidden(c.cors.refusal(origin))))
+    elif origin is not None and request.method == "OPTIONS":  # a listed page's preflight
+        resp = Answer(b"", 204, "text/plain", dict(PREFLIGHT))
+    elif want and c.node.cluster_id and want != c.node.cluster_id:  # (before the token: another cluster's may differ)
+        resp = await run_handler(request, _refuse(_wrong_cluster(c.node.cluster_id, want)))
     elif c.grants and request.path not in OPEN_PATHS and not (c.metrics_public and request.path == "/metrics"):
 
         async def checked(request: web.Request):
@@ -69,6 +75,8 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
         resp = await run_handler(request, handler)
     if want == "" and type(resp) is Answer and c.node.cluster_id:  # asked: which cluster is this?
         resp.headers = {**(resp.headers or {}), CLUSTER_HEADER: c.node.cluster_id}
+    if origin is not None and type(resp) is Answer and c.cors.allows(origin):  # (a stream's: _cors_headers)
+        resp.headers = {**(resp.headers or {}), **c.cors.headers(origin)}
     elapsed = time.perf_counter() - t0
     route = request.match_info.route.name or "unmatched"
     c.node.metrics.observe_http(route, resp.status, elapsed)
@@ -77,15 +85,27 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
     return resp
 
 
-def _wrong_cluster(mine: str, want: str):
+def _refuse(error: Exception):
     async def refuse(request: web.Request):
-        raise WrongCluster(
-            f"this node belongs to cluster {mine}, not to {want[:64]!r}, the one the client reached first: its endpoints mix "
-            "two clusters, or the cluster was made anew or restored since (then make a new client); nothing was done "
-            "here; check the endpoints (--endpoints, $KV_ENDPOINTS)"
-        )
+        raise error
 
     return refuse
+
+
+def _wrong_cluster(mine: str, want: str) -> WrongCluster:
+    return WrongCluster(
+        f"this node belongs to cluster {mine}, not to {want[:64]!r}, the one the client reached first: its endpoints mix "
+        "two clusters, or the cluster was made anew or restored since (then make a new client); nothing was done "
+        "here; check the endpoints (--endpoints, $KV_ENDPOINTS)"
+    )
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """A listed web page's answers that aiohttp writes, a watch's stream among them."""
+    origin = request.headers.get("Origin")
+    cors = request.app[CONTEXT].cors
+    if origin is not None and cors.allows(origin):
+        response.headers.update(cors.headers(origin))
 
 
 def _log_access(request: web.Request, route: str, status: int, elapsed: float) -> None:
@@ -115,12 +135,14 @@ def create_app(
         max_json_bytes=max(4 << 20, 3 * node.config.max_request_bytes),
         access_log=access_log,
         metrics_public=node.config.metrics_public,
+        cors=Cors(node.config.cors),
     )
     app = web.Application(
         middlewares=[middleware],
         client_max_size=node.config.max_value_bytes + (1 << 20),
     )
     app[CONTEXT] = c
+    app.on_response_prepare.append(_cors_headers)
     node.metrics.register(c.samples)  # (made now, so that it counts from the first request on)
     routes_kv.add_routes(app)
     routes_admin.add_routes(app)

@@ -467,6 +467,63 @@ async def test_token_guards_client_routes_but_not_healthz(tmp_path, front):
         await node.stop()
 
 
+EVIL, UI = "http://evil.example", "http://ui.example:3000"
+
+
+@pytest.mark.parametrize("front", FRONTS)
+async def test_a_web_pages_script_is_refused_unless_cors_lists_its_origin(tmp_path, front):
+    """Any web page its user visited could write to a node on localhost without a token: a
+    "simple" cross-origin POST (text/plain, no preflight) reached etcd's JSON gateway, which
+    takes JSON whatever the content type. A request with an Origin the node does not list
+    (--cors) is now refused (403) and changes nothing; a listed page gets etcd's CORS
+    headers, on the fast path's answers, aiohttp's and a watch's stream, and its preflight
+    an answer; clients that send no Origin are served as before."""
+    from kv.v3api.gateway import routes as gateway_routes
+
+    node = Node(NodeConfig(id="n1", data_dir=str(tmp_path / "n1"), cors=f"{UI}/"))
+    await node.start()
+    while node.raft.leader_id is None:
+        await node.raft.leader_changed.wait()
+    client = TestClient(ServedNode(node, front, more_routes=gateway_routes(node, None)))
+    await client.start_server()
+    b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+    put = json.dumps({"key": b64(b"gw/pwned"), "value": b64(b"x")})
+    try:
+        for method, path, body in (("POST", "/v3/kv/put", put), ("POST", "/v3/kv/deleterange", json.dumps({"key": b64(b"\0"), "range_end": b64(b"\0")})),
+                                   ("PUT", "/v1/kv/pwned", "x"), ("POST", "/v1/txn", '{"ops": [{"op": "delete", "key": "kept"}]}'), ("GET", "/v1/kv/kept", None)):
+            if path == "/v1/kv/pwned":
+                assert (await client.put("/v1/kv/kept", data=b"1")).status == 200  # (no Origin: served)
+            r = await client.request(method, path, data=body, headers={"Origin": EVIL, "Content-Type": "text/plain"})
+            assert r.status == 403, (path, r.status)
+            err = (await r.json())["error"]
+            assert err["code"] == "FORBIDDEN" and EVIL in err["message"] and "--cors" in err["message"] and UI in err["message"]
+            assert "Access-Control-Allow-Origin" not in r.headers
+        assert node.sm.get("gw/pwned") is None and node.sm.get("pwned") is None and node.sm.get("kept") is not None
+        r = await client.options("/v3/kv/put", headers={"Origin": UI, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+        assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == UI and "POST" in r.headers["Access-Control-Allow-Methods"]
+        assert "content-type" in r.headers["Access-Control-Allow-Headers"]
+        for method, path, body in (("POST", "/v3/kv/put", put), ("PUT", "/v1/kv/ui", "1"), ("GET", "/v1/kv/ui", None)):
+            r = await client.request(method, path, data=body, headers={"Origin": UI})
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == UI and "ETag" in r.headers["Access-Control-Expose-Headers"], path
+        async with client.get("/v1/watch?prefix=ui", headers={"Origin": UI}) as r:
+            assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == UI
+        assert node.sm.get("gw/pwned") is not None  # (the listed page's put)
+    finally:
+        await client.close()
+        await node.stop()
+
+
+@pytest.mark.parametrize("spec, refused", [("*", ""), ("http://a.example, https://b.example:8443", ""), ("localhost:3000", "localhost:3000"),
+                                           ("http://a.example/app", "http://a.example/app"), ("http://*.example", "http://*.example")])
+def test_cors_takes_origins_or_a_star_and_names_what_is_not_one(tmp_path, spec, refused):
+    if not refused:
+        NodeConfig(id="n1", data_dir=str(tmp_path), cors=spec)
+        return
+    with pytest.raises(kv.BadRequest, match=r"--cors: .* is not an origin") as e:
+        NodeConfig(id="n1", data_dir=str(tmp_path), cors=spec)
+    assert repr(refused) in str(e.value)
+
+
 async def test_openapi_document_matches_the_routes(api):
     spec = await (await api.get("/v1/openapi.json")).json()
     documented = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}

@@ -58,6 +58,7 @@ CASES = [
     pytest.param(SERVE + ["--append-hold-ms", "500"], {}, {},
                  "--append-hold-ms (500, from --append-hold-ms '500') must be at most --heartbeat-ms (100, from the default)", 1, id="flag-hold-relation"),
     pytest.param(SERVE + ["--read-timeout-s", "0"], {}, {}, "--read-timeout-s '0': expected a number of seconds above 0", 1, id="flag-read-timeout"),
+    pytest.param(SERVE + ["--cors", "http://localhost:3000,localhost:8080"], {}, {}, "--cors: 'localhost:8080' is not an origin: give the web pages' scheme://host[:port]", 1, id="flag-cors"),
     pytest.param(SERVE + ["--http", "127.0.0.1:28999", "--peers", "n1=127.0.0.1:28999"], {}, {},
                  "kv serve: --peers n1=127.0.0.1:28999 and --http 127.0.0.1:28999 are the same port: give each its own", 1, id="http-is-peer-port"),
     pytest.param(SERVE + ["--http", "0.0.0.0:28999", "--peers", "n1=127.0.0.1:28999"], {}, {},

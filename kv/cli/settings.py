@@ -165,6 +165,7 @@ SERVE_OPTIONS = [
     Option("--auto-compaction-retention", "auto_compaction_retention", _retention, "the history kept for reads and watches at past revisions: a number of revisions, a time (30m, 1h) or 0 for all until a Compact (default 100000)"),
     Option("--max-sessions", "max_sessions", _integer(1), "client sessions open at once; opening one more closes the least recently used (default 50000)"),
     Option("--metrics-public", "metrics_public", _bool, "serve /metrics without the token (default: it needs the token)"),
+    Option("--cors", "cors", _text, "origins (scheme://host[:port], comma-separated, or *) of the web pages whose scripts may call the client API from a browser; a request from any other page is refused, 403 (default: none; etcd's is *)"),
     Option("--log-level", "log_level", _choice(LOG_LEVELS, str.upper), "DEBUG, INFO, WARNING or ERROR (default INFO)", node=False),
     Option("--log-format", "log_format", _choice(LOG_FORMATS, str.lower), "text or json, one object per line (default text)", node=False),
     Option("--access-log", "access_log", _bool, "log one line per HTTP request (method, route, status, duration)", node=False),

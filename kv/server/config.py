@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..common.origins import parse_origins
 from ..errors import BadRequest
 from .datadir import LEDGER_NAME
 from .compactor import DEFAULT_RETENTION, parse_retention
@@ -100,6 +101,7 @@ class NodeConfig:
     session_ttl_s: float = DEFAULT_SESSION_TTL_S  # a client session unused this long closes (kv/common/sessions.py and kv/server/writes.py)
     max_sessions: int = DEFAULT_MAX_SESSIONS  # open sessions at most; one more evicts the least recently used
     auto_compaction_retention: str = DEFAULT_RETENTION  # history kept: revisions ("100000"), a time ("1h"), or "0": all (compactor.py)
+    cors: str = ""  # origins whose web pages may call the client API ("*": any); none by default (http/cors.py)
 
     def __post_init__(self) -> None:
         self.peers = parse_peers(self.peers)
@@ -109,6 +111,7 @@ class NodeConfig:
             raise BadRequest(f"--peers must list this node ({self.id}) with the address it listens on for peers")
         if self.http:
             check_hostport(self.http, "--http")
+        parse_origins(self.cors)
         if self.heartbeat_ms <= 0 or self.election_timeout_ms < 2 * self.heartbeat_ms:
             raise BadRequest("--election-timeout-ms must be at least twice --heartbeat-ms, and both positive")
         if self.join_timeout_s <= 0:
