@@ -16,7 +16,7 @@ from kv.server.access import request_forwarded
 from . import routes_admin, routes_kv, routes_leases, routes_members, routes_sessions, routes_watch
 from .answer import Answer
 from .auth import ADMIN, OPEN_PATHS, Grant, authorize
-from .cors import PREFLIGHT, Cors
+from .cors import Cors
 from .context import CONTEXT, LARGE_ANSWER, HttpContext
 from .errors import run_handler
 from .params import CLUSTER_HEADER
@@ -61,7 +61,7 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
     if origin is not None and not c.cors.allows(origin):
         resp = await run_handler(request, _refuse(Forbidden(c.cors.refusal(origin))))
     elif origin is not None and request.method == "OPTIONS":  # a listed page's preflight
-        resp = Answer(b"", 204, "text/plain", dict(PREFLIGHT))
+        resp = Answer(b"", 204, "text/plain", c.cors.preflight(request.headers))
     elif want and c.node.cluster_id and want != c.node.cluster_id:  # (before the token: another cluster's may differ)
         resp = await run_handler(request, _refuse(_wrong_cluster(c.node.cluster_id, want)))
     elif c.grants and request.path not in OPEN_PATHS and not (c.metrics_public and request.path == "/metrics"):

@@ -17,7 +17,9 @@ PREFLIGHT = {
     "Access-Control-Allow-Headers": "accept, content-type, authorization, if-match, if-none-match, x-kv-cluster, x-kv-session, x-kv-seq, x-kv-timeout",
     "Access-Control-Max-Age": "600",
 }
-_EXPOSED = "ETag, Retry-After, X-Kv-Cluster, X-Kv-Index, X-Kv-More, X-Snapshot-Index, X-Snapshot-Term"
+_EXPOSED = "ETag, Retry-After, X-Kv-Cluster, X-Kv-Index, X-Kv-More, X-Kv-From, X-Kv-To, X-Snapshot-Index, X-Snapshot-Term"
+# Chrome asks before a public page calls a private address (localhost, 10.x): a listed one may.
+PRIVATE_NETWORK = "Access-Control-Request-Private-Network"
 
 
 class Cors:
@@ -28,12 +30,18 @@ class Cors:
         return "*" in self.origins or origin.lower() in self.origins
 
     def headers(self, origin: str) -> dict[str, str]:
-        """What an answer to a listed origin carries (a preflight's: with PREFLIGHT too)."""
+        """What an answer to a listed origin carries (a preflight's: PREFLIGHT's too)."""
         return {"Access-Control-Allow-Origin": "*" if "*" in self.origins else origin, "Access-Control-Expose-Headers": _EXPOSED, "Vary": "Origin"}
 
     def refusal(self, origin: str) -> str:
-        listed = "lists no web page's origin" if not self.origins else f"lists {', '.join(sorted(self.origins))}"
+        # (not the origins it lists: a stranger's page would learn the admins' host names)
         return (
             f"a request from a web page of {origin[:100]!r} (its Origin header) is refused: a page's script may not use "
-            f"this node unless its --cors lists the page's origin, and it {listed}. Clients that are not browsers send no Origin"
+            "this node unless its --cors lists the page's origin. Clients that are not browsers send no Origin"
         )
+
+    def preflight(self, request_headers) -> dict[str, str]:
+        """The answer's headers to a listed page's preflight (OPTIONS)."""
+        if request_headers.get(PRIVATE_NETWORK) == "true":
+            return {**PREFLIGHT, "Access-Control-Allow-Private-Network": "true"}
+        return dict(PREFLIGHT)

@@ -489,19 +489,21 @@ async def test_a_web_pages_script_is_refused_unless_cors_lists_its_origin(tmp_pa
     b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
     put = json.dumps({"key": b64(b"gw/pwned"), "value": b64(b"x")})
     try:
+        assert (await client.put("/v1/kv/kept", data=b"1")).status == 200  # (no Origin: served)
         for method, path, body in (("POST", "/v3/kv/put", put), ("POST", "/v3/kv/deleterange", json.dumps({"key": b64(b"\0"), "range_end": b64(b"\0")})),
                                    ("PUT", "/v1/kv/pwned", "x"), ("POST", "/v1/txn", '{"ops": [{"op": "delete", "key": "kept"}]}'), ("GET", "/v1/kv/kept", None)):
-            if path == "/v1/kv/pwned":
-                assert (await client.put("/v1/kv/kept", data=b"1")).status == 200  # (no Origin: served)
             r = await client.request(method, path, data=body, headers={"Origin": EVIL, "Content-Type": "text/plain"})
             assert r.status == 403, (path, r.status)
             err = (await r.json())["error"]
-            assert err["code"] == "FORBIDDEN" and EVIL in err["message"] and "--cors" in err["message"] and UI in err["message"]
+            assert err["code"] == "FORBIDDEN" and EVIL in err["message"] and "--cors" in err["message"]
+            assert "ui.example" not in err["message"]  # (the listed origins are not told to a stranger)
             assert "Access-Control-Allow-Origin" not in r.headers
         assert node.sm.get("gw/pwned") is None and node.sm.get("pwned") is None and node.sm.get("kept") is not None
         r = await client.options("/v3/kv/put", headers={"Origin": UI, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
         assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == UI and "POST" in r.headers["Access-Control-Allow-Methods"]
-        assert "content-type" in r.headers["Access-Control-Allow-Headers"]
+        assert "content-type" in r.headers["Access-Control-Allow-Headers"] and "Access-Control-Allow-Private-Network" not in r.headers
+        r = await client.options("/v1/kv/ui", headers={"Origin": UI, "Access-Control-Request-Method": "PUT", "Access-Control-Request-Private-Network": "true"})
+        assert r.status == 204 and r.headers["Access-Control-Allow-Private-Network"] == "true"  # (Chrome: a public page, a node on localhost)
         for method, path, body in (("POST", "/v3/kv/put", put), ("PUT", "/v1/kv/ui", "1"), ("GET", "/v1/kv/ui", None)):
             r = await client.request(method, path, data=body, headers={"Origin": UI})
             assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == UI and "ETag" in r.headers["Access-Control-Expose-Headers"], path
@@ -513,15 +515,26 @@ async def test_a_web_pages_script_is_refused_unless_cors_lists_its_origin(tmp_pa
         await node.stop()
 
 
-@pytest.mark.parametrize("spec, refused", [("*", ""), ("http://a.example, https://b.example:8443", ""), ("localhost:3000", "localhost:3000"),
-                                           ("http://a.example/app", "http://a.example/app"), ("http://*.example", "http://*.example")])
-def test_cors_takes_origins_or_a_star_and_names_what_is_not_one(tmp_path, spec, refused):
-    if not refused:
-        NodeConfig(id="n1", data_dir=str(tmp_path), cors=spec)
-        return
+@pytest.mark.parametrize("spec, refused", [("localhost:3000", "localhost:3000"), ("http://a.example/app", "http://a.example/app"),
+                                           ("http://*.example", "http://*.example"), ("http://user@a.example", "http://user@a.example"),
+                                           ("http://a.example:web", "http://a.example:web"), ("http://bücher.example", "http://bücher.example"), ("null", "null")])
+def test_cors_names_what_is_not_an_origin(tmp_path, spec, refused):
     with pytest.raises(kv.BadRequest, match=r"--cors: .* is not an origin") as e:
         NodeConfig(id="n1", data_dir=str(tmp_path), cors=spec)
     assert repr(refused) in str(e.value)
+    with pytest.raises(kv.BadRequest, match=r"\* \(every page\) stands alone"):
+        NodeConfig(id="n1", data_dir=str(tmp_path), cors="*, http://a.example")
+
+
+def test_cors_origins_are_matched_as_browsers_send_them():
+    from kv.http.cors import Cors
+
+    cors = Cors("HTTP://A.example:80/, https://b.example:443, tauri://localhost, http://[::1]:3000")
+    for sent in ("http://a.example", "http://A.EXAMPLE", "https://b.example", "tauri://localhost", "http://[::1]:3000"):
+        assert cors.allows(sent), sent
+    for sent in ("http://a.example:8080", "https://a.example", "http://b.example", "null", "http://[::1]"):
+        assert not cors.allows(sent), sent
+    assert Cors("*").allows("null") and not Cors("").allows("http://a.example")
 
 
 async def test_openapi_document_matches_the_routes(api):

@@ -231,47 +231,88 @@ def test_etcds_clients_pointed_at_the_http_port_are_served_there(node):
         assert r.read() == b"1"
 
 
-@pytest.mark.parametrize("port", ["grpc", "http"])
-@pytest.mark.parametrize("body", [False, True])
-def test_an_http2_request_that_is_not_a_grpc_call_is_told_what_to_use(node, port, body):
-    """curl over TLS offers h2 and sends etcd's JSON gateway calls over it: 415, with a
-    body that says to use HTTP/1.1 (it was an empty 415; then it named the --http port, which
-    hands HTTP/2 to the gRPC server too, so there it named itself). A request with a body is
-    answered once the body has come: answered while it still sent, curl stopped sending on
-    the error and waited for its timeout (a newcomer's run: 3 times in 6, and 3 in 40 here)."""
-    host, number = getattr(node, port)["n1"].split(":")
-    s = socket.create_connection((host, int(number)), timeout=10)
-    s.settimeout(10)
-    data = b""
+class _Peer:
+    """A raw HTTP/2 client: frames sent as given, and read until one is seen."""
 
-    def frames_until(done) -> list:
-        nonlocal data
+    def __init__(self, address: str, settings: bytes = b"") -> None:
+        host, port = address.split(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.data = b""
+        self.sock.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0, settings))
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.sendall(b"".join(frames))
+
+    def until(self, done) -> list[tuple[int, int, int, bytes]]:
+        """Every frame read so far, once one satisfies done(kind, flags, stream, payload)."""
         while True:
-            frames, pos = [], 0
+            frames, pos, data = [], 0, self.data
             while len(data) - pos >= 9 and len(data) - pos - 9 >= int.from_bytes(data[pos : pos + 3], "big"):
                 n = int.from_bytes(data[pos : pos + 3], "big")
                 frames.append((data[pos + 3], data[pos + 4], int.from_bytes(data[pos + 5 : pos + 9], "big"), data[pos + 9 : pos + 9 + n]))
                 pos += 9 + n
             if any(done(*f) for f in frames):
                 return frames
-            data += s.recv(65536)
+            got = self.sock.recv(65536)
+            assert got, f"the server closed the connection: {frames}"
+            self.data += got
 
+    def barrier(self) -> list:
+        """Every frame the server sent before it took a PING sent now (it takes frames in order)."""
+        self.send(http2.frame(http2.PING, 0, 0, b"12345678"))
+        return self.until(lambda kind, flags, sid, p: kind == http2.PING and flags & http2.ACK)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _ended(kind, flags, sid, payload) -> bool:
+    return flags & http2.END_STREAM and sid == 1 and kind in (http2.DATA, http2.HEADERS)
+
+
+@pytest.mark.parametrize("port", ["grpc", "http"])
+@pytest.mark.parametrize("how", ["head", "body", "no window"])
+def test_an_http2_request_that_is_not_a_grpc_call_is_told_what_to_use(node, port, how):
+    """curl over TLS offers h2 and sends etcd's JSON gateway calls over it: 415, with a
+    body that says to use HTTP/1.1 (it was an empty 415; then it named the --http port, which
+    hands HTTP/2 to the gRPC server too, so there it named itself). A request with a body is
+    answered once the body has come: answered while it still sent, curl stopped sending on
+    the error and waited for its timeout (a newcomer's run: 3 times in 6, and 3 in 40 here).
+    The answer is given once, also when it waits for the client's window."""
+    peer = _Peer(getattr(node, port)["n1"], struct.pack(">HI", 4, 0) if how == "no window" else b"")  # INITIAL_WINDOW_SIZE 0
     block = b"\x83\x86" + hpack.literal(":path", "/v3/kv/range") + hpack.literal("content-type", "application/json")
-    s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + http2.frame(http2.HEADERS, http2.END_HEADERS | (0 if body else http2.END_STREAM), 1, block))
-    if body:
-        # The server takes frames in order: an answer to the head alone would come before
-        # the PING's acknowledgement.
-        s.sendall(http2.frame(http2.PING, 0, 0, b"12345678"))
-        frames = frames_until(lambda kind, flags, sid, p: kind == http2.PING and flags & http2.ACK)
-        assert not [f for f in frames if f[2] == 1], frames
-        s.sendall(http2.frame(http2.DATA, 0, 1, b'{"key": "Zm9v",') + http2.frame(http2.DATA, http2.END_STREAM, 1, b' "limit": 1}'))
-    frames = frames_until(lambda kind, flags, sid, p: flags & http2.END_STREAM and sid == 1 and kind in (http2.DATA, http2.HEADERS))
-    s.close()
-    head = [p for kind, _, sid, p in frames if kind == http2.HEADERS and sid == 1][0]
+    peer.send(http2.frame(http2.HEADERS, http2.END_HEADERS | (http2.END_STREAM if how != "body" else 0), 1, block))
+    if how == "body":
+        assert not [f for f in peer.barrier() if f[2] == 1]  # the head alone is not answered
+        peer.send(http2.frame(http2.DATA, 0, 1, b'{"key": "Zm9v",') + http2.frame(http2.DATA, http2.END_STREAM, 1, b' "limit": 1}'))
+    if how == "no window":
+        peer.barrier()
+        peer.send(http2.frame(http2.WINDOW_UPDATE, 0, 1, struct.pack(">I", 1 << 16)))
+    frames = peer.until(_ended)
+    frames = peer.barrier()
+    peer.close()
+    heads = [p for kind, _, sid, p in frames if kind == http2.HEADERS and sid == 1]
     (answer,) = [p for kind, _, sid, p in frames if kind == http2.DATA and sid == 1]
-    assert (":status", "415") in hpack.Decoder().decode(head) and b"--http1.1" in answer and b"gRPC calls only" in answer
+    assert (":status", "415") in hpack.Decoder().decode(heads[0]) and b"--http1.1" in answer and b"gRPC calls only" in answer
+    assert len(heads) == 2  # the answer's head and its (empty) trailers: one answer
     assert not [f for f in frames if f[0] in (http2.RST_STREAM, http2.GOAWAY)], frames  # the stream ended as streams do
     _serves(node)
+
+
+@pytest.mark.parametrize("still_sending", [True, False])
+def test_a_grpc_call_answered_before_its_request_ended_tells_the_client_to_stop_sending(node, still_sending):
+    """An unknown method is answered at once; a client still sending its request is told
+    it need not (RST_STREAM NO_ERROR, RFC 9113 8.1), one that had ended it is not."""
+    peer = _Peer(node.grpc["n1"])
+    block = b"\x83\x86" + hpack.literal(":path", "/etcdserverpb.KV/Nope") + hpack.literal("content-type", "application/grpc") + hpack.literal("te", "trailers")
+    peer.send(http2.frame(http2.HEADERS, http2.END_HEADERS | (0 if still_sending else http2.END_STREAM), 1, block))
+    peer.until(_ended)
+    frames = peer.barrier()
+    peer.close()
+    (trailers,) = [p for kind, _, sid, p in frames if kind == http2.HEADERS and sid == 1]
+    assert ("grpc-status", "12") in hpack.Decoder().decode(trailers)
+    resets = [struct.unpack(">I", p)[0] for kind, _, sid, p in frames if kind == http2.RST_STREAM and sid == 1]
+    assert resets == ([http2.NO_ERROR] if still_sending else [])
 
 
 def test_more_streams_than_allowed_are_refused_and_the_rest_answered(node):

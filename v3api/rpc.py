@@ -323,10 +323,9 @@ class RpcServer:
         path, ctype, encoding, deadline, metadata = head
         if ctype is None or not ctype.startswith("application/grpc"):
             # (curl over TLS, say, offered h2, sending etcd's JSON gateway calls here)
-            # Answered once the request has ended, its body dropped (end_received): curl,
-            # answered while it still sent, stopped sending and waited out its timeout.
-            if s.remote_done:
-                _not_grpc(s)
+            # Answered once the request has ended (end_received, at once for a head that
+            # ends it), its body dropped: curl, answered while it still sent, stopped
+            # sending on the error and waited out its timeout.
             return
         method = self.methods.get(path)
         if method is None:
@@ -528,8 +527,9 @@ def _call_head(headers: tuple[tuple[str, str], ...]) -> tuple:
 
 def _stop_sending(s: Stream) -> None:
     """After an answer that ended the stream while the client still sends its request: it
-    need not send the rest (RST_STREAM NO_ERROR, RFC 9113 8.1)."""
-    if not s.remote_done:
+    need not send the rest (RST_STREAM NO_ERROR, RFC 9113 8.1). Not while the answer's end
+    waits for the client's window: the reset would drop it."""
+    if s.closed and not s.remote_done:
         s.reset(NO_ERROR)
 
 

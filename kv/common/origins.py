@@ -7,21 +7,29 @@ import re
 
 from ..errors import BadRequest
 
-_ORIGIN = re.compile(r"https?://[^/\s?#,*]+")
+# scheme://host[:port] as a browser serializes an origin: a desktop app's or an extension's
+# scheme too (tauri://localhost); no user, path, query or wildcard
+_ORIGIN = re.compile(r"([a-z][a-z0-9+.-]*)://([^/\s?#,*@:]+|\[[0-9a-f:.]+\])(?::(\d{1,5}))?")
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
 
 
 def parse_origins(text: str) -> frozenset[str]:
-    """Origins (scheme://host[:port]) comma-separated, or * for every page; "": none."""
+    """Origins comma-separated, or * alone for every page; "": none. Each as browsers send
+    it: lower case, without its scheme's default port."""
     items = [o.strip() for o in (text or "").split(",") if o.strip()]
-    if items == ["*"]:
+    if "*" in items:
+        if items != ["*"]:
+            raise BadRequest("--cors: * (every page) stands alone; list origins without it, or give * only")
         return frozenset(items)
     origins = set()
     for o in items:
-        o = o[:-1] if o.endswith("/") else o
-        if not _ORIGIN.fullmatch(o):
+        m = _ORIGIN.fullmatch(o.lower().removesuffix("/"))
+        if m is None or not o.isascii():
             raise BadRequest(
                 f"--cors: {o!r} is not an origin: give the web pages' scheme://host[:port] without a path "
-                "(e.g. http://localhost:3000), several comma-separated, or * for any page"
+                "(e.g. http://localhost:3000; a host name that is not ASCII in its xn-- form), several "
+                "comma-separated, or * for any page"
             )
-        origins.add(o.lower())
+        scheme, host, port = m.groups()
+        origins.add(f"{scheme}://{host}" + (f":{port}" if port and port != _DEFAULT_PORTS.get(scheme) else ""))
     return frozenset(origins)

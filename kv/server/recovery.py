@@ -74,19 +74,19 @@ class Recovery:
 
     def say_if_moved(self, membership: Membership) -> None:
         """A restart whose --peers gives this member another peer address than the
-        membership it holds: the other members dial the membership's (and their own --peers
-        entry for it), so nothing reaches it, and it waits as a pre-candidate for ever,
-        unless it was moved there with `kv member add ID PEER --replace` while it was down
-        (it learns that once it is reached). It listens where it is told, and says which."""
+        membership it holds. Moved there with `kv member add ID PEER --replace` while it was
+        down (cluster.md's way), it is reached there and learns so; otherwise the others
+        dial the old address (and their own --peers entry for it), nothing reaches it, and
+        it waits as a pre-candidate for ever. It listens where it is told, and says which."""
         c = self.config
         me, listen = membership.get(c.id), c.peers.get(c.id)
         if me is None or not me.peer_addr or not listen or listen == me.peer_addr:
             return
         held = f"the membership it holds (as of index {self.sm.membership_index})" if self.sm.membership_index else "the membership it began with"
         log.warning(
-            "node %s: --peers gives its peer address as %s, but %s has %s, where the other members dial it: nothing "
-            "reaches it there. If it moved, tell the cluster: kv member add %s %s --replace; otherwise start it again "
-            "with %s=%s in --peers",
+            "node %s: --peers gives its peer address as %s, but %s has %s. Unless the cluster was told it moved while it was "
+            "down (kv member add %s %s --replace: then the leader reaches it shortly), the other members dial it there and "
+            "nothing reaches it: tell the cluster so now, or start it again with %s=%s in --peers",
             c.id, listen, held, me.peer_addr, c.id, listen, c.id, me.peer_addr,
         )
 
