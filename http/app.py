@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import ssl
 import time
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -16,7 +17,7 @@ from kv.server.access import request_forwarded
 from . import routes_admin, routes_kv, routes_leases, routes_members, routes_sessions, routes_watch
 from .answer import Answer
 from .auth import ADMIN, OPEN_PATHS, Grant, authorize
-from .cors import Cors
+from .cors import Cors, LocalNames
 from .context import CONTEXT, LARGE_ANSWER, HttpContext
 from .errors import run_handler
 from .params import CLUSTER_HEADER
@@ -60,6 +61,8 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
     origin = request.headers.get("Origin")  # (a web page's script: http/cors.py)
     if origin is not None and not c.cors.allows(origin):
         resp = await run_handler(request, _refuse(Forbidden(c.cors.refusal(origin))))
+    elif not c.local_names.allows(host := request.headers.get("Host"), request.remote):
+        resp = await run_handler(request, _refuse(Forbidden(c.local_names.refusal(host))))
     elif origin is not None and request.method == "OPTIONS":  # a listed page's preflight
         resp = Answer(b"", 204, "text/plain", c.cors.preflight(request.headers))
     elif want and c.node.cluster_id and want != c.node.cluster_id:  # (before the token: another cluster's may differ)
@@ -136,6 +139,7 @@ def create_app(
         access_log=access_log,
         metrics_public=node.config.metrics_public,
         cors=Cors(node.config.cors),
+        local_names=LocalNames((urlsplit(node.config.advertise_url).hostname or "",) if node.config.advertise_url else ()),
     )
     app = web.Application(
         middlewares=[middleware],

@@ -12,7 +12,7 @@ from kv import Node, Unavailable
 from kv.server.samples import Sample, counter, gauge
 
 from .auth import Grant
-from .cors import Cors
+from .cors import Cors, LocalNames
 
 
 @dataclass
@@ -23,6 +23,7 @@ class HttpContext:
     access_log: bool = False  # log one line per request (kv serve --access-log)
     metrics_public: bool = False  # /metrics without the token (kv serve --metrics-public)
     cors: Cors = field(default_factory=lambda: Cors(""))  # the web pages whose scripts may call (kv serve --cors)
+    local_names: LocalNames = field(default_factory=LocalNames)  # the Host a request from this machine may name
     session: aiohttp.ClientSession | None = None  # pooled connections to the leader
     watch_streams: set = field(default_factory=set)  # the open watch streams (GET /v1/watch's watches, the etcd gateway's): closed as the server stops
     unread: int = 0  # bytes of answers queued for clients not reading them (http/fastpath.py counts them)

@@ -6,9 +6,18 @@ POST (a text/plain body) without asking first, and etcd's JSON gateway takes JSO
 the content type: any page its user visited could write to, or empty, a node on localhost
 that has no token. So a request with an Origin the node does not list is refused before
 anything runs. A listed one gets the CORS headers etcd's gateway sends (etcd allows every
-origin unless told otherwise; ledgerkv none), and a preflight (OPTIONS) its answer."""
+origin unless told otherwise; ledgerkv none), and a preflight (OPTIONS) its answer.
+
+A page can also rebind its own name to 127.0.0.1 (DNS rebinding): its requests are then
+same-origin, and a GET carries no Origin. They do carry the page's name in Host, a domain
+its site registered, which no client of a node on this machine has reason to send: a
+request from this machine whose Host is such a name is refused too (an address, a name
+without a dot, this machine's own, and the local-only suffixes are not such names)."""
 
 from __future__ import annotations
+
+import ipaddress
+import socket
 
 from kv.common.origins import parse_origins
 
@@ -45,3 +54,52 @@ class Cors:
         if request_headers.get(PRIVATE_NETWORK) == "true":
             return {**PREFLIGHT, "Access-Control-Allow-Private-Network": "true"}
         return dict(PREFLIGHT)
+
+
+# Names no site can register, to rebind (RFC 6761, 6762, 8375; ICANN's .internal)
+_LOCAL_SUFFIXES = (".localhost", ".local", ".internal", ".home.arpa", ".lan")
+
+
+class LocalNames:
+    """Which Host headers a request from this machine may carry: an address, a name without
+    a dot (localhost, this machine's: Debian's hostname is 127.0.1.1), one under a local-only
+    suffix, the advertised host."""
+
+    def __init__(self, more: tuple[str, ...] = ()) -> None:
+        self.names = {socket.gethostname().lower(), *(n.lower() for n in more if n)}  # (no getfqdn: a DNS lookup)
+        self._seen: dict[str, bool] = {}  # Host header -> allowed (clients send one or two)
+
+    def allows(self, host: str | None, remote: str | None) -> bool:
+        if host is None:
+            return True
+        ok = self._seen.get(host)
+        if ok is None:
+            ok = self._name_allowed(host)
+            if len(self._seen) < 256:  # (a stranger's many names are each worked out again)
+                self._seen[host] = ok
+        return ok or not _loopback(remote)
+
+    def _name_allowed(self, host: str) -> bool:
+        name = host[1 : host.find("]")] if host.startswith("[") else host.rpartition(":")[0] if ":" in host else host
+        name = name.lower().rstrip(".")
+        try:
+            ipaddress.ip_address(name)
+            return True
+        except ValueError:
+            return "." not in name or name in self.names or name.endswith(_LOCAL_SUFFIXES)
+
+    @staticmethod
+    def refusal(host: str) -> str:
+        return (
+            f"a request from this machine for the host {host[:100]!r} (its Host header) is refused: a web page whose name "
+            "was made to point here (DNS rebinding) sends such a request. Reach the node as localhost, by its address, "
+            "or by this machine's name"
+        )
+
+
+def _loopback(remote: str | None) -> bool:
+    try:
+        ip = ipaddress.ip_address((remote or "").partition("%")[0])
+    except ValueError:
+        return False  # (none, or a Unix socket's: not served)
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback  # (::ffff:127.0.0.1 on a dual-stack socket)

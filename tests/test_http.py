@@ -515,6 +515,34 @@ async def test_a_web_pages_script_is_refused_unless_cors_lists_its_origin(tmp_pa
         await node.stop()
 
 
+@pytest.mark.parametrize("front", FRONTS)
+async def test_a_request_from_this_machine_for_a_rebound_name_is_refused(tmp_path, front):
+    """DNS rebinding: a page whose name now points to 127.0.0.1 makes same-origin GETs,
+    without an Origin, and could read every key of a node without a token. It sends its
+    own name in Host, a registered domain; a request from this machine naming one is
+    refused, and nothing else a local client sends is."""
+    from kv.http.cors import LocalNames
+
+    node, client = await make_client(tmp_path, front)
+    try:
+        assert (await client.put("/v1/kv/secret", data=b"s")).status == 200
+        for host in ("rebind.example.com:8001", "7f000001.rebind.network", "EVIL.COM."):
+            r = await client.get("/v1/kv/secret", headers={"Host": host})
+            assert r.status == 403, host
+            assert "DNS rebinding" in (await r.json())["error"]["message"]
+            assert (await client.put("/v1/kv/secret", data=b"changed", headers={"Host": host})).status == 403
+        for host in ("localhost:8001", "127.0.0.1", "[::1]:8001", "x", "build-box", "kv.local:8001", "a.localhost", "db.internal"):
+            r = await client.get("/v1/kv/secret", headers={"Host": host})
+            assert r.status == 200 and await r.read() == b"s", host
+    finally:
+        await client.close()
+        await node.stop()
+    names = LocalNames(("kv.example.com",))
+    assert names.allows("kv.example.com:8001", "127.0.0.1")  # (the advertised host)
+    assert names.allows("rebind.example.com", "10.0.0.5") and names.allows("rebind.example.com", None)  # (not from this machine)
+    assert not names.allows("rebind.example.com", "::ffff:127.0.0.1") and not names.allows("rebind.example.com", "::1")
+
+
 @pytest.mark.parametrize("spec, refused", [("localhost:3000", "localhost:3000"), ("http://a.example/app", "http://a.example/app"),
                                            ("http://*.example", "http://*.example"), ("http://user@a.example", "http://user@a.example"),
                                            ("http://a.example:web", "http://a.example:web"), ("http://bücher.example", "http://bücher.example"), ("null", "null")])
