@@ -62,11 +62,13 @@ _LOCAL_SUFFIXES = (".localhost", ".local", ".internal", ".home.arpa", ".lan")
 
 class LocalNames:
     """Which Host headers a request from this machine may carry: an address, a name without
-    a dot (localhost, this machine's: Debian's hostname is 127.0.1.1), one under a local-only
-    suffix, the advertised host."""
+    a dot (localhost, this machine's), one under a local-only suffix, one the hosts file
+    gives a loopback address (Debian's full name for the machine, on 127.0.1.1), the
+    advertised host."""
 
-    def __init__(self, more: tuple[str, ...] = ()) -> None:
-        self.names = {socket.gethostname().lower(), *(n.lower() for n in more if n)}  # (no getfqdn: a DNS lookup)
+    def __init__(self, more: tuple[str, ...] = (), hosts_file: str = "/etc/hosts") -> None:
+        # (not getfqdn: a DNS lookup at start; Debian's own full name is in /etc/hosts, on 127.0.1.1)
+        self.names = {socket.gethostname().lower(), *(n.lower() for n in more if n), *_loopback_names(hosts_file)}
         self._seen: dict[str, bool] = {}  # Host header -> allowed (clients send one or two)
 
     def allows(self, host: str | None, remote: str | None) -> bool:
@@ -95,6 +97,20 @@ class LocalNames:
             "was made to point here (DNS rebinding) sends such a request. Reach the node as localhost, by its address, "
             "or by this machine's name"
         )
+
+
+def _loopback_names(path: str) -> set[str]:
+    """The names a hosts file gives loopback addresses (only root can change it)."""
+    names: set[str] = set()
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.partition("#")[0].split()
+                if len(fields) > 1 and _loopback(fields[0]):
+                    names.update(n.lower().rstrip(".") for n in fields[1:])
+    except OSError:
+        pass
+    return names
 
 
 def _loopback(remote: str | None) -> bool:
