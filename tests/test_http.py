@@ -548,7 +548,8 @@ async def test_a_request_from_this_machine_for_a_rebound_name_is_refused(tmp_pat
 
 @pytest.mark.parametrize("spec, refused", [("localhost:3000", "localhost:3000"), ("http://a.example/app", "http://a.example/app"),
                                            ("http://*.example", "http://*.example"), ("http://user@a.example", "http://user@a.example"),
-                                           ("http://a.example:web", "http://a.example:web"), ("http://bücher.example", "http://bücher.example"), ("null", "null")])
+                                           ("http://a.example:web", "http://a.example:web"), ("http://a.example:99999", "http://a.example:99999"),
+                                           ("http://bücher.example", "http://bücher.example"), ("null", "null")])
 def test_cors_names_what_is_not_an_origin(tmp_path, spec, refused):
     with pytest.raises(kv.BadRequest, match=r"--cors: .* is not an origin") as e:
         NodeConfig(id="n1", data_dir=str(tmp_path), cors=spec)

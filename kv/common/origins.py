@@ -24,7 +24,7 @@ def parse_origins(text: str) -> frozenset[str]:
     origins = set()
     for o in items:
         m = _ORIGIN.fullmatch(o.lower().removesuffix("/"))
-        if m is None or not o.isascii():
+        if m is None or not o.isascii() or m.group(3) and not 0 < int(m.group(3)) < 65536:
             raise BadRequest(
                 f"--cors: {o!r} is not an origin: give the web pages' scheme://host[:port] without a path "
                 "(e.g. http://localhost:3000; a host name that is not ASCII in its xn-- form), several "
