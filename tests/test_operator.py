@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -343,6 +344,39 @@ def test_a_member_restarted_on_another_peer_address_says_where_it_is_dialled_and
         assert c.log(follower).count("Unless the cluster was told it moved while it was down") == 2  # (its own membership was older)
     finally:
         c.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_a_node_listens_on_an_ipv6_address_in_brackets_and_names_it_so(tmp_path):
+    """`--http [::1]:PORT` was refused ("cannot resolve the host"), and `--http ::1:PORT`
+    advertised http://::1:PORT, which etcdctl's --cluster could not reach."""
+    from kv.server.config import NodeConfig, check_hostport
+
+    assert check_hostport("[::1]:7001", "--http") == ("::1", 7001)
+    assert NodeConfig(id="n1", data_dir=str(tmp_path / "c"), http="::1:8001").advertise_url == "http://[::1]:8001"
+    http, grpc = f"[::1]:{free_port()}", f"[::1]:{free_port()}"
+    proc = subprocess.Popen(KV + ["serve", "--id", "n1", "--data-dir", str(tmp_path / "n1"), "--http", http, "--grpc", grpc, "--peers", f"n1=127.0.0.1:{free_port()}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: run_kv("put", "v6", "1", "--endpoints", f"http://{http}", "--timeout", "5").returncode == 0, 30, "a write over IPv6")
+        members = orjson.loads(run_kv("member", "list", "-o", "json", "--endpoints", f"http://{http}").stdout)
+        assert [m["http"] for m in members["members"]] == [f"http://{http}"], members
+        if shutil.which("etcdctl"):
+            r = subprocess.run(["etcdctl", "--endpoints", grpc, "endpoint", "health", "--cluster"], capture_output=True, text=True,
+                               env={**os.environ, "ETCDCTL_API": "3"}, timeout=30)
+            assert r.returncode == 0 and f"http://{grpc} is healthy" in r.stdout + r.stderr, r.stdout + r.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_a_listing_piped_into_head_stops_quietly(node):

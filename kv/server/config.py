@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..common.addresses import split_hostport, url_of
 from ..common.origins import parse_origins
 from ..errors import BadRequest
 from .datadir import LEDGER_NAME
@@ -48,8 +49,8 @@ def hostport_wanted(addr: str, example: str) -> str:
 
 
 def check_hostport(addr: str, what: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if "://" in addr or not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    host, port = split_hostport(addr)
+    if "://" in addr or ":" not in addr or not port.isdigit() or not 0 < int(port) < 65536:
         raise BadRequest(f"bad address {addr!r} for {what}: expected {hostport_wanted(addr, '127.0.0.1:7001')}")
     return host or "127.0.0.1", int(port)
 
@@ -158,7 +159,7 @@ class NodeConfig:
         host, port = check_hostport(self.http, "--http")
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
-        return f"{'https' if self.tls_cert else 'http'}://{host}:{port}"
+        return url_of("https" if self.tls_cert else "http", host, port)
 
     @property
     def ledger_path(self) -> str:

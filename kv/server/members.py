@@ -10,6 +10,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
+from ..common.addresses import split_hostport, url_of
 from ..errors import BadRequest, Conflict, KVError, MemberExists, NotFound, NotLeader, Timeout
 from ..raft.errors import ConfigChangeRefused, TransferInProgress
 from ..raft.membership import Member, Membership, id_order, is_ledger_id
@@ -61,7 +62,7 @@ class Members:
             "ledger_end_index": r.ledger_end_index,
             "snapshot_index": snapshot_index,
             "alarms": alarms,
-            "grpc": f"{'https' if self.config.tls_cert else 'http'}://{self.config.grpc}" if self.config.grpc else "",
+            "grpc": url_of("https" if self.config.tls_cert else "http", *split_hostport(self.config.grpc)) if self.config.grpc else "",
             "peers": {
                 m.id: {
                     "address": m.peer_addr,
