@@ -139,7 +139,7 @@ def create_app(
         access_log=access_log,
         metrics_public=node.config.metrics_public,
         cors=Cors(node.config.cors),
-        local_names=LocalNames((urlsplit(node.config.advertise_url).hostname or "",) if node.config.advertise_url else ()),
+        local_names=LocalNames((urlsplit(node.config.advertise_url).hostname or "",)),
     )
     app = web.Application(
         middlewares=[middleware],

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+from kv.common.addresses import host_of
 from kv.common.origins import parse_origins
 
 PREFLIGHT = {
@@ -82,8 +83,7 @@ class LocalNames:
         return ok or not _loopback(remote)
 
     def _name_allowed(self, host: str) -> bool:
-        name = host[1 : host.find("]")] if host.startswith("[") else host.rpartition(":")[0] if ":" in host else host
-        name = name.lower().rstrip(".")
+        name = host_of(host).lower().rstrip(".")
         try:
             ipaddress.ip_address(name)
             return True

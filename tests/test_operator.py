@@ -379,6 +379,38 @@ def test_a_node_listens_on_an_ipv6_address_in_brackets_and_names_it_so(tmp_path)
         proc.wait(timeout=30)
 
 
+def test_cors_from_the_command_line_lets_the_listed_page_in_and_no_other(tmp_path):
+    """kv serve --cors, as an operator gives it, reaches the node: the listed page's write
+    is answered with its CORS header, another page's is refused and writes nothing, and a
+    client that sends no Origin (the kv CLI) is served as before."""
+    import urllib.error
+    import urllib.request
+
+    http = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(KV + ["serve", "--id", "n1", "--data-dir", str(tmp_path / "n1"), "--http", http, "--peers", f"n1=127.0.0.1:{free_port()}",
+                                  "--cors", "http://ui.example:3000/"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: run_kv("put", "cli", "1", "--endpoints", f"http://{http}", "--timeout", "5").returncode == 0, 30, "the CLI's write")
+
+        def put(key: str, origin: str):
+            req = urllib.request.Request(f"http://{http}/v1/kv/{key}", data=b"x", method="PUT", headers={"Origin": origin, "Content-Type": "text/plain"})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    return r.status, r.headers
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers
+
+        status, headers = put("page", "http://ui.example:3000")
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://ui.example:3000"
+        status, headers = put("evil", "http://evil.example")
+        assert status == 403 and "Access-Control-Allow-Origin" not in headers
+        assert run_kv("get", "evil", "--endpoints", f"http://{http}").returncode != 0  # not written
+        assert run_kv("get", "page", "--endpoints", f"http://{http}").stdout == b"x"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_a_listing_piped_into_head_stops_quietly(node):
     """`kv scan p/ | head -1` printed "kv scan: Broken pipe" once head had its line."""
     import kv

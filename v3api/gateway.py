@@ -20,7 +20,6 @@ import orjson
 from aiohttp import web
 from google.protobuf import json_format
 
-from kv.common.addresses import split_hostport, url_of
 from kv import KVError
 from kv.http.context import ctx
 
@@ -163,7 +162,7 @@ def routes(node, grants, counts: CallCounts | None = None) -> list[web.RouteDef]
     where its calls are counted, shared with the gRPC front)."""
     access = Access(grants, "gateway", counts)
     kv, lease = KVService(node, access), LeaseService(node, access)
-    cluster, maintenance, watch = ClusterService(node, access, node.config.grpc and url_of("http", *split_hostport(node.config.grpc)) or ""), MaintenanceService(node, access), WatchService(node, access)
+    cluster, maintenance, watch = ClusterService(node, access, node.config.grpc_url), MaintenanceService(node, access), WatchService(node, access)
     unary = {
         "kv/range": (kv.Range, rpc_pb2.RangeRequest),
         "kv/put": (kv.Put, rpc_pb2.PutRequest),

@@ -4,8 +4,6 @@ token), over ledgerkv's own HTTP/2 and gRPC framing (v3api/http2.py, v3api/rpc.p
 
 from __future__ import annotations
 
-from kv.common.addresses import url_of
-
 from .access import Access, CallCounts
 from .cluster_service import AuthService, ClusterService, MaintenanceService
 from .kv_service import KVService
@@ -20,8 +18,7 @@ async def serve_grpc(node, host: str, port: int, *, grants=None, tls: tuple[str,
     `tls`: (certificate file, key file), the node's --tls-cert and --tls-key: then the port
     speaks TLS, as the HTTP one does (etcd's clients send credentials only over TLS)."""
     access = Access(grants, "grpc", counts)
-    scheme = "https" if tls else "http"
-    cluster = ClusterService(node, access, url_of(scheme, host, port))
+    cluster = ClusterService(node, access, node.config.grpc_url)  # (host and port are config.grpc's)
     servicers = {
         "KV": KVService(node, access),
         "Watch": WatchService(node, access),

@@ -13,6 +13,13 @@ def split_hostport(addr: str) -> tuple[str, str]:
     return host, port
 
 
+def host_of(hostport: str) -> str:
+    """The host of HOST or HOST:PORT (an HTTP Host header), an IPv6 one without its brackets."""
+    if hostport.startswith("["):
+        return hostport[1 : hostport.find("]")]
+    return split_hostport(hostport)[0] if ":" in hostport else hostport
+
+
 def url_of(scheme: str, host: str, port: int | str) -> str:
     """scheme://host:port, an IPv6 host in brackets."""
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"

@@ -156,7 +156,15 @@ class NodeConfig:
             return self.advertise_http.rstrip("/")
         if not self.http:
             return ""
-        host, port = check_hostport(self.http, "--http")
+        return self._url_of(self.http, "--http")
+
+    @property
+    def grpc_url(self) -> str:
+        """The etcd API's URL, as etcd's MemberList and the status name it ("" when not served)."""
+        return self._url_of(self.grpc, "--grpc") if self.grpc else ""
+
+    def _url_of(self, hostport: str, what: str) -> str:
+        host, port = check_hostport(hostport, what)
         if host in ("0.0.0.0", "::", ""):
             host = "127.0.0.1"
         return url_of("https" if self.tls_cert else "http", host, port)

@@ -10,7 +10,6 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from ..common.addresses import split_hostport, url_of
 from ..errors import BadRequest, Conflict, KVError, MemberExists, NotFound, NotLeader, Timeout
 from ..raft.errors import ConfigChangeRefused, TransferInProgress
 from ..raft.membership import Member, Membership, id_order, is_ledger_id
@@ -62,7 +61,7 @@ class Members:
             "ledger_end_index": r.ledger_end_index,
             "snapshot_index": snapshot_index,
             "alarms": alarms,
-            "grpc": url_of("https" if self.config.tls_cert else "http", *split_hostport(self.config.grpc)) if self.config.grpc else "",
+            "grpc": self.config.grpc_url,
             "peers": {
                 m.id: {
                     "address": m.peer_addr,
