@@ -61,7 +61,7 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
     origin = request.headers.get("Origin")  # (a web page's script: http/cors.py)
     if origin is not None and not c.cors.allows(origin):
         resp = await run_handler(request, _refuse(Forbidden(c.cors.refusal(origin))))
-    elif not c.local_names.allows(host := request.headers.get("Host"), request.remote):
+    elif not c.local_names.allows(host := request.headers.get("Host"), lambda: request.remote):
         resp = await run_handler(request, _refuse(Forbidden(c.local_names.refusal(host))))
     elif origin is not None and request.method == "OPTIONS":  # a listed page's preflight
         resp = Answer(b"", 204, "text/plain", c.cors.preflight(request.headers))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Callable
 
 from kv.common.addresses import host_of
 from kv.common.origins import parse_origins
@@ -72,7 +73,8 @@ class LocalNames:
         self.names = {socket.gethostname().lower(), *(n.lower() for n in more if n), *_loopback_names(hosts_file)}
         self._seen: dict[str, bool] = {}  # Host header -> allowed (clients send one or two)
 
-    def allows(self, host: str | None, remote: str | None) -> bool:
+    def allows(self, host: str | None, remote: Callable[[], str | None]) -> bool:
+        """remote(): the client's address, asked for only when the name is not one of these."""
         if host is None:
             return True
         ok = self._seen.get(host)
@@ -80,7 +82,7 @@ class LocalNames:
             ok = self._name_allowed(host)
             if len(self._seen) < 256:  # (a stranger's many names are each worked out again)
                 self._seen[host] = ok
-        return ok or not _loopback(remote)
+        return ok or not _loopback(remote())
 
     def _name_allowed(self, host: str) -> bool:
         name = host_of(host).lower().rstrip(".")

@@ -540,10 +540,13 @@ async def test_a_request_from_this_machine_for_a_rebound_name_is_refused(tmp_pat
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n127.0.1.1 box.example.com box  # Debian's own name\n10.0.0.5 db.example.com\n")
     names = LocalNames(("kv.example.com",), str(hosts))
-    assert names.allows("kv.example.com:8001", "127.0.0.1")  # (the advertised host)
-    assert names.allows("box.example.com:8001", "127.0.1.1") and not names.allows("db.example.com", "127.0.0.1")
-    assert names.allows("rebind.example.com", "10.0.0.5") and names.allows("rebind.example.com", None)  # (not from this machine)
-    assert not names.allows("rebind.example.com", "::ffff:127.0.0.1") and not names.allows("rebind.example.com", "::1")
+    def at(address):
+        return lambda: address
+
+    assert names.allows("kv.example.com:8001", at("127.0.0.1"))  # (the advertised host)
+    assert names.allows("box.example.com:8001", at("127.0.1.1")) and not names.allows("db.example.com", at("127.0.0.1"))
+    assert names.allows("rebind.example.com", at("10.0.0.5")) and names.allows("rebind.example.com", at(None))  # (not from this machine)
+    assert not names.allows("rebind.example.com", at("::ffff:127.0.0.1")) and not names.allows("rebind.example.com", at("::1"))
 
 
 @pytest.mark.parametrize("spec, refused", [("localhost:3000", "localhost:3000"), ("http://a.example/app", "http://a.example/app"),
