@@ -144,6 +144,13 @@ def _mac(secret: bytes | None, *parts: bytes) -> bytes:
     return hmac.new(secret, b"|".join(parts), hashlib.sha256).digest()
 
 
+def _host_port(addr: str) -> tuple[str, int]:
+    """(host, port) of a peer's HOST:PORT, an IPv6 host given in brackets ([::1]:7001)
+    without them (kv.common.addresses splits client addresses alike; raft/ stands alone)."""
+    host, _, port = addr.rpartition(":")
+    return (host[1:-1] if host.startswith("[") and host.endswith("]") else host), int(port)
+
+
 class _FrameReader:
     """Splits a byte stream into (type, body) frames of at most `max_frame` bytes; the
     limit is checked on the length prefix, before the body is buffered, and may change
@@ -420,11 +427,11 @@ class _Link:
         backoff = Backoff(0.02, 1.0)
         loop = asyncio.get_running_loop()
         while True:
-            host, _, port = self.addr.rpartition(":")
+            host, port = _host_port(self.addr)
             proto: _Outbound | None = None
             try:
                 _, proto = await asyncio.wait_for(
-                    loop.create_connection(lambda: _Outbound(self), host, int(port), **self.t._dial_tls(host)), HANDSHAKE_TIMEOUT
+                    loop.create_connection(lambda: _Outbound(self), host, port, **self.t._dial_tls(host)), HANDSHAKE_TIMEOUT
                 )
                 await asyncio.wait_for(proto.ready, HANDSHAKE_TIMEOUT)
             except (OSError, ConnectionError, asyncio.TimeoutError, ValueError) as e:
@@ -535,10 +542,10 @@ class TcpTransport:
 
     async def start(self, on_message: Callable[[Message], None], on_connected: Callable[[str], None]) -> None:
         self._on_message, self._on_connected = on_message, on_connected
-        host, _, port = self.listen.rpartition(":")
+        host, port = _host_port(self.listen)
         loop = asyncio.get_running_loop()
         tls = {"ssl": self.ssl.server, "ssl_handshake_timeout": HANDSHAKE_TIMEOUT} if self.ssl else {}
-        self._server = await loop.create_server(lambda: _Inbound(self), host or "127.0.0.1", int(port), reuse_address=True, **tls)
+        self._server = await loop.create_server(lambda: _Inbound(self), host or "127.0.0.1", port, reuse_address=True, **tls)
 
     def _dial_tls(self, host: str) -> dict:
         if self.ssl is None:

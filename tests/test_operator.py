@@ -356,27 +356,36 @@ def _ipv6_loopback() -> bool:
 
 
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
-def test_a_node_listens_on_an_ipv6_address_in_brackets_and_names_it_so(tmp_path):
-    """`--http [::1]:PORT` was refused ("cannot resolve the host"), and `--http ::1:PORT`
-    advertised http://::1:PORT, which etcdctl's --cluster could not reach."""
+def test_a_cluster_runs_on_ipv6_addresses_in_brackets_and_names_them_so(tmp_path):
+    """`--http [::1]:PORT` was refused ("cannot resolve the host"), `--http ::1:PORT`
+    advertised http://::1:PORT, which etcdctl's --cluster could not reach, and a peer at
+    `[::1]:PORT` stopped the node ("Name or service not known"). Two members on IPv6
+    only: a write through one is read from the other."""
     from kv.server.config import NodeConfig, check_hostport
 
     assert check_hostport("[::1]:7001", "--http") == ("::1", 7001)
     assert NodeConfig(id="n1", data_dir=str(tmp_path / "c"), http="::1:8001").advertise_url == "http://[::1]:8001"
-    http, grpc = f"[::1]:{free_port()}", f"[::1]:{free_port()}"
-    proc = subprocess.Popen(KV + ["serve", "--id", "n1", "--data-dir", str(tmp_path / "n1"), "--http", http, "--grpc", grpc, "--peers", f"n1=127.0.0.1:{free_port()}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ids = ("n1", "n2")
+    http = {i: f"[::1]:{free_port()}" for i in ids}
+    grpc = {i: f"[::1]:{free_port()}" for i in ids}
+    peers = ",".join(f"{i}=[::1]:{free_port()}" for i in ids)
+    procs = [subprocess.Popen(KV + ["serve", "--id", i, "--data-dir", str(tmp_path / i), "--http", http[i], "--grpc", grpc[i], "--peers", peers],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in ids]
     try:
-        wait_until(lambda: run_kv("put", "v6", "1", "--endpoints", f"http://{http}", "--timeout", "5").returncode == 0, 30, "a write over IPv6")
-        members = orjson.loads(run_kv("member", "list", "-o", "json", "--endpoints", f"http://{http}").stdout)
-        assert [m["http"] for m in members["members"]] == [f"http://{http}"], members
+        wait_until(lambda: run_kv("put", "v6", "1", "--endpoints", f"http://{http['n1']}", "--timeout", "5").returncode == 0, 30, "a write over IPv6")
+        got = run_kv("get", "v6", "--endpoints", f"http://{http['n2']}")
+        assert (got.returncode, got.stdout.strip()) == (0, b"1"), got.stdout + got.stderr
+        members = orjson.loads(run_kv("member", "list", "-o", "json", "--endpoints", f"http://{http['n2']}").stdout)
+        assert sorted(m["http"] for m in members["members"]) == sorted(f"http://{h}" for h in http.values()), members
         if shutil.which("etcdctl"):
-            r = subprocess.run(["etcdctl", "--endpoints", grpc, "endpoint", "health", "--cluster"], capture_output=True, text=True,
+            r = subprocess.run(["etcdctl", "--endpoints", grpc["n1"], "endpoint", "health", "--cluster"], capture_output=True, text=True,
                                env={**os.environ, "ETCDCTL_API": "3"}, timeout=30)
-            assert r.returncode == 0 and f"http://{grpc} is healthy" in r.stdout + r.stderr, r.stdout + r.stderr
+            assert r.returncode == 0 and all(f"http://{g} is healthy" in r.stdout + r.stderr for g in grpc.values()), r.stdout + r.stderr
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
 
 
 def test_cors_from_the_command_line_lets_the_listed_page_in_and_no_other(tmp_path):
