@@ -571,6 +571,7 @@ def test_member_list_status_and_alarms(etcd, cluster):
     assert status.version.startswith("3.4") and status.dbSize > 0 and status.raftTerm >= 1 and status.raftIndex >= 1
     assert status.leader == next(m.ID for m in members if m.name == cluster.leader_id)
     assert list(etcd.maintenance.Alarm(rpc_pb2.AlarmRequest(), timeout=10).alarms) == []
+    put(etcd, b"v3m/hashed", b"1")  # (a store with no key hashes to 0)
     assert etcd.maintenance.HashKV(rpc_pb2.HashKVRequest(), timeout=10).hash != 0
     # a learner added and never started has no name, as in etcd: etcdctl says "unstarted"
     doc = json.dumps({"id": "n9", "peer": f"127.0.0.1:{free_port()}", "http": f"http://127.0.0.1:{free_port()}"}).encode()
