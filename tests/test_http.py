@@ -86,10 +86,14 @@ async def test_put_get_delete_with_etags(api):
     assert r.status == 200 and await r.read() == b"\x00binary\xff" and r.headers["ETag"] == f'"{body["index"]}"'
     r = await api.get("/v1/kv/dir/sub/key%20x?consistency=stale")
     assert r.status == 200
+    r = await api.head("/v1/kv/dir/sub/key%20x")  # (it was 405: HEAD wherever GET)
+    assert (r.status, r.headers["ETag"], r.headers["Content-Length"], await r.read()) == (200, f'"{body["index"]}"', "8", b"")
+    assert (await api.head("/v1/kv?prefix=dir/")).status == 200
     r = await api.delete("/v1/kv/dir/sub/key%20x")
     assert (await r.json())["deleted"] is True
     r = await api.get("/v1/kv/dir/sub/key%20x")
     assert r.status == 404 and (await r.json())["error"]["code"] == "NOT_FOUND"
+    assert (await api.head("/v1/kv/dir/sub/key%20x")).status == 404
 
 
 async def test_conditional_writes(api):
