@@ -36,7 +36,7 @@ SIM_MODULES = ("test_raft_sim.py", "test_lease_sim.py", "test_membership_sim.py"
 # the timed lane is the run's longer one.
 UNTIMED_MODULES = (
     "test_bench_smoke.py", "test_docs.py", "test_layout.py", "test_public_api.py", "test_compat_python_etcd3.py", "test_crash_points.py",
-    "test_etcd_watch_limits.py", "test_history_cluster.py",
+    "test_etcd_watch_limits.py", "test_history_cluster.py", "test_etcd_stm.py",
 )
 
 
