@@ -207,6 +207,34 @@ def test_cluster_up_twice_on_one_dir_refuses_the_second_and_keeps_the_first(tmp_
         out.close()
 
 
+def test_cluster_up_with_a_token_reports_its_leader_and_a_new_one(tmp_path):
+    """With KV_TOKEN set (as docs/etcd.md starts one), `kv cluster up` asked its nodes'
+    /v1/status without it, got 401s, and never reported a leader, not even after the
+    leader was killed."""
+    base = _free_base_port()
+    out_path = tmp_path / "up.out"
+    out = open(out_path, "w")
+    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", str(tmp_path / "kvdata"), "--base-port", str(base)],
+                          stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "KV_TOKEN": "s3cret"})
+
+    def leaders() -> list[str]:
+        return [ln.split("leader: ", 1)[1].split()[0] for ln in out_path.read_text().splitlines() if "] leader: " in ln]
+
+    try:
+        wait_until(lambda: leaders(), 60, "kv cluster up to report a leader")
+        first = leaders()[0]
+        pid = next(int(ln.split()[-1]) for ln in out_path.read_text().splitlines() if ln.strip().startswith(first + " "))
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: any(x != first for x in leaders()), 60, "kv cluster up to report the new leader")
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        out.close()
+
+
 def test_cluster_up_whose_terminal_closes_stops_its_nodes(tmp_path):
     """The terminal running `kv cluster up` closes (SIGHUP): it stops its nodes, as on
     Ctrl-C. It used to die at once, and the nodes (in sessions of their own) ran on, holding

@@ -202,7 +202,8 @@ async def statuses(session, urls: dict[str, str]) -> dict[str, dict]:
     for nid, url in urls.items():
         try:
             async with session.get(url + "/v1/status") as r:
-                seen[nid] = await r.json()
+                if r.status == 200:  # (not a refusal's body: a 401 without the token, say)
+                    seen[nid] = await r.json()
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             pass
     return seen
