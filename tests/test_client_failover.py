@@ -134,6 +134,47 @@ if __name__ == "__main__":
         c.close()
 
 
+def test_a_call_in_flight_when_its_client_is_closed_raises_a_kv_error(tmp_path):
+    """A thread's put waiting for its answer while another thread closes the client raised
+    concurrent.futures.CancelledError, which `except kv.KVError` (the documented catch-all)
+    let through; a call after close() said only "closed"."""
+    c = ProcCluster(str(tmp_path), n=1, proxies=False)
+    try:
+        c.start()
+        code = r"""
+import sys, threading, time
+import kv
+
+c = kv.Client(sys.argv[1], timeout=5)
+caught = []
+
+def writer():
+    try:
+        for i in range(1_000_000):
+            c.put(f"closing/{i}", b"x")
+    except kv.KVError as e:
+        caught.append(e)
+
+t = threading.Thread(target=writer)
+t.start()
+time.sleep(0.5)
+c.close()
+t.join(10)
+assert not t.is_alive() and len(caught) == 1, caught
+# (in flight when close() began, or started between two of them)
+assert type(caught[0]) is kv.Unavailable and any(w in str(caught[0]) for w in ("closed while this call waited", "is closed: make a new one")), repr(caught[0])
+try:
+    c.get("closing/0")
+except kv.Unavailable as e:
+    assert "is closed: make a new one" in str(e), e
+print("ok")
+"""
+        r = subprocess.run([sys.executable, "-c", code, c.url("n1")], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+    finally:
+        c.close()
+
+
 MIXED = r"""
 import json, sys
 import kv

@@ -145,6 +145,4 @@ class Client:
 
 
 def _close_client(lt: LoopThread, client: AsyncClient) -> None:
-    if not lt.closed:
-        lt.call(client.close())
-        lt.close()
+    lt.close(last=client.close)

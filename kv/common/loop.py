@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -33,12 +34,13 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self.closed = False
+        self._closing = False  # set once close() began: the calls it cancels say so
 
     def call(self, coro: Coroutine) -> Any:
         """Run coro on the loop and wait for its result in the calling thread."""
-        if self.closed:
+        if self._closing:
             coro.close()
-            raise Unavailable("closed")
+            raise Unavailable("this client (or kv.open store) is closed: make a new one to go on")
         self.refuse_own_thread(coro)
         running = threading.Lock()  # held while coro runs (a raw lock: an Event costs 4 µs a call)
         running.acquire()
@@ -52,6 +54,13 @@ class LoopThread:
         fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
         try:
             return fut.result()
+        except concurrent.futures.CancelledError:
+            if self._closing:  # (not a KVError: `except kv.KVError` let it through)
+                raise Unavailable(
+                    "the client (or kv.open store) was closed while this call waited for its answer: a write may or may "
+                    "not have been applied; read it back (with a new client) before doing it again"
+                ) from None
+            raise
         except BaseException:  # KeyboardInterrupt while waiting: stop the coroutine too
             if not fut.done():
                 fut.cancel()  # cancels the task on the loop
@@ -95,16 +104,24 @@ class LoopThread:
                     return
         finally:
             aclose = getattr(it, "aclose", None)
-            if aclose is not None and not self.closed:
+            if aclose is not None and not self._closing:
                 self.call(aclose())
 
-    def close(self) -> None:
+    def close(self, last: Callable[[], Coroutine] | None = None) -> None:
+        """Refuse new calls, cancel every task on the loop (a call waiting on one raises
+        Unavailable in its thread), run `last()` (closing what those calls used: were it
+        closed first, a call starting meanwhile met a closed aiohttp session's RuntimeError),
+        then stop the loop."""
         if self.closed:
             return
+        self._closing = True
         # Background tasks left on the loop (a lease's keepalives, say) end here, instead
         # of being destroyed pending when the loop closes.
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(10)
+        if last is not None:
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(last(), self.loop).result(10)
         self.closed = True
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
