@@ -146,3 +146,29 @@ def test_cluster_up_does_not_count_a_node_of_another_cluster_on_a_members_ports(
     assert said.count("n3's address answers as a node of another cluster (id b2, this one's a1): not counted") == 1
     # its own nodes down and strangers in their places: still this cluster's id, not the most common one
     assert sorted(ours.only({"n1": {"cluster_id": "b2"}, "n2": {"cluster_id": "b2"}, "n3": {"cluster_id": "a1"}})) == ["n3"]
+
+
+def test_a_url_of_the_wrong_scheme_is_named_as_such(tmp_path):
+    """http:// to a node serving TLS ended in "Server disconnected", https:// to one that
+    does not in "[SSL: WRONG_VERSION_NUMBER]": neither said to change the scheme."""
+    from kv.bench.harness import free_port
+    from pki import make_pki
+
+    files = make_pki(tmp_path, ["node"])
+    secure, plain = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen([sys.executable, "-m", "kv", "serve", "--id", "n1", "--data-dir", str(tmp_path / name), "--http", http,
+                               "--peers", f"n1=127.0.0.1:{free_port()}", *tls], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for name, http, tls in (("secure", secure, ["--tls-cert", files["node"][0], "--tls-key", files["node"][1]]), ("plain", plain, []))]
+    try:
+        ok = subprocess.run([sys.executable, "-m", "kv", "put", "k", "v", "--endpoints", f"https://{secure}", "--cacert", files["ca"], "--timeout", "30"],
+                            capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0, ok.stderr  # (the TLS node is up)
+        for url, says in ((f"https://{plain}", "no TLS at this address: a node started without --tls-cert serves http://, not https://"),
+                          (f"http://{secure}", "if the node serves TLS (kv serve --tls-cert), its URL is https://")):
+            r = subprocess.run([sys.executable, "-m", "kv", "get", "k", "--endpoints", url, "--timeout", "3"], capture_output=True, text=True, timeout=60)
+            assert r.returncode == 1 and says in r.stderr.splitlines()[-1], r.stderr
+    finally:
+        for n in nodes:
+            n.terminate()
+        for n in nodes:
+            n.wait(timeout=30)

@@ -260,7 +260,7 @@ class AsyncClient(AsyncRecipes):
                     ) from reached
                 if told is not None:
                     raise told
-                hint = unreachable_hint(last)
+                hint = unreachable_hint(last, ep)
                 if endpoint is not None:  # one node asked for (kv status asks each)
                     raise errors.Unavailable(f"{endpoint} did not answer ({tries} tries): {describe(last)}{hint}")
                 raise errors.Unavailable(f"no endpoint answered in {self.timeout:g}s ({', '.join(self.endpoints)}): {describe(last)}{hint}")

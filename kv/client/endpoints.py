@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import socket
+import ssl
 import time
 from collections.abc import Sequence
 from urllib.parse import quote, urlencode, urlsplit
@@ -146,6 +147,8 @@ def why_unreachable(e: Exception | None) -> str | None:
         # plain OSError inside aiohttp's DNS error (aiohttp 3.10 and later).
         if isinstance(e.os_error, socket.gaierror) or isinstance(e, _DNS_ERROR):
             return "the host name does not resolve"
+        if isinstance(e.os_error, ssl.SSLError) and "WRONG_VERSION_NUMBER" in str(e.os_error):
+            return "no TLS at this address"
     return None
 
 
@@ -197,7 +200,8 @@ class Unreachable:
             )
 
 
-_ASK = {"connection refused": NOTHING_LISTENS, "the host name does not resolve": NO_SUCH_HOST}  # what to check, by why_unreachable()
+NOT_TLS = "a node started without --tls-cert serves http://, not https://"
+_ASK = {"connection refused": NOTHING_LISTENS, "the host name does not resolve": NO_SUCH_HOST, "no TLS at this address": NOT_TLS}  # what to check, by why_unreachable()
 
 
 TIMEOUT_HEADER = "X-Kv-Timeout"  # the seconds this client waits for an answer (http/errors.py)
@@ -217,9 +221,14 @@ def margin(left: float) -> float:
 HINT = " — "  # between what failed and what to check (kv status shows only the first part)
 
 
-def unreachable_hint(e: Exception | None) -> str:
+def unreachable_hint(e: Exception | None, endpoint: str = "") -> str:
     why = why_unreachable(e)
-    return f"{HINT}{why}: {_ASK[why]}" if why else ""
+    if why:
+        return f"{HINT}{why}: {_ASK[why]}"
+    if isinstance(e, aiohttp.ServerDisconnectedError) and endpoint.startswith("http://"):
+        # (what a TLS server does with plain HTTP; a node restarting does it too, briefly)
+        return f"{HINT}if the node serves TLS (kv serve --tls-cert), its URL is https://"
+    return ""
 
 
 def none_answered(what: str, answers) -> str:

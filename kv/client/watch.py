@@ -121,7 +121,7 @@ async def watch(
                     last_error = last_error or f"{ep} closed the stream"
             unreachable.saw(ep, None, eps)
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
-            last_error = f"{ep}: {describe(e)}{unreachable_hint(e)}"
+            last_error = f"{ep}: {describe(e)}{unreachable_hint(e, ep)}"
             unreachable.saw(ep, e, eps)
         if len(compacted) >= len(eps):
             raise errors.Compacted(
