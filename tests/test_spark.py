@@ -88,7 +88,7 @@ def test_bad_column_types_and_rows_are_refused(spark, cluster):
     with pytest.raises(BadRequest, match="no column 'k'"):
         kvspark.write(nums, endpoints(cluster), key_col="k")
     nulls = spark.createDataFrame([("a", "1"), (None, "2")], "key string, value string")
-    with pytest.raises(BadRequest, match="1 rows have a null key"):
+    with pytest.raises(BadRequest, match="1 row with a null key"):
         kvspark.write(nulls, endpoints(cluster))
 
 

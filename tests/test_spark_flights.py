@@ -140,17 +140,17 @@ def test_bad_rows_are_refused_before_anything_is_written(spark, cluster, flights
     with pytest.raises(BadRequest) as e:
         kvspark.write(df, endpoints(cluster), max_value_bytes=1000)
     msg = str(e.value)
-    assert msg.startswith("refused before writing anything (5003 rows checked)")
-    assert "1 rows have a null key" in msg and "1 rows have a null value; e.g. 'bad/x'" in msg
-    assert "1 keys occur more than once (1 extra rows); e.g. 'bad/dup' ×2" in msg and "--on-duplicate last" in msg
-    assert "1 values are larger than the cluster's limit of 1000 bytes" in msg and "'bad/big' (2000 bytes)" in msg
+    assert msg.startswith("refused before writing anything (5,003 rows checked)")
+    assert "1 row with a null key;" in msg and "1 row with a null value (e.g. 'bad/x');" in msg
+    assert "1 key occurring more than once (1 extra row, e.g. 'bad/dup' ×2)" in msg and "--on-duplicate last" in msg
+    assert "1 value larger than the cluster's limit of 1000 bytes" in msg and "'bad/big': 2000 bytes" in msg
     assert len(msg.splitlines()) == 5
     assert log_end(cluster) == before and cluster.get(cluster.ids[0], "bad/1")[0] == 404
 
 
 def test_duplicates_keep_the_last_row_when_asked(spark, cluster):
     df = spark.createDataFrame([(f"dup/{i % 32}", f"v{i}") for i in range(10_000)], "key string, value string").repartition(3)
-    with pytest.raises(BadRequest, match="32 keys occur more than once"):
+    with pytest.raises(BadRequest, match="32 keys occurring more than once"):
         kvspark.write(df, endpoints(cluster))
     ordered = spark.createDataFrame([(f"dup/{i % 32}", f"v{i}") for i in range(10_000)], "key string, value string").coalesce(1)
     report = kvspark.write(ordered, endpoints(cluster), on_duplicate="last")

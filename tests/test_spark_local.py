@@ -176,7 +176,10 @@ def test_a_small_import_refuses_and_keeps_the_last_row_as_through_spark(cluster,
     dup.write_text("key,value\nd/1,first\nd/2,x\nd/1,second\nd/3,\n")
     r = kv_import(str(dup), "--endpoints", eps)
     assert r.returncode != 0 and "refused before writing anything (4 rows checked)" in r.stderr, r.stderr[-2000:]
-    assert "1 keys occur more than once" in r.stderr and "1 rows have a null value" in r.stderr
+    assert "1 row with a null value (e.g. 'd/3');" in r.stderr and "1 key occurring more than once (1 extra row, e.g. 'd/1' ×2)" in r.stderr
+    # without --debug, one line: the problems parted by ";" (they ran together once the CLI made one line of them)
+    plain = subprocess.run([sys.executable, "-m", "kv", "spark", "import", str(dup), "--endpoints", eps], capture_output=True, text=True, timeout=300)
+    assert "checked): 1 row with a null value (e.g. 'd/3'); 1 key occurring more than once (1 extra row, e.g. 'd/1' ×2)" in plain.stderr.splitlines()[-1], plain.stderr
     assert cluster.get(cluster.ids[0], "d/2")[0] == 404  # nothing written
     dup.write_text("key,value\nd/1,first\nd/2,x\nd/1,second\nd/1,third\n")
     r = kv_import(str(dup), "--endpoints", eps, "--on-duplicate", "last")

@@ -162,8 +162,8 @@ class Recovery:
         ledger.write([LedgerWrite(entries_from=last + 1, entries=[Entry(last + 1, ledger.term(last), EntryKind.CONFIG, alone.encode())])])
         log.warning(
             "node %s: --force-new-cluster: now the only member of a new one-member cluster, with its data up to index "
-            "%d (members before: %s). Add the others back from empty data dirs (kv serve --join, or kv member add), "
-            "and restart this node without the flag",
+            "%d (members before: %s). Restart this node without the flag, then add the others back from empty data "
+            "dirs with kv serve --join <this node's URL> (docs/cluster.md, \"A majority lost for good\")",
             c.id, last, ", ".join(sorted(old.ids)) or "none",
         )
 

@@ -173,35 +173,41 @@ class Checked:
         self.big_examples = (self.big_examples + o.big_examples)[:3]
 
     def refuse_if_wrong(self, limit: int, on_duplicate: str) -> None:
-        """BadRequest listing the problems, if any: nothing may be written then."""
+        """BadRequest listing the problems, if any: nothing may be written then. (A line
+        each, ended by ";": the CLI prints it as one line, where the ";" still part them.)"""
         problems = self.problems(limit, on_duplicate)
         if problems:
-            raise BadRequest(f"refused before writing anything ({self.rows} rows checked):\n  " + "\n  ".join(problems))
+            raise BadRequest(f"refused before writing anything ({_count(self.rows, 'row')} checked):\n  " + ";\n  ".join(problems))
 
     def problems(self, limit: int, on_duplicate: str) -> list[str]:
         def eg(items) -> str:
-            return "; e.g. " + ", ".join(items) if items else ""
+            items = list(items)
+            return ", e.g. " + ", ".join(items) if items else ""
 
         out = []
         if self.null_keys:
-            out.append(f"{self.null_keys} rows have a null key")
+            out.append(f"{_count(self.null_keys, 'row')} with a null key")
         if self.empty_keys:
-            out.append(f"{self.empty_keys} rows have an empty key")
+            out.append(f"{_count(self.empty_keys, 'row')} with an empty key")
         if self.reserved_keys:
-            out.append(f"{self.reserved_keys} keys start with a NUL character, which is reserved for ledgerkv's own records")
+            out.append(f"{_count(self.reserved_keys, 'key')} starting with a NUL character, which is reserved for ledgerkv's own records")
         if self.long_keys:
-            out.append(f"{self.long_keys} keys are longer than {MAX_KEY_BYTES} bytes (the limit)")
+            out.append(f"{_count(self.long_keys, 'key')} longer than {MAX_KEY_BYTES} bytes (the limit)")
         if self.null_value_count:
-            out.append(f"{self.null_value_count} rows have a null value" + eg(repr(k) for k in self.null_values))
+            out.append(f"{_count(self.null_value_count, 'row')} with a null value" + (f" ({eg(map(repr, self.null_values))[2:]})" if self.null_values else ""))
         if self.dup_keys and on_duplicate == "refuse":
             out.append(
-                f"{self.dup_keys} keys occur more than once ({self.dup_rows} extra rows)"
+                f"{_count(self.dup_keys, 'key')} occurring more than once ({_count(self.dup_rows, 'extra row')}"
                 + eg(f"{k!r} ×{n}" for k, n in self.dup_examples)
-                + " — make the keys unique (--key-expr; key_expr= from Python), or keep the last row of each with --on-duplicate last (on_duplicate=\"last\")"
+                + ") — make the keys unique (--key-expr; key_expr= from Python), or keep the last row of each with --on-duplicate last (on_duplicate=\"last\")"
             )
         if self.big:
-            out.append(f"{self.big} values are larger than the cluster's limit of {limit} bytes (--max-value-bytes)" + eg(f"{k!r} ({n} bytes)" for k, n in self.big_examples))
+            out.append(f"{_count(self.big, 'value')} larger than the cluster's limit of {limit} bytes (--max-value-bytes{eg(f'{k!r}: {n} bytes' for k, n in self.big_examples)})")
         return out
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n:,} {thing}" if n == 1 else f"{n:,} {thing}s"
 
 
 def check_task(batches, limit: int):
