@@ -57,6 +57,9 @@ def test_help_and_errors_from_the_real_command():
     assert r.returncode == 1 and "needs --id" in r.stderr
     r = subprocess.run(kv + ["get", "k", "--endpoints", "http://127.0.0.1:9", "--timeout", "0.5"], capture_output=True, text=True)
     assert r.returncode == 1 and "no endpoint answered" in r.stderr
+    # a write whose session could not be opened was never sent (it said only "...: TimeoutError")
+    r = subprocess.run(kv + ["put", "k", "v", "--endpoints", "http://127.0.0.1:9", "--timeout", "0.5"], capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("kv put: the write was not sent: opening its session failed: no endpoint answered"), r.stderr
 
 
 @pytest.mark.parametrize(

@@ -300,7 +300,10 @@ class AsyncClient(AsyncRecipes):
 
     async def _open_session(self, deadline: float) -> int:
         # An opening sent twice leaves an unused session behind, which expires: safe to resend.
-        return (await self._json("POST", "/v1/sessions", idempotent=True, deadline=deadline))["id"]
+        try:
+            return (await self._json("POST", "/v1/sessions", idempotent=True, deadline=deadline))["id"]
+        except errors.Unavailable as e:  # (the write itself was not sent: say so, not only "TimeoutError")
+            raise errors.Unavailable(f"the write was not sent: opening its session failed: {e}") from e
 
     # -- the store API ---------------------------------------------------------------------
 
