@@ -204,6 +204,7 @@ def test_cluster_up_twice_on_one_dir_refuses_the_second_and_keeps_the_first(tmp_
         if first.poll() is None:
             first.kill()
             first.wait()
+        _kill_nodes_of(d)
         out.close()
 
 
@@ -212,9 +213,10 @@ def test_cluster_up_with_a_token_reports_its_leader_and_a_new_one(tmp_path):
     /v1/status without it, got 401s, and never reported a leader, not even after the
     leader was killed."""
     base = _free_base_port()
+    d = str(tmp_path / "kvdata")
     out_path = tmp_path / "up.out"
     out = open(out_path, "w")
-    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", str(tmp_path / "kvdata"), "--base-port", str(base)],
+    up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(base)],
                           stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "KV_TOKEN": "s3cret"})
 
     def leaders() -> list[str]:
@@ -226,13 +228,16 @@ def test_cluster_up_with_a_token_reports_its_leader_and_a_new_one(tmp_path):
         pid = next(int(ln.split()[-1]) for ln in out_path.read_text().splitlines() if ln.strip().startswith(first + " "))
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: any(x != first for x in leaders()), 60, "kv cluster up to report the new leader")
-        up.send_signal(signal.SIGINT)
-        up.wait(30)
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        out.close()
+        up.send_signal(signal.SIGINT)  # (it stops its nodes; killed, it would leave them running)
+        try:
+            up.wait(30)
+        finally:
+            if up.poll() is None:
+                up.kill()
+                up.wait()
+            _kill_nodes_of(d)
+            out.close()
 
 
 def test_cluster_up_whose_terminal_closes_stops_its_nodes(tmp_path):
@@ -266,7 +271,15 @@ def test_cluster_up_whose_terminal_closes_stops_its_nodes(tmp_path):
         if up.poll() is None:
             up.kill()
             up.wait()
+        _kill_nodes_of(d)
         out.close()
+
+
+def _kill_nodes_of(d: str) -> None:
+    """kill -9 what still runs on data dir d: the nodes of a `kv cluster up` that was
+    killed (they run in sessions of their own) when a test failed before stopping it."""
+    for pid in _processes_naming(d):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _processes_naming(text: str) -> list[int]:
@@ -293,8 +306,7 @@ def _piped_cluster_up(d: str, nodes: int):
         if up.poll() is None:
             up.kill()
             up.wait()
-        for pid in _processes_naming(d):
-            os.kill(pid, signal.SIGKILL)
+        _kill_nodes_of(d)
 
 
 def test_cluster_up_whose_output_pipe_closes_stops_its_nodes(tmp_path):
