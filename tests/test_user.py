@@ -264,7 +264,7 @@ def test_cluster_up_whose_terminal_closes_stops_its_nodes(tmp_path):
         assert "starting" not in moved.stdout
         up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d], stdout=out, stderr=subprocess.STDOUT)
         wait_until(lambda: kv_cli("get", "hello", "--endpoints", endpoints, "--timeout", "5").stdout.strip() == "world", 60, "the same cluster back on its ports")
-        assert (tmp_path / "up.out").read_text().count(f"with the data of an earlier run (n1, n2, n3): delete {d} first") == 1  # (the second run only)
+        assert (tmp_path / "up.out").read_text().count(f"with the data of an earlier run or a restore (n1, n2, n3), kept; to start an empty cluster instead, stop this and delete {d} first") == 1  # (the second run only)
         up.send_signal(signal.SIGINT)
         assert up.wait(30) == 0
     finally:

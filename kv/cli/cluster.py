@@ -167,7 +167,8 @@ async def _run(plan: list[dict], data_dir: str, extra: list[str]) -> int:
     kept = [n["id"] for n in plan if holds_a_node(os.path.join(data_dir, n["id"]))]
     _say(f"starting {nodes} node{'s' if nodes != 1 else ''} under {os.path.abspath(data_dir)} (logs: <node>/serve.log)")
     if kept:  # (a newcomer took a data dir left from an earlier run for a new cluster)
-        _say(f"  with the data of an earlier run ({', '.join(kept)}): delete {os.path.abspath(data_dir)} first to start afresh")
+        _say(f"  with the data of an earlier run or a restore ({', '.join(kept)}), kept; to start an empty cluster instead, "
+             f"stop this and delete {os.path.abspath(data_dir)} first")
     code = 0
     try:  # (from the first node started: whatever breaks, from a closed stdout up, stops them)
         for n in plan:
