@@ -21,6 +21,7 @@ from .cors import Cors, LocalNames
 from .context import CONTEXT, LARGE_ANSWER, HttpContext
 from .errors import run_handler
 from .params import CLUSTER_HEADER
+from .query import unknown_query
 from .fastpath import FastFront
 from .listener import CappedSite
 
@@ -67,6 +68,8 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
         resp = Answer(b"", 204, "text/plain", c.cors.preflight(request.headers))
     elif want and c.node.cluster_id and want != c.node.cluster_id:  # (before the token: another cluster's may differ)
         resp = await run_handler(request, _refuse(_wrong_cluster(c.node.cluster_id, want)))
+    elif request.query and (bad := unknown_query(request.match_info.route.name, request.method, request.path, request.query)) is not None:
+        resp = await run_handler(request, _refuse(bad))
     elif c.grants and request.path not in OPEN_PATHS and not (c.metrics_public and request.path == "/metrics"):
 
         async def checked(request: web.Request):

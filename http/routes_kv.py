@@ -291,4 +291,4 @@ def add_routes(app: web.Application) -> None:
     for method, path, handler, name in ROUTES:
         app.router.add_route(method, path, handler, name=name)
         if method == "GET":  # HEAD wherever GET (RFC 9110 9.3.2): the same headers, no body (aiohttp drops it)
-            app.router.add_route("HEAD", path, handler)
+            app.router.add_route("HEAD", path, handler, name=name)  # (the GET's resource: named alike, counted alike)

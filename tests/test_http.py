@@ -96,6 +96,23 @@ async def test_put_get_delete_with_etags(api):
     assert (await api.head("/v1/kv/dir/sub/key%20x")).status == 404
 
 
+async def test_a_query_parameter_no_route_takes_is_refused_and_nothing_is_done(api):
+    """A mistyped parameter was ignored: GET /v1/kv?prefx=a/ listed every key, and a put with
+    ?leas=N wrote the key without its lease (to live for ever). Each key route and the watch
+    take the parameters /v1/openapi.json gives them, and refuse any other."""
+    assert (await api.put("/v1/kv/qa/1", data=b"1")).status == 200
+    assert (await api.put("/v1/kv/qb/1", data=b"1")).status == 200
+    for method, path, typo in (("GET", "/v1/kv?prefx=qa/", "prefx"), ("GET", "/v1/kv/qa/1?consistancy=stale", "consistancy"),
+                               ("PUT", "/v1/kv/qa/2?leas=7", "leas"), ("DELETE", "/v1/kv?prefix=qa/&limt=1", "limt"),
+                               ("DELETE", "/v1/kv/qa/1?if_match=3", "if_match"), ("GET", "/v1/watch?prefix=qa/&frm=1", "frm")):
+        r = await api.request(method, path, data=b"2" if method == "PUT" else None)
+        body = await r.json()
+        assert r.status == 400 and f"takes no query parameter '{typo}'" in body["error"]["message"], (method, path, body)
+    r = await api.get("/v1/kv?prefix=q")
+    assert [i["key"] for i in (await r.json())["items"]] == ["qa/1", "qb/1"]  # nothing written or deleted
+    assert (await api.get("/v1/kv?prefix=qa/&limit=5&consistency=stale")).status == 200  # the ones it takes
+
+
 async def test_conditional_writes(api):
     r = await api.put("/v1/kv/c", data=b"1", headers={"If-None-Match": "*"})
     assert r.status == 200
