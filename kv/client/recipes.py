@@ -202,7 +202,7 @@ class Lease:
         return self._lease.lost
 
     def revoke(self) -> None:
-        if not self._lt.closed:
+        if not self._lt.closing:
             self._lt.call(self._lease.revoke())
 
     def __enter__(self) -> Lease:
@@ -478,7 +478,7 @@ class Lock:
         return self
 
     def release(self) -> None:
-        if not self._lt.closed:
+        if not self._lt.closing:
             self._lt.call(self._lock.release())
 
     def __enter__(self) -> Lock:
@@ -523,7 +523,7 @@ class Election:
         return self._lt.iterate(self._e.observe())
 
     def resign(self) -> None:
-        if not self._lt.closed:
+        if not self._lt.closing:
             self._lt.call(self._e.resign())
 
 

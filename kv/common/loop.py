@@ -34,13 +34,14 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self.closed = False
-        self._closing = False  # set once close() began: the calls it cancels say so
+        self.closing = False  # set once close() began: no call starts from then on
+        # Held across `closing`'s check and the call's scheduling, and across setting it:
+        # a call either is on the loop before close() cancels what is there, or is refused
+        # (checked, then scheduled after the cancelling, it would wait on a stopped loop).
+        self._gate = threading.Lock()
 
     def call(self, coro: Coroutine) -> Any:
         """Run coro on the loop and wait for its result in the calling thread."""
-        if self._closing:
-            coro.close()
-            raise Unavailable("this client (or kv.open store) is closed: make a new one to go on")
         self.refuse_own_thread(coro)
         running = threading.Lock()  # held while coro runs (a raw lock: an Event costs 4 µs a call)
         running.acquire()
@@ -51,14 +52,18 @@ class LoopThread:
             finally:
                 running.release()
 
-        fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        with self._gate:
+            if self.closing:
+                coro.close()
+                raise Unavailable("this client (or kv.open store) is closed: make a new one to go on")
+            fut = asyncio.run_coroutine_threadsafe(run(), self.loop)
         try:
             return fut.result()
         except concurrent.futures.CancelledError:
-            if self._closing:  # (not a KVError: `except kv.KVError` let it through)
+            if self.closing:  # (not a KVError: `except kv.KVError` let it through)
                 raise Unavailable(
-                    "the client (or kv.open store) was closed while this call waited for its answer: a write may or may "
-                    "not have been applied; read it back (with a new client) before doing it again"
+                    "the client (or kv.open store) was closed while this call waited for its answer (a write's outcome "
+                    "is unknown: read it back, with a new client, before doing it again)"
                 ) from None
             raise
         except BaseException:  # KeyboardInterrupt while waiting: stop the coroutine too
@@ -104,7 +109,7 @@ class LoopThread:
                     return
         finally:
             aclose = getattr(it, "aclose", None)
-            if aclose is not None and not self._closing:
+            if aclose is not None and not self.closing:
                 self.call(aclose())
 
     def close(self, last: Callable[[], Coroutine] | None = None) -> None:
@@ -112,9 +117,10 @@ class LoopThread:
         Unavailable in its thread), run `last()` (closing what those calls used: were it
         closed first, a call starting meanwhile met a closed aiohttp session's RuntimeError),
         then stop the loop."""
-        if self.closed:
-            return
-        self._closing = True
+        with self._gate:
+            if self.closing:
+                return
+            self.closing = True
         # Background tasks left on the loop (a lease's keepalives, say) end here, instead
         # of being destroyed pending when the loop closes.
         with contextlib.suppress(Exception):
