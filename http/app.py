@@ -60,6 +60,8 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
     request_forwarded.set(False)  # requests of one keep-alive connection share a task
     want = request.headers.get(CLUSTER_HEADER)
     origin = request.headers.get("Origin")  # (a web page's script: http/cors.py)
+    if request.query and (bad := unknown_query(request.match_info.route.name, request.method, request.path, request.query)) is not None:
+        handler = _refuse(bad)  # (in place of the route's: after the checks below, the token's included)
     if origin is not None and not c.cors.allows(origin):
         resp = await run_handler(request, _refuse(Forbidden(c.cors.refusal(origin))))
     elif not c.local_names.allows(host := request.headers.get("Host"), lambda: request.remote):
@@ -68,8 +70,6 @@ async def handle(request: web.Request, handler) -> Answer | web.StreamResponse:
         resp = Answer(b"", 204, "text/plain", c.cors.preflight(request.headers))
     elif want and c.node.cluster_id and want != c.node.cluster_id:  # (before the token: another cluster's may differ)
         resp = await run_handler(request, _refuse(_wrong_cluster(c.node.cluster_id, want)))
-    elif request.query and (bad := unknown_query(request.match_info.route.name, request.method, request.path, request.query)) is not None:
-        resp = await run_handler(request, _refuse(bad))
     elif c.grants and request.path not in OPEN_PATHS and not (c.metrics_public and request.path == "/metrics"):
 
         async def checked(request: web.Request):

@@ -112,7 +112,7 @@ class FastRequest(dict):
 
 def _query(qs: str) -> dict[str, str]:
     out: dict[str, str] = {}
-    for part in qs.split("&") if qs else ():
+    for part in filter(None, qs.split("&")):  # (an empty one, "?a=1&", is no parameter: aiohttp's reading)
         name, _, value = part.partition("=")
         out.setdefault(name, value)  # the first of a repeated name, as aiohttp's query.get
     return out

@@ -1,7 +1,8 @@
-"""The query parameters each key route and the watch take, read from openapi.json (the one
-list of them), and the refusal of any other: a mistyped name (GET /v1/kv?prefx=photos/)
-was ignored, so the listing it meant to narrow went over every key instead, and a script
-deleting what it listed would have deleted them all."""
+"""The query parameters each key route (routes_kv.ROUTES: the keys, txn, bulk) and the watch
+take, read from openapi.json (the one list of them), and the refusal of any other: a
+mistyped name (GET /v1/kv?prefx=photos/) was ignored, so the listing it meant to narrow
+went over every key instead, and a script deleting what it listed would have deleted them
+all."""
 
 from __future__ import annotations
 

@@ -41,41 +41,45 @@ def test_go_client_stm_keeps_every_total_across_leader_kills(tmp_path, stmcheck)
     c = ProcCluster(str(tmp_path), 3)
     c.serve_etcd_api()
     kills: list[str] = []
+    failed: list[BaseException] = []
     try:
         c.start(*c.ids)
         c.leader()
-        run = subprocess.Popen([stmcheck, "-endpoints", ",".join(c.grpc[i] for i in c.ids), "-workers", "6", "-each", "60"],
+        # for 9 s however fast the machine: both kills land inside the run
+        run = subprocess.Popen([stmcheck, "-endpoints", ",".join(c.grpc[i] for i in c.ids), "-workers", "6", "-each", "20", "-seconds", "9"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
         def nemesis() -> None:
-            for _ in range(2):
-                time.sleep(2.0)
-                if run.poll() is not None:
-                    return
-                leader = c.leader(timeout=15)
-                c.kill(leader)
-                kills.append(leader)
-                time.sleep(1.5)
-                c.start(leader)
+            try:
+                for _ in range(2):
+                    time.sleep(2.0)
+                    leader = c.leader(timeout=15)
+                    c.kill(leader)
+                    kills.append(leader)
+                    time.sleep(1.5)
+                    c.start(leader)
+            except BaseException as e:  # (said below, not lost with the thread)
+                failed.append(e)
 
         t = threading.Thread(target=nemesis, daemon=True)
         t.start()
         try:
-            out, err = run.communicate(timeout=300)
+            out, err = run.communicate(timeout=240)
         finally:
             run.kill()
         t.join(timeout=60)
+        assert not failed, f"the nemesis failed: {failed[0]!r}"
         assert run.returncode == 0, err[-3000:]
         results = json.loads(out.strip().splitlines()[-1])
     finally:
         c.close()
-    assert len(kills) == 2, f"the run ended before both kills ({kills}): make it longer"
+    assert len(kills) == 2, kills
     assert sorted(results) == ["repeatable-reads", "serializable", "serializable-snapshot"]
     for level, r in results.items():
         assert r["total"] == r["want_total"], (level, r)  # no transfer half-applied, doubled or lost
         # every committed transaction counted once; one that failed with an unknown outcome
         # (its node killed under it) may have committed
         assert r["committed"] <= r["count"] <= r["committed"] + len(r["errors"]), (level, r)
-        assert r["committed"] >= 6 * 60 * 0.8, (level, r)  # the cluster served through the kills
+        assert r["committed"] >= 6 * 20 and len(r["errors"]) <= r["committed"] // 5, (level, r)  # served through the kills
         unknown = [e for e in r["errors"] if "Unavailable" not in e and "DeadlineExceeded" not in e and "deadline exceeded" not in e]
         assert not unknown, (level, unknown)  # no other failure (a refused Txn that had committed, say)

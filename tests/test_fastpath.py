@@ -84,6 +84,9 @@ SCRIPT = [
     req("POST", "/v1/txn", TXN),
     req("POST", "/v1/txn", b"{not json"),
     req("POST", "/v1/txn?encoding=base64", TXN),
+    req("GET", "/v1/kv/b?consistency=stale&"),  # an empty part is no parameter (in both)
+    req("GET", "/v1/kv/b?&consistency=stale&&"),
+    req("GET", "/v1/kv/b?consistancy=stale"),  # a mistyped one: 400 in both
     req("DELETE", "/v1/kv/a", headers=AUTH + "If-None-Match: *\r\n"),
     req("DELETE", "/v1/kv/a"),
     req("DELETE", "/v1/kv/a"),

@@ -111,6 +111,8 @@ async def test_a_query_parameter_no_route_takes_is_refused_and_nothing_is_done(a
     r = await api.get("/v1/kv?prefix=q")
     assert [i["key"] for i in (await r.json())["items"]] == ["qa/1", "qb/1"]  # nothing written or deleted
     assert (await api.get("/v1/kv?prefix=qa/&limit=5&consistency=stale")).status == 200  # the ones it takes
+    r = await api.post("/v1/txn?encoding=base64", json={"success": [{"op": "get", "key": "qa/1"}]})
+    assert r.status == 200 and (await r.json())["results"][0]["value"] == "MQ==", await r.text()  # ("1")
 
 
 async def test_conditional_writes(api):
@@ -475,11 +477,14 @@ async def test_token_guards_client_routes_but_not_healthz(tmp_path, front):
     node, client = await make_client(tmp_path, front, token="s3cret")
     try:
         assert (await client.get("/healthz")).status == 200
-        for method, path in (("GET", "/v1/status"), ("PUT", "/v1/kv/a"), ("GET", "/metrics"), ("GET", "/v1/kv")):
+        # (a parameter no route takes is refused after the token: a stranger learns no route's parameters)
+        for method, path in (("GET", "/v1/status"), ("PUT", "/v1/kv/a"), ("GET", "/metrics"), ("GET", "/v1/kv"), ("PUT", "/v1/kv/a?leas=7")):
             r = await client.request(method, path, data=b"x")
             assert r.status == 401 and (await r.json())["error"]["code"] == "UNAUTHORIZED"
         r = await client.put("/v1/kv/a", data=b"x", headers={"Authorization": "Bearer wrong"})
         assert r.status == 401
+        r = await client.put("/v1/kv/a?leas=7", data=b"x", headers={"Authorization": "Bearer s3cret"})
+        assert r.status == 400
         r = await client.put("/v1/kv/a", data=b"x", headers={"Authorization": "Bearer s3cret"})
         assert r.status == 200
         assert node.sm.get("a") is not None

@@ -208,16 +208,19 @@ def test_cluster_up_twice_on_one_dir_refuses_the_second_and_keeps_the_first(tmp_
         out.close()
 
 
-def test_cluster_up_with_a_token_reports_its_leader_and_a_new_one(tmp_path):
+@pytest.mark.parametrize("tokens", ["KV_TOKEN", "KV_TOKENS"])
+def test_cluster_up_with_a_token_reports_its_leader_and_a_new_one(tmp_path, tokens):
     """With KV_TOKEN set (as docs/etcd.md starts one), `kv cluster up` asked its nodes'
     /v1/status without it, got 401s, and never reported a leader, not even after the
-    leader was killed."""
+    leader was killed. (KV_TOKENS: a file whose tokens can only read and write.)"""
+    (tmp_path / "tokens.toml").write_text('r1 = "read"\nw1 = "write"\n')
+    env = {"KV_TOKEN": "s3cret"} if tokens == "KV_TOKEN" else {"KV_TOKENS": str(tmp_path / "tokens.toml")}
     base = _free_base_port()
     d = str(tmp_path / "kvdata")
     out_path = tmp_path / "up.out"
     out = open(out_path, "w")
     up = subprocess.Popen([PY, "-m", "kv", "cluster", "up", "--data-dir", d, "--base-port", str(base)],
-                          stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "KV_TOKEN": "s3cret"})
+                          stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
 
     def leaders() -> list[str]:
         return [ln.split("leader: ", 1)[1].split()[0] for ln in out_path.read_text().splitlines() if "] leader: " in ln]

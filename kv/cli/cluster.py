@@ -299,17 +299,17 @@ def _restart_line(args: list[str]) -> str:
     return line.replace(shlex.join(SERVE), " ".join([*hidden, shlex.join(SERVE)]), 1) if hidden else line
 
 
-def _admin_token() -> str | None:
-    """The token the nodes' /v1/status needs (an admin's), as they took theirs from this
-    shell: $KV_TOKEN, or the first admin token of the $KV_TOKENS file (None: tokens are off,
-    or the file has none: the nodes say why they refuse)."""
+def _status_token() -> str | None:
+    """A token the nodes' /v1/status takes (any role's: a read), as they took theirs from
+    this shell: $KV_TOKEN, or the first token of the $KV_TOKENS file (None: tokens are off,
+    or the file cannot be read, which the nodes refuse too)."""
     if os.environ.get("KV_TOKEN"):
         return os.environ["KV_TOKEN"]
     if os.environ.get("KV_TOKENS"):
         from ..http.auth import load_tokens
 
         try:
-            return next((t for t, g in load_tokens(os.environ["KV_TOKENS"]).items() if g.role == "admin"), None)
+            return next((t for t, g in load_tokens(os.environ["KV_TOKENS"]).items() if g.may("read")), None)
         except BadRequest:
             return None
     return None
@@ -326,7 +326,7 @@ async def _watch(plan: list[dict], procs: dict, stop: asyncio.Event, log_paths: 
     missed: dict[str, int] = {}  # of those, status polls in a row each did not answer
     told_restarted = False
     ours = _Ours()
-    token = _admin_token()
+    token = _status_token()
     headers = {"Authorization": f"Bearer {token}"} if token else None
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1), headers=headers) as s:
         while not stop.is_set() and not _Output.closed:

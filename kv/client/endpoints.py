@@ -138,8 +138,9 @@ UNREACHABLE_REPEAT_S = 60.0  # and not again from the same client sooner (a loop
 
 def why_unreachable(e: Exception | None) -> str | None:
     """Why no node can answer at an endpoint, where that is worth saying before the
-    timeout ends the wait: nothing listens, or the host name does not resolve (a typo,
-    or a container not started yet). None for anything else (a slow node, a reset)."""
+    timeout ends the wait: nothing listens, the host name does not resolve (a typo, or a
+    container not started yet), or an https:// URL reached a server without TLS. None for
+    anything else (a slow node, a reset)."""
     if isinstance(e, aiohttp.ClientConnectorError):
         if isinstance(e.os_error, ConnectionRefusedError):
             return "connection refused"
@@ -147,12 +148,14 @@ def why_unreachable(e: Exception | None) -> str | None:
         # plain OSError inside aiohttp's DNS error (aiohttp 3.10 and later).
         if isinstance(e.os_error, socket.gaierror) or isinstance(e, _DNS_ERROR):
             return "the host name does not resolve"
-        if isinstance(e.os_error, ssl.SSLError) and "WRONG_VERSION_NUMBER" in str(e.os_error):
+        if isinstance(e.os_error, ssl.SSLError) and any(w in str(e.os_error) for w in _NOT_TLS):
             return "no TLS at this address"
     return None
 
 
 _DNS_ERROR = getattr(aiohttp, "ClientConnectorDNSError", ())
+# What OpenSSL says of an answer that is not TLS (before 3.2; 3.2 and later)
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "record layer failure")
 # Failures before a connection existed, after which a write is sent again safely: it
 # cannot have reached a node. (aiohttp 3.10 and later tell a connect timeout apart.)
 NOT_CONNECTED = (aiohttp.ClientConnectorError, *(getattr(aiohttp, n) for n in ("ConnectionTimeoutError",) if hasattr(aiohttp, n)))
@@ -163,8 +166,8 @@ def describe(e: BaseException) -> str:
 
 
 class Unreachable:
-    """Endpoints where no node can answer (nothing listens, or the name does not resolve)
-    since anything else happened there. A node restarting, or a cluster still starting,
+    """Endpoints where no node can answer (why_unreachable: nothing listens, the name does
+    not resolve, no TLS) since anything else happened there. A node restarting, or a cluster still starting,
     answers again within seconds; all of them unreachable for longer is worth saying, once,
     on the kv.client logger, while the caller waits on until its timeout (an operator's
     first mistake: nothing is running, or a URL is mistyped)."""

@@ -174,15 +174,16 @@ class Checked:
 
     def refuse_if_wrong(self, limit: int, on_duplicate: str) -> None:
         """BadRequest listing the problems, if any: nothing may be written then. (A line
-        each, ended by ";": the CLI prints it as one line, where the ";" still part them.)"""
+        each, ended by ";": the CLI prints the message as one line, where the ";" still
+        separates them.)"""
         problems = self.problems(limit, on_duplicate)
         if problems:
             raise BadRequest(f"refused before writing anything ({_count(self.rows, 'row')} checked):\n  " + ";\n  ".join(problems))
 
     def problems(self, limit: int, on_duplicate: str) -> list[str]:
-        def eg(items) -> str:
+        def eg(items, lead: str = ", ") -> str:
             items = list(items)
-            return ", e.g. " + ", ".join(items) if items else ""
+            return f"{lead}e.g. " + ", ".join(items) if items else ""
 
         out = []
         if self.null_keys:
@@ -194,7 +195,7 @@ class Checked:
         if self.long_keys:
             out.append(f"{_count(self.long_keys, 'key')} longer than {MAX_KEY_BYTES} bytes (the limit)")
         if self.null_value_count:
-            out.append(f"{_count(self.null_value_count, 'row')} with a null value" + (f" ({eg(map(repr, self.null_values))[2:]})" if self.null_values else ""))
+            out.append(f"{_count(self.null_value_count, 'row')} with a null value" + (f" ({eg(map(repr, self.null_values), '')})" if self.null_values else ""))
         if self.dup_keys and on_duplicate == "refuse":
             out.append(
                 f"{_count(self.dup_keys, 'key')} occurring more than once ({_count(self.dup_rows, 'extra row')}"

@@ -8,6 +8,7 @@
 // (GOPATH mode, nothing downloaded):
 //
 //	stmcheck -endpoints 127.0.0.1:2379 -workers 8 -each 50
+//	stmcheck -endpoints 127.0.0.1:2379 -workers 6 -seconds 9   # for 9 s, however many that is
 //
 // Prints one JSON line: {level: {"total", "want_total", "count", "committed", "attempts", "errors"}}.
 package main
@@ -47,7 +48,7 @@ func fail(err error) {
 	os.Exit(2)
 }
 
-func run(cli *clientv3.Client, p string, level concurrency.Isolation, workers, each int, seed int64) result {
+func run(cli *clientv3.Client, p string, level concurrency.Isolation, workers, each int, until time.Time, seed int64) result {
 	ctx, cancel := context.WithTimeout(context.Background(), 180*time.Second)
 	defer cancel()
 	for i := 0; i < accounts; i++ {
@@ -63,7 +64,7 @@ func run(cli *clientv3.Client, p string, level concurrency.Isolation, workers, e
 		go func(w int) {
 			defer wg.Done()
 			rng := rand.New(rand.NewSource(seed + int64(w)))
-			for n := 0; n < each; n++ {
+			for n := 0; n < each || time.Now().Before(until); n++ {
 				from := rng.Intn(accounts)
 				to := (from + 1 + rng.Intn(accounts-1)) % accounts
 				_, err := concurrency.NewSTM(cli, func(s concurrency.STM) error {
@@ -110,7 +111,8 @@ func run(cli *clientv3.Client, p string, level concurrency.Isolation, workers, e
 func main() {
 	endpoints := flag.String("endpoints", "127.0.0.1:2379", "comma-separated")
 	workers := flag.Int("workers", 8, "concurrent transactions a level")
-	each := flag.Int("each", 50, "transactions a worker")
+	each := flag.Int("each", 50, "transactions a worker (at least)")
+	seconds := flag.Float64("seconds", 0, "go on until this long has passed (the transactions' count then varies)")
 	prefix := flag.String("prefix", "stm/", "keys under")
 	flag.Parse()
 	cli, err := clientv3.New(clientv3.Config{Endpoints: strings.Split(*endpoints, ","), DialTimeout: 5 * time.Second})
@@ -123,6 +125,7 @@ func main() {
 		"serializable":          concurrency.Serializable,
 		"repeatable-reads":      concurrency.RepeatableReads,
 	}
+	until := time.Now().Add(time.Duration(*seconds * float64(time.Second)))
 	out := map[string]result{}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
@@ -132,7 +135,7 @@ func main() {
 		seed += 1000
 		go func(name string, level concurrency.Isolation, seed int64) {
 			defer wg.Done()
-			r := run(cli, *prefix+name+"/", level, *workers, *each, seed)
+			r := run(cli, *prefix+name+"/", level, *workers, *each, until, seed)
 			mu.Lock()
 			out[name] = r
 			mu.Unlock()
