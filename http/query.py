@@ -6,6 +6,7 @@ all."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -14,6 +15,8 @@ from kv import BadRequest
 from . import routes_kv
 from .routes_admin import OPENAPI_PATH
 
+
+@functools.cache  # (read at the first request, not at import: Spark's executors import kv.http from a zip)
 def _taken() -> dict[str, frozenset[str]]:
     with open(OPENAPI_PATH, "rb") as f:
         doc = json.load(f)
@@ -28,12 +31,9 @@ def _taken() -> dict[str, frozenset[str]]:
     return {name: query_names(m, path) for m, path, name in routes}  # (a HEAD is its GET's route)
 
 
-TAKEN = _taken()
-
-
 def unknown_query(route: str | None, method: str, path: str, query) -> BadRequest | None:
     """The refusal of a request to `route` whose query names a parameter it does not take."""
-    takes = TAKEN.get(route)
+    takes = _taken().get(route)
     if takes is None:
         return None
     unknown = sorted(set(query) - takes)
