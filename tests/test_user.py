@@ -201,10 +201,7 @@ def test_cluster_up_twice_on_one_dir_refuses_the_second_and_keeps_the_first(tmp_
         first.send_signal(signal.SIGINT)
         assert first.wait(30) == 0
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-        _kill_nodes_of(d)
+        _stop_cluster_up(first, d)
         out.close()
 
 
@@ -232,15 +229,8 @@ def test_cluster_up_with_a_token_reports_its_leader_and_a_new_one(tmp_path, toke
         os.kill(pid, signal.SIGKILL)
         wait_until(lambda: any(x != first for x in leaders()), 60, "kv cluster up to report the new leader")
     finally:
-        up.send_signal(signal.SIGINT)  # (it stops its nodes; killed, it would leave them running)
-        try:
-            up.wait(30)
-        finally:
-            if up.poll() is None:
-                up.kill()
-                up.wait()
-            _kill_nodes_of(d)
-            out.close()
+        _stop_cluster_up(up, d)
+        out.close()
 
 
 def test_cluster_up_whose_terminal_closes_stops_its_nodes(tmp_path):
@@ -271,16 +261,21 @@ def test_cluster_up_whose_terminal_closes_stops_its_nodes(tmp_path):
         up.send_signal(signal.SIGINT)
         assert up.wait(30) == 0
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        _kill_nodes_of(d)
+        _stop_cluster_up(up, d)
         out.close()
 
 
-def _kill_nodes_of(d: str) -> None:
-    """kill -9 what still runs on data dir d: the nodes of a `kv cluster up` that was
-    killed (they run in sessions of their own) when a test failed before stopping it."""
+def _stop_cluster_up(up: subprocess.Popen, d: str) -> None:
+    """Stop a `kv cluster up` a test started on data dir d as Ctrl-C does (it stops its
+    nodes), then kill -9 whatever still runs on d: killed, cluster up cannot stop its
+    nodes, which run in sessions of their own (a test failing before it stopped it)."""
+    if up.poll() is None:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
     for pid in _processes_naming(d):
         os.kill(pid, signal.SIGKILL)
 
@@ -306,10 +301,7 @@ def _piped_cluster_up(d: str, nodes: int):
     try:
         yield up
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        _kill_nodes_of(d)
+        _stop_cluster_up(up, d)
 
 
 def test_cluster_up_whose_output_pipe_closes_stops_its_nodes(tmp_path):
